@@ -1,0 +1,42 @@
+# streamrec — set-up, checks and tests. Every target is idempotent: `make test`
+# on an up-to-date checkout skips the install and goes straight to the checks.
+PY ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+# torch is installed first and pinned so that pip resolves the CPU wheel and the
+# rest of the dependencies see it satisfied (an unpinned torch pulls CUDA wheels).
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install lint typecheck proto proto-check test test-only bench-store clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[test,dev]"
+	touch $(STAMP)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+proto: install
+	$(BIN)/python -m embedding_store.proto.generate
+
+proto-check: install
+	$(BIN)/python -m embedding_store.proto.generate --check
+
+test: install lint proto-check
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-only:
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench-store: install
+	$(BIN)/python benchmarks/store.py --json bench-results/store.json
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info

@@ -1,0 +1,1 @@
+"""deploy package (built in a later issue)."""

@@ -1,0 +1,1 @@
+"""Running streamrec on one machine: store shard processes (and, later, the rest)."""

@@ -1,0 +1,1 @@
+"""Embedding store: a persistent, sharded embedding table service (see the README)."""

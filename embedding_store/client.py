@@ -1,0 +1,551 @@
+"""``StoreClient``: one interface to the store, whether its shards are in this process or remote.
+
+The transport is chosen by the address (as in distributed's comm registry):
+
+- ``inproc://`` or ``inproc://N``: N shards in this process (tests, one-process runs);
+- ``grpc://host:port[,host:port...]``: shard processes, in shard-index order.
+
+An id belongs to shard ``jump_hash(remix(id), num_shards)``. Each call sends one
+request per shard, to all shards in parallel, and puts the answers back in the
+caller's order. Calls that failed with UNAVAILABLE or DEADLINE_EXCEEDED are
+retried with exponential backoff; pushes carry a request id, so a retry after a
+lost reply is never applied twice.
+
+>>> import numpy as np
+>>> from embedding_store.types import StoreConfig
+>>> cfg = StoreConfig(tables={"user": {"dim": 4}}, row_dtype="float32")
+>>> with StoreClient.connect("inproc://2", config=cfg) as store:
+...     ids = np.arange(100, dtype=np.uint64)
+...     rows = store.lookup({"user": ids})["user"]
+...     again = store.lookup({"user": ids}, train=False)["user"]
+...     print(rows.shape, rows.dtype, bool((rows == again).all()), store.num_shards)
+(100, 4) float32 True 2
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+
+from embedding_store.errors import (
+    CheckpointError,
+    InvalidRequest,
+    MessageTooLarge,
+    StoreError,
+    StoreUnavailable,
+    Unauthenticated,
+    UnknownTable,
+)
+from embedding_store.hashing import group_by_shard
+from embedding_store.proto import embedding_store_pb2 as pb
+from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
+from embedding_store.service import AUTH_HEADER
+from embedding_store.shard import StoreShard
+from embedding_store.types import (
+    CheckpointKind,
+    CheckpointResult,
+    PushResult,
+    RestoreResult,
+    RowDtype,
+    ShardStats,
+    StoreConfig,
+    TableStats,
+)
+from embedding_store.wire import TO_PB, decode_matrix, encode_ids, encode_matrix
+
+T = TypeVar("T")
+U64 = npt.NDArray[np.uint64]
+Rows = npt.NDArray[np.floating]  # type: ignore[type-arg]
+Wait = Callable[[], T]
+
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+_ERRORS: dict[grpc.StatusCode, type[StoreError]] = {
+    grpc.StatusCode.NOT_FOUND: UnknownTable,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.FAILED_PRECONDITION: CheckpointError,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: MessageTooLarge,
+    grpc.StatusCode.UNAVAILABLE: StoreUnavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: StoreUnavailable,
+}
+_KINDS = {"auto": pb.AUTO, "full": pb.FULL, "delta": pb.DELTA}
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How the gRPC transport retries idempotent calls."""
+
+    attempts: int = 6
+    initial_backoff_s: float = 0.05
+    max_backoff_s: float = 2.0
+    timeout_s: float = 30.0
+
+
+class ShardTransport(Protocol):
+    """How a client talks to one shard. ``start_*`` send now; the returned callable waits."""
+
+    address: str
+
+    def dims(self) -> dict[str, int]: ...
+
+    def start_lookup(
+        self, ids: dict[str, U64], train: bool, step: int | None, dtype: RowDtype
+    ) -> Wait[dict[str, Rows]]: ...
+
+    def start_push(
+        self, grads: dict[str, tuple[U64, Rows]], request_id: str, dtype: RowDtype
+    ) -> Wait[PushResult]: ...
+
+    def checkpoint(
+        self, directory: str, kind: CheckpointKind, metadata: dict[str, Any]
+    ) -> CheckpointResult: ...
+
+    def restore(
+        self, directory: str, shard_index: int, num_shards: int, upto_seq: int | None
+    ) -> RestoreResult: ...
+
+    def stats(self) -> ShardStats: ...
+
+    def close(self) -> None: ...
+
+
+class InprocTransport:
+    """A shard object in this process; calls run on a thread (kernels release the GIL)."""
+
+    def __init__(self, shard: StoreShard, pool: ThreadPoolExecutor | None, name: str) -> None:
+        self.shard = shard
+        self.address = name
+        self._pool = pool
+
+    def _start(self, fn: Callable[[], T]) -> Wait[T]:
+        if self._pool is None:
+            value = fn()
+            return lambda: value
+        return self._pool.submit(fn).result
+
+    def dims(self) -> dict[str, int]:
+        return {name: t.dim for name, t in self.shard.tables.items()}
+
+    def start_lookup(
+        self, ids: dict[str, U64], train: bool, step: int | None, dtype: RowDtype
+    ) -> Wait[dict[str, Rows]]:
+        def run() -> dict[str, Rows]:
+            rows = self.shard.lookup(ids, train=train, step=step)
+            if dtype == "float16":
+                return {k: v.astype(np.float16) for k, v in rows.items()}
+            return dict(rows)
+
+        return self._start(run)
+
+    def start_push(
+        self, grads: dict[str, tuple[U64, Rows]], request_id: str, dtype: RowDtype
+    ) -> Wait[PushResult]:
+        # The wire rounds gradients to the push dtype; do the same here so that
+        # inproc:// and grpc:// train identically.
+        cast = {k: (i, np.asarray(g).astype(dtype).astype(np.float32)) for k, (i, g) in grads.items()}
+        return self._start(lambda: self.shard.push(cast, request_id=request_id))
+
+    def checkpoint(
+        self, directory: str, kind: CheckpointKind, metadata: dict[str, Any]
+    ) -> CheckpointResult:
+        return self.shard.checkpoint(directory or None, kind, metadata=metadata)
+
+    def restore(
+        self, directory: str, shard_index: int, num_shards: int, upto_seq: int | None
+    ) -> RestoreResult:
+        return self.shard.restore(
+            directory or None, shard_index=shard_index, num_shards=num_shards, upto_seq=upto_seq
+        )
+
+    def stats(self) -> ShardStats:
+        return self.shard.stats()
+
+    def close(self) -> None:
+        pass
+
+
+def _map_rpc_error(exc: grpc.RpcError, address: str, method: str) -> StoreError:
+    code = exc.code()
+    cls = _ERRORS.get(code, StoreError)
+    return cls(f"{method} on shard {address}: {code.name}: {exc.details()}")
+
+
+class GrpcTransport:
+    """A shard process over gRPC, with the job's token and a retry policy."""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str | None,
+        max_message_bytes: int,
+        retry: RetryPolicy,
+    ) -> None:
+        self.address = address
+        self._retry = retry
+        self._metadata = ((AUTH_HEADER, f"Bearer {token}"),) if token is not None else ()
+        self._channel = grpc.insecure_channel(
+            address,
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+            ],
+        )
+        self._stub = pb_grpc.EmbeddingStoreStub(self._channel)
+
+    def _call(self, method: str, request: Any, first: Any = None) -> Any:
+        """Call ``method`` with retries; ``first`` is an already started future."""
+        fn = getattr(self._stub, method)
+        delay = self._retry.initial_backoff_s
+        for attempt in range(self._retry.attempts):
+            try:
+                if attempt == 0 and first is not None:
+                    return first.result()
+                return fn(request, metadata=self._metadata, timeout=self._retry.timeout_s)
+            except grpc.RpcError as exc:
+                if exc.code() not in _RETRYABLE or attempt == self._retry.attempts - 1:
+                    raise _map_rpc_error(exc, self.address, method) from None
+                time.sleep(delay)
+                delay = min(delay * 2, self._retry.max_backoff_s)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _start(self, method: str, request: Any) -> Wait[Any]:
+        future = getattr(self._stub, method).future(
+            request, metadata=self._metadata, timeout=self._retry.timeout_s
+        )
+        return lambda: self._call(method, request, first=future)
+
+    def dims(self) -> dict[str, int]:
+        return dict(self._call("Health", pb.HealthRequest()).dims)
+
+    def start_lookup(
+        self, ids: dict[str, U64], train: bool, step: int | None, dtype: RowDtype
+    ) -> Wait[dict[str, Rows]]:
+        request = pb.LookupRequest(
+            tables=[pb.TableIds(table=k, ids=encode_ids(v)) for k, v in ids.items()],
+            train=train,
+            dtype=TO_PB[dtype],
+            step=step,
+        )
+        wait = self._start("Lookup", request)
+
+        def result() -> dict[str, Rows]:
+            resp = wait()
+            return {
+                t.table: decode_matrix(t.rows, t.dim, dtype, f"{t.table} rows from {self.address}")
+                for t in resp.tables
+            }
+
+        return result
+
+    def start_push(
+        self, grads: dict[str, tuple[U64, Rows]], request_id: str, dtype: RowDtype
+    ) -> Wait[PushResult]:
+        request = pb.PushRequest(
+            request_id=request_id,
+            tables=[
+                pb.TableGrads(table=k, ids=encode_ids(i), grads=encode_matrix(g, dtype))
+                for k, (i, g) in grads.items()
+            ],
+            dtype=TO_PB[dtype],
+        )
+        wait = self._start("Push", request)
+
+        def result() -> PushResult:
+            r = wait()
+            return PushResult(
+                applied=r.applied,
+                dropped_not_admitted=r.dropped_not_admitted,
+                rejected_nonfinite=r.rejected_nonfinite,
+                duplicate_request=r.duplicate_request,
+            )
+
+        return result
+
+    def checkpoint(
+        self, directory: str, kind: CheckpointKind, metadata: dict[str, Any]
+    ) -> CheckpointResult:
+        r = self._call(
+            "Checkpoint",
+            pb.CheckpointRequest(
+                directory=directory, kind=_KINDS[kind], metadata_json=json.dumps(metadata)
+            ),
+        )
+        return _checkpoint_from_pb(r)
+
+    def restore(
+        self, directory: str, shard_index: int, num_shards: int, upto_seq: int | None
+    ) -> RestoreResult:
+        r = self._call(
+            "Restore",
+            pb.RestoreRequest(
+                directory=directory,
+                shard_index=shard_index,
+                num_shards=num_shards,
+                upto_seq=upto_seq,
+            ),
+        )
+        return RestoreResult(
+            manifests=tuple(r.manifests), rows=r.rows, rows_by_table=dict(r.rows_by_table)
+        )
+
+    def stats(self) -> ShardStats:
+        r = self._call("Stats", pb.StatsRequest())
+        tables = tuple(
+            TableStats(**{f: getattr(t, f) for f in TableStats.__dataclass_fields__})
+            for t in r.tables
+        )
+        last = _checkpoint_from_pb(r.last_checkpoint) if r.HasField("last_checkpoint") else None
+        return ShardStats(tables=tables, duplicate_pushes=r.duplicate_pushes, last_checkpoint=last)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+def _checkpoint_from_pb(r: pb.CheckpointResponse) -> CheckpointResult:
+    return CheckpointResult(
+        manifest=r.manifest,
+        kind="full" if r.kind == "full" else "delta",
+        seq=r.seq,
+        rows=r.rows,
+        tombstones=r.tombstones,
+        bytes=r.bytes,
+        seconds=r.seconds,
+    )
+
+
+class StoreClient:
+    """Routes ids to shards and fans calls out to all of them in parallel."""
+
+    def __init__(
+        self,
+        transports: Sequence[ShardTransport],
+        *,
+        row_dtype: RowDtype = "float16",
+        grad_dtype: RowDtype = "float32",
+        pool: ThreadPoolExecutor | None = None,
+    ) -> None:
+        if not transports:
+            msg = "a StoreClient needs at least one shard"
+            raise ValueError(msg)
+        self._transports = list(transports)
+        self.row_dtype: RowDtype = row_dtype
+        self.grad_dtype: RowDtype = grad_dtype
+        self._pool = pool
+        self.dims = self._transports[0].dims()
+        for t in self._transports[1:]:
+            if t.dims() != self.dims:
+                msg = f"shard {t.address} serves tables {t.dims()}, shard 0 serves {self.dims}"
+                raise StoreError(msg)
+        self._client_id = uuid.uuid4().hex
+        self._push_seq = itertools.count()
+
+    @classmethod
+    def connect(
+        cls,
+        address: str,
+        *,
+        config: StoreConfig | None = None,
+        token: str | None = None,
+        row_dtype: RowDtype | None = None,
+        grad_dtype: RowDtype = "float32",
+        retry: RetryPolicy | None = None,
+        max_message_bytes: int | None = None,
+    ) -> StoreClient:
+        """A client for ``inproc://[N]`` (needs ``config``) or ``grpc://h:p[,h:p...]``."""
+        if address.startswith("inproc://"):
+            if config is None:
+                msg = f"{address}: an in-process store needs its StoreConfig (config=...)"
+                raise ValueError(msg)
+            rest = address.removeprefix("inproc://")
+            if rest and not rest.isdigit():
+                msg = f"{address}: expected inproc:// or inproc://N with N shards"
+                raise ValueError(msg)
+            shards = [StoreShard(config) for _ in range(int(rest or 1))]
+            return cls.from_shards(shards, row_dtype=row_dtype or config.row_dtype, grad_dtype=grad_dtype)
+        if address.startswith("grpc://"):
+            hosts = [h.strip() for h in address.removeprefix("grpc://").split(",") if h.strip()]
+            if not hosts:
+                msg = f"{address}: expected grpc://host:port[,host:port...]"
+                raise ValueError(msg)
+            limit = max_message_bytes or (config.max_message_bytes if config else 64 << 20)
+            transports = [
+                GrpcTransport(
+                    h, token=token, max_message_bytes=limit, retry=retry or RetryPolicy()
+                )
+                for h in hosts
+            ]
+            try:
+                return cls(
+                    transports,
+                    row_dtype=row_dtype or (config.row_dtype if config else "float16"),
+                    grad_dtype=grad_dtype,
+                )
+            except BaseException:
+                for t in transports:
+                    t.close()
+                raise
+        msg = f"unknown store address {address!r}: use inproc://[N] or grpc://host:port[,...]"
+        raise ValueError(msg)
+
+    @classmethod
+    def from_shards(
+        cls,
+        shards: Sequence[StoreShard],
+        *,
+        row_dtype: RowDtype = "float16",
+        grad_dtype: RowDtype = "float32",
+    ) -> StoreClient:
+        """A client over shard objects of this process."""
+        pool = ThreadPoolExecutor(len(shards), thread_name_prefix="inproc-store") if len(shards) > 1 else None
+        transports = [InprocTransport(s, pool, f"inproc://shard-{i}") for i, s in enumerate(shards)]
+        return cls(transports, row_dtype=row_dtype, grad_dtype=grad_dtype, pool=pool)
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._transports)
+
+    def _check_table(self, name: str) -> int:
+        try:
+            return self.dims[name]
+        except KeyError:
+            msg = f"table {name!r} is not served by this store (tables: {sorted(self.dims)})"
+            raise UnknownTable(msg) from None
+
+    def _route(self, ids: npt.ArrayLike, field: str) -> tuple[U64, npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        arr = np.asarray(ids)
+        if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.shape[0] > 0):
+            msg = f"{field}: expected a 1-d array of integer ids, got {arr.dtype} shape {arr.shape}"
+            raise InvalidRequest(msg)
+        arr = np.ascontiguousarray(arr, dtype=np.uint64)
+        if self.num_shards == 1:
+            return arr, np.arange(arr.shape[0], dtype=np.int64), np.array([0, arr.shape[0]])
+        order, bounds = group_by_shard(arr, self.num_shards)
+        return arr, order, bounds
+
+    def lookup(
+        self,
+        ids: Mapping[str, npt.ArrayLike],
+        *,
+        train: bool = True,
+        step: int | None = None,
+    ) -> dict[str, Rows]:
+        """Rows (``row_dtype``, shape ``[n, dim]``) for the ids of each table, in order."""
+        routed = {}
+        for name, table_ids in ids.items():
+            self._check_table(name)
+            routed[name] = self._route(table_ids, f"ids[{name}]")
+        waits = []
+        for s, transport in enumerate(self._transports):
+            part = {
+                name: arr[order[bounds[s] : bounds[s + 1]]] if self.num_shards > 1 else arr
+                for name, (arr, order, bounds) in routed.items()
+            }
+            waits.append(transport.start_lookup(part, train, step, self.row_dtype))
+        out = {
+            name: np.empty((arr.shape[0], self.dims[name]), dtype=self.row_dtype)
+            for name, (arr, _, _) in routed.items()
+        }
+        for s, wait in enumerate(waits):
+            for name, rows in wait().items():
+                _, order, bounds = routed[name]
+                if self.num_shards == 1:
+                    out[name] = np.asarray(rows)
+                else:
+                    out[name][order[bounds[s] : bounds[s + 1]]] = rows
+        return out
+
+    def push(
+        self,
+        grads: Mapping[str, tuple[npt.ArrayLike, npt.ArrayLike]],
+        *,
+        request_id: str | None = None,
+    ) -> PushResult:
+        """Apply row gradients (``[n, dim]`` per table); safe to retry with the same id."""
+        rid = request_id or f"{self._client_id}-{next(self._push_seq)}"
+        routed = {}
+        for name, (table_ids, g) in grads.items():
+            dim = self._check_table(name)
+            arr, order, bounds = self._route(table_ids, f"grads[{name}].ids")
+            g_arr = np.asarray(g)
+            if g_arr.shape != (arr.shape[0], dim):
+                msg = f"grads[{name}]: shape {g_arr.shape}, expected ({arr.shape[0]}, {dim})"
+                raise InvalidRequest(msg)
+            routed[name] = (arr, g_arr, order, bounds)
+        waits = []
+        for s, transport in enumerate(self._transports):
+            part = {}
+            for name, (arr, g_arr, order, bounds) in routed.items():
+                if self.num_shards == 1:
+                    part[name] = (arr, g_arr)
+                    continue
+                sel = order[bounds[s] : bounds[s + 1]]
+                if sel.shape[0]:
+                    part[name] = (arr[sel], g_arr[sel])
+            if part:
+                waits.append(transport.start_push(part, rid, self.grad_dtype))
+        total = PushResult()
+        for wait in waits:
+            total = total + wait()
+        return total
+
+    def _each(self, fn: Callable[[int, ShardTransport], T]) -> list[T]:
+        with ThreadPoolExecutor(self.num_shards) as pool:
+            return list(pool.map(fn, range(self.num_shards), self._transports))
+
+    def checkpoint(
+        self,
+        directory: Path | str | None = None,
+        kind: CheckpointKind = "auto",
+        *,
+        metadata: dict[str, Any] | None = None,
+    ) -> list[CheckpointResult]:
+        """Every shard checkpoints, in parallel, into ``directory/shard-NNN``.
+
+        With ``directory=None`` each shard writes into its own data dir instead.
+        """
+
+        def one(i: int, t: ShardTransport) -> CheckpointResult:
+            target = "" if directory is None else str(Path(directory) / f"shard-{i:03d}")
+            return t.checkpoint(target, kind, metadata or {})
+
+        return self._each(one)
+
+    def restore(
+        self, directory: Path | str | None = None, *, upto_seq: int | None = None
+    ) -> list[RestoreResult]:
+        """Every shard loads the ids it owns from a checkpoint of any number of shards.
+
+        With ``directory=None`` each shard restores its own data dir.
+        """
+        if directory is None:
+            return self._each(lambda i, t: t.restore("", 0, 1, upto_seq))
+        return self._each(lambda i, t: t.restore(str(directory), i, self.num_shards, upto_seq))
+
+    def stats(self) -> list[ShardStats]:
+        """Counters of every shard, in shard order."""
+        return self._each(lambda i, t: t.stats())
+
+    def close(self) -> None:
+        """Close the channels (the shards themselves keep running)."""
+        for t in self._transports:
+            t.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

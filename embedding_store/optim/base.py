@@ -1,0 +1,48 @@
+"""The protocol every sparse (row) optimizer implements.
+
+A table keeps, per row slot ``r``:
+
+- ``weights[r, :dim]`` (float32), the embedding row;
+- ``state[r, :state_width]`` (float32), the optimizer's per-row state;
+- ``row_step[r]`` (int64), how many updates the row has received.
+
+``apply`` updates only the slots named in ``rows`` (lazy, sparse semantics: a
+row that receives no gradient is not decayed and its state does not move).
+Slots given as ``-1`` are skipped. The rows named are distinct (the table sums
+the gradients of duplicate ids before it calls ``apply``). Implementations are
+numba kernels compiled with ``nogil=True`` so a shard serves other calls while
+one runs.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+Float32Array = npt.NDArray[np.float32]
+Int64Array = npt.NDArray[np.int64]
+
+
+class RowOptimizer(Protocol):
+    """A sparse optimizer over the row slots of one table."""
+
+    def state_width(self, dim: int) -> int:
+        """Float32 columns of per-row state this optimizer needs for rows of ``dim``."""
+        ...
+
+    def initialize(self, weights: Float32Array, state: Float32Array, rows: Int64Array) -> None:
+        """Set the state of freshly created rows (their weights are already initialized)."""
+        ...
+
+    def apply(
+        self,
+        weights: Float32Array,
+        state: Float32Array,
+        row_step: Int64Array,
+        rows: Int64Array,
+        grads: Float32Array,
+    ) -> None:
+        """Apply ``grads[i]`` to slot ``rows[i]`` for every ``rows[i] >= 0``; bump ``row_step``."""
+        ...

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of the embedding store service (see ``generate.py``)."""

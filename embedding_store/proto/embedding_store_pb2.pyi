@@ -1,0 +1,222 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RowDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FLOAT16: _ClassVar[RowDtype]
+    FLOAT32: _ClassVar[RowDtype]
+
+class CheckpointKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    AUTO: _ClassVar[CheckpointKind]
+    FULL: _ClassVar[CheckpointKind]
+    DELTA: _ClassVar[CheckpointKind]
+FLOAT16: RowDtype
+FLOAT32: RowDtype
+AUTO: CheckpointKind
+FULL: CheckpointKind
+DELTA: CheckpointKind
+
+class TableIds(_message.Message):
+    __slots__ = ("table", "ids")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ...) -> None: ...
+
+class TableRows(_message.Message):
+    __slots__ = ("table", "dim", "rows")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    dim: int
+    rows: bytes
+    def __init__(self, table: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[bytes] = ...) -> None: ...
+
+class TableGrads(_message.Message):
+    __slots__ = ("table", "ids", "grads")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    GRADS_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    ids: bytes
+    grads: bytes
+    def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("tables", "train", "dtype", "step")
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableIds]
+    train: bool
+    dtype: RowDtype
+    step: int
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ..., train: _Optional[bool] = ..., dtype: _Optional[_Union[RowDtype, str]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("tables", "dtype")
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableRows]
+    dtype: RowDtype
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., dtype: _Optional[_Union[RowDtype, str]] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("request_id", "tables", "dtype")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tables: _containers.RepeatedCompositeFieldContainer[TableGrads]
+    dtype: RowDtype
+    def __init__(self, request_id: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableGrads, _Mapping]]] = ..., dtype: _Optional[_Union[RowDtype, str]] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("applied", "dropped_not_admitted", "rejected_nonfinite", "duplicate_request")
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_NOT_ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    applied: int
+    dropped_not_admitted: int
+    rejected_nonfinite: int
+    duplicate_request: bool
+    def __init__(self, applied: _Optional[int] = ..., dropped_not_admitted: _Optional[int] = ..., rejected_nonfinite: _Optional[int] = ..., duplicate_request: _Optional[bool] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("directory", "kind", "metadata_json")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    METADATA_JSON_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    kind: CheckpointKind
+    metadata_json: str
+    def __init__(self, directory: _Optional[str] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., metadata_json: _Optional[str] = ...) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("manifest", "kind", "seq", "rows", "tombstones", "bytes", "seconds")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    TOMBSTONES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    manifest: str
+    kind: str
+    seq: int
+    rows: int
+    tombstones: int
+    bytes: int
+    seconds: float
+    def __init__(self, manifest: _Optional[str] = ..., kind: _Optional[str] = ..., seq: _Optional[int] = ..., rows: _Optional[int] = ..., tombstones: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("directory", "shard_index", "num_shards", "upto_seq")
+    DIRECTORY_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_SHARDS_FIELD_NUMBER: _ClassVar[int]
+    UPTO_SEQ_FIELD_NUMBER: _ClassVar[int]
+    directory: str
+    shard_index: int
+    num_shards: int
+    upto_seq: int
+    def __init__(self, directory: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., upto_seq: _Optional[int] = ...) -> None: ...
+
+class RestoreResponse(_message.Message):
+    __slots__ = ("manifests", "rows", "rows_by_table")
+    class RowsByTableEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    MANIFESTS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_BY_TABLE_FIELD_NUMBER: _ClassVar[int]
+    manifests: _containers.RepeatedScalarFieldContainer[str]
+    rows: int
+    rows_by_table: _containers.ScalarMap[str, int]
+    def __init__(self, manifests: _Optional[_Iterable[str]] = ..., rows: _Optional[int] = ..., rows_by_table: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TableStats(_message.Message):
+    __slots__ = ("name", "dim", "rows", "capacity", "memory_bytes", "clock", "lookups", "lookup_ids", "pushes", "push_ids", "admissions", "rejected_admissions", "evictions", "expirations", "overflow", "dropped_not_admitted", "rejected_nonfinite")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CLOCK_FIELD_NUMBER: _ClassVar[int]
+    LOOKUPS_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    PUSHES_FIELD_NUMBER: _ClassVar[int]
+    PUSH_IDS_FIELD_NUMBER: _ClassVar[int]
+    ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_ADMISSIONS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRATIONS_FIELD_NUMBER: _ClassVar[int]
+    OVERFLOW_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_NOT_ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dim: int
+    rows: int
+    capacity: int
+    memory_bytes: int
+    clock: int
+    lookups: int
+    lookup_ids: int
+    pushes: int
+    push_ids: int
+    admissions: int
+    rejected_admissions: int
+    evictions: int
+    expirations: int
+    overflow: int
+    dropped_not_admitted: int
+    rejected_nonfinite: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., capacity: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., clock: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_ids: _Optional[int] = ..., pushes: _Optional[int] = ..., push_ids: _Optional[int] = ..., admissions: _Optional[int] = ..., rejected_admissions: _Optional[int] = ..., evictions: _Optional[int] = ..., expirations: _Optional[int] = ..., overflow: _Optional[int] = ..., dropped_not_admitted: _Optional[int] = ..., rejected_nonfinite: _Optional[int] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("tables", "duplicate_pushes", "last_checkpoint")
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_PUSHES_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[TableStats]
+    duplicate_pushes: int
+    last_checkpoint: CheckpointResponse
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., duplicate_pushes: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CheckpointResponse, _Mapping]] = ...) -> None: ...
+
+class HealthRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HealthResponse(_message.Message):
+    __slots__ = ("status", "dims")
+    class DimsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    status: str
+    dims: _containers.ScalarMap[str, int]
+    def __init__(self, status: _Optional[str] = ..., dims: _Optional[_Mapping[str, int]] = ...) -> None: ...

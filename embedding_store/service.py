@@ -1,0 +1,226 @@
+"""The gRPC shell around a ``StoreShard``: decode, call, encode, map errors to codes.
+
+Error mapping (the client maps the codes back to the same exception types):
+
+==========================  ======================
+``UnknownTable``            ``NOT_FOUND``
+``InvalidRequest``          ``INVALID_ARGUMENT``
+``CheckpointError``         ``FAILED_PRECONDITION``
+missing or wrong token      ``UNAUTHENTICATED``
+message over the size cap   ``RESOURCE_EXHAUSTED`` (by gRPC itself)
+==========================  ======================
+"""
+
+from __future__ import annotations
+
+import functools
+import hmac
+import json
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+
+from embedding_store.errors import CheckpointError, InvalidRequest, UnknownTable
+from embedding_store.proto import embedding_store_pb2 as pb
+from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
+from embedding_store.shard import StoreShard
+from embedding_store.types import CheckpointResult
+from embedding_store.wire import TO_PB, decode_ids, decode_matrix, encode_matrix, row_dtype
+
+AUTH_HEADER = "authorization"
+_KINDS = {pb.AUTO: "auto", pb.FULL: "full", pb.DELTA: "delta"}
+
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
+
+
+def _errors_to_status(
+    method: Callable[[Any, Req, grpc.ServicerContext], Resp],
+) -> Callable[[Any, Req, grpc.ServicerContext], Resp]:
+    @functools.wraps(method)
+    def wrapper(self: Any, request: Req, context: grpc.ServicerContext) -> Resp:
+        try:
+            return method(self, request, context)
+        except UnknownTable as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
+        except InvalidRequest as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except CheckpointError as exc:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
+
+    return wrapper
+
+
+def checkpoint_to_pb(result: CheckpointResult) -> pb.CheckpointResponse:
+    return pb.CheckpointResponse(
+        manifest=result.manifest,
+        kind=result.kind,
+        seq=result.seq,
+        rows=result.rows,
+        tombstones=result.tombstones,
+        bytes=result.bytes,
+        seconds=result.seconds,
+    )
+
+
+class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
+    """Serves one ``StoreShard`` over gRPC."""
+
+    def __init__(self, shard: StoreShard) -> None:
+        self.shard = shard
+
+    @_errors_to_status
+    def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        dtype = row_dtype(request.dtype)
+        ids = {t.table: decode_ids(t.ids, f"tables[{t.table}].ids") for t in request.tables}
+        if len(ids) != len(request.tables):
+            msg = "tables: a table is named twice in one Lookup"
+            raise InvalidRequest(msg)
+        step = request.step if request.HasField("step") else None
+        rows = self.shard.lookup(ids, train=request.train, step=step)
+        return pb.LookupResponse(
+            tables=[
+                pb.TableRows(table=name, dim=r.shape[1], rows=encode_matrix(r, dtype))
+                for name, r in rows.items()
+            ],
+            dtype=request.dtype,
+        )
+
+    @_errors_to_status
+    def Push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushResponse:
+        dtype = row_dtype(request.dtype)
+        grads = {}
+        for t in request.tables:
+            ids = decode_ids(t.ids, f"tables[{t.table}].ids")
+            dim = self.shard.table(t.table).dim
+            g = decode_matrix(t.grads, dim, dtype, f"tables[{t.table}].grads")
+            if g.shape[0] != ids.shape[0]:
+                msg = (
+                    f"tables[{t.table}].grads: {g.shape[0]} rows of dim {dim} for "
+                    f"{ids.shape[0]} ids"
+                )
+                raise InvalidRequest(msg)
+            grads[t.table] = (ids, g.astype(np.float32))
+        if len(grads) != len(request.tables):
+            msg = "tables: a table is named twice in one Push"
+            raise InvalidRequest(msg)
+        result = self.shard.push(grads, request_id=request.request_id or None)
+        return pb.PushResponse(
+            applied=result.applied,
+            dropped_not_admitted=result.dropped_not_admitted,
+            rejected_nonfinite=result.rejected_nonfinite,
+            duplicate_request=result.duplicate_request,
+        )
+
+    @_errors_to_status
+    def Checkpoint(
+        self, request: pb.CheckpointRequest, context: grpc.ServicerContext
+    ) -> pb.CheckpointResponse:
+        try:
+            metadata = json.loads(request.metadata_json) if request.metadata_json else {}
+        except ValueError as exc:
+            msg = f"metadata_json: not JSON ({exc})"
+            raise InvalidRequest(msg) from exc
+        if not isinstance(metadata, dict):
+            msg = f"metadata_json: expected a JSON object, got {type(metadata).__name__}"
+            raise InvalidRequest(msg)
+        kind = _KINDS.get(request.kind)
+        if kind is None:
+            msg = f"kind: unknown checkpoint kind {request.kind}"
+            raise InvalidRequest(msg)
+        result = self.shard.checkpoint(request.directory or None, kind, metadata=metadata)  # type: ignore[arg-type]
+        return checkpoint_to_pb(result)
+
+    @_errors_to_status
+    def Restore(
+        self, request: pb.RestoreRequest, context: grpc.ServicerContext
+    ) -> pb.RestoreResponse:
+        result = self.shard.restore(
+            request.directory or None,
+            shard_index=request.shard_index,
+            num_shards=max(1, request.num_shards),
+            upto_seq=request.upto_seq if request.HasField("upto_seq") else None,
+        )
+        return pb.RestoreResponse(
+            manifests=list(result.manifests), rows=result.rows, rows_by_table=result.rows_by_table
+        )
+
+    @_errors_to_status
+    def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
+        stats = self.shard.stats()
+        resp = pb.StatsResponse(
+            tables=[pb.TableStats(**vars(t)) for t in stats.tables],
+            duplicate_pushes=stats.duplicate_pushes,
+        )
+        if stats.last_checkpoint is not None:
+            resp.last_checkpoint.CopyFrom(checkpoint_to_pb(stats.last_checkpoint))
+        return resp
+
+    @_errors_to_status
+    def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
+        return pb.HealthResponse(
+            status="SERVING", dims={name: t.dim for name, t in self.shard.tables.items()}
+        )
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+    """Refuses every call whose metadata lacks ``authorization: Bearer <token>``."""
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or wrong token: send 'authorization: Bearer <token>' metadata "
+                "(the job's token file)",
+            )
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key == AUTH_HEADER:
+                given = value.encode() if isinstance(value, str) else bytes(value)
+                if hmac.compare_digest(given, self._expected):
+                    return continuation(handler_call_details)
+        return self._deny
+
+
+def make_server(
+    shard: StoreShard,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None,
+) -> tuple[grpc.Server, int]:
+    """A started gRPC server for ``shard``; returns it and the port it listens on.
+
+    ``token=None`` disables authentication (only for tests of in-process servers
+    on loopback; the command line always requires a token).
+    """
+    cfg = shard.config
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=cfg.server_threads, thread_name_prefix="store"),
+        interceptors=[TokenAuthInterceptor(token)] if token is not None else [],
+        options=[
+            ("grpc.max_receive_message_length", cfg.max_message_bytes),
+            ("grpc.max_send_message_length", cfg.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ],
+    )
+    pb_grpc.add_EmbeddingStoreServicer_to_server(EmbeddingStoreServicer(shard), server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        msg = f"could not listen on {host}:{port} (port in use?)"
+        raise OSError(msg)
+    server.start()
+    return server, bound

@@ -1,0 +1,324 @@
+"""A store shard: named tables, exactly-once pushes and checkpoints, with no network.
+
+The gRPC servicer (``service.py``) and the in-process client only decode,
+call and encode; every decision lives here so it can be tested directly.
+
+>>> import numpy as np
+>>> from embedding_store.types import StoreConfig
+>>> shard = StoreShard(StoreConfig(tables={"item": {"dim": 2}}))
+>>> ids = np.array([1, 2, 3], dtype=np.uint64)
+>>> shard.lookup({"item": ids})["item"].shape
+(3, 2)
+>>> grads = {"item": (ids, np.ones((3, 2), dtype=np.float32))}
+>>> shard.push(grads, request_id="r-1").applied
+3
+>>> shard.push(grads, request_id="r-1").duplicate_request  # a retry is not applied twice
+True
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from embedding_store import persistence
+from embedding_store.errors import CheckpointError, InvalidRequest, UnknownTable
+from embedding_store.hashing import shard_of
+from embedding_store.table import EmbeddingTable
+from embedding_store.types import (
+    CheckpointKind,
+    CheckpointResult,
+    PushResult,
+    RestoreResult,
+    ShardStats,
+    StoreConfig,
+)
+
+F32 = npt.NDArray[np.float32]
+
+
+class _PendingPush:
+    """A push being applied; a retry with the same request id waits for it."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.result: PushResult | None = None
+
+
+class StoreShard:
+    """One shard of the embedding store (thread-safe)."""
+
+    def __init__(self, config: StoreConfig, *, data_dir: Path | str | None = None) -> None:
+        self.config = config
+        self.data_dir = Path(data_dir) if data_dir is not None else None
+        self._tables = {name: EmbeddingTable(name, cfg) for name, cfg in config.tables.items()}
+        self._push_lock = threading.Lock()
+        self._pushes: OrderedDict[str, PushResult | _PendingPush] = OrderedDict()
+        self._duplicate_pushes = 0
+        self._checkpoint_lock = threading.Lock()
+        # (directory, seq of the newest checkpoint there, deltas since its full)
+        self._chain: tuple[Path, int, int] | None = None
+        self._last_checkpoint: CheckpointResult | None = None
+
+    @classmethod
+    def open(cls, config: StoreConfig, data_dir: Path | str) -> StoreShard:
+        """A shard persisted in ``data_dir``: restored from it when it holds a checkpoint."""
+        shard = cls(config, data_dir=data_dir)
+        if persistence.list_manifests(Path(data_dir)):
+            shard.restore()
+        return shard
+
+    # --- tables -----------------------------------------------------------------
+
+    @property
+    def tables(self) -> Mapping[str, EmbeddingTable]:
+        return self._tables
+
+    def table(self, name: str) -> EmbeddingTable:
+        """The table called ``name``; ``UnknownTable`` names the ones that exist."""
+        try:
+            return self._tables[name]
+        except KeyError:
+            msg = f"table {name!r} is not served by this shard (tables: {sorted(self._tables)})"
+            raise UnknownTable(msg) from None
+
+    def lookup(
+        self,
+        requests: Mapping[str, npt.ArrayLike],
+        *,
+        train: bool = True,
+        step: int | None = None,
+    ) -> dict[str, F32]:
+        """Rows for the ids of each named table (see ``EmbeddingTable.lookup``)."""
+        tables = [(name, self.table(name)) for name in requests]
+        return {name: t.lookup(requests[name], train=train, step=step) for name, t in tables}
+
+    def push(
+        self,
+        grads: Mapping[str, tuple[npt.ArrayLike, npt.ArrayLike]],
+        *,
+        request_id: str | None = None,
+    ) -> PushResult:
+        """Apply row gradients to several tables; a request id is applied at most once.
+
+        Every table name and shape is checked before any gradient is applied,
+        so a bad request changes nothing.
+        """
+        checked = []
+        for name, (ids, g) in grads.items():
+            table = self.table(name)
+            ids_arr, g_arr = np.asarray(ids), np.asarray(g)
+            if g_arr.ndim != 2 or g_arr.shape != (ids_arr.shape[0], table.dim):
+                msg = (
+                    f"table {name!r}: grads have shape {g_arr.shape}, expected "
+                    f"({ids_arr.shape[0]}, {table.dim}) for {ids_arr.shape[0]} ids"
+                )
+                raise InvalidRequest(msg)
+            checked.append((table, ids_arr, g_arr))
+        if request_id is None:
+            return self._apply(checked)
+        with self._push_lock:
+            entry = self._pushes.get(request_id)
+            if entry is None:
+                pending = _PendingPush()
+                self._pushes[request_id] = pending
+        if entry is not None:
+            if isinstance(entry, _PendingPush):
+                entry.done.wait()
+                if entry.result is None:  # the first attempt failed: nothing was applied
+                    return self.push(grads, request_id=request_id)
+                entry = entry.result
+            with self._push_lock:
+                self._duplicate_pushes += 1
+            return replace(entry, duplicate_request=True)
+        try:
+            result = self._apply(checked)
+        except BaseException:
+            with self._push_lock:
+                self._pushes.pop(request_id, None)
+            pending.done.set()
+            raise
+        pending.result = result
+        with self._push_lock:
+            self._pushes[request_id] = result
+            while len(self._pushes) > self.config.remembered_push_ids:
+                self._pushes.popitem(last=False)
+        pending.done.set()
+        return result
+
+    @staticmethod
+    def _apply(checked: list[tuple[EmbeddingTable, np.ndarray, np.ndarray]]) -> PushResult:  # type: ignore[type-arg]
+        total = PushResult()
+        for table, ids, g in checked:
+            total = total + table.push(ids, g)
+        return total
+
+    # --- persistence --------------------------------------------------------------
+
+    def _resolve_dir(self, directory: Path | str | None, what: str) -> Path:
+        if directory is not None and str(directory) != "":
+            return Path(directory)
+        if self.data_dir is None:
+            msg = f"{what}: no directory given and the shard has no data dir"
+            raise CheckpointError(msg)
+        return self.data_dir
+
+    def checkpoint(
+        self,
+        directory: Path | str | None = None,
+        kind: CheckpointKind = "auto",
+        *,
+        metadata: dict[str, Any] | None = None,
+    ) -> CheckpointResult:
+        """Write a full snapshot or a delta of every table into ``directory``.
+
+        ``auto`` writes a delta on top of this shard's previous checkpoint in
+        the same directory and a full snapshot every ``full_checkpoint_every``
+        deltas; a delta asked for without such a base is written full. Each
+        table is cut consistently; calls on other tables may go on meanwhile
+        (callers that need one cut across tables pause their traffic first).
+        """
+        target = self._resolve_dir(directory, "checkpoint")
+        with self._checkpoint_lock:
+            start = time.perf_counter()
+            existing = persistence.list_manifests(target)
+            seq = existing[-1][0] + 1 if existing else 1
+            chain = self._chain
+            can_delta = chain is not None and chain[0] == target and existing and chain[1] == existing[-1][0]
+            if kind == "full" or not can_delta:
+                actual = "full"
+            elif kind == "delta":
+                actual = "delta"
+            else:
+                assert chain is not None
+                actual = "delta" if chain[2] < self.config.full_checkpoint_every else "full"
+            snaps = []
+            for name, table in self._tables.items():
+                rows, tombs, clock = table.export(dirty_only=actual == "delta")
+                snaps.append(
+                    persistence.TableSnapshot(
+                        name=name,
+                        dim=table.dim,
+                        state_width=rows.state.shape[1],
+                        rows=rows,
+                        tombstones=tombs,
+                        clock=clock,
+                    )
+                )
+            try:
+                path, n_rows, n_tombs, n_bytes = persistence.write_checkpoint(
+                    target,
+                    seq,
+                    "full" if actual == "full" else "delta",
+                    parent=None if actual == "full" else seq - 1,
+                    tables=snaps,
+                    compression=self.config.compression,
+                    metadata=metadata,
+                )
+            except BaseException:
+                # The rows exported above were marked clean; without this the next
+                # delta would miss them. Force the next checkpoint to be full.
+                self._chain = None
+                for table in self._tables.values():
+                    table.mark_all_dirty()
+                raise
+            deltas = 0 if actual == "full" else (chain[2] + 1 if chain else 1)
+            self._chain = (target, seq, deltas)
+            if actual == "full":
+                persistence.collect_garbage(target, self.config.keep_full_checkpoints)
+            result = CheckpointResult(
+                manifest=str(path),
+                kind="full" if actual == "full" else "delta",
+                seq=seq,
+                rows=n_rows,
+                tombstones=n_tombs,
+                bytes=n_bytes,
+                seconds=time.perf_counter() - start,
+            )
+            self._last_checkpoint = result
+            return result
+
+    def restore(
+        self,
+        directory: Path | str | None = None,
+        *,
+        shard_index: int = 0,
+        num_shards: int = 1,
+        upto_seq: int | None = None,
+    ) -> RestoreResult:
+        """Replace every table with the newest checkpoint in ``directory``.
+
+        ``directory`` may hold one shard's checkpoints or ``shard-*`` folders of
+        several; with ``num_shards > 1`` only the ids this shard owns
+        (``shard_of(id, num_shards) == shard_index``) are kept, so a checkpoint
+        of N shards restores onto M. Every file is verified first and the tables
+        are swapped only when all loaded: a failed restore changes nothing.
+        """
+        if not 0 <= shard_index < num_shards:
+            msg = f"shard_index must be in [0, {num_shards}), got {shard_index}"
+            raise InvalidRequest(msg)
+        source = self._resolve_dir(directory, "restore")
+        with self._checkpoint_lock:
+            chains = [persistence.plan_restore(d, upto_seq) for d in persistence.source_dirs(source)]
+            for chain in chains:
+                persistence.verify(chain)
+            fresh = {name: EmbeddingTable(name, cfg) for name, cfg in self.config.tables.items()}
+            for chain in chains:
+                for manifest in chain:
+                    self._apply_manifest(manifest, fresh, shard_index, num_shards)
+            self._tables = fresh
+            # The next checkpoint must be full: these rows were never written by this shard.
+            self._chain = None
+            return RestoreResult(
+                manifests=tuple(str(m.path) for chain in chains for m in chain),
+                rows=sum(len(t) for t in fresh.values()),
+                rows_by_table={name: len(t) for name, t in fresh.items()},
+            )
+
+    @staticmethod
+    def _apply_manifest(
+        manifest: persistence.Manifest,
+        tables: dict[str, EmbeddingTable],
+        shard_index: int,
+        num_shards: int,
+    ) -> None:
+        for tname, tinfo in manifest.tables.items():
+            if tname not in tables:
+                msg = (
+                    f"{manifest.path}: checkpoint has table {tname!r} that the store config "
+                    f"does not define (tables: {sorted(tables)})"
+                )
+                raise CheckpointError(msg)
+            table = tables[tname]
+            # Tombstones first: an id removed and then created again is in both files.
+            for f in sorted(tinfo["files"], key=lambda f: f["role"] != "tombstones"):
+                path = manifest.directory / f["path"]
+                if f["role"] == "tombstones":
+                    table.remove(persistence.read_tombstones(path))
+                    continue
+                rows = persistence.read_rows(path, tinfo["dim"], tinfo["state_width"])
+                if len(rows) != f["rows"]:
+                    msg = f"{path}: holds {len(rows)} rows, the manifest says {f['rows']}"
+                    raise CheckpointError(msg)
+                if num_shards > 1:
+                    rows = rows.select(shard_of(rows.ids, num_shards) == shard_index)
+                table.load(rows)
+            table.set_clock(int(tinfo["clock"]))
+
+    def stats(self) -> ShardStats:
+        """Counters of every table, and of the shard."""
+        with self._push_lock:
+            dups = self._duplicate_pushes
+        return ShardStats(
+            tables=tuple(t.stats() for t in self._tables.values()),
+            duplicate_pushes=dups,
+            last_checkpoint=self._last_checkpoint,
+        )

@@ -1,0 +1,817 @@
+"""One embedding table of one shard: a numba open-addressing hash table over row slots.
+
+The index is an ``int64[buckets, 4]`` array probed linearly; one bucket holds
+the id, its row slot, the step it was last seen at and ``freq << 2 | persisted
+<< 1 | dirty``. Keeping the per-id metadata in the bucket means a training
+lookup touches two cache lines per id (bucket and row), not four. Deletion
+shifts later buckets back instead of leaving tombstones, so probe lengths stay
+short under eviction churn. Rows live in separate slot arrays (weights,
+optimizer state, per-row step) that never move when the index does.
+
+Every method takes the table's lock, and every kernel runs without the GIL, so
+a shard serves calls on different tables in parallel.
+
+>>> import numpy as np
+>>> from embedding_store.types import TableConfig
+>>> t = EmbeddingTable("user", TableConfig(dim=4, optimizer={"kind": "sgd", "lr": 0.5}))
+>>> ids = np.array([7, 42], dtype=np.uint64)
+>>> before = t.lookup(ids)
+>>> t.push(ids, np.ones((2, 4), dtype=np.float32)).applied
+2
+>>> bool(np.allclose(t.lookup(ids, train=False), before - 0.5))
+True
+>>> len(t)
+2
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numba as nb
+import numpy as np
+import numpy.typing as npt
+
+from embedding_store.errors import CheckpointError, InvalidRequest
+from embedding_store.hashing import (
+    INIT_NORMAL,
+    INIT_UNIFORM,
+    INIT_ZEROS,
+    init_row,
+    mix64,
+    table_seed,
+    unit_float,
+)
+from embedding_store.optim import RowOptimizer, make_optimizer
+from embedding_store.types import (
+    CountMinAdmission,
+    NormalInit,
+    ProbabilityAdmission,
+    PushResult,
+    TableConfig,
+    TableStats,
+    UniformInit,
+)
+
+F32 = npt.NDArray[np.float32]
+I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
+
+KEY, ROW, SEEN, META = 0, 1, 2, 3
+DIRTY, PERSISTED, FREQ_ONE = 1, 2, 4
+MAX_LOAD = 0.75
+# A row that cannot be stored because one request brings more new ids than the
+# table's capacity (it reads as zeros and its gradient is dropped).
+OVERFLOW = -2
+NOT_ADMITTED = -1
+
+
+@dataclass(frozen=True)
+class RowBatch:
+    """Rows taken out of (or going into) a table, each carrying its id."""
+
+    ids: U64
+    weights: F32
+    state: F32
+    row_step: I64
+    last_seen: I64
+    freq: I64
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def select(self, mask: npt.NDArray[np.bool_]) -> RowBatch:
+        """The rows where ``mask`` is true."""
+        return RowBatch(
+            self.ids[mask],
+            self.weights[mask],
+            self.state[mask],
+            self.row_step[mask],
+            self.last_seen[mask],
+            self.freq[mask],
+        )
+
+
+# --- kernels --------------------------------------------------------------------
+
+
+@nb.njit(nogil=True, cache=True, inline="always")
+def _home(key: np.int64, mask: int) -> int:
+    return np.int64(mix64(np.uint64(key)) & np.uint64(mask))
+
+
+@nb.njit(nogil=True, cache=True)
+def _lookup(
+    buckets: I64,
+    ids: I64,
+    clock: int,
+    touch: bool,
+    weights: F32,
+    out: F32,
+    rows_out: I64,
+) -> int:
+    mask = buckets.shape[0] - 1
+    dim = weights.shape[1]
+    missing = 0
+    for i in range(ids.shape[0]):
+        key = ids[i]
+        b = _home(key, mask)
+        while True:
+            r = buckets[b, ROW]
+            if r < 0:
+                rows_out[i] = NOT_ADMITTED
+                missing += 1
+                for j in range(dim):
+                    out[i, j] = 0.0
+                break
+            if buckets[b, KEY] == key:
+                rows_out[i] = r
+                if touch:
+                    # Seen-step and frequency are checkpointed state too: mark dirty.
+                    buckets[b, SEEN] = clock
+                    buckets[b, META] = (buckets[b, META] + FREQ_ONE) | DIRTY
+                for j in range(dim):
+                    out[i, j] = weights[r, j]
+                break
+            b = (b + 1) & mask
+    return missing
+
+
+@nb.njit(nogil=True, cache=True)
+def _admit_count_min(
+    sketch: npt.NDArray[np.uint32],
+    ids: I64,
+    positions: I64,
+    threshold: int,
+    admitted: npt.NDArray[np.bool_],
+) -> None:
+    depth, width = sketch.shape
+    slots = np.empty(depth, dtype=np.int64)
+    for p in range(positions.shape[0]):
+        h = np.uint64(ids[positions[p]])
+        est = np.uint32(0xFFFFFFFF)
+        for d in range(depth):
+            h = mix64(h + np.uint64(d + 1))
+            slots[d] = int(h % np.uint64(width))
+            est = min(est, sketch[d, slots[d]])
+        # Conservative update: raise only the counters at the minimum.
+        if est < np.uint32(0xFFFFFFFF):
+            for d in range(depth):
+                if sketch[d, slots[d]] == est:
+                    sketch[d, slots[d]] = est + np.uint32(1)
+        admitted[p] = int(est) + 1 >= threshold
+
+
+@nb.njit(nogil=True, cache=True)
+def _admit_probability(
+    ids: I64,
+    positions: I64,
+    seed: np.uint64,
+    clock: int,
+    probability: float,
+    admitted: npt.NDArray[np.bool_],
+) -> None:
+    salt = mix64(seed ^ np.uint64(clock))
+    for p in range(positions.shape[0]):
+        admitted[p] = unit_float(mix64(np.uint64(ids[positions[p]]) ^ salt)) < probability
+
+
+@nb.njit(nogil=True, cache=True)
+def _insert(
+    buckets: I64,
+    ids: I64,
+    positions: I64,
+    clock: int,
+    alloc: I64,
+    free_rows: I64,
+    row_limit: int,
+    weights: F32,
+    seed: np.uint64,
+    init_kind: int,
+    init_a: float,
+    init_b: float,
+    out: F32,
+    rows_out: I64,
+    new_rows: I64,
+) -> int:
+    """Insert ``ids[positions]``; ``alloc`` is ``[used, n_free, next_row]``, updated in place."""
+    mask = buckets.shape[0] - 1
+    dim = weights.shape[1]
+    n_new = 0
+    for p in range(positions.shape[0]):
+        i = positions[p]
+        key = ids[i]
+        b = _home(key, mask)
+        while buckets[b, ROW] >= 0 and buckets[b, KEY] != key:
+            b = (b + 1) & mask
+        r = buckets[b, ROW]
+        if r < 0:
+            if alloc[0] >= row_limit:
+                rows_out[i] = OVERFLOW
+                continue
+            if alloc[1] > 0:
+                alloc[1] -= 1
+                r = free_rows[alloc[1]]
+            else:
+                r = alloc[2]
+                alloc[2] += 1
+            alloc[0] += 1
+            buckets[b, KEY] = key
+            buckets[b, ROW] = r
+            buckets[b, SEEN] = clock
+            buckets[b, META] = FREQ_ONE | DIRTY
+            init_row(weights[r], np.uint64(key), seed, init_kind, init_a, init_b)
+            new_rows[n_new] = r
+            n_new += 1
+        else:
+            # The same new id twice in one request: the second sees the first's row.
+            buckets[b, META] = (buckets[b, META] + FREQ_ONE) | DIRTY
+        rows_out[i] = r
+        for j in range(dim):
+            out[i, j] = weights[r, j]
+    return n_new
+
+
+@nb.njit(nogil=True, cache=True)
+def _delete_at(buckets: I64, b: int) -> None:
+    """Remove bucket ``b`` by shifting back the entries that probed past it."""
+    mask = buckets.shape[0] - 1
+    hole = b
+    j = b
+    while True:
+        j = (j + 1) & mask
+        if buckets[j, ROW] < 0:
+            break
+        home = _home(buckets[j, KEY], mask)
+        # The entry at j may move into the hole unless its home lies in (hole, j].
+        if hole <= j:
+            stays = hole < home <= j
+        else:
+            stays = home > hole or home <= j
+        if not stays:
+            for c in range(4):
+                buckets[hole, c] = buckets[j, c]
+            hole = j
+    buckets[hole, KEY] = 0
+    buckets[hole, ROW] = -1
+    buckets[hole, SEEN] = 0
+    buckets[hole, META] = 0
+
+
+@nb.njit(nogil=True, cache=True)
+def _delete_keys(
+    buckets: I64,
+    keys: I64,
+    alloc: I64,
+    free_rows: I64,
+    tombstones: I64,
+) -> tuple[int, int]:
+    """Delete ``keys``; returns (deleted, tombstones written)."""
+    mask = buckets.shape[0] - 1
+    deleted = 0
+    n_tomb = 0
+    for i in range(keys.shape[0]):
+        key = keys[i]
+        b = _home(key, mask)
+        while buckets[b, ROW] >= 0 and buckets[b, KEY] != key:
+            b = (b + 1) & mask
+        r = buckets[b, ROW]
+        if r < 0:
+            continue
+        if buckets[b, META] & PERSISTED:
+            tombstones[n_tomb] = key
+            n_tomb += 1
+        free_rows[alloc[1]] = r
+        alloc[1] += 1
+        alloc[0] -= 1
+        deleted += 1
+        _delete_at(buckets, b)
+    return deleted, n_tomb
+
+
+@nb.njit(nogil=True, cache=True)
+def _resolve_push(
+    buckets: I64,
+    ids: I64,
+    grads: F32,
+    rows_out: I64,
+    mark: npt.NDArray[np.uint8],
+) -> tuple[int, int, bool]:
+    """Map pushed ids to rows (-1: absent or non-finite); returns (absent, nonfinite, dup)."""
+    mask = buckets.shape[0] - 1
+    dim = grads.shape[1]
+    absent = 0
+    nonfinite = 0
+    dup = False
+    for i in range(ids.shape[0]):
+        finite = True
+        for j in range(dim):
+            if not np.isfinite(grads[i, j]):
+                finite = False
+                break
+        if not finite:
+            rows_out[i] = -1
+            nonfinite += 1
+            continue
+        key = ids[i]
+        b = _home(key, mask)
+        while buckets[b, ROW] >= 0 and buckets[b, KEY] != key:
+            b = (b + 1) & mask
+        r = buckets[b, ROW]
+        if r < 0:
+            rows_out[i] = -1
+            absent += 1
+            continue
+        buckets[b, META] |= DIRTY
+        rows_out[i] = r
+        if mark[r]:
+            dup = True
+        mark[r] = 1
+    for i in range(ids.shape[0]):
+        if rows_out[i] >= 0:
+            mark[rows_out[i]] = 0
+    return absent, nonfinite, dup
+
+
+@nb.njit(nogil=True, cache=True)
+def _upsert(
+    buckets: I64,
+    ids: I64,
+    alloc: I64,
+    free_rows: I64,
+    last_seen: I64,
+    freq: I64,
+    rows_out: I64,
+) -> int:
+    """Find or create a slot for each id (restore path); returns how many were created."""
+    mask = buckets.shape[0] - 1
+    created = 0
+    for i in range(ids.shape[0]):
+        key = ids[i]
+        b = _home(key, mask)
+        while buckets[b, ROW] >= 0 and buckets[b, KEY] != key:
+            b = (b + 1) & mask
+        r = buckets[b, ROW]
+        if r < 0:
+            if alloc[1] > 0:
+                alloc[1] -= 1
+                r = free_rows[alloc[1]]
+            else:
+                r = alloc[2]
+                alloc[2] += 1
+            alloc[0] += 1
+            created += 1
+            buckets[b, KEY] = key
+            buckets[b, ROW] = r
+        buckets[b, SEEN] = last_seen[i]
+        buckets[b, META] = freq[i] * FREQ_ONE
+        rows_out[i] = r
+    return created
+
+
+@nb.njit(nogil=True, cache=True)
+def _rehash(old: I64, new: I64) -> None:
+    mask = new.shape[0] - 1
+    for b in range(old.shape[0]):
+        if old[b, ROW] < 0:
+            continue
+        nb_ = _home(old[b, KEY], mask)
+        while new[nb_, ROW] >= 0:
+            nb_ = (nb_ + 1) & mask
+        for c in range(4):
+            new[nb_, c] = old[b, c]
+
+
+@nb.njit(nogil=True, cache=True)
+def _clip(weights: F32, rows: I64, c: float) -> None:
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if r < 0:
+            continue
+        for j in range(weights.shape[1]):
+            w = weights[r, j]
+            if w > c:
+                weights[r, j] = c
+            elif w < -c:
+                weights[r, j] = -c
+
+
+def _empty_buckets(n: int) -> I64:
+    buckets = np.zeros((n, 4), dtype=np.int64)
+    buckets[:, ROW] = -1
+    return buckets
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(4, (max(n, 1) - 1).bit_length())
+
+
+def _as_ids(ids: npt.ArrayLike, field: str = "ids") -> U64:
+    arr = np.asarray(ids)
+    if arr.ndim != 1:
+        msg = f"{field}: expected a 1-d array of uint64 ids, got shape {arr.shape}"
+        raise InvalidRequest(msg)
+    if arr.dtype != np.uint64:
+        if arr.dtype.kind not in "iu":
+            msg = f"{field}: expected integer ids, got dtype {arr.dtype}"
+            raise InvalidRequest(msg)
+        arr = arr.astype(np.uint64)
+    return np.ascontiguousarray(arr)
+
+
+class EmbeddingTable:
+    """A bounded, persistent-ready embedding table (one shard's part of it)."""
+
+    def __init__(self, name: str, config: TableConfig) -> None:
+        self.name = name
+        self.config = config
+        self.dim = config.dim
+        self.optimizer: RowOptimizer = make_optimizer(config.optimizer)
+        self._state_width = self.optimizer.state_width(config.dim)
+        self._seed = table_seed(name, config.seed)
+        init = config.initializer
+        if isinstance(init, UniformInit):
+            self._init = (INIT_UNIFORM, init.scale, 0.0)
+        elif isinstance(init, NormalInit):
+            self._init = (INIT_NORMAL, init.std, init.mean)
+        else:
+            self._init = (INIT_ZEROS, 0.0, 0.0)
+        self._lock = threading.Lock()
+        self._max_buckets = _pow2_at_least(int(np.ceil(config.capacity / MAX_LOAD)))
+        adm = config.admission
+        self._sketch = (
+            np.zeros((adm.depth, adm.width), dtype=np.uint32)
+            if isinstance(adm, CountMinAdmission)
+            else np.zeros((0, 1), dtype=np.uint32)
+        )
+        self.clock = 0
+        self._counters = dict.fromkeys(
+            (
+                "lookups",
+                "lookup_ids",
+                "pushes",
+                "push_ids",
+                "admissions",
+                "rejected_admissions",
+                "evictions",
+                "expirations",
+                "overflow",
+                "dropped_not_admitted",
+                "rejected_nonfinite",
+            ),
+            0,
+        )
+        self._reset_storage(min(config.initial_rows, config.capacity))
+        self._next_expiry = 0
+
+    def _reset_storage(self, rows: int) -> None:
+        self._alloc_rows = max(1, rows)
+        self._buckets = _empty_buckets(
+            min(self._max_buckets, _pow2_at_least(int(np.ceil(self._alloc_rows / MAX_LOAD))))
+        )
+        self._weights = np.zeros((self._alloc_rows, self.dim), dtype=np.float32)
+        self._state = np.zeros((self._alloc_rows, self._state_width), dtype=np.float32)
+        self._row_step = np.zeros(self._alloc_rows, dtype=np.int64)
+        self._free = np.zeros(self._alloc_rows, dtype=np.int64)
+        self._mark = np.zeros(self._alloc_rows, dtype=np.uint8)
+        self._alloc = np.zeros(3, dtype=np.int64)  # used, n_free, next_row
+        self._tombstones: list[I64] = []
+
+    # --- sizing ---------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return int(self._alloc[0])
+
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes held by this table's arrays (bounded by the configured capacity)."""
+        arrays = (
+            self._buckets,
+            self._weights,
+            self._state,
+            self._row_step,
+            self._free,
+            self._mark,
+            self._sketch,
+        )
+        return sum(a.nbytes for a in arrays) + sum(t.nbytes for t in self._tombstones)
+
+    def _reserve(self, extra: int) -> None:
+        """Make room for ``extra`` more rows (never beyond the capacity)."""
+        used, n_free, next_row = (int(x) for x in self._alloc)
+        want = min(self.config.capacity, used + extra)
+        free_slots = n_free + self._alloc_rows - next_row
+        if used + free_slots < want:
+            new_alloc = self._alloc_rows
+            while new_alloc - next_row + n_free + used < want:
+                new_alloc *= 2
+            self._grow_rows(min(self.config.capacity, new_alloc))
+        if want > MAX_LOAD * self._buckets.shape[0] and self._buckets.shape[0] < self._max_buckets:
+            n = self._buckets.shape[0]
+            while want > MAX_LOAD * n and n < self._max_buckets:
+                n *= 2
+            new = _empty_buckets(n)
+            _rehash(self._buckets, new)
+            self._buckets = new
+
+    def _grow_rows(self, new_alloc: int) -> None:
+        old = self._alloc_rows
+
+        def grow(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:  # type: ignore[type-arg]
+            b = np.zeros(shape, dtype=a.dtype)
+            b[:old] = a[:old]
+            return b
+
+        self._weights = grow(self._weights, (new_alloc, self.dim))
+        self._state = grow(self._state, (new_alloc, self._state_width))
+        self._row_step = grow(self._row_step, (new_alloc,))
+        self._free = grow(self._free, (new_alloc,))
+        self._mark = grow(self._mark, (new_alloc,))
+        self._alloc_rows = new_alloc
+
+    # --- the training path ------------------------------------------------------
+
+    def _advance_clock(self, step: int | None) -> int:
+        self.clock = self.clock + 1 if step is None else max(self.clock, int(step))
+        return self.clock
+
+    def lookup(
+        self, ids: npt.ArrayLike, *, train: bool = True, step: int | None = None
+    ) -> F32:
+        """Rows for ``ids`` (float32[n, dim]), in request order.
+
+        ``train=True`` advances the table's clock (to ``step`` when given, else by
+        one), marks the rows seen and creates rows for new admitted ids.
+        ``train=False`` changes nothing; ids without a row read as zeros. Ids not
+        (yet) admitted read as zeros in both modes.
+        """
+        keys = _as_ids(ids).view(np.int64)
+        n = keys.shape[0]
+        out = np.empty((n, self.dim), dtype=np.float32)
+        rows = np.empty(n, dtype=np.int64)
+        with self._lock:
+            clock = self._advance_clock(step) if train else self.clock
+            missing = _lookup(self._buckets, keys, clock, train, self._weights, out, rows)
+            if train:
+                self._counters["lookups"] += 1
+                self._counters["lookup_ids"] += n
+                if missing:
+                    self._create(keys, np.flatnonzero(rows < 0), clock, out, rows)
+                self._maybe_expire()
+        return out
+
+    def _create(self, keys: I64, positions: I64, clock: int, out: F32, rows: I64) -> None:
+        adm = self.config.admission
+        if isinstance(adm, CountMinAdmission):
+            admitted = np.empty(positions.shape[0], dtype=np.bool_)
+            _admit_count_min(self._sketch, keys, positions, adm.threshold, admitted)
+        elif isinstance(adm, ProbabilityAdmission):
+            admitted = np.empty(positions.shape[0], dtype=np.bool_)
+            _admit_probability(keys, positions, self._seed, clock, adm.probability, admitted)
+        else:
+            admitted = np.ones(positions.shape[0], dtype=np.bool_)
+        rejected = int(positions.shape[0] - np.count_nonzero(admitted))
+        self._counters["rejected_admissions"] += rejected
+        if rejected:
+            positions = positions[admitted]
+        if positions.shape[0] == 0:
+            return
+        need = positions.shape[0]
+        overflow_room = self.config.capacity - len(self)
+        if need > overflow_room:
+            self._evict_lru(need - overflow_room, protect_clock=clock)
+        self._reserve(need)
+        new_rows = np.empty(need, dtype=np.int64)
+        kind, a, b = self._init
+        n_new = _insert(
+            self._buckets,
+            keys,
+            positions,
+            clock,
+            self._alloc,
+            self._free,
+            self.config.capacity,
+            self._weights,
+            self._seed,
+            kind,
+            a,
+            b,
+            out,
+            rows,
+            new_rows,
+        )
+        if n_new:
+            fresh = new_rows[:n_new]
+            self._row_step[fresh] = 0
+            self.optimizer.initialize(self._weights, self._state, fresh)
+        self._counters["admissions"] += n_new
+        overflowed = int(np.count_nonzero(rows[positions] == OVERFLOW))
+        if overflowed:
+            self._counters["overflow"] += overflowed
+            out[positions[rows[positions] == OVERFLOW]] = 0.0
+
+    def push(self, ids: npt.ArrayLike, grads: npt.ArrayLike) -> PushResult:
+        """Apply gradients to the rows of ``ids`` with the table's optimizer.
+
+        Gradients of an id named twice are summed. Rows with a NaN or Inf are
+        rejected and counted; ids without a row (not admitted, or evicted since
+        their lookup) are dropped and counted.
+        """
+        keys = _as_ids(ids).view(np.int64)
+        g = np.asarray(grads)
+        if g.ndim != 2 or g.shape[0] != keys.shape[0] or g.shape[1] != self.dim:
+            msg = (
+                f"grads: expected shape ({keys.shape[0]}, {self.dim}) for table {self.name!r}, "
+                f"got {g.shape}"
+            )
+            raise InvalidRequest(msg)
+        g = np.ascontiguousarray(g, dtype=np.float32)
+        rows = np.empty(keys.shape[0], dtype=np.int64)
+        with self._lock:
+            absent, nonfinite, dup = _resolve_push(self._buckets, keys, g, rows, self._mark)
+            if dup:
+                valid = rows >= 0
+                uniq, inverse = np.unique(rows[valid], return_inverse=True)
+                summed = np.zeros((uniq.shape[0], self.dim), dtype=np.float32)
+                np.add.at(summed, inverse, g[valid])
+                rows, g = uniq.astype(np.int64), summed
+            self.optimizer.apply(self._weights, self._state, self._row_step, rows, g)
+            if self.config.weight_clip is not None:
+                _clip(self._weights, rows, self.config.weight_clip)
+            applied = keys.shape[0] - absent - nonfinite
+            self._counters["pushes"] += 1
+            self._counters["push_ids"] += keys.shape[0]
+            self._counters["dropped_not_admitted"] += absent
+            self._counters["rejected_nonfinite"] += nonfinite
+        return PushResult(applied=applied, dropped_not_admitted=absent, rejected_nonfinite=nonfinite)
+
+    # --- eviction and expiry ----------------------------------------------------
+
+    def _delete(self, keys: I64) -> int:
+        tomb = np.empty(keys.shape[0], dtype=np.int64)
+        deleted, n_tomb = _delete_keys(self._buckets, keys, self._alloc, self._free, tomb)
+        if n_tomb:
+            self._tombstones.append(tomb[:n_tomb].copy())
+        return int(deleted)
+
+    def _evict_lru(self, n: int, protect_clock: int | None = None) -> int:
+        occupied = np.flatnonzero(self._buckets[:, ROW] >= 0)
+        seen = self._buckets[occupied, SEEN]
+        if protect_clock is not None:
+            keep = seen < protect_clock
+            occupied, seen = occupied[keep], seen[keep]
+        # Evict a little more than asked so a full table does not rescan every call.
+        n = min(occupied.shape[0], max(n, self.config.capacity // 64))
+        if n <= 0:
+            return 0
+        if n < occupied.shape[0]:
+            victims = occupied[np.argpartition(seen, n - 1)[:n]]
+        else:
+            victims = occupied
+        deleted = self._delete(self._buckets[victims, KEY].copy())
+        self._counters["evictions"] += deleted
+        return deleted
+
+    def evict(self, n: int) -> int:
+        """Evict the ``n`` least recently seen rows now (at least; see eviction slack)."""
+        with self._lock:
+            return self._evict_lru(n)
+
+    def _maybe_expire(self) -> None:
+        ttl = self.config.ttl_steps
+        if ttl is None or self.clock < self._next_expiry:
+            return
+        # Scanning is O(buckets): do it every ttl/4 steps, so a row lives at most 1.25 ttl.
+        self._next_expiry = self.clock + max(1, ttl // 4)
+        self._expire_now(ttl)
+
+    def _expire_now(self, ttl: int) -> int:
+        occupied = np.flatnonzero(self._buckets[:, ROW] >= 0)
+        stale = occupied[self._buckets[occupied, SEEN] < self.clock - ttl]
+        if stale.shape[0] == 0:
+            return 0
+        deleted = self._delete(self._buckets[stale, KEY].copy())
+        self._counters["expirations"] += deleted
+        return deleted
+
+    def expire(self) -> int:
+        """Remove rows unseen for more than ``ttl_steps`` steps now; returns how many."""
+        if self.config.ttl_steps is None:
+            return 0
+        with self._lock:
+            return self._expire_now(self.config.ttl_steps)
+
+    # --- persistence support ----------------------------------------------------
+
+    def export(self, dirty_only: bool, *, mark_clean: bool = True) -> tuple[RowBatch, U64, int]:
+        """Take rows (all, or dirty since the last export) and the ids removed since.
+
+        Returns the rows, the tombstones and the clock, as one consistent cut of
+        the table. With ``mark_clean`` (a checkpoint) the rows become clean and
+        persisted and the tombstones are taken; without it nothing changes.
+        """
+        with self._lock:
+            occupied = self._buckets[:, ROW] >= 0
+            if dirty_only:
+                occupied &= (self._buckets[:, META] & DIRTY) != 0
+            sel = np.flatnonzero(occupied)
+            rows = self._buckets[sel, ROW]
+            meta = self._buckets[sel, META]
+            batch = RowBatch(
+                ids=self._buckets[sel, KEY].view(np.uint64),
+                weights=self._weights[rows],
+                state=self._state[rows],
+                row_step=self._row_step[rows],
+                last_seen=self._buckets[sel, SEEN].copy(),
+                freq=meta // FREQ_ONE,
+            )
+            tombs = (
+                np.concatenate(self._tombstones).view(np.uint64)
+                if self._tombstones
+                else np.zeros(0, dtype=np.uint64)
+            )
+            if mark_clean:
+                self._buckets[sel, META] = (meta & ~np.int64(DIRTY)) | PERSISTED
+                self._tombstones = []
+            return batch, tombs, self.clock
+
+    def mark_all_dirty(self) -> None:
+        """Forget what was persisted (after a failed checkpoint, the next must be full)."""
+        with self._lock:
+            occupied = self._buckets[:, ROW] >= 0
+            self._buckets[occupied, META] = (self._buckets[occupied, META] | DIRTY) & ~np.int64(
+                PERSISTED
+            )
+            self._tombstones = []
+
+    def load(self, batch: RowBatch) -> None:
+        """Insert or overwrite rows (restore path); the rows count as not yet persisted."""
+        if batch.weights.shape[1:] != (self.dim,) or batch.state.shape[1:] != (
+            self._state_width,
+        ):
+            msg = (
+                f"table {self.name!r}: checkpoint rows have shape {batch.weights.shape[1:]} and "
+                f"state {batch.state.shape[1:]}, the table expects ({self.dim},) and "
+                f"({self._state_width},): was the table's dim or optimizer changed?"
+            )
+            raise CheckpointError(msg)
+        keys = np.ascontiguousarray(batch.ids).view(np.int64)
+        with self._lock:
+            if len(self) + keys.shape[0] > self.config.capacity:
+                # Only new ids need room; count them before failing.
+                present = np.empty(keys.shape[0], dtype=np.int64)
+                scratch = np.empty((keys.shape[0], self.dim), dtype=np.float32)
+                missing = _lookup(self._buckets, keys, 0, False, self._weights, scratch, present)
+                if len(self) + missing > self.config.capacity:
+                    msg = (
+                        f"table {self.name!r}: restoring {len(self) + missing} rows onto a shard "
+                        f"whose capacity is {self.config.capacity}; raise the table's capacity "
+                        "or restore onto more shards"
+                    )
+                    raise CheckpointError(msg)
+            self._reserve(keys.shape[0])
+            rows = np.empty(keys.shape[0], dtype=np.int64)
+            _upsert(
+                self._buckets,
+                keys,
+                self._alloc,
+                self._free,
+                np.ascontiguousarray(batch.last_seen, dtype=np.int64),
+                np.ascontiguousarray(batch.freq, dtype=np.int64),
+                rows,
+            )
+            self._weights[rows] = batch.weights
+            self._state[rows] = batch.state
+            self._row_step[rows] = batch.row_step
+            self._buckets[:, META] |= np.where(self._buckets[:, ROW] >= 0, DIRTY, 0)
+
+    def remove(self, ids: npt.ArrayLike) -> int:
+        """Delete the rows of ``ids`` (restore applies tombstones with this)."""
+        keys = _as_ids(ids).view(np.int64)
+        with self._lock:
+            return self._delete(keys)
+
+    def ids(self) -> U64:
+        """The ids that have a row now (in bucket order)."""
+        with self._lock:
+            occupied = self._buckets[:, ROW] >= 0
+            return self._buckets[occupied, KEY].view(np.uint64)
+
+    def set_clock(self, clock: int) -> None:
+        """Move the clock forward to ``clock`` (restore path)."""
+        with self._lock:
+            self.clock = max(self.clock, int(clock))
+
+    def stats(self) -> TableStats:
+        """A consistent snapshot of this table's counters."""
+        with self._lock:
+            return TableStats(
+                name=self.name,
+                dim=self.dim,
+                rows=len(self),
+                capacity=self.config.capacity,
+                memory_bytes=self.memory_bytes,
+                clock=self.clock,
+                **self._counters,
+            )

@@ -1,0 +1,293 @@
+"""Configuration and result types of the embedding store, all in one module.
+
+Configuration is a tree of frozen pydantic models that reject unknown keys, so a
+misspelled YAML option is an error rather than a silently ignored setting.
+
+>>> cfg = TableConfig(dim=8, optimizer={"kind": "adam", "lr": 0.01}, capacity=1000)
+>>> cfg.optimizer.kind, cfg.optimizer.lr, cfg.initializer.kind
+('adam', 0.01, 'uniform')
+>>> TableConfig(dim=8, optimiser="sgd")  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+pydantic_core._pydantic_core.ValidationError: 1 validation error for TableConfig
+optimiser
+  Extra inputs are not permitted ...
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+TABLE_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+
+RowDtype = Literal["float16", "float32"]
+CheckpointKind = Literal["full", "delta", "auto"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --- initializers ---------------------------------------------------------------
+
+
+class UniformInit(_Strict):
+    """Rows start uniform in ``[-scale, scale)``, deterministic from (table, id, seed)."""
+
+    kind: Literal["uniform"] = "uniform"
+    scale: float = Field(0.01, ge=0.0)
+
+
+class NormalInit(_Strict):
+    """Rows start normal with ``mean`` and ``std``, deterministic from (table, id, seed)."""
+
+    kind: Literal["normal"] = "normal"
+    mean: float = 0.0
+    std: float = Field(0.01, ge=0.0)
+
+
+class ZerosInit(_Strict):
+    """Rows start at zero (the usual choice for FTRL-trained linear weights)."""
+
+    kind: Literal["zeros"] = "zeros"
+
+
+InitializerConfig = Annotated[UniformInit | NormalInit | ZerosInit, Field(discriminator="kind")]
+
+
+# --- sparse optimizers ----------------------------------------------------------
+
+
+class SGDConfig(_Strict):
+    """Stochastic gradient descent, with the semantics of ``torch.optim.SGD`` per row."""
+
+    kind: Literal["sgd"] = "sgd"
+    lr: float = Field(0.01, gt=0.0)
+    momentum: float = Field(0.0, ge=0.0, lt=1.0)
+    dampening: float = Field(0.0, ge=0.0, le=1.0)
+    nesterov: bool = False
+    weight_decay: float = Field(0.0, ge=0.0)
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> SGDConfig:
+        if self.nesterov and (self.momentum <= 0.0 or self.dampening != 0.0):
+            msg = (
+                f"sgd: nesterov=True needs momentum > 0 and dampening == 0 "
+                f"(got momentum={self.momentum}, dampening={self.dampening})"
+            )
+            raise ValueError(msg)
+        return self
+
+
+class AdagradConfig(_Strict):
+    """Adagrad: element-wise (``torch.optim.Adagrad`` per row) or row-wise.
+
+    Row-wise Adagrad keeps one accumulator per row (the mean of the squared
+    gradient), which costs one float per row instead of ``dim``.
+    """
+
+    kind: Literal["adagrad"] = "adagrad"
+    lr: float = Field(0.01, gt=0.0)
+    eps: float = Field(1e-10, gt=0.0)
+    initial_accumulator_value: float = Field(0.0, ge=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    lr_decay: float = Field(0.0, ge=0.0)
+    rowwise: bool = False
+
+
+class AdamConfig(_Strict):
+    """Adam with a per-row step count for bias correction (lazy Adam).
+
+    ``decoupled_weight_decay=True`` gives AdamW.
+    """
+
+    kind: Literal["adam"] = "adam"
+    lr: float = Field(0.001, gt=0.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.999, ge=0.0, lt=1.0)
+    eps: float = Field(1e-8, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    decoupled_weight_decay: bool = False
+
+
+class FTRLConfig(_Strict):
+    """FTRL-Proximal (McMahan et al. 2013), per coordinate."""
+
+    kind: Literal["ftrl"] = "ftrl"
+    alpha: float = Field(0.05, gt=0.0)
+    beta: float = Field(1.0, ge=0.0)
+    l1: float = Field(0.0, ge=0.0)
+    l2: float = Field(0.0, ge=0.0)
+    initial_accumulator_value: float = Field(0.0, ge=0.0)
+
+
+OptimizerConfig = Annotated[
+    SGDConfig | AdagradConfig | AdamConfig | FTRLConfig, Field(discriminator="kind")
+]
+
+
+# --- admission ------------------------------------------------------------------
+
+
+class AlwaysAdmit(_Strict):
+    """Every id gets a row the first time a training lookup sees it."""
+
+    kind: Literal["always"] = "always"
+
+
+class CountMinAdmission(_Strict):
+    """An id gets a row once a count-min sketch has seen it ``threshold`` times."""
+
+    kind: Literal["count_min"] = "count_min"
+    threshold: int = Field(2, ge=1)
+    width: int = Field(1 << 20, ge=16, le=1 << 30)
+    depth: int = Field(4, ge=1, le=16)
+
+
+class ProbabilityAdmission(_Strict):
+    """Each training lookup of a new id admits it with ``probability``.
+
+    The draw is a hash of (id, seed, clock), so runs are reproducible.
+    """
+
+    kind: Literal["probability"] = "probability"
+    probability: float = Field(0.5, gt=0.0, le=1.0)
+
+
+AdmissionConfig = Annotated[
+    AlwaysAdmit | CountMinAdmission | ProbabilityAdmission, Field(discriminator="kind")
+]
+
+
+# --- tables and the store -------------------------------------------------------
+
+
+class TableConfig(_Strict):
+    """One embedding table: its shape, initial values, optimizer and memory bounds."""
+
+    dim: int = Field(ge=1, le=4096)
+    initializer: InitializerConfig = Field(default_factory=UniformInit)
+    optimizer: OptimizerConfig = Field(default_factory=AdagradConfig)
+    admission: AdmissionConfig = Field(default_factory=AlwaysAdmit)
+    capacity: int = Field(1_000_000, ge=1, le=1 << 31, description="rows kept per shard")
+    initial_rows: int = Field(1024, ge=1, description="rows allocated up front; grows to capacity")
+    ttl_steps: int | None = Field(None, ge=1, description="rows unseen for this many steps expire")
+    weight_clip: float | None = Field(None, gt=0.0, description="clamp weights to [-c, c]")
+    seed: int = Field(0, ge=0, lt=1 << 63)
+
+
+class StoreConfig(_Strict):
+    """The tables a store shard serves and the limits of the service.
+
+    >>> StoreConfig(tables={"user": {"dim": 16}}).tables["user"].dim
+    16
+    """
+
+    tables: dict[str, TableConfig] = Field(min_length=1)
+    max_message_bytes: int = Field(64 << 20, ge=1024, le=(1 << 31) - 1)
+    row_dtype: RowDtype = "float16"
+    compression: Literal["zstd", "lz4", "none"] = "zstd"
+    full_checkpoint_every: int = Field(
+        8, ge=1, description="with kind 'auto', a full snapshot after this many deltas"
+    )
+    keep_full_checkpoints: int = Field(2, ge=1)
+    remembered_push_ids: int = Field(65536, ge=1, description="push request ids kept for dedup")
+    server_threads: int = Field(8, ge=1, le=256)
+
+    @field_validator("tables")
+    @classmethod
+    def _table_names(cls, tables: dict[str, TableConfig]) -> dict[str, TableConfig]:
+        for name in tables:
+            if not TABLE_NAME_PATTERN.match(name):
+                msg = (
+                    f"tables: invalid table name {name!r}: use letters, digits, '_', '.' "
+                    "or '-', starting with a letter, digit or '_', at most 128 characters"
+                )
+                raise ValueError(msg)
+        return tables
+
+
+# --- results --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What one push did, summed over the tables it named."""
+
+    applied: int = 0
+    dropped_not_admitted: int = 0
+    rejected_nonfinite: int = 0
+    duplicate_request: bool = False
+
+    def __add__(self, other: PushResult) -> PushResult:
+        return PushResult(
+            self.applied + other.applied,
+            self.dropped_not_admitted + other.dropped_not_admitted,
+            self.rejected_nonfinite + other.rejected_nonfinite,
+            self.duplicate_request or other.duplicate_request,
+        )
+
+
+@dataclass(frozen=True)
+class TableStats:
+    """Counters of one table on one shard."""
+
+    name: str
+    dim: int
+    rows: int
+    capacity: int
+    memory_bytes: int
+    clock: int
+    lookups: int
+    lookup_ids: int
+    pushes: int
+    push_ids: int
+    admissions: int
+    rejected_admissions: int
+    evictions: int
+    expirations: int
+    overflow: int
+    dropped_not_admitted: int
+    rejected_nonfinite: int
+
+
+@dataclass(frozen=True)
+class ShardStats:
+    """Counters of one shard."""
+
+    tables: tuple[TableStats, ...]
+    duplicate_pushes: int = 0
+    last_checkpoint: CheckpointResult | None = None
+
+    def table(self, name: str) -> TableStats:
+        for t in self.tables:
+            if t.name == name:
+                return t
+        msg = f"no table named {name!r} in these stats (tables: {[t.name for t in self.tables]})"
+        raise KeyError(msg)
+
+
+@dataclass(frozen=True)
+class CheckpointResult:
+    """Where a shard checkpoint was written and what it holds."""
+
+    manifest: str
+    kind: Literal["full", "delta"]
+    seq: int
+    rows: int
+    tombstones: int
+    bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class RestoreResult:
+    """What a restore loaded."""
+
+    manifests: tuple[str, ...]
+    rows: int
+    rows_by_table: dict[str, int] = field(default_factory=dict)

@@ -1,0 +1,1 @@
+"""pipeline package (built in a later issue)."""

@@ -1,0 +1,63 @@
+"""Fixtures that run the real thing: store shard processes on free loopback ports."""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from deploy.local.shards import ShardProcess
+
+DEFAULT_TABLES: dict[str, Any] = {
+    "user": {"dim": 8, "optimizer": {"kind": "adagrad", "lr": 0.1}, "capacity": 100_000},
+    "item": {"dim": 4, "optimizer": {"kind": "sgd", "lr": 0.5}, "capacity": 100_000},
+}
+
+
+@pytest.fixture
+def write_job(tmp_path: Path) -> Callable[..., Path]:
+    """Write a job YAML with a ``store`` section; returns its path."""
+
+    def write(name: str = "job.yaml", **store: Any) -> Path:
+        section = {"tables": DEFAULT_TABLES, "row_dtype": "float32", **store}
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump({"store": section}))
+        return path
+
+    return write
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "token"
+    path.write_text(secrets.token_hex(16) + "\n")
+    return path
+
+
+@pytest.fixture
+def start_shards(tmp_path: Path) -> Iterator[Callable[..., list[ShardProcess]]]:
+    """Start N ``streamrec store serve`` processes; all are killed at teardown."""
+    started: list[ShardProcess] = []
+
+    def start(
+        n: int, config: Path, token_file: Path | None, prefix: str = "shard"
+    ) -> list[ShardProcess]:
+        procs = [
+            ShardProcess.start(config, tmp_path / f"{prefix}-{i}", token_file=token_file)
+            for i in range(n)
+        ]
+        started.extend(procs)
+        return procs
+
+    start.track = started.append  # type: ignore[attr-defined]  # for restarted shards
+    yield start
+    for p in started:
+        p.kill()
+
+
+def grpc_address(procs: list[ShardProcess]) -> str:
+    return "grpc://" + ",".join(p.address for p in procs)

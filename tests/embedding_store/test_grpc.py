@@ -1,0 +1,300 @@
+"""Store shards as real processes over gRPC on loopback, driven by the StoreClient."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from deploy.config import load_config
+from embedding_store.client import RetryPolicy, StoreClient
+from embedding_store.errors import (
+    InvalidRequest,
+    MessageTooLarge,
+    Unauthenticated,
+    UnknownTable,
+)
+from embedding_store.proto import embedding_store_pb2 as pb
+from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
+from tests.conftest import grpc_address
+
+RNG = np.random.default_rng(7)
+
+
+def _train(client: StoreClient, steps: int, seed: int = 0) -> np.ndarray:
+    """A few lookup+push steps on both tables; returns every id touched."""
+    rng = np.random.default_rng(seed)
+    touched = []
+    for _ in range(steps):
+        users = rng.integers(0, 5000, 300).astype(np.uint64)
+        items = rng.integers(0, 800, 200).astype(np.uint64)
+        client.lookup({"user": users, "item": items})
+        client.push(
+            {
+                "user": (users, rng.normal(size=(300, 8)).astype(np.float32)),
+                "item": (items, rng.normal(size=(200, 4)).astype(np.float32)),
+            }
+        )
+        touched.append(users)
+    return np.unique(np.concatenate(touched))
+
+
+def test_two_shards_match_an_in_process_store(write_job, token_file, start_shards) -> None:
+    job = write_job()
+    procs = start_shards(2, job, token_file)
+    token = token_file.read_text().strip()
+    cfg = load_config(job).store
+    with (
+        StoreClient.connect(grpc_address(procs), token=token, config=cfg) as remote,
+        StoreClient.connect("inproc://2", config=cfg) as local,
+    ):
+        assert remote.num_shards == 2
+        ids_r = _train(remote, 5)
+        ids_l = _train(local, 5)
+        np.testing.assert_array_equal(ids_r, ids_l)
+        got = remote.lookup({"user": ids_r}, train=False)["user"]
+        want = local.lookup({"user": ids_l}, train=False)["user"]
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        stats = remote.stats()
+        rows = [s.table("user").rows for s in stats]
+        assert all(r > 0 for r in rows), "both shards should own some ids"
+        assert sum(rows) == ids_r.shape[0]
+
+
+def test_float16_rows_on_the_wire(write_job, token_file, start_shards) -> None:
+    job = write_job(row_dtype="float16")
+    procs = start_shards(1, job, token_file)
+    cfg = load_config(job).store
+    with StoreClient.connect(grpc_address(procs), token=token_file.read_text().strip(), config=cfg) as c:
+        rows = c.lookup({"user": np.arange(10, dtype=np.uint64)})["user"]
+        assert rows.dtype == np.float16
+        exact = c.lookup({"user": np.arange(10, dtype=np.uint64)}, train=False)["user"]
+        np.testing.assert_array_equal(rows, exact)
+        assert np.abs(rows).max() > 0
+
+
+def test_calls_without_the_token_are_refused(write_job, token_file, start_shards) -> None:
+    job = write_job()
+    procs = start_shards(1, job, token_file)
+    with pytest.raises(Unauthenticated, match="UNAUTHENTICATED"):
+        StoreClient.connect(grpc_address(procs), token=None)
+    with pytest.raises(Unauthenticated):
+        StoreClient.connect(grpc_address(procs), token="not-the-token")
+    with grpc.insecure_channel(procs[0].address) as channel:
+        stub = pb_grpc.EmbeddingStoreStub(channel)
+        for call, req in [
+            (stub.Health, pb.HealthRequest()),
+            (stub.Stats, pb.StatsRequest()),
+            (stub.Lookup, pb.LookupRequest()),
+            (stub.Push, pb.PushRequest()),
+            (stub.Checkpoint, pb.CheckpointRequest()),
+            (stub.Restore, pb.RestoreRequest()),
+        ]:
+            with pytest.raises(grpc.RpcError) as info:
+                call(req, timeout=10)
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_malformed_requests_get_clear_codes(write_job, token_file, start_shards) -> None:
+    job = write_job()
+    procs = start_shards(1, job, token_file)
+    md = (("authorization", f"Bearer {token_file.read_text().strip()}"),)
+    ids8 = np.arange(8, dtype="<u8").tobytes()
+    with grpc.insecure_channel(procs[0].address) as channel:
+        stub = pb_grpc.EmbeddingStoreStub(channel)
+
+        def code_of(call, req) -> tuple[grpc.StatusCode, str]:
+            with pytest.raises(grpc.RpcError) as info:
+                call(req, metadata=md, timeout=10)
+            return info.value.code(), info.value.details()
+
+        code, details = code_of(
+            stub.Lookup, pb.LookupRequest(tables=[pb.TableIds(table="user", ids=b"1234567")])
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "7 bytes" in details
+        code, details = code_of(
+            stub.Lookup, pb.LookupRequest(tables=[pb.TableIds(table="nope", ids=ids8)])
+        )
+        assert code == grpc.StatusCode.NOT_FOUND and "'nope'" in details
+        code, details = code_of(
+            stub.Push,
+            pb.PushRequest(
+                tables=[pb.TableGrads(table="user", ids=ids8, grads=b"\0" * (7 * 8 * 4))],
+                dtype=pb.FLOAT32,
+            ),
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "7 rows" in details
+        code, details = code_of(
+            stub.Lookup, pb.LookupRequest(tables=[pb.TableIds(table="user", ids=ids8)], dtype=7)
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "dtype" in details
+        code, details = code_of(
+            stub.Checkpoint, pb.CheckpointRequest(directory="", metadata_json="[1")
+        )
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "metadata_json" in details
+        code, details = code_of(stub.Restore, pb.RestoreRequest(directory="/nonexistent/ckpt"))
+        assert code == grpc.StatusCode.FAILED_PRECONDITION and "/nonexistent/ckpt" in details
+
+    with StoreClient.connect(grpc_address(procs), token=token_file.read_text().strip()) as c:
+        with pytest.raises(UnknownTable):
+            c.lookup({"nope": np.arange(3)})
+        with pytest.raises(InvalidRequest, match=r"grads\[user\]"):
+            c.push({"user": (np.arange(3), np.zeros((3, 5), np.float32))})
+        ids = np.arange(4, dtype=np.uint64)
+        before = c.lookup({"user": ids})["user"].astype(np.float32)
+        grads = np.ones((4, 8), np.float32)
+        grads[1, 3] = np.nan
+        grads[2, 0] = np.inf
+        result = c.push({"user": (ids, grads)})
+        assert (result.applied, result.rejected_nonfinite) == (2, 2)
+        after = c.lookup({"user": ids}, train=False)["user"].astype(np.float32)
+        np.testing.assert_array_equal(after[1:3], before[1:3])
+        assert not np.allclose(after[[0, 3]], before[[0, 3]])
+        assert c.stats()[0].table("user").rejected_nonfinite == 2
+
+
+def test_messages_over_the_size_limit_are_refused(write_job, token_file, start_shards) -> None:
+    job = write_job(max_message_bytes=64 * 1024)
+    procs = start_shards(1, job, token_file)
+    token = token_file.read_text().strip()
+    with StoreClient.connect(grpc_address(procs), token=token, max_message_bytes=64 << 20) as c:
+        # 10k ids = 80 KB of request: refused by the server's limit.
+        with pytest.raises(MessageTooLarge, match="RESOURCE_EXHAUSTED"):
+            c.lookup({"user": np.arange(10_000, dtype=np.uint64)})
+        # 2k ids fit in, but 2k rows of dim 8 in float32 (64 KB + framing) do not fit out.
+        with pytest.raises(MessageTooLarge):
+            c.lookup({"user": np.arange(2_100, dtype=np.uint64)})
+        assert c.lookup({"user": np.arange(100, dtype=np.uint64)})["user"].shape == (100, 8)
+
+
+def test_a_retried_push_is_applied_once(write_job, token_file, start_shards) -> None:
+    procs = start_shards(1, write_job(), token_file)
+    with StoreClient.connect(grpc_address(procs), token=token_file.read_text().strip()) as c:
+        ids = np.arange(5, dtype=np.uint64)
+        before = c.lookup({"item": ids})["item"].astype(np.float32)
+        grads = {"item": (ids, np.ones((5, 4), np.float32))}
+        first = c.push(grads, request_id="step-1")
+        second = c.push(grads, request_id="step-1")
+        assert not first.duplicate_request and second.duplicate_request
+        after = c.lookup({"item": ids}, train=False)["item"].astype(np.float32)
+        np.testing.assert_allclose(after, before - 0.5, rtol=1e-6)
+        assert c.stats()[0].duplicate_pushes == 1
+
+
+def test_checkpoint_of_two_shards_restores_onto_three(
+    write_job, token_file, start_shards, tmp_path: Path
+) -> None:
+    job = write_job()
+    token = token_file.read_text().strip()
+    two = start_shards(2, job, token_file, prefix="two")
+    with StoreClient.connect(grpc_address(two), token=token) as c2:
+        ids = _train(c2, 4)
+        c2.checkpoint(tmp_path / "ckpt", "full")
+        _train(c2, 2, seed=1)  # a delta on top
+        results = c2.checkpoint(tmp_path / "ckpt")
+        assert [r.kind for r in results] == ["delta", "delta"]
+        items = np.arange(800, dtype=np.uint64)
+        want_users = c2.lookup({"user": ids}, train=False)["user"]
+        want_items = c2.lookup({"item": items}, train=False)["item"]
+        total_rows = sum(s.table("user").rows for s in c2.stats())
+    three = start_shards(3, job, token_file, prefix="three")
+    with StoreClient.connect(grpc_address(three), token=token) as c3:
+        restored = c3.restore(tmp_path / "ckpt")
+        assert sum(r.rows_by_table["user"] for r in restored) == total_rows
+        assert all(r.rows_by_table["user"] > 0 for r in restored)
+        np.testing.assert_array_equal(c3.lookup({"user": ids}, train=False)["user"], want_users)
+        np.testing.assert_array_equal(c3.lookup({"item": items}, train=False)["item"], want_items)
+
+
+def test_kill_9_then_restart_from_the_data_dir(write_job, token_file, start_shards) -> None:
+    job = write_job()
+    token = token_file.read_text().strip()
+    (proc,) = start_shards(1, job, token_file)
+    ids = np.arange(2000, dtype=np.uint64)
+    with StoreClient.connect(grpc_address([proc]), token=token) as c:
+        _train(c, 3)
+        (first,) = c.checkpoint(metadata={"note": "into the data dir"})
+        assert first.kind == "full" and first.manifest.startswith(str(proc.data_dir))
+        _train(c, 2, seed=5)
+        (second,) = c.checkpoint()
+        assert second.kind == "delta"
+        at_checkpoint = c.lookup({"user": ids}, train=False)["user"]
+        _train(c, 2, seed=9)  # acknowledged but never checkpointed: lost by kill -9
+        assert not np.array_equal(c.lookup({"user": ids}, train=False)["user"], at_checkpoint)
+    proc.kill()
+    again = proc.restart()
+    start_shards.track(again)
+    assert "rows restored" in again.log()
+    with StoreClient.connect(grpc_address([again]), token=token) as c:
+        np.testing.assert_array_equal(c.lookup({"user": ids}, train=False)["user"], at_checkpoint)
+
+
+def test_sigterm_checkpoints_and_a_restart_has_everything(write_job, token_file, start_shards) -> None:
+    job = write_job()
+    token = token_file.read_text().strip()
+    (proc,) = start_shards(1, job, token_file)
+    ids = np.arange(5000, dtype=np.uint64)
+    with StoreClient.connect(grpc_address([proc]), token=token) as c:
+        _train(c, 3)
+        before = c.lookup({"user": ids}, train=False)["user"]
+    assert proc.stop() == 0
+    assert "wrote full checkpoint" in proc.log()
+    again = proc.restart()
+    start_shards.track(again)
+    with StoreClient.connect(grpc_address([again]), token=token) as c:
+        np.testing.assert_array_equal(c.lookup({"user": ids}, train=False)["user"], before)
+
+
+def test_client_retries_while_a_shard_restarts(write_job, token_file, start_shards) -> None:
+    job = write_job()
+    token = token_file.read_text().strip()
+    (proc,) = start_shards(1, job, token_file)
+    retry = RetryPolicy(attempts=40, initial_backoff_s=0.05, max_backoff_s=0.5, timeout_s=10)
+    with StoreClient.connect(grpc_address([proc]), token=token, retry=retry) as c:
+        ids = np.arange(100, dtype=np.uint64)
+        before = c.lookup({"user": ids})["user"]
+        assert proc.stop() == 0
+        restarted: list = []
+        timer = threading.Timer(0.5, lambda: restarted.append(proc.restart()))
+        timer.start()
+        t0 = time.monotonic()
+        after = c.lookup({"user": ids}, train=False)["user"]  # waits out the restart
+        timer.join()
+        start_shards.track(restarted[0])
+        assert time.monotonic() - t0 >= 0.4
+        np.testing.assert_array_equal(after, before)
+
+
+def test_cli_help_and_errors(tmp_path: Path, write_job: Callable[..., Path]) -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "--help"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "store" in out
+    out = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "store", "serve", "--help"],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    assert "--token-file" in out and "--data-dir" in out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("store:\n  tables:\n    user: {dim: 8, optimiser: sgd}\n")
+    r = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "store", "serve", "--config", str(bad),
+         "--data-dir", str(tmp_path / "d"), "--no-auth"],
+        capture_output=True, text=True,
+    )
+    assert r.returncode == 2
+    assert "store.tables.user.optimiser" in r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "store", "serve", "--config", str(write_job()),
+         "--data-dir", str(tmp_path / "d")],
+        capture_output=True, text=True,
+    )
+    assert r.returncode == 2 and "--token-file is required" in r.stderr

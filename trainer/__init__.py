@@ -1,0 +1,1 @@
+"""trainer package (built in a later issue)."""
