@@ -37,11 +37,11 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deploy.local.shards import ShardProcess  # noqa: E402
-from embedding_store.client import StoreClient  # noqa: E402
-from embedding_store.hashing import mix64  # noqa: E402
-from embedding_store.shard import StoreShard  # noqa: E402
-from embedding_store.types import StoreConfig  # noqa: E402
+from deploy.local.shards import ShardProcess
+from embedding_store.client import StoreClient
+from embedding_store.hashing import mix64
+from embedding_store.shard import StoreShard
+from embedding_store.types import StoreConfig
 
 DIM = 16
 BATCH = 65_536
@@ -113,7 +113,12 @@ def fill(lookup: Callable[[np.ndarray], object], distinct: int) -> None:
 
 
 def bench_grpc(
-    n_shards: int, distinct: int, batches: list[np.ndarray], grads: np.ndarray, repeats: int, tmp: Path
+    n_shards: int,
+    distinct: int,
+    batches: list[np.ndarray],
+    grads: np.ndarray,
+    repeats: int,
+    tmp: Path,
 ) -> tuple[float, float]:
     job = tmp / f"job-{n_shards}.yaml"
     job.write_text(yaml.safe_dump({"store": store_config(distinct, n_shards)}))
@@ -140,10 +145,40 @@ def bench_grpc(
             p.kill()
 
 
+def gather_rate(distinct: int, positions: list[np.ndarray], repeats: int) -> float:
+    """numpy gathering the same rows from a float32 array of the table's size."""
+    table = np.random.default_rng(3).random((distinct, DIM), dtype=np.float32)
+    return median_rate(
+        lambda i: np.take(table, positions[i % len(positions)], axis=0), repeats, BATCH
+    )
+
+
+def bench_inproc(
+    distinct: int, batches: list[np.ndarray], grads: np.ndarray, repeats: int
+) -> dict[str, float]:
+    out: dict[str, float] = {}
+    # The physical reference: gather rows at the same skewed positions.
+    positions = [np.asarray(b % np.uint64(distinct), dtype=np.int64) for b in batches]
+    out["gather_limit_rows_per_s"] = gather_rate(distinct, positions, repeats)
+    gc.collect()
+    shard = StoreShard(StoreConfig.model_validate(store_config(distinct, 1)))
+    fill(lambda ids: shard.lookup({"emb": ids}), distinct)
+    out["inproc_lookup_rows_per_s"] = median_rate(
+        lambda i: shard.lookup({"emb": batches[i % len(batches)]}), repeats, BATCH
+    )
+    out["inproc_push_rows_per_s"] = median_rate(
+        lambda i: shard.push({"emb": (batches[i % len(batches)], grads)}), repeats, BATCH
+    )
+    out["inproc_lookup_vs_limit"] = out["inproc_lookup_rows_per_s"] / out["gather_limit_rows_per_s"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
-    parser.add_argument("--distinct", type=int, default=10_000_000, help="distinct ids in the table")
+    parser.add_argument(
+        "--distinct", type=int, default=10_000_000, help="distinct ids in the table"
+    )
     parser.add_argument("--repeats", type=int, default=30, help="timed batches per figure")
     parser.add_argument("--skip-grpc", action="store_true", help="only the in-process figures")
     args = parser.parse_args(argv)
@@ -157,27 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
     }
 
-    # The physical reference: gather rows at the same skewed positions.
-    positions = [np.asarray(b % np.uint64(args.distinct), dtype=np.int64) for b in batches]
-    table = np.random.default_rng(3).random((args.distinct, DIM), dtype=np.float32)
-    results["gather_limit_rows_per_s"] = median_rate(
-        lambda i: np.take(table, positions[i % len(positions)], axis=0), args.repeats, BATCH
-    )
-    del table
-    gc.collect()
-
-    shard = StoreShard(StoreConfig.model_validate(store_config(args.distinct, 1)))
-    fill(lambda ids: shard.lookup({"emb": ids}), args.distinct)
-    results["inproc_lookup_rows_per_s"] = median_rate(
-        lambda i: shard.lookup({"emb": batches[i % len(batches)]}), args.repeats, BATCH
-    )
-    results["inproc_push_rows_per_s"] = median_rate(
-        lambda i: shard.push({"emb": (batches[i % len(batches)], grads)}), args.repeats, BATCH
-    )
-    results["inproc_lookup_vs_limit"] = (
-        float(results["inproc_lookup_rows_per_s"]) / float(results["gather_limit_rows_per_s"])
-    )
-    del shard
+    results.update(bench_inproc(args.distinct, batches, grads, args.repeats))
     gc.collect()
 
     if not args.skip_grpc:
@@ -192,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
 
     width = max(len(k) for k in results)
     for k, v in results.items():
-        shown = f"{v:,.0f}" if isinstance(v, float) and v > 100 else (f"{v:.3f}" if isinstance(v, float) else str(v))
+        shown = (
+            f"{v:,.0f}"
+            if isinstance(v, float) and v > 100
+            else (f"{v:.3f}" if isinstance(v, float) else str(v))
+        )
         print(f"{k:<{width}}  {shown}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

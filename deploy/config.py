@@ -6,12 +6,12 @@ path and the offending value.
 >>> cfg = JobConfig.model_validate({"store": {"tables": {"user": {"dim": 8}}}})
 >>> cfg.store.tables["user"].dim
 8
->>> JobConfig.model_validate({"store": {"tables": {"user": {"dim": 0}}}})
+>>> JobConfig.model_validate({"store": {"tables": {"user": {"dim": 0}}}})  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
 pydantic_core._pydantic_core.ValidationError: 1 validation error for JobConfig
 store.tables.user.dim
-  Input should be greater than or equal to 1 [type=greater_than_equal, input_value=0, input_type=int]
+  Input should be greater than or equal to 1 [type=greater_than_equal, input_value=0, ...
 ...
 """
 

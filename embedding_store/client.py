@@ -62,11 +62,11 @@ from embedding_store.types import (
     StoreConfig,
     TableStats,
 )
-from embedding_store.wire import TO_PB, decode_matrix, encode_ids, encode_matrix
+from embedding_store.wire import FROM_PB, TO_PB, decode_matrix, encode_ids, encode_matrix
 
 T = TypeVar("T")
 U64 = npt.NDArray[np.uint64]
-Rows = npt.NDArray[np.floating]  # type: ignore[type-arg]
+Rows = npt.NDArray[np.floating]
 Wait = Callable[[], T]
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
@@ -97,7 +97,9 @@ class ShardTransport(Protocol):
 
     address: str
 
-    def dims(self) -> dict[str, int]: ...
+    def describe(self) -> tuple[dict[str, int], RowDtype]:
+        """The shard's tables (name -> dim) and its configured row dtype."""
+        ...
 
     def start_lookup(
         self, ids: dict[str, U64], train: bool, step: int | None, dtype: RowDtype
@@ -134,8 +136,8 @@ class InprocTransport:
             return lambda: value
         return self._pool.submit(fn).result
 
-    def dims(self) -> dict[str, int]:
-        return {name: t.dim for name, t in self.shard.tables.items()}
+    def describe(self) -> tuple[dict[str, int], RowDtype]:
+        return {name: t.dim for name, t in self.shard.tables.items()}, self.shard.config.row_dtype
 
     def start_lookup(
         self, ids: dict[str, U64], train: bool, step: int | None, dtype: RowDtype
@@ -153,7 +155,9 @@ class InprocTransport:
     ) -> Wait[PushResult]:
         # The wire rounds gradients to the push dtype; do the same here so that
         # inproc:// and grpc:// train identically.
-        cast = {k: (i, np.asarray(g).astype(dtype).astype(np.float32)) for k, (i, g) in grads.items()}
+        cast = {
+            k: (i, np.asarray(g).astype(dtype).astype(np.float32)) for k, (i, g) in grads.items()
+        }
         return self._start(lambda: self.shard.push(cast, request_id=request_id))
 
     def checkpoint(
@@ -202,7 +206,7 @@ class GrpcTransport:
                 ("grpc.max_send_message_length", max_message_bytes),
             ],
         )
-        self._stub = pb_grpc.EmbeddingStoreStub(self._channel)
+        self._stub = pb_grpc.EmbeddingStoreStub(self._channel)  # type: ignore[no-untyped-call]
 
     def _call(self, method: str, request: Any, first: Any = None) -> Any:
         """Call ``method`` with retries; ``first`` is an already started future."""
@@ -226,8 +230,9 @@ class GrpcTransport:
         )
         return lambda: self._call(method, request, first=future)
 
-    def dims(self) -> dict[str, int]:
-        return dict(self._call("Health", pb.HealthRequest()).dims)
+    def describe(self) -> tuple[dict[str, int], RowDtype]:
+        r = self._call("Health", pb.HealthRequest())
+        return dict(r.dims), FROM_PB.get(r.row_dtype, "float16")
 
     def start_lookup(
         self, ids: dict[str, U64], train: bool, step: int | None, dtype: RowDtype
@@ -332,7 +337,7 @@ class StoreClient:
         self,
         transports: Sequence[ShardTransport],
         *,
-        row_dtype: RowDtype = "float16",
+        row_dtype: RowDtype | None = None,
         grad_dtype: RowDtype = "float32",
         pool: ThreadPoolExecutor | None = None,
     ) -> None:
@@ -340,14 +345,15 @@ class StoreClient:
             msg = "a StoreClient needs at least one shard"
             raise ValueError(msg)
         self._transports = list(transports)
-        self.row_dtype: RowDtype = row_dtype
-        self.grad_dtype: RowDtype = grad_dtype
         self._pool = pool
-        self.dims = self._transports[0].dims()
+        self.dims, store_dtype = self._transports[0].describe()
         for t in self._transports[1:]:
-            if t.dims() != self.dims:
-                msg = f"shard {t.address} serves tables {t.dims()}, shard 0 serves {self.dims}"
+            dims, _ = t.describe()
+            if dims != self.dims:
+                msg = f"shard {t.address} serves tables {dims}, shard 0 serves {self.dims}"
                 raise StoreError(msg)
+        self.row_dtype: RowDtype = row_dtype or store_dtype
+        self.grad_dtype: RowDtype = grad_dtype
         self._client_id = uuid.uuid4().hex
         self._push_seq = itertools.count()
 
@@ -363,7 +369,10 @@ class StoreClient:
         retry: RetryPolicy | None = None,
         max_message_bytes: int | None = None,
     ) -> StoreClient:
-        """A client for ``inproc://[N]`` (needs ``config``) or ``grpc://h:p[,h:p...]``."""
+        """A client for ``inproc://[N]`` (needs ``config``) or ``grpc://h:p[,h:p...]``.
+
+        Rows come back in ``row_dtype``, by default the store's configured one.
+        """
         if address.startswith("inproc://"):
             if config is None:
                 msg = f"{address}: an in-process store needs its StoreConfig (config=...)"
@@ -373,7 +382,7 @@ class StoreClient:
                 msg = f"{address}: expected inproc:// or inproc://N with N shards"
                 raise ValueError(msg)
             shards = [StoreShard(config) for _ in range(int(rest or 1))]
-            return cls.from_shards(shards, row_dtype=row_dtype or config.row_dtype, grad_dtype=grad_dtype)
+            return cls.from_shards(shards, row_dtype=row_dtype, grad_dtype=grad_dtype)
         if address.startswith("grpc://"):
             hosts = [h.strip() for h in address.removeprefix("grpc://").split(",") if h.strip()]
             if not hosts:
@@ -381,17 +390,11 @@ class StoreClient:
                 raise ValueError(msg)
             limit = max_message_bytes or (config.max_message_bytes if config else 64 << 20)
             transports = [
-                GrpcTransport(
-                    h, token=token, max_message_bytes=limit, retry=retry or RetryPolicy()
-                )
+                GrpcTransport(h, token=token, max_message_bytes=limit, retry=retry or RetryPolicy())
                 for h in hosts
             ]
             try:
-                return cls(
-                    transports,
-                    row_dtype=row_dtype or (config.row_dtype if config else "float16"),
-                    grad_dtype=grad_dtype,
-                )
+                return cls(transports, row_dtype=row_dtype, grad_dtype=grad_dtype)
             except BaseException:
                 for t in transports:
                     t.close()
@@ -404,11 +407,15 @@ class StoreClient:
         cls,
         shards: Sequence[StoreShard],
         *,
-        row_dtype: RowDtype = "float16",
+        row_dtype: RowDtype | None = None,
         grad_dtype: RowDtype = "float32",
     ) -> StoreClient:
         """A client over shard objects of this process."""
-        pool = ThreadPoolExecutor(len(shards), thread_name_prefix="inproc-store") if len(shards) > 1 else None
+        pool = (
+            ThreadPoolExecutor(len(shards), thread_name_prefix="inproc-store")
+            if len(shards) > 1
+            else None
+        )
         transports = [InprocTransport(s, pool, f"inproc://shard-{i}") for i, s in enumerate(shards)]
         return cls(transports, row_dtype=row_dtype, grad_dtype=grad_dtype, pool=pool)
 
@@ -423,7 +430,9 @@ class StoreClient:
             msg = f"table {name!r} is not served by this store (tables: {sorted(self.dims)})"
             raise UnknownTable(msg) from None
 
-    def _route(self, ids: npt.ArrayLike, field: str) -> tuple[U64, npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    def _route(
+        self, ids: npt.ArrayLike, field: str
+    ) -> tuple[U64, npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         arr = np.asarray(ids)
         if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.shape[0] > 0):
             msg = f"{field}: expected a 1-d array of integer ids, got {arr.dtype} shape {arr.shape}"

@@ -107,7 +107,8 @@ def group_by_shard(
     >>> int(bounds[-1]), sorted(order.tolist())
     (6, [0, 1, 2, 3, 4, 5])
     """
-    return _group_by_shard(shard_of(ids, num_shards), num_shards)  # type: ignore[no-any-return]
+    order, bounds = _group_by_shard(shard_of(ids, num_shards), num_shards)
+    return order, bounds
 
 
 def table_seed(name: str, seed: int) -> np.uint64:

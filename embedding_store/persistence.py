@@ -84,9 +84,11 @@ def _sha256(path: Path) -> str:
 
 def _write_table(path: Path, table: pa.Table, compression: str) -> dict[str, Any]:
     options = pa.ipc.IpcWriteOptions(compression=None if compression == "none" else compression)
-    with pa.OSFile(str(path), "wb") as sink:
-        with pa.ipc.new_file(sink, table.schema, options=options) as writer:
-            writer.write_table(table, max_chunksize=1 << 20)
+    with (
+        pa.OSFile(str(path), "wb") as sink,
+        pa.ipc.new_file(sink, table.schema, options=options) as writer,
+    ):
+        writer.write_table(table, max_chunksize=1 << 20)
     with path.open("rb+") as f:
         os.fsync(f.fileno())
     return {
@@ -199,7 +201,9 @@ def read_manifest(path: Path) -> Manifest:
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
         if doc["format"] != FORMAT_VERSION:
-            msg = f"{path}: checkpoint format {doc['format']}, this streamrec reads {FORMAT_VERSION}"
+            msg = (
+                f"{path}: checkpoint format {doc['format']}, this streamrec reads {FORMAT_VERSION}"
+            )
             raise CheckpointError(msg)
         return Manifest(
             path=path,
@@ -292,16 +296,19 @@ def read_rows(path: Path, dim: int, state_width: int) -> RowBatch:
 
 def read_tombstones(path: Path) -> npt.NDArray[np.uint64]:
     """Load a tombstones file written by ``write_checkpoint``."""
-    return _read(path).column("id").to_numpy().astype(np.uint64, copy=False)
+    ids: npt.NDArray[np.uint64] = _read(path).column("id").to_numpy().astype(np.uint64)
+    return ids
 
 
 def source_dirs(directory: Path) -> list[Path]:
     """The checkpoint directories under ``directory``: itself, or its ``shard-*`` folders."""
     if list_manifests(directory):
         return [directory]
-    subdirs = sorted(
-        p for p in directory.glob("shard-*") if p.is_dir() and list_manifests(p)
-    ) if directory.is_dir() else []
+    subdirs = (
+        sorted(p for p in directory.glob("shard-*") if p.is_dir() and list_manifests(p))
+        if directory.is_dir()
+        else []
+    )
     if not subdirs:
         msg = f"{directory}: no checkpoint here (no MANIFEST-*.json, no shard-*/ folders with one)"
         raise CheckpointError(msg)

@@ -163,11 +163,13 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
     @_errors_to_status
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
         return pb.HealthResponse(
-            status="SERVING", dims={name: t.dim for name, t in self.shard.tables.items()}
+            status="SERVING",
+            dims={name: t.dim for name, t in self.shard.tables.items()},
+            row_dtype=TO_PB[self.shard.config.row_dtype],
         )
 
 
-class TokenAuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
+class TokenAuthInterceptor(grpc.ServerInterceptor):  # type: ignore[type-arg]
     """Refuses every call whose metadata lacks ``authorization: Bearer <token>``."""
 
     def __init__(self, token: str) -> None:
@@ -184,9 +186,9 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):  # type: ignore[misc]
 
     def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler],
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler[Any, Any] | None],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         for key, value in handler_call_details.invocation_metadata or ():
             if key == AUTH_HEADER:
                 given = value.encode() if isinstance(value, str) else bytes(value)
@@ -217,7 +219,7 @@ def make_server(
             ("grpc.so_reuseport", 0),
         ],
     )
-    pb_grpc.add_EmbeddingStoreServicer_to_server(EmbeddingStoreServicer(shard), server)
+    pb_grpc.add_EmbeddingStoreServicer_to_server(EmbeddingStoreServicer(shard), server)  # type: ignore[no-untyped-call]
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         msg = f"could not listen on {host}:{port} (port in use?)"

@@ -155,7 +155,7 @@ class StoreShard:
         return result
 
     @staticmethod
-    def _apply(checked: list[tuple[EmbeddingTable, np.ndarray, np.ndarray]]) -> PushResult:  # type: ignore[type-arg]
+    def _apply(checked: list[tuple[EmbeddingTable, np.ndarray, np.ndarray]]) -> PushResult:
         total = PushResult()
         for table, ids, g in checked:
             total = total + table.push(ids, g)
@@ -192,7 +192,12 @@ class StoreShard:
             existing = persistence.list_manifests(target)
             seq = existing[-1][0] + 1 if existing else 1
             chain = self._chain
-            can_delta = chain is not None and chain[0] == target and existing and chain[1] == existing[-1][0]
+            can_delta = (
+                chain is not None
+                and chain[0] == target
+                and existing
+                and chain[1] == existing[-1][0]
+            )
             if kind == "full" or not can_delta:
                 actual = "full"
             elif kind == "delta":
@@ -267,7 +272,9 @@ class StoreShard:
             raise InvalidRequest(msg)
         source = self._resolve_dir(directory, "restore")
         with self._checkpoint_lock:
-            chains = [persistence.plan_restore(d, upto_seq) for d in persistence.source_dirs(source)]
+            chains = [
+                persistence.plan_restore(d, upto_seq) for d in persistence.source_dirs(source)
+            ]
             for chain in chains:
                 persistence.verify(chain)
             fresh = {name: EmbeddingTable(name, cfg) for name, cfg in self.config.tables.items()}

@@ -97,7 +97,7 @@ class RowBatch:
 
 
 @nb.njit(nogil=True, cache=True, inline="always")
-def _home(key: np.int64, mask: int) -> int:
+def _home(key: np.int64, mask: int) -> np.int64:
     return np.int64(mix64(np.uint64(key)) & np.uint64(mask))
 
 
@@ -234,7 +234,7 @@ def _insert(
 
 
 @nb.njit(nogil=True, cache=True)
-def _delete_at(buckets: I64, b: int) -> None:
+def _delete_at(buckets: I64, b: int | np.int64) -> None:
     """Remove bucket ``b`` by shifting back the entries that probed past it."""
     mask = buckets.shape[0] - 1
     hole = b
@@ -245,10 +245,7 @@ def _delete_at(buckets: I64, b: int) -> None:
             break
         home = _home(buckets[j, KEY], mask)
         # The entry at j may move into the hole unless its home lies in (hole, j].
-        if hole <= j:
-            stays = hole < home <= j
-        else:
-            stays = home > hole or home <= j
+        stays = hole < home <= j if hole <= j else home > hole or home <= j
         if not stays:
             for c in range(4):
                 buckets[hole, c] = buckets[j, c]
@@ -518,7 +515,7 @@ class EmbeddingTable:
     def _grow_rows(self, new_alloc: int) -> None:
         old = self._alloc_rows
 
-        def grow(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:  # type: ignore[type-arg]
+        def grow(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
             b = np.zeros(shape, dtype=a.dtype)
             b[:old] = a[:old]
             return b
@@ -536,9 +533,7 @@ class EmbeddingTable:
         self.clock = self.clock + 1 if step is None else max(self.clock, int(step))
         return self.clock
 
-    def lookup(
-        self, ids: npt.ArrayLike, *, train: bool = True, step: int | None = None
-    ) -> F32:
+    def lookup(self, ids: npt.ArrayLike, *, train: bool = True, step: int | None = None) -> F32:
         """Rows for ``ids`` (float32[n, dim]), in request order.
 
         ``train=True`` advances the table's clock (to ``step`` when given, else by
@@ -644,7 +639,9 @@ class EmbeddingTable:
             self._counters["push_ids"] += keys.shape[0]
             self._counters["dropped_not_admitted"] += absent
             self._counters["rejected_nonfinite"] += nonfinite
-        return PushResult(applied=applied, dropped_not_admitted=absent, rejected_nonfinite=nonfinite)
+        return PushResult(
+            applied=applied, dropped_not_admitted=absent, rejected_nonfinite=nonfinite
+        )
 
     # --- eviction and expiry ----------------------------------------------------
 
@@ -665,10 +662,7 @@ class EmbeddingTable:
         n = min(occupied.shape[0], max(n, self.config.capacity // 64))
         if n <= 0:
             return 0
-        if n < occupied.shape[0]:
-            victims = occupied[np.argpartition(seen, n - 1)[:n]]
-        else:
-            victims = occupied
+        victims = occupied[np.argpartition(seen, n - 1)[:n]] if n < occupied.shape[0] else occupied
         deleted = self._delete(self._buckets[victims, KEY].copy())
         self._counters["evictions"] += deleted
         return deleted
@@ -747,9 +741,7 @@ class EmbeddingTable:
 
     def load(self, batch: RowBatch) -> None:
         """Insert or overwrite rows (restore path); the rows count as not yet persisted."""
-        if batch.weights.shape[1:] != (self.dim,) or batch.state.shape[1:] != (
-            self._state_width,
-        ):
+        if batch.weights.shape[1:] != (self.dim,) or batch.state.shape[1:] != (self._state_width,):
             msg = (
                 f"table {self.name!r}: checkpoint rows have shape {batch.weights.shape[1:]} and "
                 f"state {batch.state.shape[1:]}, the table expects ({self.dim},) and "
@@ -796,7 +788,8 @@ class EmbeddingTable:
         """The ids that have a row now (in bucket order)."""
         with self._lock:
             occupied = self._buckets[:, ROW] >= 0
-            return self._buckets[occupied, KEY].view(np.uint64)
+            ids: U64 = self._buckets[occupied, KEY].view(np.uint64)
+            return ids
 
     def set_clock(self, clock: int) -> None:
         """Move the clock forward to ``clock`` (restore path)."""

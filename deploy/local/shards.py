@@ -87,7 +87,9 @@ class ShardProcess:
 
     def restart(self, timeout_s: float = 120.0) -> ShardProcess:
         """Start a fresh process on the same data dir and port (after a stop or a kill)."""
-        token = self.argv[self.argv.index("--token-file") + 1] if "--token-file" in self.argv else None
+        token = (
+            self.argv[self.argv.index("--token-file") + 1] if "--token-file" in self.argv else None
+        )
         config = Path(self.argv[self.argv.index("--config") + 1])
         return ShardProcess.start(
             config,

@@ -78,6 +78,15 @@ class Adam:
     ) -> None:
         c = self.config
         _adam(
-            weights, state, row_step, rows, grads,
-            c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, c.decoupled_weight_decay,
+            weights,
+            state,
+            row_step,
+            rows,
+            grads,
+            c.lr,
+            c.beta1,
+            c.beta2,
+            c.eps,
+            c.weight_decay,
+            c.decoupled_weight_decay,
         )

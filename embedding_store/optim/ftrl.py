@@ -11,8 +11,13 @@ from embedding_store.types import FTRLConfig
 
 @nb.njit(nogil=True, cache=True)
 def _ftrl_init(
-    weights: Float32Array, state: Float32Array, rows: Int64Array, alpha: float, beta: float,
-    l2: float, n0: float,
+    weights: Float32Array,
+    state: Float32Array,
+    rows: Int64Array,
+    alpha: float,
+    beta: float,
+    l2: float,
+    n0: float,
 ) -> None:
     dim = weights.shape[1]
     for i in range(rows.shape[0]):

@@ -32,10 +32,7 @@ def _sgd(
         for j in range(dim):
             d = np.float32(grads[i, j] + weight_decay * weights[r, j])
             if momentum != 0.0:
-                if first:
-                    buf = d
-                else:
-                    buf = np.float32(momentum * state[r, j] + (1.0 - dampening) * d)
+                buf = d if first else np.float32(momentum * state[r, j] + (1.0 - dampening) * d)
                 state[r, j] = buf
                 d = np.float32(d + momentum * buf) if nesterov else buf
             weights[r, j] = np.float32(weights[r, j] - lr * d)
@@ -70,4 +67,15 @@ class SGD:
         grads: Float32Array,
     ) -> None:
         c = self.config
-        _sgd(weights, state, row_step, rows, grads, c.lr, c.momentum, c.dampening, c.nesterov, c.weight_decay)
+        _sgd(
+            weights,
+            state,
+            row_step,
+            rows,
+            grads,
+            c.lr,
+            c.momentum,
+            c.dampening,
+            c.nesterov,
+            c.weight_decay,
+        )

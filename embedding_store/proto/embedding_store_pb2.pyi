@@ -207,7 +207,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "dims")
+    __slots__ = ("status", "dims", "row_dtype")
     class DimsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,8 @@ class HealthResponse(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     STATUS_FIELD_NUMBER: _ClassVar[int]
     DIMS_FIELD_NUMBER: _ClassVar[int]
+    ROW_DTYPE_FIELD_NUMBER: _ClassVar[int]
     status: str
     dims: _containers.ScalarMap[str, int]
-    def __init__(self, status: _Optional[str] = ..., dims: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    row_dtype: RowDtype
+    def __init__(self, status: _Optional[str] = ..., dims: _Optional[_Mapping[str, int]] = ..., row_dtype: _Optional[_Union[RowDtype, str]] = ...) -> None: ...

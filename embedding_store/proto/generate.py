@@ -1,7 +1,7 @@
 """Regenerate the committed gRPC stubs, or check that they are up to date.
 
-    python -m embedding_store.proto.generate          # rewrite the stubs
-    python -m embedding_store.proto.generate --check  # exit 1 if they are stale
+python -m embedding_store.proto.generate          # rewrite the stubs
+python -m embedding_store.proto.generate --check  # exit 1 if they are stale
 """
 
 from __future__ import annotations

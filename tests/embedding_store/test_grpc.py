@@ -70,7 +70,9 @@ def test_float16_rows_on_the_wire(write_job, token_file, start_shards) -> None:
     job = write_job(row_dtype="float16")
     procs = start_shards(1, job, token_file)
     cfg = load_config(job).store
-    with StoreClient.connect(grpc_address(procs), token=token_file.read_text().strip(), config=cfg) as c:
+    with StoreClient.connect(
+        grpc_address(procs), token=token_file.read_text().strip(), config=cfg
+    ) as c:
         rows = c.lookup({"user": np.arange(10, dtype=np.uint64)})["user"]
         assert rows.dtype == np.float16
         exact = c.lookup({"user": np.arange(10, dtype=np.uint64)}, train=False)["user"]
@@ -116,11 +118,13 @@ def test_malformed_requests_get_clear_codes(write_job, token_file, start_shards)
         code, details = code_of(
             stub.Lookup, pb.LookupRequest(tables=[pb.TableIds(table="user", ids=b"1234567")])
         )
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and "7 bytes" in details
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "7 bytes" in details
         code, details = code_of(
             stub.Lookup, pb.LookupRequest(tables=[pb.TableIds(table="nope", ids=ids8)])
         )
-        assert code == grpc.StatusCode.NOT_FOUND and "'nope'" in details
+        assert code == grpc.StatusCode.NOT_FOUND
+        assert "'nope'" in details
         code, details = code_of(
             stub.Push,
             pb.PushRequest(
@@ -128,17 +132,21 @@ def test_malformed_requests_get_clear_codes(write_job, token_file, start_shards)
                 dtype=pb.FLOAT32,
             ),
         )
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and "7 rows" in details
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "7 rows" in details
         code, details = code_of(
             stub.Lookup, pb.LookupRequest(tables=[pb.TableIds(table="user", ids=ids8)], dtype=7)
         )
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and "dtype" in details
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "dtype" in details
         code, details = code_of(
             stub.Checkpoint, pb.CheckpointRequest(directory="", metadata_json="[1")
         )
-        assert code == grpc.StatusCode.INVALID_ARGUMENT and "metadata_json" in details
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "metadata_json" in details
         code, details = code_of(stub.Restore, pb.RestoreRequest(directory="/nonexistent/ckpt"))
-        assert code == grpc.StatusCode.FAILED_PRECONDITION and "/nonexistent/ckpt" in details
+        assert code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "/nonexistent/ckpt" in details
 
     with StoreClient.connect(grpc_address(procs), token=token_file.read_text().strip()) as c:
         with pytest.raises(UnknownTable):
@@ -162,7 +170,9 @@ def test_messages_over_the_size_limit_are_refused(write_job, token_file, start_s
     job = write_job(max_message_bytes=64 * 1024)
     procs = start_shards(1, job, token_file)
     token = token_file.read_text().strip()
-    with StoreClient.connect(grpc_address(procs), token=token, max_message_bytes=64 << 20) as c:
+    with StoreClient.connect(
+        grpc_address(procs), token=token, max_message_bytes=64 << 20, row_dtype="float32"
+    ) as c:
         # 10k ids = 80 KB of request: refused by the server's limit.
         with pytest.raises(MessageTooLarge, match="RESOURCE_EXHAUSTED"):
             c.lookup({"user": np.arange(10_000, dtype=np.uint64)})
@@ -180,7 +190,8 @@ def test_a_retried_push_is_applied_once(write_job, token_file, start_shards) -> 
         grads = {"item": (ids, np.ones((5, 4), np.float32))}
         first = c.push(grads, request_id="step-1")
         second = c.push(grads, request_id="step-1")
-        assert not first.duplicate_request and second.duplicate_request
+        assert not first.duplicate_request
+        assert second.duplicate_request
         after = c.lookup({"item": ids}, train=False)["item"].astype(np.float32)
         np.testing.assert_allclose(after, before - 0.5, rtol=1e-6)
         assert c.stats()[0].duplicate_pushes == 1
@@ -219,7 +230,8 @@ def test_kill_9_then_restart_from_the_data_dir(write_job, token_file, start_shar
     with StoreClient.connect(grpc_address([proc]), token=token) as c:
         _train(c, 3)
         (first,) = c.checkpoint(metadata={"note": "into the data dir"})
-        assert first.kind == "full" and first.manifest.startswith(str(proc.data_dir))
+        assert first.kind == "full"
+        assert first.manifest.startswith(str(proc.data_dir))
         _train(c, 2, seed=5)
         (second,) = c.checkpoint()
         assert second.kind == "delta"
@@ -234,7 +246,9 @@ def test_kill_9_then_restart_from_the_data_dir(write_job, token_file, start_shar
         np.testing.assert_array_equal(c.lookup({"user": ids}, train=False)["user"], at_checkpoint)
 
 
-def test_sigterm_checkpoints_and_a_restart_has_everything(write_job, token_file, start_shards) -> None:
+def test_sigterm_checkpoints_and_a_restart_has_everything(
+    write_job, token_file, start_shards
+) -> None:
     job = write_job()
     token = token_file.read_text().strip()
     (proc,) = start_shards(1, job, token_file)
@@ -280,21 +294,46 @@ def test_cli_help_and_errors(tmp_path: Path, write_job: Callable[..., Path]) -> 
     assert "store" in out
     out = subprocess.run(
         [sys.executable, "-m", "deploy.cli", "store", "serve", "--help"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
-    assert "--token-file" in out and "--data-dir" in out
+    assert "--token-file" in out
+    assert "--data-dir" in out
     bad = tmp_path / "bad.yaml"
     bad.write_text("store:\n  tables:\n    user: {dim: 8, optimiser: sgd}\n")
     r = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", "store", "serve", "--config", str(bad),
-         "--data-dir", str(tmp_path / "d"), "--no-auth"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "store",
+            "serve",
+            "--config",
+            str(bad),
+            "--data-dir",
+            str(tmp_path / "d"),
+            "--no-auth",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert r.returncode == 2
     assert "store.tables.user.optimiser" in r.stderr
     r = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", "store", "serve", "--config", str(write_job()),
-         "--data-dir", str(tmp_path / "d")],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "store",
+            "serve",
+            "--config",
+            str(write_job()),
+            "--data-dir",
+            str(tmp_path / "d"),
+        ],
+        capture_output=True,
+        text=True,
     )
-    assert r.returncode == 2 and "--token-file is required" in r.stderr
+    assert r.returncode == 2
+    assert "--token-file is required" in r.stderr

@@ -43,7 +43,12 @@ def _state(shard: StoreShard) -> dict[str, dict[int, np.ndarray]]:
         out[name] = {
             int(i): np.concatenate([w, s, [step, seen, freq]])
             for i, w, s, step, seen, freq in zip(
-                rows.ids, rows.weights, rows.state, rows.row_step, rows.last_seen, rows.freq,
+                rows.ids,
+                rows.weights,
+                rows.state,
+                rows.row_step,
+                rows.last_seen,
+                rows.freq,
                 strict=True,
             )
         }
@@ -70,7 +75,10 @@ def test_auto_checkpoints_form_a_chain_that_restores_exactly(tmp_path: Path) -> 
     assert kinds == ["full", "delta", "delta", "full", "delta"]
     copy = StoreShard(CONFIG)
     result = copy.restore(tmp_path)
-    assert [Path(m).name for m in result.manifests] == ["MANIFEST-00000004.json", "MANIFEST-00000005.json"]
+    assert [Path(m).name for m in result.manifests] == [
+        "MANIFEST-00000004.json",
+        "MANIFEST-00000005.json",
+    ]
     _assert_same(shard, copy)
     # Optimizer state came back too: one more identical step keeps them equal.
     _step(shard, 99)
@@ -85,7 +93,9 @@ def test_deltas_hold_only_dirty_rows_and_tombstones(tmp_path: Path) -> None:
     shard.push({"item": (np.array([3], np.uint64), np.ones((1, 2), np.float32))})
     removed = shard.table("user").evict(10)
     delta = shard.checkpoint(tmp_path, "delta")
-    assert delta.kind == "delta" and delta.rows == 1 and delta.tombstones == removed
+    assert delta.kind == "delta"
+    assert delta.rows == 1
+    assert delta.tombstones == removed
     assert full.rows == len(shard.table("user")) + removed + len(shard.table("item"))
 
 
@@ -112,7 +122,11 @@ def test_garbage_collection_keeps_the_newest_full_chains(tmp_path: Path) -> None
     seqs = [s for s, _ in list_manifests(tmp_path)]
     # fulls at 1, 4, 7: the chain of 1 is gone, 4.. are kept
     assert seqs == [4, 5, 6, 7, 8, 9]
-    leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(("00000001", "00000002", "00000003"))]
+    leftovers = [
+        p.name
+        for p in tmp_path.iterdir()
+        if p.name.startswith(("00000001", "00000002", "00000003"))
+    ]
     assert leftovers == []
 
 
@@ -151,7 +165,9 @@ def test_restore_refuses_a_changed_table_shape(tmp_path: Path) -> None:
     shard = StoreShard(CONFIG)
     _step(shard, 0)
     shard.checkpoint(tmp_path, "full")
-    changed = StoreConfig(tables={**CONFIG.tables, "user": CONFIG.tables["user"].model_copy(update={"dim": 8})})
+    changed = StoreConfig(
+        tables={**CONFIG.tables, "user": CONFIG.tables["user"].model_copy(update={"dim": 8})}
+    )
     with pytest.raises(CheckpointError, match="'user'"):
         StoreShard(changed).restore(tmp_path)
     only_item = StoreConfig(tables={"item": CONFIG.tables["item"]})
@@ -163,7 +179,9 @@ def test_restore_over_capacity_names_the_table(tmp_path: Path) -> None:
     shard = StoreShard(CONFIG)
     _step(shard, 0)
     shard.checkpoint(tmp_path, "full")
-    small = StoreConfig(tables={**CONFIG.tables, "user": CONFIG.tables["user"].model_copy(update={"capacity": 10})})
+    small = StoreConfig(
+        tables={**CONFIG.tables, "user": CONFIG.tables["user"].model_copy(update={"capacity": 10})}
+    )
     with pytest.raises(CheckpointError, match="capacity is 10"):
         StoreShard(small).restore(tmp_path)
 
@@ -185,7 +203,7 @@ def test_a_failed_write_forces_the_next_checkpoint_to_be_full(tmp_path: Path) ->
     _step(shard, 1)
     blocker = tmp_path / "blocked"
     blocker.write_text("a file where a directory should be")
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="blocked"):
         shard.checkpoint(blocker, "auto")
     assert shard.checkpoint(tmp_path, "auto").kind == "full"
     copy = StoreShard(CONFIG)

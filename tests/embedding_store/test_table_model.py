@@ -178,7 +178,5 @@ class TableModel(RuleBasedStateMachine):
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
-TableModel.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=30, deadline=None
-)
+TableModel.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_table_against_dict_reference = TableModel.TestCase
