@@ -470,7 +470,9 @@ class StoreClient:
             for name, rows in wait().items():
                 _, order, bounds = routed[name]
                 if self.num_shards == 1:
-                    out[name] = np.asarray(rows)
+                    # Replies decode as read-only views of the message; callers
+                    # (torch.from_numpy) expect arrays they own.
+                    out[name] = rows if rows.flags.writeable else rows.copy()
                 else:
                     out[name][order[bounds[s] : bounds[s + 1]]] = rows
         return out
