@@ -103,6 +103,14 @@ def _home(key: np.int64, mask: int) -> np.int64:
     return np.int64(mix64(np.uint64(key)) & np.uint64(mask))
 
 
+@nb.njit(nogil=True, cache=True, inline="always")
+def _slot_for(buckets: I64, key: np.int64, b: np.int64, mask: int) -> np.int64:
+    """The bucket holding ``key``, or the empty bucket where it would go, from ``b`` on."""
+    while buckets[b, ROW] >= 0 and buckets[b, KEY] != key:
+        b = (b + 1) & mask
+    return b
+
+
 @nb.njit(nogil=True, cache=True)
 def _lookup(
     buckets: I64,
@@ -214,9 +222,7 @@ def _insert(
     for p in range(positions.shape[0]):
         i = positions[p]
         key = ids[i]
-        b = _home(key, mask)
-        while buckets[b, ROW] >= 0 and buckets[b, KEY] != key:
-            b = (b + 1) & mask
+        b = _slot_for(buckets, key, _home(key, mask), mask)
         r = buckets[b, ROW]
         if r < 0:
             if alloc[0] >= row_limit:
@@ -282,9 +288,7 @@ def _delete_keys(
     n_tomb = 0
     for i in range(keys.shape[0]):
         key = keys[i]
-        b = _home(key, mask)
-        while buckets[b, ROW] >= 0 and buckets[b, KEY] != key:
-            b = (b + 1) & mask
+        b = _slot_for(buckets, key, _home(key, mask), mask)
         r = buckets[b, ROW]
         if r < 0:
             continue
@@ -332,9 +336,7 @@ def _resolve_push(
             nonfinite += 1
             continue
         key = ids[i]
-        b = scratch[i]
-        while buckets[b, ROW] >= 0 and buckets[b, KEY] != key:
-            b = (b + 1) & mask
+        b = _slot_for(buckets, key, scratch[i], mask)
         r = buckets[b, ROW]
         if r < 0:
             rows_out[i] = -1
@@ -368,9 +370,7 @@ def _upsert(
     created = 0
     for i in range(ids.shape[0]):
         key = ids[i]
-        b = _home(key, mask)
-        while buckets[b, ROW] >= 0 and buckets[b, KEY] != key:
-            b = (b + 1) & mask
+        b = _slot_for(buckets, key, _home(key, mask), mask)
         r = buckets[b, ROW]
         if r < 0:
             if alloc[1] > 0:
