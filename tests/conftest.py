@@ -12,6 +12,8 @@ import yaml
 
 from deploy.local.shards import ShardProcess
 
+pytest_plugins = ["tests.kafka_fixtures"]
+
 DEFAULT_TABLES: dict[str, Any] = {
     "user": {"dim": 8, "optimizer": {"kind": "adagrad", "lr": 0.1}, "capacity": 100_000},
     "item": {"dim": 4, "optimizer": {"kind": "sgd", "lr": 0.5}, "capacity": 100_000},

@@ -1,0 +1,59 @@
+"""``PreparedBatch``: what a Dask worker hands a trainer (numpy arrays only).
+
+Per table, the ids of every bag of every sample are deduplicated:
+``unique_ids[inverse]`` gives the ids in bag order, and ``offsets`` delimits the
+bags. Bags are sample-major: bag ``b * F + f`` is field ``f`` (in the order of
+``fields``) of sample ``b``, so ``offsets`` has ``B * F + 1`` entries and pooled
+embeddings reshape to ``[B, F, dim]``.
+
+>>> import numpy as np
+>>> t = TableBatch(
+...     fields=("user",),
+...     unique_ids=np.array([7, 9], dtype=np.uint64),
+...     inverse=np.array([0, 1, 0], dtype=np.int32),
+...     offsets=np.array([0, 1, 2, 3], dtype=np.int32),
+... )
+>>> t.unique_ids[t.inverse].tolist(), t.num_bags
+([7, 9, 7], 3)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+
+@dataclass
+class TableBatch:
+    """The ids one table receives from one batch, deduplicated, and their rows."""
+
+    fields: tuple[str, ...]
+    unique_ids: npt.NDArray[np.uint64]
+    inverse: npt.NDArray[np.int32]
+    offsets: npt.NDArray[np.int32]
+    rows: npt.NDArray[np.floating] | None = None  # [U, dim], after the store lookup
+    pooling: tuple[str, ...] = ()  # "sum" or "mean" per field
+
+    @property
+    def num_bags(self) -> int:
+        return int(self.offsets.shape[0] - 1)
+
+
+@dataclass
+class PreparedBatch:
+    """One chunk's records, decoded, validated, hashed and looked up."""
+
+    labels: npt.NDArray[np.float32]  # [B, T]
+    dense: npt.NDArray[np.float32]  # [B, D]
+    tables: dict[str, TableBatch]
+    source: str = ""
+    partition: str = ""
+    start: int = 0  # the chunk's range [start, end) in its partition
+    end: int = 0
+    bad_records: int = 0
+    bad_by_reason: dict[str, int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
