@@ -17,7 +17,8 @@ Positions are integers: Kafka offsets, row indices within a Parquet file
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+import dataclasses
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -74,7 +75,7 @@ class BadRecord:
     reason: str  # a short machine-readable kind, e.g. "missing_label", "nan", "not_json"
     field: str | None  # the offending field, when there is one
     detail: str  # a human-readable sentence naming the value
-    raw: bytes = field(repr=False, default=b"")
+    raw: bytes = dataclasses.field(repr=False, default=b"")
 
     def to_json(self) -> dict[str, Any]:
         """The dead-letter form: raw bytes as latin-1 text so any payload round-trips."""
