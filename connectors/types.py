@@ -16,8 +16,8 @@ Positions are integers: Kafka offsets, row indices within a Parquet file
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
