@@ -1,0 +1,490 @@
+"""SyntheticSource: determinism, the stream's distribution, the hidden model, helpers.
+
+Also home of the source contract suite (``CONTRACT_CHECKS``), which
+``test_parquet.py`` runs against ``ParquetSource`` too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import pickle
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from connectors.synthetic import (
+    DENSE_NAMES,
+    SPARSE_NAMES,
+    SyntheticConfig,
+    SyntheticSource,
+    auc,
+    iter_json_lines,
+    synthetic_feature_spec,
+    synthetic_store_tables,
+    table_schema,
+    write_parquet,
+)
+from connectors.types import Chunk, RawChunk, Source
+from embedding_store.types import StoreConfig
+
+REPO = Path(__file__).resolve().parents[2]
+
+# --- the source contract suite (river's check_* style) ---------------------------
+
+
+def _plan_all(source: Source, partition: str, max_records: int) -> list[Chunk]:
+    chunks = []
+    pos = source.start_position(partition)
+    while not source.is_finished(partition, pos):
+        chunk = source.plan(partition, pos, max_records)
+        assert chunk is not None, f"{partition}: not finished at {pos} but nothing planned"
+        assert chunk.start == pos
+        assert chunk.end > chunk.start
+        chunks.append(chunk)
+        pos = chunk.end
+    assert source.plan(partition, pos, max_records) is None
+    assert pos == source.end_position(partition)
+    return chunks
+
+
+def check_covers_every_position(source: Source) -> None:
+    """Planning from start to finish reads every position once, in order."""
+    for max_records in (1, 7, 1000, 10**9):
+        for partition in source.partitions():
+            seen: list[int] = []
+            for chunk in _plan_all(source, partition, max_records):
+                assert chunk.source == source.name
+                assert chunk.partition == partition
+                raw = source.read(chunk)
+                assert raw.chunk == chunk
+                assert (raw.table is None) != (raw.payloads is None)
+                assert raw.table is not None
+                assert raw.table.num_rows == len(raw)
+                assert raw.positions.dtype == np.int64
+                assert ((raw.positions >= chunk.start) & (raw.positions < chunk.end)).all()
+                seen.extend(raw.positions.tolist())
+            end = source.end_position(partition)
+            assert end is not None
+            assert seen == list(range(source.start_position(partition), end))
+
+
+def check_chunks_pickle(source: Source) -> None:
+    """A chunk, and the source itself, survive pickling (they travel to Dask workers)."""
+    for partition in source.partitions():
+        chunk = source.plan(partition, source.start_position(partition), 50)
+        if chunk is None:
+            continue
+        again = pickle.loads(pickle.dumps(chunk))
+        assert again == chunk
+        remote = pickle.loads(pickle.dumps(source))
+        assert table_of(remote.read(again)).equals(table_of(source.read(chunk)))
+
+
+def check_read_is_deterministic(source: Source) -> None:
+    """Reading a chunk twice gives equal records and positions."""
+    for partition in source.partitions():
+        chunk = source.plan(partition, source.start_position(partition), 100)
+        if chunk is None:
+            continue
+        a, b = source.read(chunk), source.read(chunk)
+        assert a.table is not None
+        assert a.table.equals(b.table)
+        assert (a.positions == b.positions).all()
+
+
+def check_unknown_partition(source: Source) -> None:
+    """A partition the source does not have is an error that names it."""
+    with pytest.raises((KeyError, ValueError), match="no-such-partition"):
+        source.plan("no-such-partition", 0, 10)
+
+
+CONTRACT_CHECKS: list[Callable[[Source], None]] = [
+    check_covers_every_position,
+    check_chunks_pickle,
+    check_read_is_deterministic,
+    check_unknown_partition,
+]
+
+
+def check_empty(source: Source) -> None:
+    """A source without records plans nothing and is finished at once."""
+    for partition in source.partitions():
+        start = source.start_position(partition)
+        assert source.end_position(partition) == start
+        assert source.is_finished(partition, start)
+        assert source.plan(partition, start, 100) is None
+
+
+# --- fixtures -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def src() -> SyntheticSource:
+    return SyntheticSource(SyntheticConfig(seed=7))
+
+
+def table_of(raw: RawChunk) -> pa.Table:
+    """The table of a columnar raw chunk (every source here is columnar)."""
+    assert raw.table is not None
+    return raw.table
+
+
+def _digest(table: pa.Table) -> str:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return hashlib.sha256(sink.getvalue().to_pybytes()).hexdigest()
+
+
+# --- contract ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("check", CONTRACT_CHECKS, ids=lambda c: c.__name__)
+def test_contract(check: Callable[[Source], None]) -> None:
+    check(SyntheticSource(SyntheticConfig(seed=3, partitions=3, events=1500, chunk_size=400)))
+
+
+def test_contract_empty() -> None:
+    check_empty(SyntheticSource(SyntheticConfig(events=0, partitions=2)))
+
+
+def test_is_a_source() -> None:
+    source: Source = SyntheticSource(SyntheticConfig(events=1))
+    assert source.name == "synthetic"
+
+
+# --- determinism ------------------------------------------------------------------
+
+
+def test_same_chunk_same_records(src: SyntheticSource) -> None:
+    chunk = src.plan("synthetic/0", 1000, 500)
+    assert chunk is not None
+    assert table_of(src.read(chunk)).equals(table_of(src.read(chunk)))
+    # A fresh source with an equal config (another worker) reads the same records.
+    assert table_of(SyntheticSource(SyntheticConfig(seed=7)).read(chunk)).equals(
+        table_of(src.read(chunk))
+    )
+
+
+def test_records_do_not_depend_on_chunking(src: SyntheticSource) -> None:
+    whole = src.records(0, 0, 3000)
+    parts = [src.records(0, s, 1000) for s in (0, 1000, 2000)]
+    assert pa.concat_tables(parts).equals(whole)
+    assert src.records(0, 1234, 1).equals(whole.slice(1234, 1))
+
+
+def test_same_records_in_another_process(src: SyntheticSource) -> None:
+    code = (
+        "import hashlib, pyarrow as pa\n"
+        "from connectors.synthetic import SyntheticConfig, SyntheticSource\n"
+        "from connectors.types import Chunk\n"
+        "t = SyntheticSource(SyntheticConfig(seed=7, partitions=2)).read(\n"
+        "    Chunk('synthetic', 'synthetic/1', 5000, 6000)).table\n"
+        "sink = pa.BufferOutputStream()\n"
+        "with pa.ipc.new_stream(sink, t.schema) as w:\n"
+        "    w.write_table(t)\n"
+        "print(hashlib.sha256(sink.getvalue().to_pybytes()).hexdigest())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    here = SyntheticSource(SyntheticConfig(seed=7, partitions=2)).records(1, 5000, 1000)
+    assert out.stdout.strip() == _digest(here)
+
+
+def test_seeds_and_partitions_differ(src: SyntheticSource) -> None:
+    a = src.records(0, 0, 200)
+    other_seed = SyntheticSource(SyntheticConfig(seed=8)).records(0, 0, 200)
+    other_part = src.records(1, 0, 200)
+    for t in (other_seed, other_part):
+        assert not t.equals(a)
+        same = np.mean(np.array(t["C1"].to_pylist()) == np.array(a["C1"].to_pylist()))
+        assert same < 0.5
+    # Another seed is another world: other strings for the same field.
+    assert not set(a["C3"].to_pylist()) & set(other_seed["C3"].to_pylist())
+
+
+# Every option changes the records (or the plan): none is accepted and ignored.
+RECORD_OPTIONS: dict[str, Any] = {
+    "seed": 1,
+    "base_ctr": 0.05,
+    "signal": 2.0,
+    "drift_rate": 1.0,
+    "new_id_rate": 0.2,
+    "new_id_uses": 2.0,
+    "new_id_window": 1000,
+    "zipf_exponent": 1.5,
+    "cardinalities": (7,) * 26,
+    "dense_missing": (0.5,) * 13,
+}
+
+
+@pytest.mark.parametrize(("option", "value"), RECORD_OPTIONS.items(), ids=RECORD_OPTIONS.keys())
+def test_every_option_changes_the_records(option: str, value: Any) -> None:
+    start = 2_000_000  # past the new-id window, with visible drift
+    base = SyntheticSource(SyntheticConfig()).records(0, start, 3000)
+    changed = SyntheticSource(SyntheticConfig(**{option: value})).records(0, start, 3000)
+    assert not changed.equals(base)
+
+
+def test_plan_options() -> None:
+    src = SyntheticSource(SyntheticConfig(name="s2", partitions=2, events=10, chunk_size=4))
+    assert src.partitions() == ["s2/0", "s2/1"]
+    chunk = src.plan("s2/1", 8, 100)
+    assert chunk is not None
+    assert (chunk.source, chunk.start, chunk.end) == ("s2", 8, 10)
+    assert src.plan("s2/0", 0, 100) == Chunk("s2", "s2/0", 0, 4)
+    assert src.plan("s2/0", 0, 3) == Chunk("s2", "s2/0", 0, 3)
+
+
+def test_endless_stream() -> None:
+    src = SyntheticSource(SyntheticConfig())
+    assert src.end_position("synthetic/0") is None
+    assert not src.is_finished("synthetic/0", 10**15)
+    chunk = src.plan("synthetic/0", 10**12, 10)
+    assert chunk is not None
+    assert table_of(src.read(chunk)).num_rows == 10
+
+
+@pytest.mark.parametrize("partition", ["synthetic/2", "synthetic/01", "synthetic/-1", "other/0"])
+def test_unknown_partitions(partition: str) -> None:
+    src = SyntheticSource(SyntheticConfig(partitions=2))
+    with pytest.raises(KeyError, match=r"synthetic/0 \.\. synthetic/1"):
+        src.plan(partition, 0, 10)
+
+
+def test_bad_plan_and_chunk() -> None:
+    src = SyntheticSource(SyntheticConfig(events=10))
+    with pytest.raises(ValueError, match="position must be >= 0"):
+        src.plan("synthetic/0", -1, 10)
+    with pytest.raises(ValueError, match="max_records"):
+        src.plan("synthetic/0", 0, 0)
+    with pytest.raises(ValueError, match="cannot read"):
+        src.read(Chunk("kafka", "synthetic/0", 0, 5))
+
+
+def test_config_is_strict() -> None:
+    with pytest.raises(ValidationError, match="cardinalities"):
+        SyntheticConfig(cardinalities=(10, 20))
+    with pytest.raises(ValidationError, match="dense_missing"):
+        SyntheticConfig(dense_missing=(1.0,) * 13)
+    with pytest.raises(ValidationError, match="Extra inputs"):
+        SyntheticConfig(drift=0.1)  # type: ignore[call-arg]
+    cfg = SyntheticConfig()
+    with pytest.raises(ValidationError, match="frozen"):
+        cfg.seed = 3  # type: ignore[misc]
+
+
+# --- the distribution -------------------------------------------------------------
+
+
+def test_schema_and_values(src: SyntheticSource) -> None:
+    t = src.records(0, 0, 20_000)
+    assert t.schema.equals(table_schema())
+    assert set(np.unique(t["click"].to_numpy()).tolist()) <= {0.0, 1.0}
+    for name in SPARSE_NAMES:
+        values = t[name].to_pylist()
+        assert all(len(v) == 8 for v in values[:100])
+        int(values[0], 16)  # hex, as in Criteo's logs
+        assert t[name].null_count == 0
+    for name in DENSE_NAMES:
+        x = t[name].to_numpy(zero_copy_only=False)
+        x = x[~np.isnan(x)]
+        assert (x >= 0).all()
+        assert (x == np.floor(x)).all()
+
+
+def test_dense_missing_shares_and_heavy_tails(src: SyntheticSource) -> None:
+    t = src.records(0, 0, 40_000)
+    shares = [t[n].null_count / t.num_rows for n in DENSE_NAMES]
+    expected = np.array(SyntheticConfig().dense_missing)
+    assert np.abs(np.array(shares) - expected).max() < 0.02
+    i5 = t["I5"].to_numpy(zero_copy_only=False)
+    i5 = i5[~np.isnan(i5)]
+    assert np.max(i5) > 100 * np.median(i5)  # a heavy tail, as Criteo's counts
+
+
+def test_zipf_skew(src: SyntheticSource) -> None:
+    t = src.records(0, 0, 50_000)
+    # C3 has 10M ids, yet its few head ids are a large share of the traffic...
+    _, counts = np.unique(np.array(t["C3"].to_pylist()), return_counts=True)
+    counts = np.sort(counts)[::-1]
+    assert counts[:10].sum() > 0.2 * t.num_rows
+    # ...and a long tail of ids seen once.
+    assert (counts == 1).sum() > 0.1 * t.num_rows
+    # C9 is a closed field of 3 values: Zipf over 3, most frequent first.
+    _, c9 = np.unique(np.array(t["C9"].to_pylist()), return_counts=True)
+    assert len(c9) == 3
+    assert sorted(c9 / t.num_rows, reverse=True)[0] > 0.45
+
+
+def _distinct(t: pa.Table, field: str) -> set[str]:
+    return set(t[field].to_pylist())
+
+
+def test_new_ids_appear_over_time() -> None:
+    # C5 has 305 base ids: 50k events see them all, so later novelties are new ids.
+    def novel(cfg: SyntheticConfig) -> int:
+        s = SyntheticSource(cfg)
+        early = _distinct(s.records(0, 0, 50_000), "C5")
+        late = _distinct(s.records(0, 5_000_000, 20_000), "C5")
+        return len(late - early)
+
+    assert novel(SyntheticConfig(new_id_rate=0.0)) < 5
+    assert novel(SyntheticConfig(new_id_rate=0.05)) > 50
+    # Distinct ids keep growing with the number of events seen.
+    s = SyntheticSource(SyntheticConfig())
+    t = s.records(0, 0, 60_000)
+    sizes = [len(_distinct(t.slice(0, n), "C5")) for n in (20_000, 40_000, 60_000)]
+    assert sizes[0] < sizes[1] < sizes[2]
+    # New ids are shared by the partitions (they are the same world at the same time).
+    a = _distinct(s.records(0, 5_000_000, 20_000), "C5")
+    b = _distinct(s.records(1, 5_000_000, 20_000), "C5")
+    assert len(a & b) > 0.5 * len(a)
+
+
+def test_closed_fields_get_no_new_ids() -> None:
+    s = SyntheticSource(SyntheticConfig(new_id_rate=0.5))
+    for field, k in (("C9", 3), ("C20", 4), ("C6", 24)):
+        assert len(_distinct(s.records(0, 10_000_000, 20_000), field)) <= k
+
+
+def test_ctr_near_base_and_steady_under_drift() -> None:
+    for ctr in (0.03, 0.2):
+        s = SyntheticSource(SyntheticConfig(base_ctr=ctr, drift_rate=0.5))
+        at0 = s.records(0, 0, 40_000)["click"].to_numpy().mean()
+        assert abs(at0 - ctr) < 0.25 * ctr
+        for start in (3_000_000, 20_000_000):  # 1.5 and 10 radians of drift
+            later = s.records(0, start, 40_000)["click"].to_numpy().mean()
+            assert 0.5 * ctr < later < 1.7 * ctr
+
+
+def test_drift_changes_the_truth_slowly(src: SyntheticSource) -> None:
+    values = sorted(_distinct(src.records(0, 0, 5000), "C4"))
+    w0 = src.weights("C4", values, 0)
+    assert w0.std() > 0
+    corr = [float(np.corrcoef(w0, src.weights("C4", values, p))[0, 1]) for p in (10**5, 10**6)]
+    assert corr[0] > 0.999  # cos(0.01)
+    assert 0.98 < corr[1] < 0.999  # cos(0.1)
+    far = float(np.corrcoef(w0, src.weights("C4", values, 15_000_000))[0, 1])
+    assert abs(far - np.cos(1.5)) < 0.15
+    frozen = SyntheticSource(SyntheticConfig(seed=7, drift_rate=0.0))
+    assert (frozen.weights("C4", values, 10**9) == frozen.weights("C4", values, 0)).all()
+    with pytest.raises(KeyError, match="C27"):
+        src.weights("C27", values, 0)
+
+
+def test_click_probability_matches_clicks(src: SyntheticSource) -> None:
+    chunk = Chunk("synthetic", "synthetic/0", 0, 50_000)
+    p = src.click_probability(chunk)
+    clicks = table_of(src.read(chunk))["click"].to_numpy()
+    assert abs(p.mean() - clicks.mean()) < 0.01
+    # Calibration: clicks per decile of p follow p.
+    order = np.argsort(p)
+    for part in np.array_split(order, 10):
+        assert abs(p[part].mean() - clicks[part].mean()) < 0.03
+
+
+# --- the best AUC -----------------------------------------------------------------
+
+
+def test_best_auc_in_range_and_stable() -> None:
+    values = []
+    for seed in (0, 1, 2):
+        s = SyntheticSource(SyntheticConfig(seed=seed))
+        a, b = s.best_auc(100_000), s.best_auc(100_000, start=3_000_000)
+        assert 0.7 < a < 0.9
+        assert abs(a - b) < 0.02
+        values.append(a)
+    assert max(values) - min(values) < 0.05
+    assert SyntheticSource(SyntheticConfig(seed=0)).best_auc(100_000) == values[0]
+
+
+def test_signal_sets_the_best_auc() -> None:
+    assert abs(SyntheticSource(SyntheticConfig(signal=0.0)).best_auc(50_000) - 0.5) < 0.02
+    strong = SyntheticSource(SyntheticConfig(signal=2.0)).best_auc(50_000)
+    assert strong > SyntheticSource(SyntheticConfig()).best_auc(50_000) + 0.03
+
+
+def _auc_pairs(y: list[int], s: list[float]) -> float:
+    pos = [si for yi, si in zip(y, s, strict=True) if yi == 1]
+    neg = [si for yi, si in zip(y, s, strict=True) if yi == 0]
+    wins = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p, n in itertools.product(pos, neg))
+    return wins / (len(pos) * len(neg))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 1), st.integers(0, 5)), min_size=2, max_size=40).filter(
+        lambda xs: len({x[0] for x in xs}) == 2
+    )
+)
+def test_auc_equals_pair_counting(pairs: list[tuple[int, int]]) -> None:
+    y = [p[0] for p in pairs]
+    s = [p[1] / 5.0 for p in pairs]  # few distinct scores: many ties
+    assert auc(y, s) == pytest.approx(_auc_pairs(y, s), abs=1e-12)
+
+
+def test_auc_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="0 or 1"):
+        auc([0, 2], [0.1, 0.2])
+    with pytest.raises(ValueError, match="finite"):
+        auc([0, 1], [0.1, float("nan")])
+    with pytest.raises(ValueError, match="length"):
+        auc([0, 1], [0.1])
+
+
+# --- helpers ----------------------------------------------------------------------
+
+
+def test_feature_spec_and_store_tables() -> None:
+    spec = synthetic_feature_spec()
+    assert spec.labels == ["click"]
+    assert [d.name for d in spec.dense] == list(DENSE_NAMES)
+    assert all(d.transform == "log1p" and d.min_value == 0 for d in spec.dense)
+    assert spec.tables() == {f"c{i}": (f"C{i}",) for i in range(1, 27)}
+    tables = synthetic_store_tables(dim=16)
+    store = StoreConfig(tables=tables)
+    assert set(store.tables) == set(spec.tables())
+    assert all(t.dim == 16 for t in store.tables.values())
+    assert max(t.capacity for t in tables.values()) == 1 << 19
+    small = synthetic_store_tables(config=SyntheticConfig(cardinalities=(5000,) * 26))
+    assert {t.capacity for t in small.values()} == {20_000}
+
+
+def test_json_lines_match_records() -> None:
+    cfg = SyntheticConfig(seed=5, chunk_size=64)
+    lines = list(iter_json_lines(cfg, events=150))
+    assert len(lines) == 150
+    expected = SyntheticSource(cfg).records(0, 0, 150).to_pylist()
+    assert [json.loads(b) for b in lines] == expected
+    assert list(iter_json_lines(cfg, events=0)) == []
+    assert (
+        json.loads(next(iter_json_lines(cfg, events=1, partition=1)))
+        == (SyntheticSource(cfg).records(1, 0, 1).to_pylist()[0])
+    )
+
+
+def test_events_bounds() -> None:
+    with pytest.raises(ValueError, match="endless"):
+        next(iter_json_lines(SyntheticConfig(), events=None))
+    with pytest.raises(ValueError, match=r"config\.events=5"):
+        next(iter_json_lines(SyntheticConfig(events=5), events=6))
+    assert len(list(iter_json_lines(SyntheticConfig(events=5)))) == 5
+
+
+def test_write_parquet_rejects_bad_row_groups(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="row_group_size"):
+        write_parquet(tmp_path / "x.parquet", SyntheticConfig(), events=5, row_group_size=0)
