@@ -1,1 +1,1 @@
-"""connectors package (built in a later issue)."""
+"""Sources and sinks: Kafka, Parquet and synthetic streams, codecs, validation, dead letters."""

@@ -1,1 +1,1 @@
-"""pipeline package (built in a later issue)."""
+"""Features, hashing, prepared batches and the Dask driver (StreamRunner)."""

@@ -1,0 +1,208 @@
+"""Pipeline throughput, measured side by side in one run.
+
+    python benchmarks/pipeline.py --json bench-results/pipeline.json
+
+- ``decode_hash_events_per_s``: one core, JSON lines of the synthetic
+  Criteo-like stream (1 label, 13 dense, 26 sparse fields) → decoded, validated,
+  hashed and deduplicated batch (``JsonLinesCodec.decode`` + ``build_batch``);
+- ``pandas_baseline_events_per_s``: the same decode and hashing written the
+  obvious way with pandas (``read_json(lines=True)``, a Python hash per value,
+  ``factorize``), on the same payloads;
+- ``runner_events_per_s``: a Kafka topic (2 partitions) → ``StreamRunner`` with
+  2 Dask worker processes → ``PreparedBatch`` with rows looked up in 2 store
+  shard processes, end to end (wall time from the first submit to the last batch).
+
+Figures are medians over ``--repeats`` runs (the runner figure is one run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import secrets
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from connectors.codecs import make_codec
+from connectors.synthetic import (
+    SyntheticConfig,
+    iter_json_lines,
+    synthetic_feature_spec,
+    synthetic_store_tables,
+)
+from connectors.types import Chunk, RawChunk
+from pipeline.batch import build_batch
+
+SPEC = synthetic_feature_spec()
+
+
+def payloads(events: int, seed: int = 1) -> list[bytes]:
+    return list(iter_json_lines(SyntheticConfig(seed=seed), events))
+
+
+def decode_hash(data: list[bytes]) -> int:
+    codec = make_codec("json")
+    raw = RawChunk(
+        chunk=Chunk("bench", "bench/0", 0, len(data)),
+        positions=np.arange(len(data), dtype=np.int64),
+        payloads=data,
+    )
+    table, bad = codec.decode(raw, SPEC)
+    batch = build_batch(table, SPEC)
+    return len(batch) + len(bad)
+
+
+def pandas_baseline(data: list[bytes]) -> int:
+    """What one would write first: pandas for parsing, a Python hash per value."""
+    import io
+
+    import pandas as pd
+
+    df = pd.read_json(io.BytesIO(b"\n".join(data)), lines=True)
+    labels = df[SPEC.labels].to_numpy(dtype=np.float32)
+    dense = np.log1p(df[[d.name for d in SPEC.dense]].fillna(0).clip(lower=0)).to_numpy(np.float32)
+
+    def h(field: str, value: Any) -> int:
+        digest = hashlib.blake2b(f"{field}\x00{value}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little")
+
+    tables = {}
+    for s in SPEC.sparse:
+        ids = df[s.name].map(lambda v, f=s.name: h(f, v)).to_numpy(dtype=np.uint64)
+        inverse, unique = pd.factorize(ids)
+        tables[s.table] = (unique, inverse)
+    return int(labels.shape[0] + dense.shape[0] * 0 + len(tables) * 0)
+
+
+def median_rate(fn: Any, arg: Any, events: int, repeats: int) -> float:
+    fn(arg)  # warm-up: numba compilation, caches
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn(arg)
+        times.append(time.perf_counter() - t0)
+    return events / statistics.median(times)
+
+
+def bench_runner(events: int, tmp: Path) -> dict[str, float]:
+    """Kafka (2 partitions) → 2 Dask workers → 2 store shards, end to end."""
+    import yaml
+    from distributed import Client, LocalCluster
+
+    from connectors.kafka import KafkaSource, KafkaSourceConfig, produce
+    from deploy.local.kafka import LocalKafka
+    from deploy.local.shards import ShardProcess
+    from pipeline.prepare import StoreAddress
+    from pipeline.runner import StreamRunner
+
+    job = tmp / "job.yaml"
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "store": {
+                    "tables": {
+                        k: v.model_dump(mode="json")
+                        for k, v in synthetic_store_tables(dim=16).items()
+                    },
+                    "row_dtype": "float16",
+                }
+            }
+        )
+    )
+    token = tmp / "token"
+    token.write_text(secrets.token_hex(16))
+    kafka = LocalKafka.start(tmp / "kafka")
+    shards = [ShardProcess.start(job, tmp / f"shard-{i}", token_file=token) for i in range(2)]
+    try:
+        topic = "bench-events"
+        kafka.create_topic(topic, partitions=2)
+        data = payloads(events, seed=7)
+        half = len(data) // 2
+        produce(kafka.bootstrap, topic, data[:half], api_version=(0, 9), partition=0)
+        produce(kafka.bootstrap, topic, data[half:], api_version=(0, 9), partition=1)
+        source = KafkaSource(
+            KafkaSourceConfig(
+                bootstrap_servers=kafka.bootstrap,
+                topics=[topic],
+                group_id="bench",
+                auto_offset_reset="earliest",
+                api_version=(0, 9),
+                max_records=20_000,
+            )
+        )
+        store = StoreAddress(
+            "grpc://" + ",".join(s.address for s in shards), token=token.read_text()
+        )
+        with (
+            LocalCluster(
+                n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+            ) as lc,
+            Client(lc) as client,
+        ):
+            runner = StreamRunner(
+                client,
+                source,
+                SPEC,
+                store,
+                staleness=4,
+                codec=make_codec("json"),
+                max_records=20_000,
+            )
+            t0 = time.perf_counter()
+            seen = 0
+            for batch in runner:
+                seen += len(batch) + batch.bad_records
+                if seen >= events:
+                    break
+            elapsed = time.perf_counter() - t0
+            runner.close()
+        return {"runner_events_per_s": seen / elapsed, "runner_events": seen}
+    finally:
+        for s in shards:
+            s.kill()
+        kafka.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
+    parser.add_argument("--events", type=int, default=100_000, help="events per decode run")
+    parser.add_argument("--runner-events", type=int, default=400_000)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-runner", action="store_true")
+    args = parser.parse_args(argv)
+
+    data = payloads(args.events)
+    results: dict[str, float | int] = {"events": args.events, "repeats": args.repeats}
+    results["decode_hash_events_per_s"] = median_rate(decode_hash, data, args.events, args.repeats)
+    results["pandas_baseline_events_per_s"] = median_rate(
+        pandas_baseline, data, args.events, max(1, args.repeats // 2)
+    )
+    results["decode_hash_vs_pandas"] = (
+        results["decode_hash_events_per_s"] / results["pandas_baseline_events_per_s"]
+    )
+    if not args.skip_runner:
+        with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
+            results.update(bench_runner(args.runner_events, Path(tmp)))
+
+    width = max(len(k) for k in results)
+    for k, v in results.items():
+        print(f"{k:<{width}}  {v:,.2f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

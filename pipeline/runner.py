@@ -1,0 +1,217 @@
+"""``StreamRunner``: turns a source into prepared batches on a Dask cluster.
+
+It plans chunks per partition, submits one ``prepare`` task per chunk, keeps
+at most ``staleness`` prepared batches in flight, and yields them in source
+order within each partition (partitions interleave as their batches finish).
+While the consumer holds a batch, at most ``staleness`` more are in flight.
+``positions`` is, per partition, the end of the last batch yielded: every
+record before it has been handed to the consumer exactly once.
+
+``staleness=0`` is the synchronous mode: the next chunk is submitted (and its
+rows looked up) only when the consumer asks for the next batch, i.e. after it
+has pushed the gradients of the previous one.
+
+A task that fails, or whose worker dies, is retried (its chunk is re-read from
+the source), so a lost worker costs a retry, never a record.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from distributed import Client, Future, wait
+
+from connectors.codecs import Codec
+from connectors.types import BadRecord, Chunk, DeadLetterSink, Source
+from pipeline.prepare import StoreAddress, StoreClientPlugin, prepare
+from pipeline.spec import FeatureSpec
+from pipeline.types import PreparedBatch
+
+Prepared = tuple[PreparedBatch, list[BadRecord]]
+
+
+@dataclass
+class RunnerStats:
+    """What the runner has done so far."""
+
+    batches: int = 0
+    records: int = 0
+    bad_records: int = 0
+    bad_by_reason: dict[str, int] = field(default_factory=dict)
+    wait_s: float = 0.0  # time the consumer waited for a batch
+
+
+class StreamRunner:
+    """Prepared batches from ``source``, computed on the Dask cluster behind ``client``."""
+
+    def __init__(
+        self,
+        client: Client,
+        source: Source,
+        spec: FeatureSpec,
+        store: StoreAddress | None,
+        *,
+        staleness: int = 4,
+        codec: Codec | None = None,
+        max_records: int = 10_000,
+        positions: Mapping[str, int] | None = None,
+        deadletter: DeadLetterSink | None = None,
+        poll_interval_s: float = 0.2,
+        retries: int = 3,
+    ) -> None:
+        if staleness < 0:
+            msg = f"staleness must be >= 0, got {staleness}"
+            raise ValueError(msg)
+        if max_records < 1:
+            msg = f"max_records must be >= 1, got {max_records}"
+            raise ValueError(msg)
+        self.client = client
+        self.source = source
+        self.spec = spec
+        self.store = store
+        self.staleness = staleness
+        self.codec = codec
+        self.max_records = max_records
+        self.deadletter = deadletter
+        self.poll_interval_s = poll_interval_s
+        self.retries = retries
+        self.stats = RunnerStats()
+        self._given = dict(positions or {})
+        # Per partition: where the next chunk starts, and the batches not yet yielded.
+        self._planned: dict[str, int] = {}
+        self._done: dict[str, int] = {}
+        self._inflight: dict[str, deque[Future[Prepared]]] = {}
+        self._order: list[str] = []
+        self._next_partition = 0
+        self._closed = False
+        self._token = uuid.uuid4().hex[:8]
+        if store is not None:
+            client.register_plugin(StoreClientPlugin(store), name=StoreClientPlugin.name)
+
+    # --- positions ----------------------------------------------------------------
+
+    @property
+    def positions(self) -> dict[str, int]:
+        """Per partition, every position below this has been yielded (exactly once)."""
+        return dict(self._done)
+
+    def _refresh_partitions(self) -> None:
+        for p in self.source.partitions():
+            if p not in self._planned:
+                start = self._given.get(p)
+                if start is None:
+                    start = self.source.start_position(p)
+                self._planned[p] = start
+                self._done[p] = start
+                self._inflight[p] = deque()
+                self._order.append(p)
+
+    def _inflight_count(self) -> int:
+        return sum(len(q) for q in self._inflight.values())
+
+    # --- submission -----------------------------------------------------------------
+
+    def _submit(self, chunk: Chunk) -> Future[Prepared]:
+        # Unique per runner and range: a key reused after a cancel (a resumed runner
+        # planning a different range from the same start) would return the old task.
+        key = f"prepare-{chunk.name}-{chunk.start}-{chunk.end}-{self._token}"
+        return self.client.submit(
+            prepare,
+            chunk,
+            self.source,
+            self.spec,
+            self.codec,
+            lookup=self.store is not None,
+            key=key,
+            retries=self.retries,
+            pure=False,
+        )
+
+    def _top_up(self, limit: int) -> int:
+        """Submit chunks round-robin over partitions until ``limit`` are in flight."""
+        submitted = 0
+        stalled = 0
+        while self._inflight_count() < limit and self._order and stalled < len(self._order):
+            p = self._order[self._next_partition % len(self._order)]
+            self._next_partition += 1
+            chunk = self.source.plan(p, self._planned[p], self.max_records)
+            if chunk is None:
+                stalled += 1
+                continue
+            stalled = 0
+            self._planned[p] = chunk.end
+            self._inflight[p].append(self._submit(chunk))
+            submitted += 1
+        return submitted
+
+    def _finished(self) -> bool:
+        return self._inflight_count() == 0 and all(
+            self.source.is_finished(p, self._planned[p]) for p in self._order
+        )
+
+    # --- iteration ------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[PreparedBatch]:
+        self._refresh_partitions()
+        # While the consumer trains on a batch, ``staleness`` more are in flight, so
+        # a lookup misses the pushes of at most ``staleness`` earlier batches.
+        limit = self.staleness + 1
+        last_refresh = time.monotonic()
+        while not self._closed:
+            if time.monotonic() - last_refresh > 5.0:
+                self._refresh_partitions()
+                last_refresh = time.monotonic()
+            self._top_up(limit)
+            heads = [q[0] for q in self._inflight.values() if q]
+            if not heads:
+                if self._finished():
+                    return
+                time.sleep(self.poll_interval_s)
+                self._refresh_partitions()
+                continue
+            t0 = time.perf_counter()
+            ready = [f for f in heads if f.done()]
+            if not ready:
+                wait(heads, return_when="FIRST_COMPLETED")
+                ready = [f for f in heads if f.done()]
+            self.stats.wait_s += time.perf_counter() - t0
+            future = ready[0]
+            batch, bad = future.result()
+            self._inflight[batch.partition].popleft()
+            future.release()
+            self._record(batch, bad)
+            yield batch
+            # Only now, when the consumer asks for more, may staleness-0 submit the next.
+
+    def _record(self, batch: PreparedBatch, bad: list[BadRecord]) -> None:
+        self._done[batch.partition] = batch.end
+        self.stats.batches += 1
+        self.stats.records += len(batch)
+        self.stats.bad_records += len(bad)
+        for b in bad:
+            self.stats.bad_by_reason[b.reason] = self.stats.bad_by_reason.get(b.reason, 0) + 1
+        if bad and self.deadletter is not None:
+            self.deadletter.write(bad)
+
+    def progress(self) -> tuple[int, int | None]:
+        """(records yielded, records to yield in this run or None) over all partitions."""
+        first = {p: self._given.get(p, self.source.start_position(p)) for p in self._order}
+        done = sum(self._done[p] - first[p] for p in self._order)
+        ends = [self.source.end_position(p) for p in self._order]
+        if any(e is None for e in ends):
+            return done, None
+        total = sum((e or 0) - first[p] for p, e in zip(self._order, ends, strict=True))
+        return done, total
+
+    def close(self) -> None:
+        """Cancel what is in flight; the positions stay those of the batches yielded."""
+        self._closed = True
+        futures = [f for q in self._inflight.values() for f in q]
+        if futures:
+            self.client.cancel(futures)
+        for q in self._inflight.values():
+            q.clear()

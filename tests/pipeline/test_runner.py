@@ -1,0 +1,161 @@
+"""StreamRunner on a real Dask cluster (worker processes) with real store shard processes."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from distributed import Client, LocalCluster
+
+from connectors.parquet import ParquetSource
+from connectors.synthetic import (
+    SyntheticConfig,
+    SyntheticSource,
+    synthetic_feature_spec,
+    synthetic_store_tables,
+    write_parquet,
+)
+from deploy.local.shards import ShardProcess
+from embedding_store.client import StoreClient
+from pipeline.prepare import StoreAddress, prepare
+from pipeline.runner import StreamRunner
+from pipeline.types import PreparedBatch
+
+SPEC = synthetic_feature_spec()
+EVENTS = 3000
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Client]:
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as lc,
+        Client(lc) as client,
+    ):
+        yield client
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreAddress]:
+    tmp = tmp_path_factory.mktemp("store")
+    job = tmp / "job.yaml"
+    job.write_text(
+        yaml.safe_dump(
+            {
+                "store": {
+                    "tables": {
+                        k: v.model_dump(mode="json")
+                        for k, v in synthetic_store_tables(dim=8).items()
+                    },
+                    "row_dtype": "float32",
+                }
+            }
+        )
+    )
+    token = tmp / "token"
+    token.write_text("runner-test-token")
+    proc = ShardProcess.start(job, tmp / "shard-0", token_file=token)
+    try:
+        yield StoreAddress(f"grpc://{proc.address}", token="runner-test-token")
+    finally:
+        proc.kill()
+
+
+def _collect(runner: StreamRunner, limit: int | None = None) -> list[PreparedBatch]:
+    out = []
+    for batch in runner:
+        out.append(batch)
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def _assert_tiles(batches: list[PreparedBatch], partitions: dict[str, tuple[int, int]]) -> None:
+    """Per partition the batches' ranges tile [start, end) in order: no gap, no repeat."""
+    for p, (start, end) in partitions.items():
+        ranges = [(b.start, b.end) for b in batches if b.partition == p]
+        assert ranges, f"no batch from {p}"
+        assert ranges[0][0] == start
+        assert ranges[-1][1] == end
+        for (_, e), (s, _) in itertools.pairwise(ranges):
+            assert e == s, f"{p}: gap or overlap at {e} -> {s}"
+
+
+def test_every_record_once_in_order_and_equal_to_local_preparation(
+    cluster: Client, store: StoreAddress
+) -> None:
+    source = SyntheticSource(SyntheticConfig(seed=3, partitions=2, events=EVENTS))
+    runner = StreamRunner(cluster, source, SPEC, store, staleness=2, max_records=500)
+    batches = _collect(runner)
+    _assert_tiles(batches, {p: (0, EVENTS) for p in source.partitions()})
+    assert runner.positions == dict.fromkeys(source.partitions(), EVENTS)
+    assert sum(len(b) for b in batches) + runner.stats.bad_records == 2 * EVENTS
+    # The oracle: the same chunks prepared in this process, without Dask.
+    with StoreClient.connect(store.address, token=store.token) as client:
+        for b in batches[:4]:
+            chunk = source.plan(b.partition, b.start, 500)
+            assert chunk is not None
+            local, _ = prepare(chunk, source, SPEC, None, lookup=False)
+            np.testing.assert_array_equal(b.labels, local.labels)
+            np.testing.assert_array_equal(b.dense, local.dense)
+            for name, t in b.tables.items():
+                np.testing.assert_array_equal(t.unique_ids, local.tables[name].unique_ids)
+                np.testing.assert_array_equal(t.inverse, local.tables[name].inverse)
+                np.testing.assert_array_equal(t.offsets, local.tables[name].offsets)
+                # Nothing was pushed, so the rows are what the store holds now.
+                now = client.lookup({name: t.unique_ids}, train=False)[name]
+                np.testing.assert_array_equal(t.rows, now)
+
+
+@pytest.mark.parametrize("staleness", [0, 1, 3])
+def test_at_most_staleness_batches_in_flight(cluster: Client, staleness: int) -> None:
+    source = SyntheticSource(SyntheticConfig(seed=4, partitions=2, events=2000))
+    runner = StreamRunner(cluster, source, SPEC, None, staleness=staleness, max_records=200)
+    seen = 0
+    for _ in runner:
+        # While the consumer holds a batch, at most `staleness` more are in flight.
+        assert runner._inflight_count() <= staleness
+        seen += 1
+    assert seen == 20
+
+
+def test_resume_from_positions_continues_without_overlap(cluster: Client, tmp_path: Path) -> None:
+    path = tmp_path / "history.parquet"
+    write_parquet(path, SyntheticConfig(seed=5), events=4000, row_group_size=500)
+    first = StreamRunner(cluster, ParquetSource([path]), SPEC, None, staleness=1, max_records=500)
+    head = _collect(first, limit=3)
+    first.close()
+    resumed = StreamRunner(
+        cluster, ParquetSource([path]), SPEC, None, staleness=1, positions=first.positions
+    )
+    tail = _collect(resumed)
+    (p,) = first.positions
+    _assert_tiles(head + tail, {p: (0, 4000)})
+    done, total = resumed.progress()
+    assert (done, total) == (4000 - 1500, 4000 - 1500)
+
+
+def test_a_killed_worker_costs_a_retry_not_a_record(tmp_path: Path) -> None:
+    source = SyntheticSource(SyntheticConfig(seed=6, partitions=3, events=3000))
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as lc,
+        Client(lc) as client,
+    ):
+        runner = StreamRunner(client, source, SPEC, None, staleness=4, max_records=250)
+        batches = []
+        pids = client.run(os.getpid)
+        for i, batch in enumerate(runner):
+            batches.append(batch)
+            if i == 3:
+                os.kill(next(iter(pids.values())), signal.SIGKILL)
+        _assert_tiles(batches, {p: (0, 3000) for p in source.partitions()})
+        assert len(batches) == 36
