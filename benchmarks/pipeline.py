@@ -37,7 +37,7 @@ from connectors.synthetic import (
     SyntheticConfig,
     iter_json_lines,
     synthetic_feature_spec,
-    synthetic_store_tables,
+    synthetic_store_section,
 )
 from connectors.types import Chunk, RawChunk
 from pipeline.batch import build_batch
@@ -105,19 +105,7 @@ def bench_runner(events: int, tmp: Path) -> dict[str, float]:
     from pipeline.runner import StreamRunner
 
     job = tmp / "job.yaml"
-    job.write_text(
-        yaml.safe_dump(
-            {
-                "store": {
-                    "tables": {
-                        k: v.model_dump(mode="json")
-                        for k, v in synthetic_store_tables(dim=16).items()
-                    },
-                    "row_dtype": "float16",
-                }
-            }
-        )
-    )
+    job.write_text(yaml.safe_dump({"store": synthetic_store_section(dim=16)}))
     token = tmp / "token"
     token.write_text(secrets.token_hex(16))
     kafka = LocalKafka.start(tmp / "kafka")

@@ -702,6 +702,16 @@ def synthetic_store_tables(
     return out
 
 
+def synthetic_store_section(dim: int = 16, row_dtype: str = "float16") -> dict[str, Any]:
+    """The ``store:`` section of a job YAML for the synthetic tables, as plain data.
+
+    >>> sorted(synthetic_store_section(dim=8)["tables"])[:2]
+    ['c1', 'c10']
+    """
+    tables = {k: v.model_dump(mode="json") for k, v in synthetic_store_tables(dim=dim).items()}
+    return {"tables": tables, "row_dtype": row_dtype}
+
+
 def _event_count(config: SyntheticConfig, events: int | None) -> int:
     n = events if events is not None else config.events
     if n is None:

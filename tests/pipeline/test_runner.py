@@ -18,7 +18,7 @@ from connectors.synthetic import (
     SyntheticConfig,
     SyntheticSource,
     synthetic_feature_spec,
-    synthetic_store_tables,
+    synthetic_store_section,
     write_parquet,
 )
 from deploy.local.shards import ShardProcess
@@ -46,19 +46,7 @@ def cluster() -> Iterator[Client]:
 def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreAddress]:
     tmp = tmp_path_factory.mktemp("store")
     job = tmp / "job.yaml"
-    job.write_text(
-        yaml.safe_dump(
-            {
-                "store": {
-                    "tables": {
-                        k: v.model_dump(mode="json")
-                        for k, v in synthetic_store_tables(dim=8).items()
-                    },
-                    "row_dtype": "float32",
-                }
-            }
-        )
-    )
+    job.write_text(yaml.safe_dump({"store": synthetic_store_section(dim=8, row_dtype="float32")}))
     token = tmp / "token"
     token.write_text("runner-test-token")
     proc = ShardProcess.start(job, tmp / "shard-0", token_file=token)
