@@ -687,6 +687,20 @@ _TRUE = np.frombuffer(b"true", dtype=np.uint8).copy()
 _FALSE = np.frombuffer(b"false", dtype=np.uint8).copy()
 
 
+@nb.njit(nogil=True, cache=True, inline="always")
+def _object_key(buf: Any, p: int, end: int, esc: Any) -> int:
+    """From a key's opening quote at ``p``: the position after its ``:``, or -1."""
+    if p >= end or buf[p] != _QUOTE:
+        return -1
+    p = _string_end(buf, p, end, esc)
+    if p < 0:
+        return -1
+    p = _ws(buf, p, end)
+    if p >= end or buf[p] != 58:  # ':'
+        return -1
+    return p + 1
+
+
 @nb.njit(nogil=True, cache=True)
 def _skip_value(buf: Any, p: int, end: int, stack: Any, esc: Any) -> int:
     """Check and pass over any JSON value at ``p`` (an unknown key's); -1 if it is not JSON.
@@ -709,15 +723,9 @@ def _skip_value(buf: Any, p: int, end: int, stack: Any, esc: Any) -> int:
                 depth -= 1
                 p += 1
             elif c == 123:
-                if p >= end or buf[p] != _QUOTE:
-                    return -1
-                p = _string_end(buf, p, end, esc)
+                p = _object_key(buf, p, end, esc)
                 if p < 0:
                     return -1
-                p = _ws(buf, p, end)
-                if p >= end or buf[p] != 58:
-                    return -1
-                p += 1
                 continue
             else:
                 continue
@@ -750,16 +758,9 @@ def _skip_value(buf: Any, p: int, end: int, stack: Any, esc: Any) -> int:
                 p += 1
                 more = True
                 if top == 123:
-                    p = _ws(buf, p, end)
-                    if p >= end or buf[p] != _QUOTE:
-                        return -1
-                    p = _string_end(buf, p, end, esc)
+                    p = _object_key(buf, _ws(buf, p, end), end, esc)
                     if p < 0:
                         return -1
-                    p = _ws(buf, p, end)
-                    if p >= end or buf[p] != 58:
-                        return -1
-                    p += 1
             else:
                 return -1
         if not more:
