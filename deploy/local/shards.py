@@ -28,6 +28,8 @@ class ShardProcess:
     port: int
     data_dir: Path
     log_path: Path
+    config: Path
+    token_file: Path | None
     argv: list[str] = field(default_factory=list)
 
     @property
@@ -76,7 +78,16 @@ class ShardProcess:
                 text = f.read().decode(errors="replace")
             m = _SERVING.search(text)
             if m:
-                return cls(proc, m.group("host"), int(m.group("port")), data_dir, log_path, argv)
+                return cls(
+                    proc,
+                    m.group("host"),
+                    int(m.group("port")),
+                    data_dir,
+                    log_path,
+                    config,
+                    token_file,
+                    argv,
+                )
             if proc.poll() is not None:
                 msg = f"store shard exited with code {proc.returncode}:\n{text[-4000:]}"
                 raise RuntimeError(msg)
@@ -87,14 +98,10 @@ class ShardProcess:
 
     def restart(self, timeout_s: float = 120.0) -> ShardProcess:
         """Start a fresh process on the same data dir and port (after a stop or a kill)."""
-        token = (
-            self.argv[self.argv.index("--token-file") + 1] if "--token-file" in self.argv else None
-        )
-        config = Path(self.argv[self.argv.index("--config") + 1])
         return ShardProcess.start(
-            config,
+            self.config,
             self.data_dir,
-            token_file=Path(token) if token else None,
+            token_file=self.token_file,
             port=self.port,
             host=self.host,
             timeout_s=timeout_s,
