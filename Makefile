@@ -8,8 +8,9 @@ STAMP := $(VENV)/.installed
 # rest of the dependencies see it satisfied (an unpinned torch pulls CUDA wheels).
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
-.PHONY: install lint typecheck proto proto-check test test-only bench-store clean
+.PHONY: install lint typecheck proto proto-check test test-only demo bench-store bench-pipeline bench-e2e clean
 
 install: $(STAMP)
 
@@ -34,6 +35,16 @@ test: install lint proto-check
 
 test-only:
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The embedded default: local Dask cluster, two store shards, the synthetic stream.
+demo: install
+	$(BIN)/streamrec demo $(DEMO_ARGS)
+
+bench-pipeline: install
+	$(BIN)/python benchmarks/pipeline.py --json bench-results/pipeline.json
+
+bench-e2e: install
+	$(BIN)/python benchmarks/e2e.py --json bench-results/e2e.json
 
 bench-store: install
 	$(BIN)/python benchmarks/store.py --json bench-results/store.json

@@ -750,6 +750,7 @@ def write_parquet(
         raise ValueError(msg)
     src = SyntheticSource(config)
     out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
     with pq.ParquetWriter(out, table_schema(), compression="zstd") as writer:
         if n == 0:
             writer.write_table(table_schema().empty_table())

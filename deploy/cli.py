@@ -182,6 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="where its data, logs and pids live (default .streamrec/kafka)",
     )
     kafka.set_defaults(func=_kafka)
+
+    from deploy.train_cli import add_commands
+
+    add_commands(sub)
     return parser
 
 

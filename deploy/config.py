@@ -18,23 +18,82 @@ store.tables.user.dim
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from connectors.kafka import KafkaSourceConfig
+from connectors.synthetic import SyntheticConfig
 from embedding_store.types import StoreConfig
+from pipeline.spec import FeatureSpec
+from trainer.config import TrainerConfig
 
 
 class ConfigError(ValueError):
     """A job YAML file that cannot be read or does not validate."""
 
 
-class JobConfig(BaseModel):
-    """A streamrec job. Sections are added as the system grows; unknown keys are errors."""
-
+class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+
+class KafkaJobSource(KafkaSourceConfig):
+    """Train from Kafka topics (``streamrec run``)."""
+
+    kind: Literal["kafka"] = "kafka"
+    codec: Literal["json", "criteo_tsv", "arrow"] = "json"
+    deadletter: Literal["kafka", "file", "none"] = Field(
+        "file", description="kafka: <topic>.deadletter; file: <run_dir>/deadletter.jsonl"
+    )
+
+
+class ParquetJobSource(_Strict):
+    """Train over Parquet history (``streamrec backfill``)."""
+
+    kind: Literal["parquet"] = "parquet"
+    paths: list[str] = Field(min_length=1, description="files, folders or globs")
+    columns: list[str] | None = None
+    name: str = "parquet"
+    deadletter: Literal["file", "none"] = "file"
+
+
+class SyntheticJobSource(SyntheticConfig):
+    """The synthetic Criteo-like stream with a known best AUC (``streamrec demo``)."""
+
+    kind: Literal["synthetic"] = "synthetic"
+    deadletter: Literal["file", "none"] = "file"
+
+
+SourceConfig = Annotated[
+    KafkaJobSource | ParquetJobSource | SyntheticJobSource, Field(discriminator="kind")
+]
+
+
+class ClusterConfig(_Strict):
+    """Where the job runs; the defaults start everything locally, on loopback."""
+
+    scheduler: str | None = Field(None, description="a running Dask scheduler; None: local")
+    workers: int = Field(2, ge=1, description="local Dask worker processes")
+    threads_per_worker: int = Field(1, ge=1)
+    dashboard_address: str = Field(":8787", description="local scheduler's dashboard")
+    store: str | None = Field(None, description="grpc://host:port,... of running shards")
+    store_shards: int = Field(2, ge=1, le=1024, description="local shard processes")
+    token_file: Path | None = Field(None, description="the store's token (local: generated)")
+    store_latency_ms: float = Field(
+        0.0, ge=0, description="benchmarking aid: ms added to every store call (trainer, workers)"
+    )
+
+
+class JobConfig(_Strict):
+    """A streamrec job: one YAML file, every section validated, unknown keys are errors."""
+
     store: StoreConfig
+    features: FeatureSpec | None = None
+    source: SourceConfig | None = None
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    run_dir: Path = Field(Path("runs/job"), description="metrics, checkpoints, dead letters")
 
 
 def load_config(path: Path | str) -> JobConfig:

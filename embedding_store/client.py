@@ -340,6 +340,7 @@ class StoreClient:
         row_dtype: RowDtype | None = None,
         grad_dtype: RowDtype = "float32",
         pool: ThreadPoolExecutor | None = None,
+        latency_s: float = 0.0,
     ) -> None:
         if not transports:
             msg = "a StoreClient needs at least one shard"
@@ -356,6 +357,10 @@ class StoreClient:
         self.grad_dtype: RowDtype = grad_dtype
         self._client_id = uuid.uuid4().hex
         self._push_seq = itertools.count()
+        # A benchmarking aid: seconds added to every call (a slower network's round
+        # trip, e.g. 0.002 for a cross-rack one); the sleep happens before the
+        # requests go out, so the call takes this much longer whatever the shards do.
+        self.latency_s = float(latency_s)
 
     @classmethod
     def connect(
@@ -368,10 +373,12 @@ class StoreClient:
         grad_dtype: RowDtype = "float32",
         retry: RetryPolicy | None = None,
         max_message_bytes: int | None = None,
+        latency_s: float = 0.0,
     ) -> StoreClient:
         """A client for ``inproc://[N]`` (needs ``config``) or ``grpc://h:p[,h:p...]``.
 
         Rows come back in ``row_dtype``, by default the store's configured one.
+        ``latency_s`` (a benchmarking aid) is added to every call.
         """
         if address.startswith("inproc://"):
             if config is None:
@@ -382,7 +389,9 @@ class StoreClient:
                 msg = f"{address}: expected inproc:// or inproc://N with N shards"
                 raise ValueError(msg)
             shards = [StoreShard(config) for _ in range(int(rest or 1))]
-            return cls.from_shards(shards, row_dtype=row_dtype, grad_dtype=grad_dtype)
+            return cls.from_shards(
+                shards, row_dtype=row_dtype, grad_dtype=grad_dtype, latency_s=latency_s
+            )
         if address.startswith("grpc://"):
             hosts = [h.strip() for h in address.removeprefix("grpc://").split(",") if h.strip()]
             if not hosts:
@@ -394,7 +403,9 @@ class StoreClient:
                 for h in hosts
             ]
             try:
-                return cls(transports, row_dtype=row_dtype, grad_dtype=grad_dtype)
+                return cls(
+                    transports, row_dtype=row_dtype, grad_dtype=grad_dtype, latency_s=latency_s
+                )
             except BaseException:
                 for t in transports:
                     t.close()
@@ -409,6 +420,7 @@ class StoreClient:
         *,
         row_dtype: RowDtype | None = None,
         grad_dtype: RowDtype = "float32",
+        latency_s: float = 0.0,
     ) -> StoreClient:
         """A client over shard objects of this process."""
         pool = (
@@ -417,11 +429,18 @@ class StoreClient:
             else None
         )
         transports = [InprocTransport(s, pool, f"inproc://shard-{i}") for i, s in enumerate(shards)]
-        return cls(transports, row_dtype=row_dtype, grad_dtype=grad_dtype, pool=pool)
+        return cls(
+            transports, row_dtype=row_dtype, grad_dtype=grad_dtype, pool=pool, latency_s=latency_s
+        )
 
     @property
     def num_shards(self) -> int:
         return len(self._transports)
+
+    def _delay(self) -> None:
+        """The added latency of one call (``latency_s``, a benchmarking aid)."""
+        if self.latency_s > 0.0:
+            time.sleep(self.latency_s)
 
     def _check_table(self, name: str) -> int:
         try:
@@ -455,6 +474,7 @@ class StoreClient:
         for name, table_ids in ids.items():
             self._check_table(name)
             routed[name] = self._route(table_ids, f"ids[{name}]")
+        self._delay()
         waits = []
         for s, transport in enumerate(self._transports):
             part = {
@@ -494,6 +514,7 @@ class StoreClient:
                 msg = f"grads[{name}]: shape {g_arr.shape}, expected ({arr.shape[0]}, {dim})"
                 raise InvalidRequest(msg)
             routed[name] = (arr, g_arr, order, bounds)
+        self._delay()
         waits = []
         for s, transport in enumerate(self._transports):
             part = {}
@@ -512,6 +533,7 @@ class StoreClient:
         return total
 
     def _each(self, fn: Callable[[int, ShardTransport], T]) -> list[T]:
+        self._delay()
         with ThreadPoolExecutor(self.num_shards) as pool:
             return list(pool.map(fn, range(self.num_shards), self._transports))
 
@@ -534,12 +556,25 @@ class StoreClient:
         return self._each(one)
 
     def restore(
-        self, directory: Path | str | None = None, *, upto_seq: int | None = None
+        self,
+        directory: Path | str | None = None,
+        *,
+        upto_seq: int | Sequence[int] | None = None,
     ) -> list[RestoreResult]:
         """Every shard loads the ids it owns from a checkpoint of any number of shards.
 
-        With ``directory=None`` each shard restores its own data dir.
+        With ``directory=None`` each shard restores its own data dir, and
+        ``upto_seq`` may give each shard its own checkpoint (one seq per shard).
         """
+        if not isinstance(upto_seq, int) and upto_seq is not None:
+            seqs = list(upto_seq)
+            if directory is not None or len(seqs) != self.num_shards:
+                msg = (
+                    f"upto_seq: one seq per shard ({self.num_shards}) restores each shard's "
+                    f"own data dir (directory=None); got {len(seqs)} seqs and {directory=}"
+                )
+                raise InvalidRequest(msg)
+            return self._each(lambda i, t: t.restore("", 0, 1, seqs[i]))
         if directory is None:
             return self._each(lambda i, t: t.restore("", 0, 1, upto_seq))
         return self._each(lambda i, t: t.restore(str(directory), i, self.num_shards, upto_seq))

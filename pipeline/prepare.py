@@ -29,11 +29,15 @@ PLUGIN_NAME = "streamrec-store"
 
 @dataclass(frozen=True)
 class StoreAddress:
-    """How workers reach the store: an address, the job's token, the row dtype."""
+    """How workers reach the store: an address, the job's token, the row dtype.
+
+    ``latency_s`` (a benchmarking aid) is added to every store call of the workers.
+    """
 
     address: str
     token: str | None = None
     row_dtype: RowDtype | None = None
+    latency_s: float = 0.0
 
 
 class StoreClientPlugin(WorkerPlugin):
@@ -56,7 +60,10 @@ class StoreClientPlugin(WorkerPlugin):
         with self._lock:
             if self._client is None:
                 self._client = StoreClient.connect(
-                    self.store.address, token=self.store.token, row_dtype=self.store.row_dtype
+                    self.store.address,
+                    token=self.store.token,
+                    row_dtype=self.store.row_dtype,
+                    latency_s=self.store.latency_s,
                 )
             return self._client
 

@@ -7,6 +7,7 @@ so any number of shards start without port races.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -17,6 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _SERVING = re.compile(r"serving .* on (?P<host>[\w.:-]+):(?P<port>\d+) ")
+
+
+def _term_with_parent() -> None:
+    # Linux prctl(PR_SET_PDEATHSIG, SIGTERM); elsewhere the shard outlives us.
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
 
 @dataclass
@@ -46,8 +56,14 @@ class ShardProcess:
         port: int = 0,
         host: str = "127.0.0.1",
         timeout_s: float = 120.0,
+        die_with_parent: bool = False,
     ) -> ShardProcess:
-        """Start a shard and wait until it serves (it may first restore from ``data_dir``)."""
+        """Start a shard and wait until it serves (it may first restore from ``data_dir``).
+
+        ``die_with_parent``: the shard gets SIGTERM (so it checkpoints and exits)
+        when this process dies, even by ``kill -9``; a restarted job then never
+        finds an orphan shard still writing to the same data dir.
+        """
         data_dir.mkdir(parents=True, exist_ok=True)
         log_path = data_dir.with_name(data_dir.name + ".log")
         argv = [
@@ -69,7 +85,11 @@ class ShardProcess:
         with log_path.open("ab") as log:
             offset = log.tell()
             proc = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_term_with_parent if die_with_parent else None,  # noqa: PLW1509
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -1,0 +1,302 @@
+"""The training commands of ``streamrec``: ``demo``, ``run`` and ``backfill``.
+
+They load (or, for the demo, build) a job, start what it needs, show a live
+progress line and print a summary; Ctrl-C or SIGTERM stops the job cleanly
+(a last checkpoint first). Imports of torch and Dask happen inside the
+commands so that ``streamrec --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from deploy.config import ConfigError, JobConfig, load_config
+
+
+def demo_job(
+    run_dir: Path, *, events: int, partitions: int = 2, seed: int = 0, dim: int = 16
+) -> JobConfig:
+    """The embedded default: the synthetic stream, two local shards, one trainer.
+
+    >>> job = demo_job(Path("runs/demo"), events=1000)
+    >>> job.source.kind, job.trainer.mode, job.cluster.store_shards
+    ('synthetic', 'hybrid', 2)
+    """
+    from connectors.synthetic import synthetic_feature_spec, synthetic_store_section
+
+    return JobConfig.model_validate(
+        {
+            "store": synthetic_store_section(dim=dim),
+            "features": synthetic_feature_spec().model_dump(),
+            "source": {
+                "kind": "synthetic",
+                "seed": seed,
+                "partitions": partitions,
+                "events": -(-events // partitions),
+            },
+            "trainer": {
+                "mode": "hybrid",
+                "staleness": 4,
+                "batch_size": 4096,
+                "model": {"kind": "ffnn", "hidden": [512, 256]},
+                "optimizer": {"kind": "adam", "lr": 0.001},
+                "log_every_s": 1.0,
+                "checkpoint": {"every_steps": 100, "every_s": 60},
+            },
+            "cluster": {"workers": 2, "store_shards": 2},
+            "run_dir": str(run_dir),
+        }
+    )
+
+
+class ProgressLine:
+    """Rewrites one status line on a terminal, prints a line every few seconds otherwise."""
+
+    def __init__(
+        self,
+        out: TextIO,
+        *,
+        best_auc: float | None = None,
+        total: int | None = None,
+        every_s: float = 5.0,
+    ) -> None:
+        self.out = out
+        self.best_auc = best_auc
+        self.total = total
+        self.tty = out.isatty()
+        self.every_s = every_s
+        self._last = 0.0
+
+    def text(self, p: Any) -> str:
+        """One progress line for ``p`` (a ``trainer.loop.Progress``)."""
+        parts = [f"step {p.step:>6}", f"{p.samples:>10,} samples", f"{p.samples_per_s:>8,.0f}/s"]
+        if self.total:
+            share = min(1.0, p.samples / self.total)
+            bar = "#" * int(share * 20)
+            parts.insert(0, f"[{bar:<20}] {share:>4.0%}")
+        auc = p.metrics.auc
+        parts.append(f"AUC {auc:.4f}" if auc is not None else "AUC -")
+        if self.best_auc is not None:
+            parts.append(f"(best {self.best_auc:.4f})")
+        if p.loss is not None:
+            parts.append(f"loss {p.loss:.4f}")
+        parts.append(f"staleness {p.staleness}")
+        parts.append(f"pushes queued {p.pushes_queued}")
+        return "  ".join(parts)
+
+    def __call__(self, p: Any) -> None:
+        now = time.monotonic()
+        if self.tty:
+            self.out.write("\r" + self.text(p) + "\033[K")
+            self.out.flush()
+        elif now - self._last >= self.every_s:
+            self.out.write(self.text(p) + "\n")
+            self.out.flush()
+            self._last = now
+
+    def done(self) -> None:
+        if self.tty:
+            self.out.write("\n")
+            self.out.flush()
+
+
+def _install_stop() -> threading.Event:
+    stop = threading.Event()
+
+    def handler(signum: int, frame: object) -> None:
+        if stop.is_set():
+            raise KeyboardInterrupt  # a second Ctrl-C: give up on the clean stop
+        print("\nstopping: finishing the step and taking a checkpoint ...", file=sys.stderr)
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    return stop
+
+
+def _train(
+    job: JobConfig,
+    *,
+    max_events: int | None,
+    max_time_s: float | None,
+    total: int | None = None,
+    next_steps: str = "",
+) -> int:
+    from deploy.job import JobError, run_job
+
+    best = None
+    if job.source is not None and job.source.kind == "synthetic":
+        from connectors.synthetic import SyntheticConfig, SyntheticSource
+
+        fields = set(SyntheticConfig.model_fields)
+        synthetic = SyntheticSource(SyntheticConfig(**job.source.model_dump(include=fields)))
+        best = synthetic.best_auc(n_samples=100_000)
+    line = ProgressLine(sys.stdout, best_auc=best, total=total)
+    stop = _install_stop()
+
+    def announce(services: Any) -> None:
+        if services.dashboard:
+            print(f"Dask dashboard: {services.dashboard}")
+        print(f"store: {services.store}   run dir: {job.run_dir}")
+
+    started = time.monotonic()
+    try:
+        stats, manifest = run_job(
+            job,
+            max_events=max_events,
+            max_time_s=max_time_s,
+            stop=stop,
+            on_progress=line,
+            on_services=announce,
+        )
+    except (JobError, ConfigError) as exc:
+        line.done()
+        print(f"streamrec: {exc}", file=sys.stderr)
+        return 2
+    line.done()
+    elapsed = time.monotonic() - started
+    from deploy.job import iter_metrics
+
+    lines = list(iter_metrics(job.run_dir))
+    last = lines[-1] if lines else None
+    print(
+        f"trained {stats.samples:,} samples in {stats.steps} steps, "
+        f"{elapsed:.1f}s ({stats.samples / max(elapsed, 1e-9):,.0f} samples/s overall); "
+        f"stopped by {stats.stopped_by}"
+    )
+    print(
+        f"time: waiting for batches {stats.wait_s:.1f}s, compute {stats.compute_s:.1f}s, "
+        f"push queue {stats.push_wait_s:.1f}s, rank sync {stats.sync_s:.1f}s, "
+        f"{stats.checkpoints} checkpoints"
+    )
+    if last is not None and last["metrics"]["auc"] is not None:
+        best_text = f" (the stream's best achievable: {best:.4f})" if best is not None else ""
+        print(f"progressive AUC {last['metrics']['auc']:.4f}{best_text}")
+    if stats.bad_records:
+        print(f"{stats.bad_records} bad records dead-lettered (see {job.run_dir})")
+    if manifest is not None:
+        print(f"checkpoint: {manifest.path} (step {manifest.step})")
+    if next_steps:
+        print(next_steps)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    job = demo_job(args.run_dir, events=args.events)
+    if args.fresh and args.run_dir.exists():
+        import shutil
+
+        shutil.rmtree(args.run_dir)
+    print(
+        f"streamrec demo: {args.events:,} synthetic events, 2 store shards, "
+        "2 Dask workers, 1 trainer (hybrid, staleness 4)"
+    )
+    return _train(
+        job,
+        max_events=None,
+        max_time_s=args.max_time,
+        total=args.events,
+        next_steps=(
+            "next: `streamrec run examples/kafka.yaml` trains from Kafka, "
+            "`streamrec backfill examples/backfill.yaml --from data/*.parquet` from "
+            "history (see the README)"
+        ),
+    )
+
+
+def _load(path: Path) -> JobConfig | None:
+    try:
+        return load_config(path)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return None
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    job = _load(args.job)
+    if job is None:
+        return 2
+    return _train(job, max_events=args.max_events, max_time_s=args.max_time)
+
+
+def cmd_backfill(args: argparse.Namespace) -> int:
+    job = _load(args.job)
+    if job is None:
+        return 2
+    if args.paths:
+        source: dict[str, Any] = {"kind": "parquet", "paths": [str(p) for p in args.paths]}
+        if job.source is not None and job.source.kind == "parquet":
+            source = {**job.source.model_dump(), **source}
+        job = JobConfig.model_validate({**job.model_dump(), "source": source})
+    if job.source is None or job.source.kind != "parquet":
+        print(
+            "streamrec backfill: give Parquet files with --from, or a `source: {kind: parquet}`",
+            file=sys.stderr,
+        )
+        return 2
+    from connectors.parquet import ParquetSource
+
+    try:
+        src = ParquetSource(job.source.paths, columns=job.source.columns)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"streamrec backfill: {exc}", file=sys.stderr)
+        return 2
+    total = sum(src.end_position(p) or 0 for p in src.partitions())
+    return _train(job, max_events=args.max_events, max_time_s=args.max_time, total=total)
+
+
+def add_commands(sub: Any) -> None:
+    """Add ``demo``, ``run`` and ``backfill`` to the ``streamrec`` parser."""
+    demo = sub.add_parser(
+        "demo",
+        help="train on the synthetic stream with everything local (the embedded default)",
+        description=(
+            "Start two store shards and a local Dask cluster, train one trainer on the "
+            "synthetic Criteo-like stream, show live progress and a summary."
+        ),
+    )
+    demo.add_argument("--events", type=int, default=600_000, help="events to train on")
+    demo.add_argument("--run-dir", type=Path, default=Path("runs/demo"))
+    demo.add_argument("--max-time", type=float, default=None, help="stop after N seconds")
+    demo.add_argument(
+        "--fresh",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start from scratch (default) or resume the demo's checkpoint",
+    )
+    demo.set_defaults(func=cmd_demo)
+
+    run = sub.add_parser(
+        "run",
+        help="train continuously from the job's source (Kafka) until it ends or you stop it",
+        description=(
+            "Train from the job's source as long as the stream lasts (or --max-events / "
+            "--max-time); restarts from the newest checkpoint in the run directory."
+        ),
+    )
+    run.add_argument("job", type=Path, help="job YAML (see examples/kafka.yaml)")
+    run.add_argument("--max-events", type=int, default=None)
+    run.add_argument("--max-time", type=float, default=None, help="seconds")
+    run.set_defaults(func=cmd_run)
+
+    backfill = sub.add_parser(
+        "backfill",
+        help="train over Parquet history, with a progress bar; resumable",
+        description=(
+            "Train over Parquet files (one chunk per row group) with a progress bar; "
+            "a stopped backfill resumes at its checkpoint's position."
+        ),
+    )
+    backfill.add_argument("job", type=Path, help="job YAML (see examples/backfill.yaml)")
+    backfill.add_argument(
+        "--from", dest="paths", nargs="+", type=Path, help="Parquet files, folders or globs"
+    )
+    backfill.add_argument("--max-events", type=int, default=None)
+    backfill.add_argument("--max-time", type=float, default=None, help="seconds")
+    backfill.set_defaults(func=cmd_backfill)

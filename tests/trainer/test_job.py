@@ -1,0 +1,244 @@
+"""The whole job as users run it (`streamrec run`), killed with SIGKILL and restarted.
+
+Everything is real: the job process starts two store shard processes, a Dask
+LocalCluster with worker processes, and trains. The acceptance test of the
+trainer issue: in ``mode: sync`` a run killed at a random point (the trainer,
+a store shard or a Dask worker) and restarted ends with the same model, dense
+weights and every embedding row, as an uninterrupted run; in ``mode: hybrid``
+every offset is learned exactly once across the restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+import torch
+import yaml
+
+from connectors.synthetic import synthetic_feature_spec, synthetic_store_section
+from deploy.config import JobConfig, load_config
+from embedding_store.shard import StoreShard
+from trainer.checkpoint import CheckpointBook
+
+EVENTS = 16_000
+BATCH = 400  # 40 steps
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write_job(tmp: Path, mode: str, *, every_steps: int = 4, workers: int = 1) -> Path:
+    trainer: dict[str, Any] = {
+        "mode": mode,
+        "batch_size": BATCH,
+        "model": {"kind": "ffnn", "hidden": [32, 16]},
+        "optimizer": {"kind": "adam", "lr": 0.01},
+        "torch_threads": 1,
+        "log_every_s": 0.5,
+        "checkpoint": {"every_steps": every_steps, "every_s": None},
+    }
+    if mode == "hybrid":
+        trainer["staleness"] = 3
+    job = {
+        "store": synthetic_store_section(dim=4, row_dtype="float32"),
+        "features": synthetic_feature_spec().model_dump(),
+        "source": {"kind": "synthetic", "seed": 11, "partitions": 1, "events": EVENTS},
+        "trainer": trainer,
+        "cluster": {"workers": workers, "store_shards": 2, "dashboard_address": ":0"},
+        "run_dir": str(tmp / "run"),
+    }
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def start(job: Path) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "deploy.cli", "run", str(job)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,  # its own process group: the test can kill all of it
+    )
+
+
+def finish(proc: subprocess.Popen[bytes], timeout: float = 240) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 0, text[-4000:]
+    return text
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def wait_for_checkpoint(run_dir: Path, step: int, proc: subprocess.Popen[bytes]) -> None:
+    book = CheckpointBook(run_dir / "checkpoints")
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        m = book.latest()
+        if m is not None and m.step >= step:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the job ended before checkpoint step {step}: {proc.stdout}")
+        time.sleep(0.01)
+    pytest.fail(f"no checkpoint at step >= {step} within 180 s")
+
+
+def wait_for_learned(run_dir: Path, step: int, proc: subprocess.Popen[bytes]) -> None:
+    """Until the job has learned ``step`` steps (so the kill lands between checkpoints)."""
+    ledger = run_dir / "learned-rank0.log"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if ledger.exists() and len(ledger.read_text().splitlines()) >= step:
+            return
+        if proc.poll() is not None:
+            pytest.fail(f"the job ended before step {step}")
+        time.sleep(0.005)
+    pytest.fail(f"step {step} not reached within 60 s")
+
+
+def final_model(job_path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], int]:
+    """The newest checkpoint's dense weights and every embedding row, by table."""
+    job: JobConfig = load_config(job_path)
+    book = CheckpointBook(job.run_dir / "checkpoints")
+    manifest = book.latest()
+    assert manifest is not None
+    dense = book.load_dense(manifest)["ranks"][0]["model"]
+    rows: dict[str, Any] = {}
+    for i, seq in enumerate(manifest.shard_seqs):
+        shard = StoreShard(job.store)
+        shard.restore(job.run_dir / "store" / f"shard-{i:03d}", upto_seq=seq)
+        for name, table in shard.tables.items():
+            batch, _, _ = table.export(dirty_only=False, mark_clean=False)
+            rows.setdefault(name, []).append(batch)
+    merged = {}
+    for name, parts in rows.items():
+        ids = np.concatenate([p.ids for p in parts])
+        order = np.argsort(ids)
+        merged[name] = (
+            ids[order],
+            np.concatenate([p.weights for p in parts])[order],
+            np.concatenate([p.state for p in parts])[order],
+        )
+    return dense, merged, manifest.samples
+
+
+def assert_same_model(a: tuple[Any, Any, int], b: tuple[Any, Any, int]) -> None:
+    dense_a, rows_a, samples_a = a
+    dense_b, rows_b, samples_b = b
+    assert samples_a == samples_b == EVENTS
+    assert dense_a.keys() == dense_b.keys()
+    for k in dense_a:
+        torch.testing.assert_close(dense_a[k], dense_b[k], rtol=1e-5, atol=1e-6, msg=k)
+    assert rows_a.keys() == rows_b.keys()
+    for name in rows_a:
+        ids_a, w_a, s_a = rows_a[name]
+        ids_b, w_b, s_b = rows_b[name]
+        np.testing.assert_array_equal(ids_a, ids_b, err_msg=name)
+        np.testing.assert_allclose(w_a, w_b, rtol=1e-5, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(s_a, s_b, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, int]:
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    job = write_job(tmp, "sync")
+    finish(start(job))
+    return final_model(job)
+
+
+def learned_ranges(run_dir: Path, upto_step: int | None = None) -> list[tuple[int, int]]:
+    out = []
+    for line in (run_dir / "learned-rank0.log").read_text().splitlines():
+        step, _, start, end = line.split()
+        if upto_step is None or int(step) <= upto_step:
+            out.append((int(start), int(end)))
+    return out
+
+
+def test_uninterrupted_sync_run_learns_every_event_once(
+    uninterrupted: tuple[Any, Any, int],
+) -> None:
+    dense, rows, samples = uninterrupted
+    assert samples == EVENTS
+    assert len(rows) == 26
+    assert all(len(r[0]) > 0 for r in rows.values())
+    assert any(float(v.abs().sum()) > 0 for v in dense.values())
+
+
+@pytest.mark.parametrize("victim", ["trainer", "store shard", "dask worker"])
+def test_sync_run_killed_and_restarted_ends_with_the_same_model(
+    tmp_path: Path, victim: str, uninterrupted: tuple[Any, Any, int]
+) -> None:
+    job = write_job(tmp_path, "sync", workers=2 if victim == "dask worker" else 1)
+    run_dir = tmp_path / "run"
+    proc = start(job)
+    at = random.Random(victim).choice([4, 8, 12])
+    wait_for_checkpoint(run_dir, at, proc)
+    wait_for_learned(run_dir, at + 2, proc)
+    children = psutil.Process(proc.pid).children(recursive=True)
+    shards = [c for c in children if "serve" in c.cmdline()]
+    workers = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+    if victim == "trainer":
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        # The shards outlive the trainer long enough to persist what they hold,
+        # rows newer than the job checkpoint included: the restart must roll back.
+        _, alive = psutil.wait_procs(shards, timeout=60)
+        assert not alive
+        kill_group(proc)  # the orphaned Dask workers
+        finish(start(job))
+    elif victim == "store shard":
+        shards[0].kill()
+        # The job cannot go on without the shard's rows: it fails, and is restarted.
+        proc.wait(timeout=180)
+        assert proc.returncode != 0
+        kill_group(proc)
+        finish(start(job))
+    else:
+        workers[0].kill()
+        finish(proc)  # a lost worker costs a retry, the job goes on
+    assert_same_model(final_model(job), uninterrupted)
+
+
+def test_hybrid_run_killed_and_restarted_learns_every_offset_once(tmp_path: Path) -> None:
+    job = write_job(tmp_path, "hybrid")
+    run_dir = tmp_path / "run"
+    proc = start(job)
+    wait_for_checkpoint(run_dir, 8, proc)
+    wait_for_learned(run_dir, 10, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    kill_group(proc)
+    restored_from = CheckpointBook(run_dir / "checkpoints").latest()
+    assert restored_from is not None
+    before = learned_ranges(run_dir, upto_step=restored_from.step)
+    lines_before = len((run_dir / "learned-rank0.log").read_text().splitlines())
+    finish(start(job))
+    after = [
+        tuple(map(int, line.split()[2:]))
+        for line in (run_dir / "learned-rank0.log").read_text().splitlines()[lines_before:]
+    ]
+    ranges = sorted(before + after)
+    covered = np.zeros(EVENTS, dtype=np.int64)
+    for s, e in ranges:
+        covered[s:e] += 1
+    assert covered.min() == 1, "an offset was never learned"
+    assert covered.max() == 1, "an offset was learned twice"
+    final = CheckpointBook(run_dir / "checkpoints").latest()
+    assert final is not None
+    assert final.samples == EVENTS
+    assert final.positions == {"synthetic/0": EVENTS}

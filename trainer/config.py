@@ -1,0 +1,93 @@
+"""The ``trainer`` section of a job: mode, staleness, the dense model and its optimizer.
+
+``mode: sync`` means ``staleness: 0`` (a batch's lookup happens only after
+the previous batch's push is applied); asking for both a sync mode and a
+positive staleness is an error, not a silent override.
+
+>>> TrainerConfig().mode, TrainerConfig().staleness, TrainerConfig().model.kind
+('hybrid', 4, 'ffnn')
+>>> TrainerConfig(mode="sync").staleness
+0
+>>> TrainerConfig(mode="sync", staleness=2)  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+pydantic_core._pydantic_core.ValidationError: 1 validation error for TrainerConfig
+  Value error, mode 'sync' trains with staleness 0, got staleness=2 ...
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from trainer.models import FFNNConfig, ModelConfig
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class DenseOptimizerConfig(_Strict):
+    """The optimizer of the dense network (torch.optim), the same on every rank."""
+
+    kind: Literal["adam", "adamw", "sgd", "adagrad"] = "adam"
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0)
+    momentum: float = Field(0.0, ge=0, description="sgd only")
+
+
+class CheckpointConfig(_Strict):
+    """When the job checkpoints: every N steps, every T seconds, and on exit."""
+
+    dir: Path | None = Field(None, description="None: the run directory's checkpoints/")
+    every_steps: int | None = Field(1000, ge=1)
+    every_s: float | None = Field(300.0, gt=0)
+    keep: int = Field(3, ge=1, description="job manifests (and dense states) kept")
+    on_exit: bool = True
+    enabled: bool = True
+
+
+class TrainerConfig(_Strict):
+    """How the trainer ranks learn from the prepared batches."""
+
+    mode: Literal["hybrid", "sync", "async"] = "hybrid"
+    staleness: int = Field(4, ge=0, description="batches a lookup may miss the pushes of")
+    batch_size: int = Field(4096, ge=1, description="records per chunk, i.e. per step")
+    push_queue: int = Field(
+        1, ge=0, description="pushes left in flight while training on (counts in staleness)"
+    )
+    average_every: int = Field(50, ge=1, description="async mode: steps between dense averages")
+    ranks: int = Field(1, ge=1, le=256)
+    model: ModelConfig = Field(default_factory=FFNNConfig)
+    optimizer: DenseOptimizerConfig = Field(default_factory=DenseOptimizerConfig)
+    seed: int = Field(0, ge=0)
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    bf16_autocast: bool = Field(False, description="CUDA only: dense forward in bfloat16")
+    torch_threads: int | None = Field(None, ge=1)
+    metrics_window: int = Field(100_000, ge=100, description="samples in the sliding window")
+    log_every_s: float = Field(2.0, gt=0)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sync_means_staleness_zero(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("mode") == "sync":
+            given = data.get("staleness", 0)
+            if given != 0:
+                msg = f"mode 'sync' trains with staleness 0, got staleness={given!r}"
+                raise ValueError(msg)
+            data = {**data, "staleness": 0, "push_queue": 0}
+        return data
+
+    @property
+    def prefetch(self) -> int:
+        """Batches the runner keeps in flight; with the push queue they make the staleness."""
+        return max(0, self.staleness - self.effective_push_queue)
+
+    @property
+    def effective_push_queue(self) -> int:
+        return min(self.push_queue, self.staleness)

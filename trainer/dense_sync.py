@@ -1,0 +1,119 @@
+"""How trainer ranks keep their dense networks in step: one collective per step.
+
+Every rank, whether it still has data or not, calls ``exchange`` once per
+step. The call all-reduces the dense gradients (``allreduce``: hybrid and sync
+modes) or only a few control numbers (``local``: async mode, where the
+parameters are averaged every ``average_every`` steps instead), together
+with each rank's control flags: does it still have data, does it want to
+stop, is a checkpoint due, how many samples did it train. A rank whose
+stream ended keeps calling with zero gradients until every rank's has, so
+uneven stream ends never hang a collective; this is what
+``torch.distributed.algorithms.Join`` does, done here by hand because the
+finished ranks must also take part in checkpoints, which a Join shadow loop
+cannot.
+
+With one rank there is no process group and ``exchange`` only echoes.
+
+>>> import torch
+>>> sync = DenseSync(torch.nn.Linear(2, 1), mode="allreduce")
+>>> sync.exchange(Control(active=1, stop=0, checkpoint=1, samples=8))
+Control(active=1, stop=0, checkpoint=1, samples=8)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Control:
+    """Per-rank flags in, sums over ranks out."""
+
+    active: int  # ranks that trained this step
+    stop: int  # ranks asking to stop (SIGTERM, --max-time, an error)
+    checkpoint: int  # ranks whose checkpoint timer is due
+    samples: int  # samples trained this step
+
+    def any(self, flag: Literal["active", "stop", "checkpoint"]) -> bool:
+        return bool(getattr(self, flag) > 0)
+
+
+class DenseSync:
+    """The per-step collective of one rank (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        mode: Literal["allreduce", "local"],
+        average_every: int = 50,
+    ) -> None:
+        self.model = model
+        self.mode = mode
+        self.average_every = average_every
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.world = dist.get_world_size() if self.distributed else 1
+        self.exchanges = 0
+        self.averages = 0
+
+    def exchange(self, mine: Control) -> Control:
+        """All-reduce this step's dense gradients (allreduce mode) and the control flags."""
+        self.exchanges += 1
+        if self.world == 1:
+            return mine
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        flags = torch.tensor(
+            [mine.active, mine.stop, mine.checkpoint, mine.samples], dtype=torch.float32
+        )
+        if self.mode == "allreduce":
+            grads = [
+                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                for p in params
+            ]
+            flat = torch.cat([*grads, flags])
+            dist.all_reduce(flat)
+            offset = 0
+            for p in params:
+                n = p.numel()
+                # Divided by the world size even when some ranks had no data, as DDP
+                # does with uneven inputs: the step stays the same on every rank.
+                g = (flat[offset : offset + n] / self.world).view_as(p).to(p.dtype)
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.copy_(g)
+                offset += n
+            flags = flat[offset:]
+        else:
+            dist.all_reduce(flags)
+            if self.exchanges % self.average_every == 0:
+                self.average()
+        a, s, c, n = (round(float(x)) for x in flags)
+        return Control(active=a, stop=s, checkpoint=c, samples=n)
+
+    def average(self) -> None:
+        """Replace every rank's dense parameters by their mean (async mode)."""
+        if self.world == 1:
+            return
+        self.averages += 1
+        with torch.no_grad():
+            for p in self.model.parameters():
+                buf = p.detach().double()
+                dist.all_reduce(buf)
+                p.copy_((buf / self.world).to(p.dtype))
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+    def gather(self, obj: object) -> list[object]:
+        """Every rank's ``obj``, in rank order (on every rank)."""
+        if self.world == 1:
+            return [obj]
+        out: list[object] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out

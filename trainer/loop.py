@@ -1,0 +1,456 @@
+"""The hybrid training loop of one trainer rank.
+
+Per step: take the next prepared batch (its rows were looked up at most
+``staleness`` pushes ago), score it (progressive validation: the forward pass
+happens before the batch is learned), backward, exchange the dense gradients
+with the other ranks (``DenseSync``), step the dense optimizer, and hand the
+row gradients to the ``Pusher``. Before the next batch is asked for, at most
+``push_queue`` pushes may be unapplied: with the runner's prefetch that is the
+staleness bound. Checkpoints are decided collectively (any rank's timer or
+stop request) and taken by ``JobCheckpointer``.
+
+The loop knows nothing about Kafka, Dask or processes: it gets an iterator of
+batches, a store client and callbacks, which keeps it testable in one process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+
+from embedding_store.client import StoreClient
+from pipeline.spec import FeatureSpec
+from pipeline.types import PreparedBatch
+from trainer.checkpoint import CheckpointBook, JobManifest
+from trainer.config import DenseOptimizerConfig, TrainerConfig
+from trainer.dense_sync import Control, DenseSync
+from trainer.metrics import MetricsSnapshot, ProgressiveMetrics
+from trainer.models import build_model, loss_fn
+from trainer.pooling import pool, row_grads, to_tensors
+from trainer.pusher import Pusher
+
+log = logging.getLogger(__name__)
+
+
+def build_optimizer(model: torch.nn.Module, cfg: DenseOptimizerConfig) -> torch.optim.Optimizer:
+    """The dense optimizer named by ``cfg``.
+
+    >>> opt = build_optimizer(torch.nn.Linear(2, 1), DenseOptimizerConfig(kind="sgd", lr=0.1))
+    >>> type(opt).__name__, opt.defaults["lr"]
+    ('SGD', 0.1)
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.kind == "adam":
+        return torch.optim.Adam(
+            params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
+    if cfg.kind == "adamw":
+        return torch.optim.AdamW(
+            params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
+        )
+    if cfg.kind == "adagrad":
+        return torch.optim.Adagrad(params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def pick_device(requested: str) -> torch.device:
+    """``auto`` is CUDA when a GPU is visible, else the CPU."""
+    if requested == "cuda" and not torch.cuda.is_available():
+        msg = "trainer.device: 'cuda' was asked for but no CUDA device is visible"
+        raise RuntimeError(msg)
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+class DenseModel:
+    """The dense network of one rank and its optimizer, built from the job."""
+
+    def __init__(
+        self, config: TrainerConfig, spec: FeatureSpec, dims: dict[str, int], device: torch.device
+    ) -> None:
+        torch.manual_seed(config.seed)  # every rank starts from the same weights
+        field_dims = [dims[f.table] for f in spec.sparse]
+        self.module = build_model(
+            config.model,
+            num_dense=len(spec.dense),
+            field_dims=field_dims,
+            num_tasks=len(spec.labels),
+        ).to(device)
+        self.optimizer = build_optimizer(self.module, config.optimizer)
+
+    def state(self) -> dict[str, Any]:
+        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+
+    def load(self, state: dict[str, Any]) -> None:
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+@dataclass
+class LoopStats:
+    """What the loop has done; the summary of a run."""
+
+    steps: int = 0
+    samples: int = 0
+    bad_records: int = 0
+    checkpoints: int = 0
+    wait_s: float = 0.0  # waiting for prepared batches
+    compute_s: float = 0.0  # forward, backward, dense step
+    push_wait_s: float = 0.0  # waiting for the push queue to fall to its bound
+    sync_s: float = 0.0  # the per-step collective
+    started: float = field(default_factory=time.monotonic)
+    last_checkpoint: dict[str, Any] | None = None
+    stopped_by: str = ""
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One progress report (also one line of ``metrics-rank<R>.jsonl``)."""
+
+    rank: int
+    step: int
+    samples: int
+    samples_per_s: float
+    elapsed_s: float
+    loss: float | None
+    metrics: MetricsSnapshot
+    staleness: int
+    pushes_queued: int
+    wait_s: float
+    compute_s: float
+
+
+class JobCheckpointer:
+    """Takes a coordinated checkpoint: all ranks drained, store, dense state, manifest."""
+
+    def __init__(
+        self,
+        book: CheckpointBook,
+        store: StoreClient,
+        *,
+        on_saved: Callable[[JobManifest], None] | None = None,
+        extra: dict[str, Any] | None = None,
+    ) -> None:
+        self.book = book
+        self.store = store
+        self.on_saved = on_saved
+        self.extra = dict(extra or {})
+
+    def take(
+        self,
+        sync: DenseSync,
+        *,
+        rank: int,
+        step: int,
+        positions: dict[str, int],
+        samples: int,
+        dense: dict[str, Any],
+    ) -> JobManifest | None:
+        """Every rank calls this at the same step, with its pushes drained."""
+        # Rank 0 must not checkpoint the store while another rank still pushes.
+        gathered = sync.gather({"positions": positions, "samples": samples, "dense": dense})
+        manifest = None
+        if rank == 0:
+            merged: dict[str, int] = {}
+            for g in gathered:
+                assert isinstance(g, dict)
+                merged.update(g["positions"])
+            total = sum(int(g["samples"]) for g in gathered if isinstance(g, dict))
+            results = self.store.checkpoint(None, "auto", metadata={"job_step": step})
+            state = {"ranks": [g["dense"] for g in gathered if isinstance(g, dict)]}
+            manifest = self.book.save(
+                step=step,
+                samples=total,
+                positions=merged,
+                shard_seqs=[r.seq for r in results],
+                dense=state,
+                extra={
+                    **self.extra,
+                    "store_bytes": sum(r.bytes for r in results),
+                    "store_kinds": [r.kind for r in results],
+                },
+            )
+            if self.on_saved is not None:
+                self.on_saved(manifest)
+        sync.barrier()
+        return manifest
+
+
+def restore_job(
+    book: CheckpointBook, store: StoreClient, dense: DenseModel, *, rank: int = 0
+) -> JobManifest | None:
+    """Roll the store back to the newest job checkpoint and load this rank's dense state."""
+    manifest = book.latest()
+    if manifest is None:
+        return None
+    if len(manifest.shard_seqs) != store.num_shards:
+        msg = (
+            f"{manifest.path}: checkpoint of {len(manifest.shard_seqs)} store shards, the "
+            f"store has {store.num_shards}; restore it with `streamrec store` onto the new "
+            "shards first or start the job with the same number of shards"
+        )
+        raise RuntimeError(msg)
+    if rank == 0:
+        store.restore(None, upto_seq=manifest.shard_seqs)
+    state = book.load_dense(manifest)["ranks"]
+    dense.load(state[min(rank, len(state) - 1)])
+    return manifest
+
+
+class TrainLoop:
+    """One rank's loop over ``batches`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: TrainerConfig,
+        spec: FeatureSpec,
+        store: StoreClient,
+        dense: DenseModel,
+        *,
+        rank: int = 0,
+        device: torch.device | None = None,
+        run_dir: Path | None = None,
+        checkpointer: JobCheckpointer | None = None,
+        positions: dict[str, int] | None = None,
+        start_step: int = 0,
+        start_samples: int = 0,
+        max_samples: int | None = None,
+        max_time_s: float | None = None,
+        stop: threading.Event | None = None,
+        on_progress: Callable[[Progress], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.spec = spec
+        self.store = store
+        self.dense = dense
+        self.rank = rank
+        self.device = device or torch.device("cpu")
+        self.run_dir = run_dir
+        self.checkpointer = checkpointer
+        # Per partition, every record before this was learned (not merely yielded).
+        self.positions = dict(positions or {})
+        self.step = start_step
+        self.samples_before = start_samples
+        self.max_samples = max_samples
+        self.max_time_s = max_time_s
+        self.stop = stop or threading.Event()
+        self.on_progress = on_progress
+        self.metrics = ProgressiveMetrics(window=config.metrics_window)
+        self.stats = LoopStats()
+        self.sync = DenseSync(
+            dense.module,
+            mode="local" if config.mode == "async" else "allreduce",
+            average_every=config.average_every,
+        )
+        self.pusher = Pusher(store, run_id=f"{uuid.uuid4().hex[:12]}-r{rank}")
+        self._losses: list[float] = []
+        self._last_checkpoint_t = time.monotonic()
+        self._log: TextIO | None = None
+        # One line per learned chunk (step, partition, start, end): the audit trail
+        # that shows each offset was learned once, across restarts.
+        self._ledger: TextIO | None = None
+
+    # --- one step -----------------------------------------------------------------
+
+    def _forward_backward(self, batch: PreparedBatch) -> dict[str, Any]:
+        """Score the batch, then compute the gradients of its loss (dense and rows)."""
+        cuda = self.device.type == "cuda"
+        bt = to_tensors(batch, self.spec, device=self.device, non_blocking=cuda, pin_memory=cuda)
+        self.dense.optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(
+            device_type=self.device.type,
+            dtype=torch.bfloat16,
+            enabled=cuda and self.config.bf16_autocast,
+        ):
+            logits = self.dense.module(bt.dense, pool(bt, self.spec))
+        logits = logits.float()
+        loss = loss_fn(logits, bt.labels)
+        with torch.no_grad():
+            probs = torch.sigmoid(logits).cpu().numpy()
+        # Progressive validation: this batch was scored before it is learned.
+        self.metrics.update(batch.labels, probs)
+        loss.backward()
+        self._losses.append(float(loss.detach()))
+        grads = row_grads(bt)
+        return {
+            name: (t.unique_ids, grads[name])
+            for name, t in batch.tables.items()
+            if t.unique_ids.shape[0]
+        }
+
+    def _want_checkpoint(self) -> bool:
+        ck = self.config.checkpoint
+        if self.checkpointer is None or not ck.enabled:
+            return False
+        if ck.every_steps is not None and self.step > 0 and self.step % ck.every_steps == 0:
+            return True
+        return ck.every_s is not None and time.monotonic() - self._last_checkpoint_t >= ck.every_s
+
+    def _want_stop(self) -> str:
+        if self.stop.is_set():
+            return "signal"
+        if self.max_time_s is not None and self.stats.elapsed() >= self.max_time_s:
+            return "max_time"
+        return ""
+
+    def checkpoint(self) -> JobManifest | None:
+        """A coordinated checkpoint (every rank calls it at the same step)."""
+        if self.checkpointer is None:
+            return None
+        t0 = time.perf_counter()
+        self.stats.push_wait_s += self.pusher.drain()
+        manifest = self.checkpointer.take(
+            self.sync,
+            rank=self.rank,
+            step=self.step,
+            positions=dict(self.positions),
+            samples=self.samples_before + self.stats.samples,
+            dense=self.dense.state(),
+        )
+        self._last_checkpoint_t = time.monotonic()
+        self.stats.checkpoints += 1
+        if manifest is not None:
+            self.stats.last_checkpoint = {
+                "step": manifest.step,
+                "path": manifest.path,
+                "seconds": time.perf_counter() - t0,
+                "bytes": manifest.extra.get("store_bytes", 0),
+                "time": manifest.created,
+            }
+        return manifest
+
+    # --- the loop -----------------------------------------------------------------
+
+    def run(self, batches: Iterator[PreparedBatch]) -> LoopStats:
+        """Train until every rank's stream ends, or a stop; checkpoint on the way out."""
+        if self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            self._log = open(  # noqa: SIM115 - closed in finally
+                self.run_dir / f"metrics-rank{self.rank}.jsonl", "a", encoding="utf-8"
+            )
+            self._ledger = open(  # noqa: SIM115 - closed in finally
+                self.run_dir / f"learned-rank{self.rank}.log", "a", encoding="utf-8", buffering=1
+            )
+        last_report = time.monotonic()
+        exhausted = False
+        sync_mode = self.config.mode == "sync"
+        queue_bound = self.config.effective_push_queue
+        try:
+            while True:
+                stop_reason = self._want_stop()
+                batch = None
+                if not exhausted and not stop_reason:
+                    t0 = time.perf_counter()
+                    batch = next(batches, None)
+                    self.stats.wait_s += time.perf_counter() - t0
+                    exhausted = batch is None
+                    if (
+                        batch is not None
+                        and self.max_samples is not None
+                        and self.stats.samples + len(batch) > self.max_samples
+                        and self.stats.samples > 0
+                    ):
+                        # Not learned: the positions stay before it, a restart takes it.
+                        batch, exhausted, stop_reason = None, True, "max_events"
+                grads: dict[str, Any] = {}
+                t0 = time.perf_counter()
+                if batch is not None and len(batch):
+                    grads = self._forward_backward(batch)
+                else:
+                    self.dense.optimizer.zero_grad(set_to_none=True)
+                self.stats.compute_s += time.perf_counter() - t0
+                mine = Control(
+                    active=int(batch is not None),
+                    stop=int(bool(stop_reason)),
+                    checkpoint=int(self._want_checkpoint()),
+                    samples=len(batch) if batch is not None else 0,
+                )
+                t0 = time.perf_counter()
+                everyone = self.sync.exchange(mine)
+                self.stats.sync_s += time.perf_counter() - t0
+                if not everyone.any("active"):
+                    self.stats.stopped_by = stop_reason or "end_of_stream"
+                    break
+                t0 = time.perf_counter()
+                self.dense.optimizer.step()
+                self.stats.compute_s += time.perf_counter() - t0
+                if batch is not None:
+                    self.positions[batch.partition] = batch.end
+                    if self._ledger is not None:
+                        self._ledger.write(
+                            f"{self.step + 1} {batch.partition} {batch.start} {batch.end}\n"
+                        )
+                    self.stats.bad_records += batch.bad_records
+                    self.stats.samples += len(batch)
+                    if grads:
+                        self.pusher.submit(grads)
+                self.step += 1
+                self.stats.steps += 1
+                # The staleness bound: the next lookup may miss at most this many pushes.
+                self.stats.push_wait_s += self.pusher.wait(queue_bound)
+                if sync_mode:
+                    self.sync.barrier()  # every rank's push lands before any next lookup
+                if everyone.any("checkpoint"):
+                    self.checkpoint()
+                if everyone.any("stop"):
+                    self.stats.stopped_by = stop_reason or "another rank"
+                    break
+                if time.monotonic() - last_report >= self.config.log_every_s:
+                    self._report()
+                    last_report = time.monotonic()
+            self.stats.push_wait_s += self.pusher.drain()
+            if self.checkpointer is not None and self.config.checkpoint.on_exit:
+                self.checkpoint()
+            self._report()
+        finally:
+            self.pusher.close()
+            for f in (self._log, self._ledger):
+                if f is not None:
+                    f.close()
+        return self.stats
+
+    def _report(self) -> None:
+        elapsed = self.stats.elapsed()
+        recent = self._losses[-50:]
+        progress = Progress(
+            rank=self.rank,
+            step=self.step,
+            samples=self.stats.samples,
+            samples_per_s=self.stats.samples / elapsed if elapsed > 0 else 0.0,
+            elapsed_s=elapsed,
+            loss=float(np.mean(recent)) if recent else None,
+            metrics=self.metrics.snapshot(),
+            staleness=self.config.staleness,
+            pushes_queued=self.pusher.outstanding,
+            wait_s=self.stats.wait_s,
+            compute_s=self.stats.compute_s,
+        )
+        if self._log is not None:
+            line = asdict(progress)
+            line["time"] = time.time()
+            self._log.write(json.dumps(line, default=_jsonable) + "\n")
+            self._log.flush()
+        if self.on_progress is not None:
+            self.on_progress(progress)
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, tuple):
+        return list(value)
+    return str(value)

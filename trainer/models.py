@@ -1,0 +1,311 @@
+"""Dense models over dense features and pooled embeddings, chosen by a config's ``kind``.
+
+Every model maps ``forward(dense [B, D], sparse: list of [B, dim_f])`` to
+logits ``[B, num_tasks]``, one column per label. ``build_model`` is
+deterministic under ``torch.manual_seed``.
+
+>>> import torch
+>>> from pydantic import TypeAdapter
+>>> config = TypeAdapter(ModelConfig).validate_python({"kind": "dlrm", "bottom": [16], "top": [8]})
+>>> _ = torch.manual_seed(0)
+>>> model = build_model(config, num_dense=3, field_dims=[4, 4], num_tasks=2)
+>>> logits = model(torch.randn(5, 3), [torch.randn(5, 4), torch.randn(5, 4)])
+>>> logits.shape
+torch.Size([5, 2])
+>>> loss_fn(logits, torch.ones(5, 2)).ndim
+0
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Literal, assert_never
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor, nn
+
+from pipeline.spec import FeatureSpec
+
+Activation = Literal["relu", "gelu", "silu", "tanh"]
+Width = Annotated[int, Field(ge=1, le=1 << 16)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FFNNConfig(_Strict):
+    """The Persia paper's feed-forward net over concat(dense features, pooled embeddings).
+
+    ``hidden`` are the widths of the hidden layers (none: a logistic regression).
+    """
+
+    kind: Literal["ffnn"] = "ffnn"
+    hidden: list[Width] = Field(default_factory=lambda: [4096, 2048, 1024, 512, 256])
+    activation: Activation = "relu"
+
+
+class DLRMConfig(_Strict):
+    """DLRM (Naumov et al. 2019): bottom MLP, pairwise dot interaction, top MLP.
+
+    The bottom MLP has hidden widths ``bottom`` and then projects the dense
+    features to the embedding dim; the top MLP has hidden widths ``top`` and
+    then one logit per task. All sparse fields must share one dim.
+    """
+
+    kind: Literal["dlrm"] = "dlrm"
+    bottom: list[Width] = Field(default_factory=lambda: [512, 256])
+    top: list[Width] = Field(default_factory=lambda: [1024, 1024, 512, 256])
+
+
+class DCNv2Config(_Strict):
+    """DCN-v2 (Wang et al. 2021): ``cross_layers`` of ``x0 * (W x_l + b) + x_l`` and a deep MLP.
+
+    ``low_rank=r`` factors each ``W`` as ``U V^T`` with rank ``r``. ``stacked``
+    feeds the cross network's output to the deep MLP; ``parallel`` runs both on
+    the input and concatenates their outputs.
+    """
+
+    kind: Literal["dcn_v2"] = "dcn_v2"
+    cross_layers: int = Field(3, ge=0, le=64)
+    low_rank: int | None = Field(None, ge=1, le=1 << 16)
+    deep: list[Width] = Field(default_factory=lambda: [1024, 512, 256])
+    structure: Literal["stacked", "parallel"] = "stacked"
+
+
+ModelConfig = Annotated[FFNNConfig | DLRMConfig | DCNv2Config, Field(discriminator="kind")]
+
+
+def _activation(name: Activation) -> nn.Module:
+    match name:
+        case "relu":
+            return nn.ReLU()
+        case "gelu":
+            return nn.GELU()
+        case "silu":
+            return nn.SiLU()
+        case "tanh":
+            return nn.Tanh()
+        case _:
+            assert_never(name)
+
+
+def _mlp(width_in: int, widths: Sequence[int], activation: Activation) -> nn.Sequential:
+    """Linear layers of ``widths``, each followed by ``activation`` (empty: the identity)."""
+    layers: list[nn.Module] = []
+    for w in widths:
+        layers += [nn.Linear(width_in, w), _activation(activation)]
+        width_in = w
+    return nn.Sequential(*layers)
+
+
+def _check_inputs(dense: Tensor, sparse: Sequence[Tensor], num_dense: int, dims: list[int]) -> None:
+    if dense.shape[1] != num_dense or [s.shape[1] for s in sparse] != dims:
+        msg = (
+            f"expected {num_dense} dense features and sparse fields of dims {dims}, "
+            f"got {dense.shape[1]} and {[s.shape[1] for s in sparse]}"
+        )
+        raise ValueError(msg)
+
+
+class FFNN(nn.Module):
+    """MLP over ``concat(dense, *sparse)`` then a linear head, one logit per task."""
+
+    def __init__(
+        self, config: FFNNConfig, num_dense: int, field_dims: Sequence[int], num_tasks: int
+    ) -> None:
+        super().__init__()
+        self.num_dense = num_dense
+        self.field_dims = list(field_dims)
+        self.mlp = _mlp(num_dense + sum(field_dims), config.hidden, config.activation)
+        width = config.hidden[-1] if config.hidden else num_dense + sum(field_dims)
+        self.head = nn.Linear(width, num_tasks)
+
+    def forward(self, dense: Tensor, sparse: list[Tensor]) -> Tensor:
+        _check_inputs(dense, sparse, self.num_dense, self.field_dims)
+        x: Tensor = self.mlp(torch.cat([dense, *sparse], dim=1))
+        out: Tensor = self.head(x)
+        return out
+
+
+class DLRM(nn.Module):
+    """Dot interaction of [bottom_mlp(dense), *sparse] (upper triangle), then the top MLP.
+
+    Without dense features there is no bottom MLP and only the sparse fields
+    interact.
+    """
+
+    pair_i: Tensor
+    pair_j: Tensor
+
+    def __init__(
+        self, config: DLRMConfig, num_dense: int, field_dims: Sequence[int], num_tasks: int
+    ) -> None:
+        super().__init__()
+        self.num_dense = num_dense
+        self.field_dims = list(field_dims)
+        dim = field_dims[0]
+        self.bottom: nn.Module | None = (
+            _mlp(num_dense, [*config.bottom, dim], "relu") if num_dense else None
+        )
+        n = len(field_dims) + (1 if num_dense else 0)
+        pairs = torch.triu_indices(n, n, offset=1)
+        # A buffer so that the indices follow the model to its device.
+        self.register_buffer("pair_i", pairs[0], persistent=False)
+        self.register_buffer("pair_j", pairs[1], persistent=False)
+        width_in = n * (n - 1) // 2 + (dim if num_dense else 0)
+        self.top = _mlp(width_in, config.top, "relu")
+        self.head = nn.Linear(config.top[-1] if config.top else width_in, num_tasks)
+
+    def forward(self, dense: Tensor, sparse: list[Tensor]) -> Tensor:
+        _check_inputs(dense, sparse, self.num_dense, self.field_dims)
+        vectors = list(sparse)
+        parts: list[Tensor] = []
+        if self.bottom is not None:
+            bottom_out: Tensor = self.bottom(dense)
+            vectors.insert(0, bottom_out)
+            parts.append(bottom_out)
+        stacked = torch.stack(vectors, dim=1)  # [B, n, dim]
+        gram = torch.bmm(stacked, stacked.transpose(1, 2))  # [B, n, n]
+        parts.append(gram[:, self.pair_i, self.pair_j])
+        x: Tensor = self.top(torch.cat(parts, dim=1))
+        out: Tensor = self.head(x)
+        return out
+
+
+class CrossLayer(nn.Module):
+    """``x0 * (W x + b) + x``, with ``W = U V^T`` when ``rank`` is set."""
+
+    def __init__(self, width: int, rank: int | None) -> None:
+        super().__init__()
+        self.project: nn.Module = (
+            nn.Linear(width, width)
+            if rank is None
+            else nn.Sequential(nn.Linear(width, rank, bias=False), nn.Linear(rank, width))
+        )
+
+    def forward(self, x0: Tensor, x: Tensor) -> Tensor:
+        projected: Tensor = self.project(x)
+        return x0 * projected + x
+
+
+class DCNv2(nn.Module):
+    """Cross network and deep MLP over ``concat(dense, *sparse)``, stacked or in parallel."""
+
+    def __init__(
+        self, config: DCNv2Config, num_dense: int, field_dims: Sequence[int], num_tasks: int
+    ) -> None:
+        super().__init__()
+        self.num_dense = num_dense
+        self.field_dims = list(field_dims)
+        self.parallel = config.structure == "parallel"
+        width = num_dense + sum(field_dims)
+        self.cross = nn.ModuleList(
+            CrossLayer(width, config.low_rank) for _ in range(config.cross_layers)
+        )
+        self.deep = _mlp(width, config.deep, "relu")
+        deep_out = config.deep[-1] if config.deep else width
+        self.head = nn.Linear(deep_out + width if self.parallel else deep_out, num_tasks)
+
+    def forward(self, dense: Tensor, sparse: list[Tensor]) -> Tensor:
+        _check_inputs(dense, sparse, self.num_dense, self.field_dims)
+        x0 = torch.cat([dense, *sparse], dim=1)
+        x = x0
+        for layer in self.cross:
+            x = layer(x0, x)
+        if self.parallel:
+            deep: Tensor = self.deep(x0)
+            x = torch.cat([x, deep], dim=1)
+        else:
+            x = self.deep(x)
+        out: Tensor = self.head(x)
+        return out
+
+
+def build_model(
+    config: FFNNConfig | DLRMConfig | DCNv2Config,
+    *,
+    num_dense: int,
+    field_dims: Sequence[int],
+    num_tasks: int,
+    field_names: Sequence[str] | None = None,
+) -> nn.Module:
+    """The dense model ``config`` describes, for these input widths and ``num_tasks`` logits.
+
+    ``field_names`` (one per entry of ``field_dims``) only make error messages
+    name the offending sparse fields.
+
+    >>> build_model(DLRMConfig(bottom=[8], top=[8]), num_dense=2, field_dims=[4, 8],
+    ...             num_tasks=1, field_names=["user", "item"])
+    Traceback (most recent call last):
+    ...
+    ValueError: dlrm: the dot interaction needs every sparse field to have one dim, got user=4, item=8: give their tables the same dim or use kind ffnn or dcn_v2
+    """  # noqa: E501
+    names = (
+        list(field_names)
+        if field_names is not None
+        else [f"field{i}" for i in range(len(field_dims))]
+    )
+    if len(names) != len(field_dims):
+        msg = f"{len(names)} field names for {len(field_dims)} field dims"
+        raise ValueError(msg)
+    if num_dense < 0 or num_tasks < 1 or any(d < 1 for d in field_dims):
+        msg = (
+            f"need num_dense >= 0, num_tasks >= 1 and field dims >= 1, got num_dense={num_dense}, "
+            f"num_tasks={num_tasks}, field_dims={list(field_dims)}"
+        )
+        raise ValueError(msg)
+    if num_dense + len(field_dims) == 0:
+        msg = "the model has no input: the feature spec names no dense and no sparse field"
+        raise ValueError(msg)
+    match config:
+        case FFNNConfig():
+            return FFNN(config, num_dense, field_dims, num_tasks)
+        case DLRMConfig():
+            if len(set(field_dims)) > 1:
+                listed = ", ".join(f"{n}={d}" for n, d in zip(names, field_dims, strict=True))
+                msg = (
+                    f"dlrm: the dot interaction needs every sparse field to have one dim, "
+                    f"got {listed}: give their tables the same dim or use kind ffnn or dcn_v2"
+                )
+                raise ValueError(msg)
+            if not field_dims:
+                msg = "dlrm: needs at least one sparse field (the embedding dim comes from them)"
+                raise ValueError(msg)
+            return DLRM(config, num_dense, field_dims, num_tasks)
+        case DCNv2Config():
+            return DCNv2(config, num_dense, field_dims, num_tasks)
+        case _:
+            assert_never(config)
+
+
+def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
+    """Binary cross-entropy with logits, the mean over samples and tasks.
+
+    >>> round(loss_fn(torch.zeros(2, 3), torch.ones(2, 3)).item(), 4)  # log 2
+    0.6931
+    """
+    if logits.shape != labels.shape:
+        msg = f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} differ in shape"
+        raise ValueError(msg)
+    return nn.functional.binary_cross_entropy_with_logits(logits, labels)
+
+
+def field_dims(spec: FeatureSpec, dims: Mapping[str, int]) -> list[int]:
+    """The dim of each sparse field (``spec.sparse`` order), from table name -> dim.
+
+    ``dims`` may be ``StoreClient.dims`` or ``{name: cfg.dim for ...}``.
+
+    >>> spec = FeatureSpec.model_validate({"labels": ["y"], "sparse": [
+    ...     {"name": "u", "table": "users"}, {"name": "v", "table": "users"}]})
+    >>> field_dims(spec, {"users": 8})
+    [8, 8]
+    """
+    out: list[int] = []
+    for s in spec.sparse:
+        if s.table not in dims:
+            msg = f"sparse field {s.name!r} feeds table {s.table!r}, which is not configured"
+            raise KeyError(msg)
+        out.append(dims[s.table])
+    return out

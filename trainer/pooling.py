@@ -1,0 +1,222 @@
+"""From a ``PreparedBatch`` (numpy) to torch tensors, pooled embeddings and row gradients.
+
+The rows of a batch's unique ids are a leaf tensor per table; pooling gathers
+them into bags with one ``embedding_bag`` call per table, so after
+``backward()`` each leaf's ``.grad`` is exactly the per-unique-id gradient the
+trainer pushes to the store (duplicate ids already summed by autograd).
+
+>>> import numpy as np
+>>> from pipeline.spec import FeatureSpec
+>>> from pipeline.types import PreparedBatch, TableBatch
+>>> spec = FeatureSpec.model_validate({"labels": ["y"], "sparse": [
+...     {"name": "tags", "table": "t", "type": "list_int", "pooling": "mean"}]})
+>>> batch = PreparedBatch(
+...     labels=np.array([[1.0], [0.0]], np.float32),
+...     dense=np.zeros((2, 0), np.float32),
+...     tables={"t": TableBatch(
+...         fields=("tags",),
+...         unique_ids=np.array([5, 6], np.uint64),
+...         inverse=np.array([0, 1, 0], np.int32),
+...         offsets=np.array([0, 3, 3], np.int32),  # sample 1 has no tags
+...         rows=np.array([[1.0, 2.0], [4.0, 8.0]], np.float32),
+...         pooling=("mean",))})
+>>> bt = to_tensors(batch, spec)
+>>> (pooled,) = pool(bt, spec)
+>>> pooled.tolist()  # mean of rows 5, 6, 5; an empty bag pools to zeros
+[[2.0, 4.0], [0.0, 0.0]]
+>>> pooled.sum().backward()
+>>> row_grads(bt)["t"].astype(float).round(3).tolist()  # id 5 is 2 of the bag's 3 ids
+[[0.667, 0.667], [0.333, 0.333]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch import Tensor
+
+from pipeline.spec import FeatureSpec
+from pipeline.types import PreparedBatch
+
+POOLING_MODES = ("sum", "mean")
+
+
+@dataclass
+class TableTensors:
+    """One table's part of a batch, on the training device.
+
+    ``rows`` is a float32 leaf with ``requires_grad=True``; ``inverse`` maps
+    each id occurrence (in bag order) to its row; ``offsets`` (``B * F + 1``
+    entries) delimits the sample-major bags.
+    """
+
+    rows: Tensor  # [U, dim] float32, leaf
+    inverse: Tensor  # [nnz] int64
+    offsets: Tensor  # [B * F + 1] int64
+    fields: tuple[str, ...]
+    pooling: tuple[str, ...]  # "sum" or "mean" per field
+
+
+@dataclass
+class BatchTensors:
+    """A ``PreparedBatch`` as torch tensors: labels ``[B, T]``, dense ``[B, D]``, tables."""
+
+    labels: Tensor  # [B, T] float32
+    dense: Tensor  # [B, D] float32
+    tables: dict[str, TableTensors]
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.labels.shape[0])
+
+
+def _to_device(
+    array: npt.NDArray[np.generic], device: torch.device, non_blocking: bool, pin: bool
+) -> Tensor:
+    if not array.flags.writeable:
+        # Arrays unpickled from a Dask message or decoded from a gRPC reply are
+        # read-only views; torch.from_numpy would share (and warn about) them.
+        array = array.copy()
+    t = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type == "cpu":
+        return t
+    if pin:
+        # A copy from pageable memory is synchronous whatever non_blocking says;
+        # from pinned memory it overlaps with compute already queued.
+        t = t.pin_memory()
+    return t.to(device, non_blocking=non_blocking)
+
+
+def to_tensors(
+    batch: PreparedBatch,
+    spec: FeatureSpec,
+    device: torch.device | str = "cpu",
+    non_blocking: bool = False,
+    pin_memory: bool = False,
+) -> BatchTensors:
+    """The tensors of ``batch`` on ``device``; every table named by ``spec`` must have rows.
+
+    Rows held as float16 travel as float16 and are widened on the device (half
+    the bytes to copy); the index arrays are widened to int64 there as well.
+    ``pin_memory`` and ``non_blocking`` only matter for a CUDA ``device``.
+    """
+    dev = torch.device(device)
+    pin = pin_memory and dev.type == "cuda"
+    tables: dict[str, TableTensors] = {}
+    for name, fields in spec.tables().items():
+        tb = batch.tables.get(name)
+        if tb is None:
+            msg = f"batch has no table {name!r} (it has {sorted(batch.tables)}); the spec needs it"
+            raise ValueError(msg)
+        if tb.fields != fields:
+            msg = f"table {name!r}: batch fields {tb.fields} differ from the spec's {fields}"
+            raise ValueError(msg)
+        pooling = tuple(spec.field(f).pooling for f in fields)
+        if tb.pooling and tb.pooling != pooling:
+            msg = f"table {name!r}: batch pooling {tb.pooling} differs from the spec's {pooling}"
+            raise ValueError(msg)
+        if tb.rows is None:
+            msg = f"table {name!r} has no rows: look the batch up in the store first"
+            raise ValueError(msg)
+        if tb.rows.ndim != 2 or tb.rows.shape[0] != tb.unique_ids.shape[0]:
+            msg = (
+                f"table {name!r}: rows of shape {tb.rows.shape} for "
+                f"{tb.unique_ids.shape[0]} unique ids"
+            )
+            raise ValueError(msg)
+        rows = _to_device(tb.rows, dev, non_blocking, pin).to(torch.float32)
+        tables[name] = TableTensors(
+            rows=rows.requires_grad_(True),
+            inverse=_to_device(tb.inverse, dev, non_blocking, pin).to(torch.int64),
+            offsets=_to_device(tb.offsets, dev, non_blocking, pin).to(torch.int64),
+            fields=fields,
+            pooling=pooling,
+        )
+    return BatchTensors(
+        labels=_to_device(batch.labels, dev, non_blocking, pin).to(torch.float32),
+        dense=_to_device(batch.dense, dev, non_blocking, pin).to(torch.float32),
+        tables=tables,
+    )
+
+
+def pool_table(
+    weight: Tensor,
+    indices: Tensor,
+    offsets: Tensor,
+    pooling: Sequence[str],
+    batch_size: int,
+    *,
+    sparse: bool = False,
+) -> Tensor:
+    """Pool sample-major bags of ``weight`` rows: ``[batch_size, len(pooling), dim]``.
+
+    Bag ``b * F + f`` (``F = len(pooling)``) is field ``f`` of sample ``b``;
+    ``indices`` are rows of ``weight`` and ``offsets`` has ``B * F + 1``
+    entries. One ``embedding_bag`` sums every bag; mean fields are then divided
+    by their bag lengths (an empty bag stays 0). ``sparse=True`` gives
+    ``weight`` a sparse gradient (a full table, as ``nn.EmbeddingBag`` has).
+
+    >>> w = torch.tensor([[1.0], [10.0]])
+    >>> pool_table(w, torch.tensor([0, 1, 1]), torch.tensor([0, 2, 3]), ["sum", "mean"], 1)
+    tensor([[[11.],
+             [10.]]])
+    """
+    num_fields = len(pooling)
+    if offsets.shape[0] != batch_size * num_fields + 1:
+        msg = (
+            f"offsets has {offsets.shape[0]} entries; {batch_size} samples x {num_fields} "
+            f"fields need {batch_size * num_fields + 1}"
+        )
+        raise ValueError(msg)
+    for mode in pooling:
+        if mode not in POOLING_MODES:
+            msg = f"unknown pooling {mode!r}: use one of {POOLING_MODES}"
+            raise ValueError(msg)
+    dim = weight.shape[1]
+    if indices.shape[0] == 0:
+        # embedding_bag rejects an empty weight; with no ids every bag is empty anyway.
+        return weight.new_zeros((batch_size, num_fields, dim))
+    summed = torch.nn.functional.embedding_bag(
+        indices, weight, offsets, mode="sum", sparse=sparse, include_last_offset=True
+    ).view(batch_size, num_fields, dim)
+    means = [f for f, mode in enumerate(pooling) if mode == "mean"]
+    if not means:
+        return summed
+    lengths = (offsets[1:] - offsets[:-1]).view(batch_size, num_fields)
+    divisor = torch.ones((batch_size, num_fields), dtype=weight.dtype, device=weight.device)
+    cols = torch.tensor(means, device=weight.device)
+    divisor[:, cols] = lengths[:, cols].clamp(min=1).to(weight.dtype)
+    return summed / divisor.unsqueeze(-1)
+
+
+def pool(bt: BatchTensors, spec: FeatureSpec) -> list[Tensor]:
+    """One pooled ``[B, dim]`` tensor per sparse field, in ``spec.sparse`` order."""
+    pooled: dict[str, Tensor] = {}
+    for t in bt.tables.values():
+        out = pool_table(t.rows, t.inverse, t.offsets, t.pooling, bt.batch_size)
+        for f, field in enumerate(t.fields):
+            pooled[field] = out[:, f]
+    missing = [s.name for s in spec.sparse if s.name not in pooled]
+    if missing:
+        msg = f"sparse fields {missing} are in no table of the batch tensors"
+        raise ValueError(msg)
+    return [pooled[s.name] for s in spec.sparse]
+
+
+def row_grads(bt: BatchTensors) -> dict[str, npt.NDArray[np.float32]]:
+    """Each table's gradient per unique id (float32 ``[U, dim]``), zeros where none flowed.
+
+    Call after ``backward()``; this is what the trainer pushes to the store.
+    """
+    out: dict[str, npt.NDArray[np.float32]] = {}
+    for name, t in bt.tables.items():
+        grad = t.rows.grad
+        if grad is None:
+            out[name] = np.zeros(tuple(t.rows.shape), dtype=np.float32)
+        else:
+            out[name] = grad.detach().to(device="cpu", dtype=torch.float32).numpy()
+    return out

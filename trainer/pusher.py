@@ -1,0 +1,110 @@
+"""``Pusher``: row gradients go to the store on a background thread, a bounded number ahead.
+
+The trainer hands over each step's gradients and goes on with the next batch;
+``wait(n)`` blocks until at most ``n`` pushes are still unapplied, which is how
+the trainer keeps its staleness bound (a lookup issued after ``wait(q)``
+misses at most ``q`` pushes plus the batches already prefetched). A failed
+push is raised on the trainer's thread at its next call: a gradient is never
+dropped silently.
+
+>>> import numpy as np
+>>> from embedding_store.client import StoreClient
+>>> from embedding_store.types import StoreConfig
+>>> store = StoreClient.connect("inproc://1", config=StoreConfig(tables={"t": {"dim": 2}}))
+>>> ids = np.array([1, 2], dtype=np.uint64)
+>>> _ = store.lookup({"t": ids})
+>>> pusher = Pusher(store, run_id="doc")
+>>> pusher.submit({"t": (ids, np.ones((2, 2), dtype=np.float32))})
+>>> _ = pusher.drain()  # seconds waited
+>>> pusher.applied, pusher.outstanding
+(1, 0)
+>>> pusher.close()
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Mapping
+
+import numpy as np
+import numpy.typing as npt
+
+from embedding_store.client import StoreClient
+
+Grads = Mapping[str, tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]]
+
+
+class Pusher:
+    """Applies pushes in submission order on one background thread."""
+
+    def __init__(self, store: StoreClient, *, run_id: str) -> None:
+        self.store = store
+        # Request ids are unique per run incarnation: after a restore the same
+        # batch is pushed again, and the store must not take it for a retry.
+        self.run_id = run_id
+        self.submitted = 0
+        self.applied = 0
+        self.push_s = 0.0  # time spent in the store's Push (background)
+        self._queue: queue.Queue[tuple[int, Grads] | None] = queue.Queue()
+        self._cond = threading.Condition()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="streamrec-pusher", daemon=True)
+        self._thread.start()
+
+    @property
+    def outstanding(self) -> int:
+        with self._cond:
+            return self.submitted - self.applied
+
+    def submit(self, grads: Grads) -> None:
+        """Queue one step's row gradients (returns at once)."""
+        self._raise_if_failed()
+        with self._cond:
+            self.submitted += 1
+            n = self.submitted
+        self._queue.put((n, grads))
+
+    def wait(self, at_most: int) -> float:
+        """Block until at most ``at_most`` pushes are unapplied; returns the seconds waited."""
+        t0 = time.perf_counter()
+        with self._cond:
+            while self.submitted - self.applied > at_most and self._error is None:
+                self._cond.wait()
+        self._raise_if_failed()
+        return time.perf_counter() - t0
+
+    def drain(self) -> float:
+        """Block until every submitted push is applied."""
+        return self.wait(0)
+
+    def close(self) -> None:
+        """Stop the thread after the queued pushes (call ``drain`` first to see errors)."""
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            msg = f"a push to the embedding store failed: {self._error}"
+            raise RuntimeError(msg) from self._error
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            n, grads = item
+            if self._error is None:
+                t0 = time.perf_counter()
+                try:
+                    self.store.push(grads, request_id=f"{self.run_id}-{n}")
+                except BaseException as exc:  # handed to the trainer thread
+                    with self._cond:
+                        self._error = exc
+                        self._cond.notify_all()
+                    continue
+                self.push_s += time.perf_counter() - t0
+            with self._cond:
+                self.applied += 1
+                self._cond.notify_all()
