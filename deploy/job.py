@@ -17,6 +17,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
@@ -273,6 +274,13 @@ def run_rank(
             if book is not None
             else None
         )
+        started = time.monotonic()
+
+        def stopping() -> bool:
+            if stop is not None and stop.is_set():
+                return True
+            return max_time_s is not None and time.monotonic() - started >= max_time_s
+
         runner = StreamRunner(
             dask,
             mine,
@@ -283,6 +291,7 @@ def run_rank(
             max_records=cfg.batch_size,
             positions=positions,
             deadletter=deadletter,
+            stop_when=stopping,
         )
         stack.callback(runner.close)
         loop = TrainLoop(

@@ -77,7 +77,7 @@ class ProgressLine:
         """One progress line for ``p`` (a ``trainer.loop.Progress``)."""
         parts = [f"step {p.step:>6}", f"{p.samples:>10,} samples", f"{p.samples_per_s:>8,.0f}/s"]
         if self.total:
-            share = min(1.0, p.samples / self.total)
+            share = min(1.0, p.samples_total / self.total)
             bar = "#" * int(share * 20)
             parts.insert(0, f"[{bar:<20}] {share:>4.0%}")
         auc = p.metrics.auc

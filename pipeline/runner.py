@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from distributed import Client, Future, wait
@@ -62,6 +62,7 @@ class StreamRunner:
         deadletter: DeadLetterSink | None = None,
         poll_interval_s: float = 0.2,
         retries: int = 3,
+        stop_when: Callable[[], bool] | None = None,
     ) -> None:
         if staleness < 0:
             msg = f"staleness must be >= 0, got {staleness}"
@@ -79,6 +80,9 @@ class StreamRunner:
         self.deadletter = deadletter
         self.poll_interval_s = poll_interval_s
         self.retries = retries
+        # Checked while the source has nothing new: a continuous stream that has
+        # gone quiet still ends on Ctrl-C or --max-time.
+        self.stop_when = stop_when
         self.stats = RunnerStats()
         self._given = dict(positions or {})
         # Per partition: where the next chunk starts, and the batches not yet yielded.
@@ -168,7 +172,7 @@ class StreamRunner:
             self._top_up(limit)
             heads = [q[0] for q in self._inflight.values() if q]
             if not heads:
-                if self._finished():
+                if self._finished() or (self.stop_when is not None and self.stop_when()):
                     return
                 time.sleep(self.poll_interval_s)
                 self._refresh_partitions()

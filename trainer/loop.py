@@ -123,7 +123,8 @@ class Progress:
 
     rank: int
     step: int
-    samples: int
+    samples: int  # learned in this run
+    samples_total: int  # learned by the job, restored checkpoints included
     samples_per_s: float
     elapsed_s: float
     loss: float | None
@@ -259,6 +260,7 @@ class TrainLoop:
         self.pusher = Pusher(store, run_id=f"{uuid.uuid4().hex[:12]}-r{rank}")
         self._losses: list[float] = []
         self._last_checkpoint_t = time.monotonic()
+        self._checkpointed_step = start_step  # a restored job holds this step already
         self._log: TextIO | None = None
         # One line per learned chunk (step, partition, start, end): the audit trail
         # that shows each offset was learned once, across restarts.
@@ -296,7 +298,8 @@ class TrainLoop:
         ck = self.config.checkpoint
         if self.checkpointer is None or not ck.enabled:
             return False
-        if ck.every_steps is not None and self.step > 0 and self.step % ck.every_steps == 0:
+        # Decided before the step completes: the checkpoint lands after step N*every.
+        if ck.every_steps is not None and (self.step + 1) % ck.every_steps == 0:
             return True
         return ck.every_s is not None and time.monotonic() - self._last_checkpoint_t >= ck.every_s
 
@@ -322,6 +325,7 @@ class TrainLoop:
             dense=self.dense.state(),
         )
         self._last_checkpoint_t = time.monotonic()
+        self._checkpointed_step = self.step
         self.stats.checkpoints += 1
         if manifest is not None:
             self.stats.last_checkpoint = {
@@ -413,7 +417,13 @@ class TrainLoop:
                     self._report()
                     last_report = time.monotonic()
             self.stats.push_wait_s += self.pusher.drain()
-            if self.checkpointer is not None and self.config.checkpoint.on_exit:
+            if self.config.mode == "async":
+                self.sync.average()  # the job ends with one dense network, not one per rank
+            if (
+                self.checkpointer is not None
+                and self.config.checkpoint.on_exit
+                and self._checkpointed_step != self.step
+            ):
                 self.checkpoint()
             self._report()
         finally:
@@ -430,6 +440,7 @@ class TrainLoop:
             rank=self.rank,
             step=self.step,
             samples=self.stats.samples,
+            samples_total=self.samples_before + self.stats.samples,
             samples_per_s=self.stats.samples / elapsed if elapsed > 0 else 0.0,
             elapsed_s=elapsed,
             loss=float(np.mean(recent)) if recent else None,

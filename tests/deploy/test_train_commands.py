@@ -1,0 +1,173 @@
+"""`streamrec run` from a real Kafka broker, `backfill` and `demo`, as users run them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from connectors.kafka import KafkaSource, KafkaSourceConfig, produce
+from connectors.synthetic import (
+    SyntheticConfig,
+    iter_json_lines,
+    synthetic_feature_spec,
+    synthetic_store_section,
+    write_parquet,
+)
+from deploy.train_cli import ProgressLine, demo_job
+from tests.kafka_fixtures import KafkaForTests
+from trainer.checkpoint import CheckpointBook
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAINER: dict[str, Any] = {
+    "mode": "hybrid",
+    "staleness": 2,
+    "batch_size": 500,
+    "model": {"kind": "ffnn", "hidden": [16]},
+    "torch_threads": 1,
+    "checkpoint": {"every_steps": 3, "every_s": None},
+}
+
+
+def streamrec(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deploy.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def job_file(tmp: Path, source: dict[str, Any]) -> Path:
+    job = {
+        "store": synthetic_store_section(dim=4),
+        "features": synthetic_feature_spec().model_dump(),
+        "source": source,
+        "trainer": TRAINER,
+        "cluster": {"workers": 1, "store_shards": 1, "dashboard_address": ":0"},
+        "run_dir": str(tmp / "run"),
+    }
+    path = tmp / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def test_run_from_kafka_commits_what_it_learned_and_resumes_there(
+    tmp_path: Path, kafka: KafkaForTests, kafka_topic: Any
+) -> None:
+    topic = kafka_topic(partitions=2)
+    lines = list(iter_json_lines(SyntheticConfig(seed=5), 4000))
+    bad = [b"{not json", b'{"click": "yes"}', b""]
+    produce(kafka.bootstrap, topic, lines[:2000] + bad, api_version=kafka.api_version, partition=0)
+    produce(kafka.bootstrap, topic, lines[2000:], api_version=kafka.api_version, partition=1)
+    source = {
+        "kind": "kafka",
+        "bootstrap_servers": kafka.bootstrap,
+        "topics": [topic],
+        "group_id": f"{topic}-trainer",
+        "api_version": ".".join(map(str, kafka.api_version)),
+        "deadletter": "file",
+    }
+    job = job_file(tmp_path, source)
+
+    first = streamrec("run", str(job), "--max-events", "1500")
+    assert first.returncode == 0, first.stdout + first.stderr
+    book = CheckpointBook(tmp_path / "run" / "checkpoints")
+    m1 = book.latest()
+    assert m1 is not None
+    assert 0 < m1.samples <= 1500
+    fields = KafkaSourceConfig.model_fields
+    src = KafkaSource(KafkaSourceConfig(**{k: v for k, v in source.items() if k in fields}))
+    try:
+        # Offsets are committed to the group exactly as far as the checkpoint learned.
+        assert {p: src.committed(p) for p in m1.positions} == m1.positions
+    finally:
+        src.close()
+
+    # A continuous job on a topic that stops growing: stop it by time.
+    second = streamrec("run", str(job), "--max-time", "25")
+    assert second.returncode == 0, second.stdout + second.stderr
+    m2 = book.latest()
+    assert m2 is not None
+    assert m2.positions == {f"{topic}/0": 2003, f"{topic}/1": 2000}
+    assert m2.samples == 4000  # every good event learned once, across the two runs
+    dead = [
+        json.loads(line)
+        for f in (tmp_path / "run").glob("deadletter-rank*.jsonl")
+        for line in f.read_text().splitlines()
+    ]
+    assert len(dead) == 3
+    assert "trained" in second.stdout
+
+
+def test_backfill_shows_a_progress_bar_and_resumes(tmp_path: Path) -> None:
+    data = write_parquet(tmp_path / "history.parquet", SyntheticConfig(seed=2), 3000, 500)
+    job = job_file(tmp_path, {"kind": "parquet", "paths": ["unused.parquet"]})
+    out = streamrec("backfill", str(job), "--from", str(data), "--max-events", "1000")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "%  step" in out.stdout  # the progress bar
+    m1 = CheckpointBook(tmp_path / "run" / "checkpoints").latest()
+    assert m1 is not None
+    assert m1.samples == 1000
+    out = streamrec("backfill", str(job), "--from", str(data))
+    assert out.returncode == 0, out.stdout + out.stderr
+    m2 = CheckpointBook(tmp_path / "run" / "checkpoints").latest()
+    assert m2 is not None
+    assert m2.samples == 3000
+    assert "100%" in out.stdout
+
+
+def test_backfill_names_a_missing_file(tmp_path: Path) -> None:
+    job = job_file(tmp_path, {"kind": "parquet", "paths": ["x.parquet"]})
+    out = streamrec("backfill", str(job), "--from", str(tmp_path / "nope.parquet"))
+    assert out.returncode == 2
+    assert "nope.parquet" in out.stderr
+
+
+def test_run_rejects_a_misspelled_key_naming_it(tmp_path: Path) -> None:
+    job = job_file(tmp_path, {"kind": "synthetic", "events": 10})
+    raw = yaml.safe_load(job.read_text())
+    raw["trainer"]["stalenes"] = 3
+    job.write_text(yaml.safe_dump(raw))
+    out = streamrec("run", str(job))
+    assert out.returncode == 2
+    assert "trainer.stalenes" in out.stderr
+
+
+def test_demo_trains_and_says_what_to_run_next(tmp_path: Path) -> None:
+    out = streamrec("demo", "--events", "20000", "--run-dir", str(tmp_path / "demo"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Dask dashboard: http://" in out.stdout
+    assert "trained 20,000 samples" in out.stdout
+    assert "best achievable" in out.stdout
+    assert "next:" in out.stdout
+
+
+def test_progress_line_shows_the_bar_auc_and_best() -> None:
+    from trainer.metrics import MetricsSnapshot
+
+    class P:
+        step, samples, samples_per_s, loss, staleness, pushes_queued = 5, 500, 100.0, 0.5, 4, 1
+        samples_total = 500
+        metrics = MetricsSnapshot(
+            samples=500, window_samples=500, auc=0.7, logloss=0.5, calibration=1.0, task_auc=[0.7]
+        )
+
+    text = ProgressLine(sys.stdout, best_auc=0.8, total=1000).text(P())
+    assert "[##########          ]  50%" in text
+    assert "AUC 0.7000" in text
+    assert "(best 0.8000)" in text
+
+
+@pytest.mark.parametrize("events", [1000, 1001])
+def test_demo_job_splits_events_over_partitions(events: int) -> None:
+    job = demo_job(Path("x"), events=events, partitions=2)
+    assert job.source is not None
+    assert job.source.kind == "synthetic"
+    assert job.source.events * 2 >= events  # type: ignore[union-attr]
