@@ -768,6 +768,9 @@ def _producer(
         # Idempotent producing needs 0.11; say so instead of letting kafka-python warn.
         options.setdefault("enable_idempotence", False)
         options.setdefault("acks", "all")
+        # Without idempotence a retried request may land after a later one: one
+        # request in flight keeps each partition's records in the order produced.
+        options.setdefault("max_in_flight_requests_per_connection", 1)
     return KafkaProducer(bootstrap_servers=bootstrap_servers, api_version=api_version, **options)
 
 

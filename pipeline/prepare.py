@@ -127,7 +127,7 @@ def prepare(
     batch.bad_records = len(bad)
     for b in bad:
         batch.bad_by_reason[b.reason] = batch.bad_by_reason.get(b.reason, 0) + 1
-    if lookup and batch.tables and len(batch):
+    if lookup and batch.tables:
         client = store if store is not None else worker_store_client()
         rows = client.lookup(
             {name: t.unique_ids for name, t in batch.tables.items()}, train=True, step=step

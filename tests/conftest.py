@@ -14,6 +14,9 @@ from deploy.local.shards import ShardProcess
 
 pytest_plugins = ["tests.kafka_fixtures"]
 
+# Shared check helpers: pytest rewrites their asserts too, so failures show the values.
+pytest.register_assert_rewrite("tests.connectors.contract", "tests.connectors.bad_records")
+
 DEFAULT_TABLES: dict[str, Any] = {
     "user": {"dim": 8, "optimizer": {"kind": "adagrad", "lr": 0.1}, "capacity": 100_000},
     "item": {"dim": 4, "optimizer": {"kind": "sgd", "lr": 0.5}, "capacity": 100_000},

@@ -34,23 +34,8 @@ from connectors.deadletter import CountingDeadLetterSink, JsonlDeadLetterSink, r
 from connectors.types import BadRecord, Chunk, RawChunk
 from connectors.validate import POSITION, REASONS, count_reasons, spec_schema
 from pipeline.spec import FeatureSpec
+from tests.connectors.bad_records import I64_MAX, JSON_BAD, SPEC, base, j
 
-SPEC = FeatureSpec.model_validate(
-    {
-        "labels": ["click"],
-        "dense": [
-            {"name": "price", "min_value": 0, "max_value": 1000},
-            {"name": "age", "fill": None},
-        ],
-        "sparse": [
-            {"name": "user", "table": "users"},
-            {"name": "item", "table": "items", "type": "int"},
-            {"name": "tags", "table": "tags", "type": "list_string", "max_len": 3},
-            {"name": "cats", "table": "cats", "type": "list_int", "max_len": 3},
-        ],
-        "max_record_bytes": 512,
-    }
-)
 # Criteo TSV has no list fields.
 TSV_SPEC = FeatureSpec.model_validate(
     {
@@ -62,7 +47,6 @@ TSV_SPEC = FeatureSpec.model_validate(
 )
 FIELDS = ["click", "price", "age", "user", "item", "tags", "cats"]
 JSON_ENGINES = [JsonLinesCodec(), JsonLinesCodec(engine="arrow", segment_bytes=1 << 12)]
-I64_MAX = 2**63 - 1
 
 
 def chunk_of(payloads: list[bytes], first: int = 1000, step: int = 3) -> RawChunk:
@@ -133,76 +117,6 @@ def assert_decoded(
 
 # --- JSON lines -----------------------------------------------------------------------------
 
-
-def j(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def base(**fields: Any) -> dict[str, Any]:
-    """A good record with some fields replaced (a value of ... removes the field)."""
-    rec: dict[str, Any] = {"click": 1, "price": 5.0, "age": 30.0, "user": "u", "item": 1}
-    rec.update(fields)
-    return {k: v for k, v in rec.items() if v is not ...}
-
-
-JSON_BAD: list[tuple[bytes, str]] = [
-    (b"", "empty_payload"),
-    (j(base(user="x" * 600)), "oversize"),
-    (b'{"click":1,"age":1,"user":"\xff\xfe"}', "not_utf8"),
-    (b'{"click":1,"age":1,"user":"\\ud800"}', "not_utf8"),  # a lone surrogate escape
-    (b'{"click":1,"age":1', "not_json"),  # truncated
-    (b'{"click":1,"age":1} x', "not_json"),  # trailing garbage
-    (b'{"click":1,"age":1}{"click":0,"age":1}', "not_json"),  # two objects in one payload
-    (b"   ", "not_json"),
-    (b'\xef\xbb\xbf{"click":1,"age":1}', "not_json"),  # a byte-order mark
-    (b'{"click":1,"age":1,"user":"a\tb"}', "not_json"),  # a raw control byte in a string
-    (b'{"click":1,"age":01}', "not_json"),  # a leading zero
-    (b"null", "not_object"),  # a first value of null crashes pyarrow's reader: never sent to it
-    (b"[1, 2]", "not_object"),
-    (b"3", "not_object"),
-    (b'"click"', "not_object"),
-    (b'{"click":1,"click":0,"age":1}', "duplicate_field"),
-    (b'{"click":1,"cl\\u0069ck":0,"age":1}', "duplicate_field"),  # the same key, escaped
-    (j(base(click=...)), "missing_label"),
-    (j(base(click=None)), "null_label"),
-    (j(base(click="1")), "label_wrong_type"),
-    (j(base(click=True)), "label_wrong_type"),
-    (j(base(click=[1])), "label_wrong_type"),
-    (j(base(click=1.5)), "label_out_of_range"),
-    (j(base(click=-1)), "label_out_of_range"),
-    (b'{"click":NaN,"age":1}', "label_not_finite"),
-    (b'{"click":1e999,"age":1}', "label_not_finite"),
-    (j(base(price="3")), "dense_wrong_type"),
-    (j(base(price="NaN")), "dense_wrong_type"),
-    (j(base(price=False)), "dense_wrong_type"),
-    (j(base(price={"v": 1})), "dense_wrong_type"),
-    (j(base(price=[1.0])), "dense_wrong_type"),
-    (b'{"click":1,"price":Infinity,"age":1}', "dense_not_finite"),
-    (b'{"click":1,"price":1e999,"age":1}', "dense_not_finite"),
-    (b'{"click":1,"age":-1e400}', "dense_not_finite"),
-    (b'{"click":1,"age":' + b"9" * 400 + b"}", "dense_not_finite"),  # an int too big for a double
-    (j(base(price=-0.5)), "dense_below_min"),
-    (j(base(price=1000.5)), "dense_above_max"),
-    (j(base(age=...)), "missing_dense"),
-    (j(base(age=None)), "missing_dense"),
-    (j(base(user=3.5)), "sparse_wrong_type"),
-    (j(base(user=7)), "sparse_wrong_type"),  # strict: an int is not a string
-    (j(base(user={"id": "a"})), "sparse_wrong_type"),
-    (j(base(user=["a"])), "sparse_wrong_type"),
-    (j(base(item="5")), "sparse_wrong_type"),
-    (j(base(item=5.0)), "sparse_wrong_type"),  # strict: a float is not an int
-    (j(base(item=True)), "sparse_wrong_type"),
-    (j(base(tags="a")), "sparse_wrong_type"),
-    (j(base(tags=["a", 1])), "sparse_wrong_type"),
-    (j(base(tags=["a", None])), "sparse_wrong_type"),
-    (j(base(cats=[1.5])), "sparse_wrong_type"),
-    (j(base(cats=[1, "2"])), "sparse_wrong_type"),
-    (j(base(item=I64_MAX + 1)), "int_overflow"),
-    (j(base(item=-(2**63) - 1)), "int_overflow"),
-    (j(base(cats=[1, 10**20])), "int_overflow"),
-    (j(base(tags=["a", "b", "c", "d"])), "list_too_long"),
-    (j(base(cats=[1, 2, 3, 4])), "list_too_long"),
-]
 
 # Good records written in unusual ways, with the row each must give.
 JSON_ODD_GOOD: list[tuple[bytes, dict[str, Any]]] = [

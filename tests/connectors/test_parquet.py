@@ -14,7 +14,7 @@ import pytest
 from connectors.parquet import InvalidPosition, ParquetSource, UnknownPartition
 from connectors.synthetic import SyntheticConfig, SyntheticSource, write_parquet
 from connectors.types import Chunk, Source
-from tests.connectors.test_synthetic import CONTRACT_CHECKS, check_empty, table_of
+from tests.connectors.contract import CONTRACT_CHECKS, check_empty, table_of
 
 
 def _write(path: Path, rows: int, row_group_size: int, offset: int = 0) -> Path:

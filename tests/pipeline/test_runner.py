@@ -5,12 +5,12 @@ from __future__ import annotations
 import itertools
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-import yaml
 from distributed import Client, LocalCluster
 
 from connectors.parquet import ParquetSource
@@ -21,7 +21,6 @@ from connectors.synthetic import (
     synthetic_store_section,
     write_parquet,
 )
-from deploy.local.shards import ShardProcess
 from embedding_store.client import StoreClient
 from pipeline.prepare import StoreAddress, prepare
 from pipeline.runner import StreamRunner
@@ -32,28 +31,8 @@ EVENTS = 3000
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Iterator[Client]:
-    with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as lc,
-        Client(lc) as client,
-    ):
-        yield client
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StoreAddress]:
-    tmp = tmp_path_factory.mktemp("store")
-    job = tmp / "job.yaml"
-    job.write_text(yaml.safe_dump({"store": synthetic_store_section(dim=8, row_dtype="float32")}))
-    token = tmp / "token"
-    token.write_text("runner-test-token")
-    proc = ShardProcess.start(job, tmp / "shard-0", token_file=token)
-    try:
-        yield StoreAddress(f"grpc://{proc.address}", token="runner-test-token")
-    finally:
-        proc.kill()
+def store(start_store: Callable[[dict[str, Any]], StoreAddress]) -> StoreAddress:
+    return start_store(synthetic_store_section(dim=8, row_dtype="float32"))
 
 
 def _collect(runner: StreamRunner, limit: int | None = None) -> list[PreparedBatch]:

@@ -1,0 +1,50 @@
+"""Fixtures of the pipeline tests: a Dask cluster of worker processes, store shard processes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import yaml
+from distributed import Client, LocalCluster
+
+from deploy.local.shards import ShardProcess
+from pipeline.prepare import StoreAddress
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Client]:
+    """A LocalCluster of 2 worker processes (1 thread each), one per test module."""
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as lc,
+        Client(lc) as client,
+    ):
+        yield client
+
+
+@pytest.fixture(scope="module")
+def start_store(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[[dict[str, Any]], StoreAddress]]:
+    """``start_store(section)``: one store shard process serving a job's ``store:`` section.
+
+    It runs with a token; every shard started is killed at the end of the module.
+    """
+    started: list[ShardProcess] = []
+
+    def start(section: dict[str, Any]) -> StoreAddress:
+        tmp = tmp_path_factory.mktemp("store")
+        job = tmp / "job.yaml"
+        job.write_text(yaml.safe_dump({"store": section}))
+        token = tmp / "token"
+        token.write_text("runner-test-token")
+        proc = ShardProcess.start(job, tmp / "shard-0", token_file=token)
+        started.append(proc)
+        return StoreAddress(f"grpc://{proc.address}", token="runner-test-token")
+
+    yield start
+    for proc in started:
+        proc.kill()
