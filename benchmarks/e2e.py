@@ -1,0 +1,585 @@
+"""End-to-end training: a plain PyTorch model and streamrec's modes, side by side.
+
+    python benchmarks/e2e.py --json bench-results/e2e.json           # the full run (2M samples)
+    python benchmarks/e2e.py --samples 200000 --json /tmp/e2e.json   # a quick one
+
+The same synthetic Criteo-like stream (2 partitions, 26 sparse fields, 13 dense)
+and the same model (embeddings of dim 16, the FFNN 512-256-1 over them, batch
+4096, Adagrad lr 0.05 on the rows, Adam lr 1e-3 on the dense net), trained by:
+
+- ``baseline``: one process, plain PyTorch: per field an ``nn.EmbeddingBag``
+  (``sparse=True``) over the field's hashed ids mod a fixed size (the store's
+  total capacity for the table), ``torch.optim.Adagrad`` on those, ``Adam`` on
+  the dense net; the batches are decoded and hashed before the clock starts;
+- ``sync``, ``hybrid``, ``async``: ``deploy.job.run_job`` as ``streamrec demo``
+  runs it (2 local store shard processes, a ``LocalCluster`` of 2 Dask workers
+  that read, decode, hash and look up, checkpoints off), with 1 trainer rank
+  for sync and hybrid and ``--async-ranks`` (2) for async: with one rank async
+  would be hybrid without the dense allreduce, which one rank does not do either;
+- ``sync`` and ``hybrid`` again with ``--store-latency-ms`` (default 2) added to
+  every store call of the workers and of the trainer (``cluster.store_latency_ms``),
+  standing for a cross-rack round trip.
+
+Throughput (``*_samples_per_s``) is samples per second from the trainer's first
+progress report (the end of the first step that ends at least ``log_every_s`` =
+1 s into the loop) to its last (after the last push): start-up (processes,
+connections, the first batch) is excluded. With several ranks it is the sum of
+their rates. The median rate over the ~1 s report intervals is written next to
+it (``runs.<mode>.median_interval_samples_per_s``): on a shared 2-core machine
+another process's burst moves the overall rate, much less the median. The AUC
+is the progressive AUC (every batch scored before it is learned) over the last
+``--window`` samples once every mode has trained the same ``--samples`` (rounded
+up to whole batches of both partitions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from connectors.synthetic import (
+    SyntheticConfig,
+    SyntheticSource,
+    synthetic_feature_spec,
+    synthetic_store_tables,
+)
+
+SPEC = synthetic_feature_spec()
+BATCH = 4096
+PARTITIONS = 2
+DIM = 16
+HIDDEN = [512, 256]
+DENSE_LR = 1e-3
+MODES = ("baseline", "sync", "hybrid", "async")
+
+TARGETS = {
+    "hybrid_vs_baseline": 0.7,
+    "hybrid_vs_sync": 1.5,
+    "auc_gap": 0.001,  # at most
+    "hybrid_vs_sync_at_2ms": 2.0,
+}
+
+
+@dataclass
+class Run:
+    """One mode's figures."""
+
+    mode: str
+    samples_per_s: float
+    auc: float | None
+    samples: int  # trained in all
+    timed_samples: int  # trained after the clock started
+    timed_s: float
+    startup_s: float  # from the call to the end of the first step
+    median_rate: float = 0.0  # the median rate of the >= 1 s intervals (load spikes aside)
+    breakdown: dict[str, float] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def median_interval_rate(marks: list[tuple[float, int]], every_s: float = 1.0) -> float:
+    """The median samples/s over consecutive intervals of at least ``every_s`` seconds.
+
+    ``marks`` are (seconds, samples trained) points; the median shrugs off the
+    moments another process took the CPU, which the overall rate does not.
+    """
+    rates = []
+    t0, n0 = marks[0]
+    for t, n in marks[1:]:
+        if t - t0 >= every_s:
+            rates.append((n - n0) / (t - t0))
+            t0, n0 = t, n
+    return float(np.median(rates)) if rates else 0.0
+
+
+# --- the plain PyTorch baseline --------------------------------------------------------
+
+
+def baseline_batches(samples: int, seed: int, sizes: list[int]) -> list[tuple[Any, Any, Any]]:
+    """(field indices [F, B], dense [B, 13], labels [B, 1]) per batch, as torch tensors.
+
+    The chunks are those the streamrec runs train on (partition 0 and 1 taken in
+    turn), read, validated and hashed by the pipeline's own code (``prepare``
+    without the store lookup); each field's ids are then taken mod its size.
+    """
+    import torch
+
+    from pipeline.prepare import prepare
+
+    per_partition = samples // PARTITIONS
+    source = SyntheticSource(
+        SyntheticConfig(seed=seed, partitions=PARTITIONS, events=per_partition)
+    )
+    mods = np.array(sizes, dtype=np.uint64)
+    out = []
+    for start in range(0, per_partition, BATCH):
+        for name in source.partitions():
+            chunk = source.plan(name, start, BATCH)
+            assert chunk is not None
+            batch, bad = prepare(chunk, source, SPEC, None, lookup=False)
+            assert not bad, f"{len(bad)} bad synthetic records"
+            b = len(batch)
+            idx = np.empty((len(SPEC.sparse), b), dtype=np.int64)
+            for f, s in enumerate(SPEC.sparse):
+                tb = batch.tables[s.table]
+                assert tb.offsets.shape[0] == b + 1, "one bag per sample"
+                assert int(tb.offsets[-1]) == b, "one id per bag"
+                idx[f] = (tb.unique_ids[tb.inverse] % mods[f]).astype(np.int64)
+            out.append(
+                (
+                    torch.from_numpy(idx),
+                    torch.from_numpy(np.ascontiguousarray(batch.dense)),
+                    torch.from_numpy(np.ascontiguousarray(batch.labels)),
+                )
+            )
+    return out
+
+
+def run_baseline(samples: int, seed: int, window: int, log: bool) -> Run:
+    import torch
+    from torch import nn
+
+    from trainer.metrics import ProgressiveMetrics
+    from trainer.models import FFNNConfig, build_model, loss_fn
+
+    tables = synthetic_store_tables(dim=DIM)
+    # Each field hashes into as many rows as the store may hold for its table (per
+    # shard capacity x shards); the rows start and learn as the store's do.
+    sizes = [tables[s.table].capacity * PARTITIONS for s in SPEC.sparse]
+    t_gen = time.perf_counter()
+    batches = baseline_batches(samples, seed, sizes)
+    gen_s = time.perf_counter() - t_gen
+    if log:
+        print(f"  baseline: {len(batches)} batches decoded and hashed in {gen_s:.1f}s (untimed)")
+
+    # torch's sparse Adagrad says, once, that it skips sparse invariant checks.
+    warnings.filterwarnings("ignore", message="Sparse invariant checks")
+    torch.manual_seed(seed)
+    bags = nn.ModuleList(nn.EmbeddingBag(n, DIM, mode="sum", sparse=True) for n in sizes)
+    for f, bag in enumerate(bags):
+        init = tables[SPEC.sparse[f].table].initializer
+        scale = float(getattr(init, "scale", 0.01))
+        nn.init.uniform_(bag.weight, -scale, scale)
+    dense = build_model(
+        FFNNConfig(hidden=HIDDEN),
+        num_dense=len(SPEC.dense),
+        field_dims=[DIM] * len(sizes),
+        num_tasks=1,
+    )
+    row_lr = float(getattr(tables[SPEC.sparse[0].table].optimizer, "lr", 0.05))
+    sparse_opt = torch.optim.Adagrad(list(bags.parameters()), lr=row_lr)
+    dense_opt = torch.optim.Adam(dense.parameters(), lr=DENSE_LR)
+    metrics = ProgressiveMetrics(window=window)
+
+    compute = {"forward_s": 0.0, "backward_s": 0.0, "dense_step_s": 0.0, "sparse_step_s": 0.0}
+    t_start = time.perf_counter()
+    t0 = t_start
+    timed_from = 0
+    trained = 0
+    marks: list[tuple[float, int]] = []
+    for i, (idx, x, y) in enumerate(batches):
+        if i == 1:  # the first step (allocations, lazy init) is start-up, as for streamrec
+            t0 = time.perf_counter()
+            timed_from = trained
+            for k in compute:
+                compute[k] = 0.0
+        ta = time.perf_counter()
+        b = y.shape[0]
+        offsets = torch.arange(b)
+        pooled = [bag(idx[f], offsets) for f, bag in enumerate(bags)]
+        logits = dense(x, pooled)
+        loss = loss_fn(logits, y)
+        with torch.no_grad():
+            metrics.update(y.numpy(), torch.sigmoid(logits).numpy())
+        tb = time.perf_counter()
+        dense_opt.zero_grad(set_to_none=True)
+        sparse_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        tc = time.perf_counter()
+        dense_opt.step()
+        td = time.perf_counter()
+        sparse_opt.step()
+        te = time.perf_counter()
+        compute["forward_s"] += tb - ta
+        compute["backward_s"] += tc - tb
+        compute["dense_step_s"] += td - tc
+        compute["sparse_step_s"] += te - td
+        trained += b
+        if i >= 1:
+            if not marks:
+                marks.append((t0, trained - b))
+            marks.append((te, trained))
+    end = time.perf_counter()
+    snap = metrics.snapshot()
+    timed = trained - timed_from
+    return Run(
+        mode="baseline",
+        samples_per_s=timed / (end - t0),
+        median_rate=median_interval_rate(marks) if len(marks) > 1 else 0.0,
+        auc=snap.auc,
+        samples=trained,
+        timed_samples=timed,
+        timed_s=end - t0,
+        startup_s=t0 - t_start,
+        breakdown={k: round(v, 2) for k, v in compute.items()},
+        extra={"decode_hash_untimed_s": round(gen_s, 1), "hash_sizes": sizes},
+    )
+
+
+# --- streamrec through the job path ----------------------------------------------------
+
+
+def make_job(
+    mode: str,
+    samples: int,
+    run_dir: Path,
+    *,
+    seed: int,
+    window: int,
+    latency_ms: float,
+    ranks: int,
+    torch_threads: int | None,
+) -> Any:
+    from deploy.config import JobConfig
+    from deploy.train_cli import demo_job
+
+    base = demo_job(run_dir, events=samples, partitions=PARTITIONS, seed=seed, dim=DIM)
+    raw = base.model_dump(mode="json")
+    trainer = {
+        **raw["trainer"],
+        "mode": mode,
+        "ranks": ranks,
+        "batch_size": BATCH,
+        "metrics_window": window,
+        "log_every_s": 1.0,
+        "torch_threads": torch_threads,
+        "checkpoint": {"enabled": False, "on_exit": False},
+        "model": {"kind": "ffnn", "hidden": HIDDEN},
+        "optimizer": {"kind": "adam", "lr": DENSE_LR},
+    }
+    if mode == "sync":
+        trainer["staleness"] = 0
+        trainer.pop("push_queue", None)
+    raw["trainer"] = trainer
+    raw["source"] = {**raw["source"], "deadletter": "none"}
+    raw["cluster"] = {
+        **raw["cluster"],
+        "workers": 2,
+        "store_shards": 2,
+        "dashboard_address": ":0",
+        "store_latency_ms": latency_ms,
+    }
+    return JobConfig.model_validate(raw)
+
+
+def read_metrics(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
+    out = {}
+    for path in sorted(run_dir.glob("metrics-rank*.jsonl")):
+        rank = int(path.stem.removeprefix("metrics-rank"))
+        with path.open(encoding="utf-8") as f:
+            out[rank] = [json.loads(line) for line in f if line.strip()]
+    return out
+
+
+def run_streamrec(
+    mode: str,
+    samples: int,
+    *,
+    seed: int,
+    window: int,
+    latency_ms: float,
+    ranks: int,
+    torch_threads: int | None,
+    keep_dir: Path | None,
+    log: bool,
+) -> Run:
+    from deploy.job import run_job
+
+    label = mode if not latency_ms else f"{mode}@{latency_ms:g}ms"
+    with tempfile.TemporaryDirectory(prefix=f"bench-e2e-{mode}-") as tmp:
+        run_dir = (keep_dir / label) if keep_dir is not None else Path(tmp)
+        if keep_dir is not None and run_dir.exists():
+            shutil.rmtree(run_dir)  # metrics files are appended to: start afresh
+        job = make_job(
+            mode,
+            samples,
+            run_dir,
+            seed=seed,
+            window=window,
+            latency_ms=latency_ms,
+            ranks=ranks,
+            torch_threads=torch_threads,
+        )
+        last = [0.0]
+
+        def progress(p: Any) -> None:
+            now = time.monotonic()
+            if log and now - last[0] >= 10.0:
+                auc = p.metrics.auc
+                print(
+                    f"  {label}: {p.samples:>10,} samples  {p.samples_per_s:>8,.0f}/s  "
+                    f"AUC {auc if auc is None else round(auc, 4)}  wait {p.wait_s:.1f}s  "
+                    f"compute {p.compute_s:.1f}s",
+                    flush=True,
+                )
+                last[0] = now
+
+        t_call = time.monotonic()
+        stats, _ = run_job(job, max_events=samples, on_progress=progress)
+        call_s = time.monotonic() - t_call
+        lines = read_metrics(run_dir)
+    if not lines or 0 not in lines:
+        msg = f"{label}: the run wrote no metrics"
+        raise RuntimeError(msg)
+    # Per rank: the clock runs from its first report (the end of its first step,
+    # or later: reports come every log_every_s) to its last (after the pushes drained).
+    rate = 0.0
+    median_rate = 0.0
+    timed_samples = 0
+    timed_s = 0.0
+    total = 0
+    for rank_lines in lines.values():
+        started = [r for r in rank_lines if r["samples"] > 0]
+        first, end = started[0], rank_lines[-1]
+        dt = end["elapsed_s"] - first["elapsed_s"]
+        n = end["samples"] - first["samples"]
+        rate += n / dt if dt > 0 else 0.0
+        marks = [(r["elapsed_s"], r["samples"]) for r in started]
+        median_rate += median_interval_rate(marks, every_s=0.99) if len(marks) > 1 else 0.0
+        timed_samples += n
+        timed_s = max(timed_s, dt)
+        total += end["samples"]
+    r0 = lines[0]
+    first0 = next(r for r in r0 if r["samples"] > 0)
+    auc = r0[-1]["metrics"]["auc"]
+    # Where rank 0's time went after the first report (the loop's own counters).
+    end0 = r0[-1]
+    elapsed = stats.elapsed()
+    return Run(
+        mode=label,
+        samples_per_s=rate,
+        median_rate=median_rate,
+        auc=auc,
+        samples=total,
+        timed_samples=timed_samples,
+        timed_s=timed_s,
+        startup_s=first0["elapsed_s"],
+        breakdown={
+            "wait_for_batch_s": round(end0["wait_s"] - first0["wait_s"], 2),
+            "compute_s": round(end0["compute_s"] - first0["compute_s"], 2),
+            "loop_total_s": round(elapsed, 2),
+            "loop_wait_s": round(stats.wait_s, 2),
+            "loop_compute_s": round(stats.compute_s, 2),
+            "loop_push_wait_s": round(stats.push_wait_s, 2),
+            "loop_sync_s": round(stats.sync_s, 2),
+        },
+        extra={
+            "ranks": ranks,
+            "steps": stats.steps,
+            "stopped_by": stats.stopped_by,
+            "job_call_s": round(call_s, 1),
+            "rank_samples": {str(k): v[-1]["samples"] for k, v in lines.items()},
+        },
+    )
+
+
+# --- main --------------------------------------------------------------------------------
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, default=Path("bench-results/e2e.json"))
+    parser.add_argument(
+        "--samples", type=int, default=2_000_000, help="per mode (rounded up to whole batches)"
+    )
+    parser.add_argument(
+        "--latency-samples",
+        type=int,
+        default=None,
+        help="samples of the runs with added store latency (default: --samples)",
+    )
+    parser.add_argument("--window", type=int, default=100_000, help="progressive AUC window")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--store-latency-ms",
+        type=float,
+        default=2.0,
+        help="ms added to every store call in the second sync/hybrid pair (0: skip it)",
+    )
+    parser.add_argument(
+        "--async-ranks", type=int, default=2, help="trainer ranks of the async mode"
+    )
+    parser.add_argument("--torch-threads", type=int, default=None, help="trainer.torch_threads")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--keep-runs", type=Path, default=None, help="keep run dirs here")
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+
+    step = BATCH * PARTITIONS
+    samples = -(-args.samples // step) * step
+    lat_samples = -(-(args.latency_samples or args.samples) // step) * step
+    log = not args.quiet
+    results: dict[str, Any] = {
+        "samples": samples,
+        "batch_size": BATCH,
+        "window": args.window,
+        "seed": args.seed,
+        "cpus": os.cpu_count(),
+        "async_ranks": args.async_ranks,
+        "store_latency_ms": args.store_latency_ms,
+        "latency_samples": lat_samples,
+        "load_before": load(),
+    }
+    lat = args.store_latency_ms
+    lat_key = f"{lat:g}ms"
+    plan: list[tuple[str, str, int, float, int]] = []  # key, mode, samples, latency, ranks
+    for mode in args.modes:
+        plan.append((mode, mode, samples, 0.0, args.async_ranks if mode == "async" else 1))
+    if lat > 0:
+        plan += [
+            (f"{mode}_at_{lat_key}", mode, lat_samples, lat, 1)
+            for mode in ("sync", "hybrid")
+            if mode in args.modes
+        ]
+    runs: dict[str, Run] = {}
+    errors: dict[str, str] = {}
+    t_all = time.monotonic()
+    for key, mode, n, latency_ms, ranks in plan:
+        before = load()
+        if log:
+            added = f", {latency_ms:g} ms per store call" if latency_ms else ""
+            print(f"{key}: {n:,} samples{added} (load {before})", flush=True)
+        try:
+            if mode == "baseline":
+                run = run_baseline(n, args.seed, args.window, log)
+            else:
+                run = run_streamrec(
+                    mode,
+                    n,
+                    seed=args.seed,
+                    window=args.window,
+                    latency_ms=latency_ms,
+                    ranks=ranks,
+                    torch_threads=args.torch_threads,
+                    keep_dir=args.keep_runs,
+                    log=log,
+                )
+        except Exception as exc:  # one mode failing must not lose the others' figures
+            errors[key] = f"{type(exc).__name__}: {exc}"
+            print(f"{key} FAILED: {errors[key]}", file=sys.stderr, flush=True)
+        else:
+            run.extra["load_before"] = before
+            run.extra["load_after"] = load()
+            runs[key] = run
+        results["total_s"] = round(time.monotonic() - t_all, 1)
+        results["load_after"] = load()
+        summarize(results, runs, errors, args, samples, lat_key)
+        if args.json:  # after every mode: a later failure keeps what was measured
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+    print()
+    print(
+        f"{'mode':<16} {'samples/s':>11} {'median 1s':>10} {'AUC':>8} {'timed':>24} "
+        f"{'start-up':>9}  load before/after"
+    )
+    for k, r in runs.items():
+        a = f"{r.auc:.4f}" if r.auc is not None else "-"
+        timed = f"{r.timed_samples:,} in {r.timed_s:.1f}s"
+        print(
+            f"{k:<16} {r.samples_per_s:>11,.0f} {r.median_rate:>10,.0f} {a:>8} {timed:>24} "
+            f"{r.startup_s:>8.1f}s  {r.extra['load_before'][0]}/{r.extra['load_after'][0]}"
+        )
+    for k, e in errors.items():
+        print(f"{k:<16} FAILED: {e}")
+    print()
+    for key, t in results["targets"].items():
+        v = t["value"]
+        shown = "-" if v is None else f"{v:.4f}" if key == "auc_gap" else f"{v:.2f}"
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+        print(f"{key:<24} {shown:>8}  (target {t['target']}): {verdict}")
+    if "async_note" in results:
+        print(results["async_note"])
+    print(f"load average before {results['load_before']}, after {results['load_after']}")
+    if args.json:
+        print(f"wrote {args.json}")
+    return 1 if errors else 0
+
+
+def summarize(
+    results: dict[str, Any],
+    runs: dict[str, Run],
+    errors: dict[str, str],
+    args: argparse.Namespace,
+    samples: int,
+    lat_key: str,
+) -> None:
+    """Put the figures of ``runs`` so far, the ratios and the targets into ``results``."""
+    for key, run in runs.items():
+        results[f"{key}_samples_per_s"] = run.samples_per_s
+        results[f"{key}_auc"] = run.auc
+    rate = {k: r.samples_per_s for k, r in runs.items()}
+    auc = {k: r.auc for k, r in runs.items()}
+    results["hybrid_vs_baseline"] = ratio(rate.get("hybrid"), rate.get("baseline"))
+    results["hybrid_vs_sync"] = ratio(rate.get("hybrid"), rate.get("sync"))
+    h_auc, s_auc = auc.get("hybrid"), auc.get("sync")
+    results["auc_gap"] = abs(h_auc - s_auc) if h_auc is not None and s_auc is not None else None
+    results[f"hybrid_vs_sync_at_{lat_key}"] = ratio(
+        rate.get(f"hybrid_at_{lat_key}"), rate.get(f"sync_at_{lat_key}")
+    )
+    targets = {}
+    for key, bound in TARGETS.items():
+        value = results.get(key)
+        met = None if value is None else (value <= bound if key == "auc_gap" else value >= bound)
+        targets[key] = {
+            "target": f"{'<=' if key == 'auc_gap' else '>='} {bound}",
+            "value": value,
+            "met": met,
+        }
+    results["targets"] = targets
+    results["runs"] = {
+        k: {
+            "samples": r.samples,
+            "timed_samples": r.timed_samples,
+            "timed_s": round(r.timed_s, 2),
+            "startup_s": round(r.startup_s, 2),
+            "median_interval_samples_per_s": round(r.median_rate, 1),
+            "breakdown": r.breakdown,
+            **r.extra,
+        }
+        for k, r in runs.items()
+    }
+    results["errors"] = dict(errors)
+    if "async" in runs:
+        results["async_note"] = (
+            "async ran with 1 trainer rank: the same as hybrid without the dense allreduce "
+            "(which one rank does not do either)"
+            if args.async_ranks == 1
+            else f"async ran with {args.async_ranks} trainer ranks (one partition each, dense "
+            "nets averaged every 50 steps): samples/s is their sum, the AUC rank 0's "
+            f"after {samples:,} samples in all"
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
