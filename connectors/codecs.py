@@ -63,9 +63,11 @@ from connectors.validate import (
     Marker,
     Problem,
     check,
+    is_utf8,
     problems_to_bad,
     show,
     spec_schema,
+    utf8_or_null,
     with_positions,
 )
 from pipeline.spec import FeatureSpec, SparseField
@@ -181,14 +183,6 @@ def _utf8_ok(data: bytes) -> bool:
     try:
         text.validate(full=True)
     except pa.ArrowInvalid:
-        return False
-    return True
-
-
-def _is_utf8(data: bytes) -> bool:
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError:
         return False
     return True
 
@@ -325,7 +319,7 @@ class JsonLinesCodec:
         joined, starts, _ = _join(payloads, dict.fromkeys(early, _PLACEHOLDER), lens)
         slow: set[int] = set()  # records for json.loads
         if not _utf8_ok(joined):
-            slow.update(i for i in range(n) if i not in early and not _is_utf8(payloads[i]))
+            slow.update(i for i in range(n) if i not in early and not is_utf8(payloads[i]))
         parts: list[tuple[pa.Table, npt.NDArray[np.int64]]] = []
         skip = np.zeros(n, dtype=np.bool_)
         skip[[*early, *slow]] = True
@@ -1725,14 +1719,9 @@ def _tsv_cell(value: Any, column: str) -> str:
 def _text_to_string(
     col: pa.ChunkedArray, marker: Marker, field: str, what: str, reason: str
 ) -> pa.ChunkedArray:
-    try:
-        return col.cast(pa.string())
-    except pa.ArrowInvalid:
-        pass
-    values = col.to_pylist()
-    broken = np.array([v is not None and not _is_utf8(v) for v in values], dtype=np.bool_)
-    marker.mark(broken, reason, field, col, lambda v: f"{what} is {show(v)}, not valid UTF-8")
-    return pc.if_else(pa.array(~broken), col, pa.scalar(None, col.type)).cast(pa.string())
+    return utf8_or_null(
+        col, marker, field, reason, lambda v: f"{what} is {show(v)}, not valid UTF-8"
+    )
 
 
 def _text_to_float(

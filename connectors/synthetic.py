@@ -45,6 +45,7 @@ from connectors.types import Chunk, RawChunk
 from embedding_store.hashing import mix64, unit_float
 from embedding_store.types import TABLE_NAME_PATTERN, TableConfig
 from pipeline.spec import DenseField, FeatureSpec, SparseField
+from trainer.metrics import auc  # a numpy-only module: no torch at import
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -306,46 +307,6 @@ def _gauss_of(key: np.uint64) -> float:
 def _sigmoid(x: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     out: npt.NDArray[np.float64] = 0.5 * (1.0 + np.tanh(0.5 * x))  # stable for any |x|
     return out
-
-
-def auc(labels: npt.ArrayLike, scores: npt.ArrayLike) -> float:
-    """Exact ROC AUC (Mann-Whitney U, tied scores count one half).
-
-    >>> auc([0, 0, 1, 1], [0.1, 0.4, 0.35, 0.8])
-    0.75
-    >>> auc([0, 1, 0, 1], [0.5, 0.5, 0.5, 0.5])
-    0.5
-    >>> auc([1, 1], [0.2, 0.3])
-    Traceback (most recent call last):
-    ...
-    ValueError: AUC needs both classes: got 2 positives and 0 negatives
-    """
-    y = np.asarray(labels, dtype=np.float64).ravel()
-    s = np.asarray(scores, dtype=np.float64).ravel()
-    if y.shape != s.shape:
-        msg = f"labels and scores differ in length: {y.shape[0]} != {s.shape[0]}"
-        raise ValueError(msg)
-    if not np.all((y == 0.0) | (y == 1.0)):
-        msg = "labels must be 0 or 1"
-        raise ValueError(msg)
-    if not np.all(np.isfinite(s)):
-        msg = "scores must be finite"
-        raise ValueError(msg)
-    pos = y == 1.0
-    n_pos = int(pos.sum())
-    n_neg = int(y.shape[0]) - n_pos
-    if n_pos == 0 or n_neg == 0:
-        msg = f"AUC needs both classes: got {n_pos} positives and {n_neg} negatives"
-        raise ValueError(msg)
-    order = np.argsort(s, kind="stable")
-    ss = s[order]
-    # Tied scores share the average of their 1-based ranks.
-    cuts = np.flatnonzero(np.diff(ss)) + 1
-    starts = np.concatenate(([0], cuts))
-    ends = np.concatenate((cuts, [ss.shape[0]]))
-    ranks = np.repeat((starts + ends + 1) / 2.0, ends - starts)
-    rank_sum = float(ranks[pos[order]].sum())
-    return (rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg)
 
 
 def table_schema() -> pa.Schema:

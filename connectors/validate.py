@@ -476,7 +476,13 @@ def _coerce_sparse(
         if _is_text(t):
             return col.cast(target)
         if _is_binary(t):
-            return _binary_to_string(col, marker, field.name, what)
+            return utf8_or_null(
+                col,
+                marker,
+                field.name,
+                "not_utf8",
+                lambda v: f"{what} holds {show(v)}, not valid UTF-8",
+            )
         _wrong_type(col, marker, "sparse_wrong_type", field.name, what, "it takes a string")
         return nulls
     if field.type == "int":
@@ -510,24 +516,28 @@ def _coerce_sparse(
     return _coerce_list(col, field, marker, what)
 
 
-def _binary_to_string(
-    col: pa.ChunkedArray, marker: Marker, field: str, what: str
+def utf8_or_null(
+    col: pa.ChunkedArray,
+    marker: Marker,
+    field: str,
+    reason: str,
+    describe: Callable[[Any], str],
 ) -> pa.ChunkedArray:
+    """``col`` as strings; a value that is not UTF-8 is marked bad (``describe`` says how)."""
     try:
         return col.cast(pa.string())
     except pa.ArrowInvalid:
         pass
     # Some value is not UTF-8: find which, in Python (only when one is broken).
     values = col.to_pylist()
-    broken = np.array([v is not None and not _is_utf8(v) for v in values], dtype=np.bool_)
-    marker.mark(
-        broken, "not_utf8", field, col, lambda v: f"{what} holds {show(v)}, not valid UTF-8"
-    )
+    broken = np.array([v is not None and not is_utf8(v) for v in values], dtype=np.bool_)
+    marker.mark(broken, reason, field, col, describe)
     kept = pc.if_else(pa.array(~broken), col, pa.scalar(None, col.type))
     return kept.cast(pa.string())
 
 
-def _is_utf8(value: bytes) -> bool:
+def is_utf8(value: bytes) -> bool:
+    """Whether ``value`` decodes as UTF-8."""
     try:
         value.decode("utf-8")
     except UnicodeDecodeError:
@@ -583,7 +593,7 @@ def _coerce_list(
         except pa.ArrowInvalid:
             parents = pc.list_parent_indices(arr).to_numpy()
             values = flat.to_pylist()
-            broken = np.array([v is not None and not _is_utf8(v) for v in values], dtype=np.bool_)
+            broken = np.array([v is not None and not is_utf8(v) for v in values], dtype=np.bool_)
             hit = np.zeros(n, dtype=np.bool_)
             hit[parents[broken]] = True
             marker.mark(

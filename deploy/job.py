@@ -11,19 +11,18 @@ SIGTERM or Ctrl-C) the ranks take a last checkpoint, then everything stops.
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing as mp
 import os
 import secrets
+import signal
 import socket
 import threading
-import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -253,17 +252,17 @@ def run_rank(
             book = CheckpointBook(
                 cfg.checkpoint.dir or job.run_dir / "checkpoints", keep=cfg.checkpoint.keep
             )
-            if rank != 0 and world > 1:
-                import torch.distributed as dist
-
-                dist.barrier()  # rank 0 rolls the store back first
+            # Rank 0 rolls the store back; the others load their dense state after it.
+            if rank != 0:
+                _barrier(world)
             manifest = restore_job(book, store, dense, rank=rank)
-            if rank == 0 and world > 1:
-                import torch.distributed as dist
-
-                dist.barrier()
+            if rank == 0:
+                _barrier(world)
         positions = dict(manifest.positions) if manifest is not None else {}
         deadletter = build_deadletter(job, rank)
+        if deadletter is not None:
+            stack.callback(deadletter.close)
+        stack.callback(source.close)
 
         def commit(m: JobManifest) -> None:
             if isinstance(source, KafkaSource):
@@ -274,26 +273,6 @@ def run_rank(
             if book is not None
             else None
         )
-        started = time.monotonic()
-
-        def stopping() -> bool:
-            if stop is not None and stop.is_set():
-                return True
-            return max_time_s is not None and time.monotonic() - started >= max_time_s
-
-        runner = StreamRunner(
-            dask,
-            mine,
-            spec,
-            StoreAddress(services.store, token=services.token, latency_s=latency_s),
-            staleness=cfg.prefetch,
-            codec=build_codec(job),
-            max_records=cfg.batch_size,
-            positions=positions,
-            deadletter=deadletter,
-            stop_when=stopping,
-        )
-        stack.callback(runner.close)
         loop = TrainLoop(
             cfg,
             spec,
@@ -311,12 +290,37 @@ def run_rank(
             stop=stop,
             on_progress=on_progress,
         )
+        runner = StreamRunner(
+            dask,
+            mine,
+            spec,
+            StoreAddress(services.store, token=services.token, latency_s=latency_s),
+            staleness=cfg.prefetch,
+            codec=build_codec(job),
+            max_records=cfg.batch_size,
+            positions=positions,
+            deadletter=deadletter,
+            # A quiet stream still ends on the loop's stop (signal, --max-time).
+            stop_when=lambda: bool(loop.stop_reason()),
+        )
+        stack.callback(runner.close)
         stats = loop.run(iter(runner))
-        if deadletter is not None and hasattr(deadletter, "close"):
-            deadletter.close()
-        source.close()
         latest = book.latest() if book is not None else None
         return stats, latest
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def _backend(job: JobConfig) -> str:
+    """Every rank must agree: nccl when the ranks train on GPUs, else gloo."""
+    import torch
+
+    return "nccl" if torch.cuda.is_available() and job.trainer.device != "cpu" else "gloo"
 
 
 def _rank_main(
@@ -328,17 +332,13 @@ def _rank_main(
     max_events: int | None,
     max_time_s: float | None,
 ) -> None:
-    import signal
-
-    import torch
     import torch.distributed as dist
 
     job = JobConfig.model_validate_json(job_json)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    backend = "nccl" if torch.cuda.is_available() and job.trainer.device != "cpu" else "gloo"
-    dist.init_process_group(backend, init_method=master, rank=rank, world_size=world)
+    dist.init_process_group(_backend(job), init_method=master, rank=rank, world_size=world)
     try:
         run_rank(
             job,
@@ -366,15 +366,19 @@ def run_ranks(
     import torch.distributed as dist
 
     world = job.trainer.ranks
+    stop = stop or threading.Event()
+    train = functools.partial(
+        run_rank,
+        job,
+        services,
+        world=world,
+        max_events=max_events,
+        max_time_s=max_time_s,
+        stop=stop,
+        on_progress=on_progress,
+    )
     if world == 1:
-        return run_rank(
-            job,
-            services,
-            max_events=max_events,
-            max_time_s=max_time_s,
-            stop=stop,
-            on_progress=on_progress,
-        )
+        return train()
     master = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
     procs = [
@@ -388,27 +392,17 @@ def run_ranks(
     ]
     for p in procs:
         p.start()
-    stop = stop or threading.Event()
 
     def forward_stop() -> None:
         stop.wait()
         for p in procs:
             if p.pid is not None and p.is_alive():
-                os.kill(p.pid, 15)
+                os.kill(p.pid, signal.SIGTERM)
 
     threading.Thread(target=forward_stop, daemon=True).start()
-    dist.init_process_group("gloo", init_method=master, rank=0, world_size=world)
+    dist.init_process_group(_backend(job), init_method=master, rank=0, world_size=world)
     try:
-        result = run_rank(
-            job,
-            services,
-            rank=0,
-            world=world,
-            max_events=max_events,
-            max_time_s=max_time_s,
-            stop=stop,
-            on_progress=on_progress,
-        )
+        result = train(rank=0)
     finally:
         dist.destroy_process_group()
         for p in procs:
@@ -442,16 +436,3 @@ def run_job(
             stop=stop,
             on_progress=on_progress,
         )
-
-
-def iter_metrics(run_dir: Path, rank: int = 0) -> Iterator[dict[str, Any]]:
-    """The progress lines a run wrote (``metrics-rank<R>.jsonl``)."""
-    import json
-
-    path = run_dir / f"metrics-rank{rank}.jsonl"
-    if not path.exists():
-        return
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)

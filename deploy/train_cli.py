@@ -72,6 +72,7 @@ class ProgressLine:
         self.tty = out.isatty()
         self.every_s = every_s
         self._last = 0.0
+        self.last: Any = None
 
     def text(self, p: Any) -> str:
         """One progress line for ``p`` (a ``trainer.loop.Progress``)."""
@@ -91,6 +92,7 @@ class ProgressLine:
         return "  ".join(parts)
 
     def __call__(self, p: Any) -> None:
+        self.last = p  # the loop's final report ends every run: the summary reads it
         now = time.monotonic()
         if self.tty:
             self.out.write("\r" + self.text(p) + "\033[K")
@@ -128,14 +130,13 @@ def _train(
     total: int | None = None,
     next_steps: str = "",
 ) -> int:
-    from deploy.job import JobError, run_job
+    from connectors.synthetic import SyntheticSource
+    from deploy.job import JobError, build_source, run_job
 
     best = None
     if job.source is not None and job.source.kind == "synthetic":
-        from connectors.synthetic import SyntheticConfig, SyntheticSource
-
-        fields = set(SyntheticConfig.model_fields)
-        synthetic = SyntheticSource(SyntheticConfig(**job.source.model_dump(include=fields)))
+        synthetic = build_source(job)
+        assert isinstance(synthetic, SyntheticSource)  # the synthetic kind builds one
         best = synthetic.best_auc(n_samples=100_000)
     line = ProgressLine(sys.stdout, best_auc=best, total=total)
     stop = _install_stop()
@@ -161,10 +162,6 @@ def _train(
         return 2
     line.done()
     elapsed = time.monotonic() - started
-    from deploy.job import iter_metrics
-
-    lines = list(iter_metrics(job.run_dir))
-    last = lines[-1] if lines else None
     print(
         f"trained {stats.samples:,} samples in {stats.steps} steps, "
         f"{elapsed:.1f}s ({stats.samples / max(elapsed, 1e-9):,.0f} samples/s overall); "
@@ -175,9 +172,10 @@ def _train(
         f"push queue {stats.push_wait_s:.1f}s, rank sync {stats.sync_s:.1f}s, "
         f"{stats.checkpoints} checkpoints"
     )
-    if last is not None and last["metrics"]["auc"] is not None:
+    final_auc = line.last.metrics.auc if line.last is not None else None
+    if final_auc is not None:
         best_text = f" (the stream's best achievable: {best:.4f})" if best is not None else ""
-        print(f"progressive AUC {last['metrics']['auc']:.4f}{best_text}")
+        print(f"progressive AUC {final_auc:.4f}{best_text}")
     if stats.bad_records:
         print(f"{stats.bad_records} bad records dead-lettered (see {job.run_dir})")
     if manifest is not None:
@@ -240,15 +238,20 @@ def cmd_backfill(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from connectors.parquet import ParquetSource
+    from deploy.job import build_source
 
     try:
-        src = ParquetSource(job.source.paths, columns=job.source.columns)
+        src = build_source(job)
     except (FileNotFoundError, ValueError) as exc:
         print(f"streamrec backfill: {exc}", file=sys.stderr)
         return 2
     total = sum(src.end_position(p) or 0 for p in src.partitions())
     return _train(job, max_events=args.max_events, max_time_s=args.max_time, total=total)
+
+
+def _add_limits(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-events", type=int, default=None, help="stop after N events")
+    parser.add_argument("--max-time", type=float, default=None, help="stop after N seconds")
 
 
 def add_commands(sub: Any) -> None:
@@ -281,8 +284,7 @@ def add_commands(sub: Any) -> None:
         ),
     )
     run.add_argument("job", type=Path, help="job YAML (see examples/kafka.yaml)")
-    run.add_argument("--max-events", type=int, default=None)
-    run.add_argument("--max-time", type=float, default=None, help="seconds")
+    _add_limits(run)
     run.set_defaults(func=cmd_run)
 
     backfill = sub.add_parser(
@@ -297,6 +299,5 @@ def add_commands(sub: Any) -> None:
     backfill.add_argument(
         "--from", dest="paths", nargs="+", type=Path, help="Parquet files, folders or globs"
     )
-    backfill.add_argument("--max-events", type=int, default=None)
-    backfill.add_argument("--max-time", type=float, default=None, help="seconds")
+    _add_limits(backfill)
     backfill.set_defaults(func=cmd_backfill)

@@ -20,6 +20,8 @@ import numba as nb
 import numpy as np
 import numpy.typing as npt
 
+from embedding_store.types import NormalInit, UniformInit, ZerosInit
+
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -120,6 +122,19 @@ def table_seed(name: str, seed: int) -> np.uint64:
 INIT_ZEROS = 0
 INIT_UNIFORM = 1
 INIT_NORMAL = 2
+
+
+def init_params(initializer: UniformInit | NormalInit | ZerosInit) -> tuple[int, float, float]:
+    """``(kind, a, b)`` of ``init_row`` for an initializer config.
+
+    >>> init_params(NormalInit(std=0.1, mean=0.5))
+    (2, 0.1, 0.5)
+    """
+    if isinstance(initializer, UniformInit):
+        return INIT_UNIFORM, initializer.scale, 0.0
+    if isinstance(initializer, NormalInit):
+        return INIT_NORMAL, initializer.std, initializer.mean
+    return INIT_ZEROS, 0.0, 0.0
 
 
 @nb.njit(nogil=True, cache=True)

@@ -22,10 +22,10 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -72,6 +72,20 @@ def _fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_file_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write ``path`` all or nothing: ``write`` fills a temporary file, fsynced, then renamed.
+
+    A crash at any point leaves either the old file (or none) or the whole new one.
+    """
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    tmp.replace(path)
+    _fsync_dir(path.parent)
 
 
 def _sha256(path: Path) -> str:
@@ -174,13 +188,8 @@ def write_checkpoint(
         "metadata": metadata or {},
     }
     path = directory / f"MANIFEST-{seq:08d}.json"
-    tmp = directory / f".{path.name}.tmp"
-    with tmp.open("w", encoding="utf-8") as f:
-        json.dump(doc, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    tmp.replace(path)
-    _fsync_dir(directory)
+    body = json.dumps(doc, indent=1, sort_keys=True).encode()
+    write_file_atomic(path, lambda f: f.write(body))
     return path, total_rows, total_tombs, total_bytes + path.stat().st_size
 
 

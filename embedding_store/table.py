@@ -36,9 +36,7 @@ import numpy.typing as npt
 
 from embedding_store.errors import CheckpointError, InvalidRequest
 from embedding_store.hashing import (
-    INIT_NORMAL,
-    INIT_UNIFORM,
-    INIT_ZEROS,
+    init_params,
     init_row,
     mix64,
     table_seed,
@@ -47,12 +45,10 @@ from embedding_store.hashing import (
 from embedding_store.optim import RowOptimizer, make_optimizer
 from embedding_store.types import (
     CountMinAdmission,
-    NormalInit,
     ProbabilityAdmission,
     PushResult,
     TableConfig,
     TableStats,
-    UniformInit,
 )
 
 F32 = npt.NDArray[np.float32]
@@ -449,13 +445,7 @@ class EmbeddingTable:
         self.optimizer: RowOptimizer = make_optimizer(config.optimizer)
         self._state_width = self.optimizer.state_width(config.dim)
         self._seed = table_seed(name, config.seed)
-        init = config.initializer
-        if isinstance(init, UniformInit):
-            self._init = (INIT_UNIFORM, init.scale, 0.0)
-        elif isinstance(init, NormalInit):
-            self._init = (INIT_NORMAL, init.std, init.mean)
-        else:
-            self._init = (INIT_ZEROS, 0.0, 0.0)
+        self._init = init_params(config.initializer)
         self._lock = threading.Lock()
         self._max_buckets = _pow2_at_least(int(np.ceil(config.capacity / MAX_LOAD)))
         adm = config.admission

@@ -43,6 +43,8 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from embedding_store.hashing import mix64
+
 SparseKind = Literal["string", "int", "list_string", "list_int"]
 U8 = npt.NDArray[np.uint8]
 U64 = npt.NDArray[np.uint64]
@@ -50,8 +52,6 @@ I32 = npt.NDArray[np.int32]
 
 _P1 = np.uint64(0x9E3779B185EBCA87)
 _P2 = np.uint64(0xC2B2AE3D27D4EB4F)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
 # Shift counts and small offsets as uint64 scalars: numba promotes uint64 mixed
 # with int64 to float64, and unsigned byte indices let LLVM fuse the eight byte
 # loads of a word into one load (signed ones carry negative-index wraparound).
@@ -65,8 +65,6 @@ _B7 = np.uint64(7)
 _B8 = np.uint64(8)
 _S16 = np.uint64(16)
 _S24 = np.uint64(24)
-_S27 = np.uint64(27)
-_S30 = np.uint64(30)
 _S31 = np.uint64(31)
 _S32 = np.uint64(32)
 _S33 = np.uint64(33)
@@ -90,13 +88,6 @@ _NO_OFFSETS: npt.NDArray[np.int32] = _frozen(np.empty(0, dtype=np.int32))  # typ
 # The helpers below are loop-free on purpose: numba inlines "always" functions
 # at the IR level, and one that loops over an array argument keeps a reference
 # count on it per call (an atomic add and a function call per value, 5x slower).
-@nb.njit(nogil=True, cache=True, inline="always")
-def _mix64(x: np.uint64) -> np.uint64:
-    x = (x ^ (x >> _S30)) * _M1
-    x = (x ^ (x >> _S27)) * _M2
-    return x ^ (x >> _S31)
-
-
 @nb.njit(nogil=True, cache=True, inline="always")
 def _round(h: np.uint64, w: np.uint64) -> np.uint64:
     # A bijection of h for fixed w and of w for fixed h: strings of equal length
@@ -178,7 +169,7 @@ def _hash_strings(
                     shift += _B8
                     p += _B1
                 h = _round(h, w)
-            out_ids[pos] = _mix64(h)
+            out_ids[pos] = mix64(h)
             pos += 1
         out_lens[i] = pos - first
     return pos
@@ -217,7 +208,7 @@ def _hash_ints(
             e = start + j
             if not _is_valid(validity, e):
                 continue
-            out_ids[pos] = _mix64(_mix64(values[e] ^ lo) + hi)
+            out_ids[pos] = mix64(mix64(values[e] ^ lo) + hi)
             pos += 1
         out_lens[i] = pos - first
     return pos

@@ -24,7 +24,6 @@ True
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from embedding_store.persistence import write_file_atomic
 
 FORMAT = 1
 _MANIFEST = re.compile(r"^JOB-(\d{12})\.json$")
@@ -54,20 +55,6 @@ class JobManifest:
     extra: dict[str, Any] = field(default_factory=dict)
     format: int = FORMAT
     path: str = ""
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 class CheckpointBook:
@@ -120,11 +107,7 @@ class CheckpointBook:
         """Write the dense state, then the manifest (atomically), then drop old ones."""
         self.directory.mkdir(parents=True, exist_ok=True)
         dense_file = f"dense-{step:012d}.pt"
-        tmp = self.directory / f".{dense_file}.tmp"
-        torch.save(dense, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, self.directory / dense_file)
+        write_file_atomic(self.directory / dense_file, lambda f: torch.save(dense, f))
         manifest = JobManifest(
             step=step,
             samples=samples,
@@ -136,7 +119,8 @@ class CheckpointBook:
         )
         body = {k: v for k, v in asdict(manifest).items() if k != "path"}
         path = self.directory / f"JOB-{step:012d}.json"
-        _write_atomic(path, json.dumps(body, indent=1, sort_keys=True).encode())
+        text = json.dumps(body, indent=1, sort_keys=True).encode()
+        write_file_atomic(path, lambda f: f.write(text))
         self._collect_garbage()
         return JobManifest(**{**body, "path": str(path)})
 

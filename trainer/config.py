@@ -18,15 +18,61 @@ pydantic_core._pydantic_core.ValidationError: 1 validation error for TrainerConf
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-
-from trainer.models import FFNNConfig, ModelConfig
 
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --- dense models (built by trainer.models.build_model) ---------------------------
+
+Activation = Literal["relu", "gelu", "silu", "tanh"]
+Width = Annotated[int, Field(ge=1, le=1 << 16)]
+
+
+class FFNNConfig(_Strict):
+    """The Persia paper's feed-forward net over concat(dense features, pooled embeddings).
+
+    ``hidden`` are the widths of the hidden layers (none: a logistic regression).
+    """
+
+    kind: Literal["ffnn"] = "ffnn"
+    hidden: list[Width] = Field(default_factory=lambda: [4096, 2048, 1024, 512, 256])
+    activation: Activation = "relu"
+
+
+class DLRMConfig(_Strict):
+    """DLRM (Naumov et al. 2019): bottom MLP, pairwise dot interaction, top MLP.
+
+    The bottom MLP has hidden widths ``bottom`` and then projects the dense
+    features to the embedding dim; the top MLP has hidden widths ``top`` and
+    then one logit per task. All sparse fields must share one dim.
+    """
+
+    kind: Literal["dlrm"] = "dlrm"
+    bottom: list[Width] = Field(default_factory=lambda: [512, 256])
+    top: list[Width] = Field(default_factory=lambda: [1024, 1024, 512, 256])
+
+
+class DCNv2Config(_Strict):
+    """DCN-v2 (Wang et al. 2021): ``cross_layers`` of ``x0 * (W x_l + b) + x_l`` and a deep MLP.
+
+    ``low_rank=r`` factors each ``W`` as ``U V^T`` with rank ``r``. ``stacked``
+    feeds the cross network's output to the deep MLP; ``parallel`` runs both on
+    the input and concatenates their outputs.
+    """
+
+    kind: Literal["dcn_v2"] = "dcn_v2"
+    cross_layers: int = Field(3, ge=0, le=64)
+    low_rank: int | None = Field(None, ge=1, le=1 << 16)
+    deep: list[Width] = Field(default_factory=lambda: [1024, 512, 256])
+    structure: Literal["stacked", "parallel"] = "stacked"
+
+
+ModelConfig = Annotated[FFNNConfig | DLRMConfig | DCNv2Config, Field(discriminator="kind")]
 
 
 class DenseOptimizerConfig(_Strict):

@@ -23,7 +23,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, cast
 
 import numpy as np
 import torch
@@ -40,6 +40,8 @@ from trainer.pooling import pool, row_grads, to_tensors
 from trainer.pusher import Pusher
 
 log = logging.getLogger(__name__)
+
+_RECENT_LOSSES_KEPT = 4096
 
 
 def build_optimizer(model: torch.nn.Module, cfg: DenseOptimizerConfig) -> torch.optim.Optimizer:
@@ -163,22 +165,19 @@ class JobCheckpointer:
     ) -> JobManifest | None:
         """Every rank calls this at the same step, with its pushes drained."""
         # Rank 0 must not checkpoint the store while another rank still pushes.
-        gathered = sync.gather({"positions": positions, "samples": samples, "dense": dense})
+        ranks = cast(
+            list[dict[str, Any]],
+            sync.gather({"positions": positions, "samples": samples, "dense": dense}),
+        )
         manifest = None
         if rank == 0:
-            merged: dict[str, int] = {}
-            for g in gathered:
-                assert isinstance(g, dict)
-                merged.update(g["positions"])
-            total = sum(int(g["samples"]) for g in gathered if isinstance(g, dict))
             results = self.store.checkpoint(None, "auto", metadata={"job_step": step})
-            state = {"ranks": [g["dense"] for g in gathered if isinstance(g, dict)]}
             manifest = self.book.save(
                 step=step,
-                samples=total,
-                positions=merged,
+                samples=sum(int(r["samples"]) for r in ranks),
+                positions={p: n for r in ranks for p, n in r["positions"].items()},
                 shard_seqs=[r.seq for r in results],
-                dense=state,
+                dense={"ranks": [r["dense"] for r in ranks]},
                 extra={
                     **self.extra,
                     "store_bytes": sum(r.bytes for r in results),
@@ -287,6 +286,9 @@ class TrainLoop:
         self.metrics.update(batch.labels, probs)
         loss.backward()
         self._losses.append(float(loss.detach()))
+        if len(self._losses) > 2 * _RECENT_LOSSES_KEPT:
+            # A continuous job runs for weeks: keep the recent losses, not all of them.
+            del self._losses[:-_RECENT_LOSSES_KEPT]
         grads = row_grads(bt)
         return {
             name: (t.unique_ids, grads[name])
@@ -303,7 +305,8 @@ class TrainLoop:
             return True
         return ck.every_s is not None and time.monotonic() - self._last_checkpoint_t >= ck.every_s
 
-    def _want_stop(self) -> str:
+    def stop_reason(self) -> str:
+        """Why the loop should stop now (a signal, --max-time), or '' to go on."""
         if self.stop.is_set():
             return "signal"
         if self.max_time_s is not None and self.stats.elapsed() >= self.max_time_s:
@@ -355,7 +358,7 @@ class TrainLoop:
         queue_bound = self.config.effective_push_queue
         try:
             while True:
-                stop_reason = self._want_stop()
+                stop_reason = self.stop_reason()
                 batch = None
                 if not exhausted and not stop_reason:
                     t0 = time.perf_counter()

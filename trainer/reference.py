@@ -36,18 +36,15 @@ import numpy.typing as npt
 import torch
 from torch import Tensor, nn
 
-from embedding_store.hashing import INIT_NORMAL, INIT_UNIFORM, INIT_ZEROS, init_rows, table_seed
+from embedding_store.hashing import init_params, init_rows, table_seed
 from embedding_store.types import (
     AdagradConfig,
     AdamConfig,
     AlwaysAdmit,
     FTRLConfig,
-    NormalInit,
     OptimizerConfig,
     SGDConfig,
     TableConfig,
-    UniformInit,
-    ZerosInit,
 )
 from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch
@@ -233,20 +230,6 @@ def row_rule(config: OptimizerConfig) -> RowRule:
 # --- tables -----------------------------------------------------------------------
 
 
-def _init_params(config: TableConfig) -> tuple[int, float, float]:
-    """(kind, a, b) of ``hashing.init_rows``, derived as ``EmbeddingTable`` derives them."""
-    init = config.initializer
-    match init:
-        case UniformInit():
-            return INIT_UNIFORM, init.scale, 0.0
-        case NormalInit():
-            return INIT_NORMAL, init.std, init.mean
-        case ZerosInit():
-            return INIT_ZEROS, 0.0, 0.0
-        case _:
-            assert_never(init)
-
-
 class ReferenceTable:
     """One table: id -> row dict, float32 weights that grow by doubling, optimizer state."""
 
@@ -271,7 +254,7 @@ class ReferenceTable:
         self.device = torch.device(device)
         self.rule = row_rule(config.optimizer)
         self._seed = table_seed(name, config.seed)
-        self._init = _init_params(config)
+        self._init = init_params(config.initializer)
         self._index: dict[int, int] = {}
         cap = max(1, min(config.initial_rows, config.capacity))
         width = self.rule.state_width(self.dim)
