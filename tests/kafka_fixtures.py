@@ -1,5 +1,9 @@
 """Kafka for tests: one real broker for the whole session, a uuid-named topic per test.
 
+Also a ``restartable`` broker per test module (for tests that stop it), and the
+helpers the Kafka tests share: :func:`make_kafka_source`, :func:`read_partition`
+and ``SLOW_READS``.
+
 By default the session starts a :class:`~deploy.local.kafka.LocalKafka` (Kafka
 0.9.0.1 on free loopback ports; needs Java and, the first time, npm). To test
 against a Kafka that already runs instead, set
@@ -15,6 +19,7 @@ The environment is read when the fixture runs, never at import.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -22,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from connectors.kafka import resolve_api_version
+from connectors.kafka import KafkaSource, KafkaSourceConfig, resolve_api_version
 from deploy.local.kafka import (
     API_VERSION,
     LocalKafka,
@@ -32,6 +37,15 @@ from deploy.local.kafka import (
 )
 
 ApiVersion = tuple[int, ...]
+
+# Slow reads on purpose: ~1 KB per fetch, and the broker holds each fetch for 100 ms
+# waiting for 1 MB that never comes, so reading a chunk takes a while (a broker restart
+# or a killed worker then lands in the middle of one). KafkaSource ``client_options``.
+SLOW_READS = {
+    "max_partition_fetch_bytes": 1024,
+    "fetch_min_bytes": 1 << 20,
+    "fetch_max_wait_ms": 100,
+}
 
 
 @dataclass
@@ -43,6 +57,12 @@ class KafkaForTests:
     zookeeper: str | None = None
     local: LocalKafka | None = None  # None when the session uses an outside Kafka
 
+    def _tools(self) -> dict[str, Any]:
+        """Which Kafka and Java run deploy's topic tools: a LocalKafka's own, else the defaults."""
+        if self.local is None:
+            return {}
+        return {"home": self.local.home, "java": self.local.java}
+
     def _admin(self) -> Any:
         from kafka import KafkaAdminClient
 
@@ -52,9 +72,7 @@ class KafkaForTests:
         self, name: str, partitions: int = 1, *, config: Mapping[str, str] | None = None
     ) -> None:
         """Create ``name`` with ``partitions`` partitions and wait until it is ready."""
-        if self.local is not None:
-            self.local.create_topic(name, partitions, config=config)
-        elif self.zookeeper is not None:
+        if self.zookeeper is not None:
             create_topic(
                 self.zookeeper,
                 self.bootstrap,
@@ -62,6 +80,7 @@ class KafkaForTests:
                 partitions,
                 config=config,
                 api_version=self.api_version,
+                **self._tools(),
             )
         else:
             from kafka.admin import NewTopic
@@ -77,13 +96,9 @@ class KafkaForTests:
 
     def add_partitions(self, name: str, partitions: int) -> None:
         """Grow ``name`` to ``partitions`` partitions and wait until the new ones are ready."""
-        if self.local is not None:
-            self.local.add_partitions(name, partitions)
-            return
         if self.zookeeper is not None:
-            topic_command(
-                self.zookeeper, "--alter", "--topic", name, "--partitions", str(partitions)
-            )
+            alter = ("--alter", "--topic", name, "--partitions", str(partitions))
+            topic_command(self.zookeeper, *alter, **self._tools())
         else:
             from kafka.admin import NewPartitions
 
@@ -126,3 +141,58 @@ def kafka_topic(kafka: KafkaForTests) -> Callable[..., str]:
         return name
 
     return make
+
+
+@pytest.fixture(scope="module")
+def restartable() -> Iterator[LocalKafka]:
+    """A broker of its own: restarting the session's broker would disturb other tests."""
+    local = LocalKafka.start()
+    try:
+        yield local
+    finally:
+        local.stop()
+
+
+def make_kafka_source(bootstrap: str, topic: str, **overrides: Any) -> KafkaSource:
+    """A source of ``topic`` in a fresh consumer group; ``overrides`` replace config fields."""
+    settings: dict[str, Any] = {
+        "bootstrap_servers": bootstrap,
+        "topics": [topic],
+        "group_id": f"group-{uuid.uuid4().hex[:8]}",
+        "api_version": API_VERSION,
+        "poll_timeout_ms": 200,
+        "retry_timeout_s": 60,
+    }
+    settings.update(overrides)
+    return KafkaSource(KafkaSourceConfig(**settings))
+
+
+def read_partition(
+    bootstrap: str,
+    topic: str,
+    partition: int,
+    n: int,
+    *,
+    api_version: ApiVersion = API_VERSION,
+    timeout_s: float = 30.0,
+) -> list[Any]:
+    """The first ``n`` records (kafka-python records) of one partition, via an assigned consumer.
+
+    Fewer when ``timeout_s`` runs out first; more when the last poll brings more.
+    """
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap, api_version=api_version, enable_auto_commit=False
+    )
+    try:
+        tp = TopicPartition(topic, partition)
+        consumer.assign([tp])
+        consumer.seek(tp, 0)
+        got: list[Any] = []
+        deadline = time.monotonic() + timeout_s
+        while len(got) < n and time.monotonic() < deadline:
+            got += consumer.poll(timeout_ms=200).get(tp, [])
+        return got
+    finally:
+        consumer.close(autocommit=False)

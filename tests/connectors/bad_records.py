@@ -5,32 +5,72 @@ reason it is bad for and the field a dead letter names (None when the payload
 as a whole is wrong). Together they cover the 19 reasons a JSON payload can
 have (every reason in ``connectors.validate.REASONS`` but the TSV and Arrow
 ones). The codec tests decode them; the runner tests send them through Kafka.
+
+``feature_spec`` makes specs of these fields with other limits (the validate
+tests use one), and ``value_reason`` is the reference for the label and dense
+values the codec and validate oracles share.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from pipeline.spec import FeatureSpec
 
-SPEC = FeatureSpec.model_validate(
-    {
-        "labels": ["click"],
-        "dense": [
-            {"name": "price", "min_value": 0, "max_value": 1000},
-            {"name": "age", "fill": None},
-        ],
-        "sparse": [
-            {"name": "user", "table": "users"},
-            {"name": "item", "table": "items", "type": "int"},
-            {"name": "tags", "table": "tags", "type": "list_string", "max_len": 3},
-            {"name": "cats", "table": "cats", "type": "list_int", "max_len": 3},
-        ],
-        "max_record_bytes": 512,
-    }
-)
+
+def feature_spec(*, price_max: float = 1000, max_len: int = 3, **options: Any) -> FeatureSpec:
+    """A label ``click``, dense ``price`` in [0, price_max] and ``age`` (no fill), and four
+    sparse fields: ``user``, ``item`` (int), lists ``tags`` and ``cats`` of ``max_len``."""
+    return FeatureSpec.model_validate(
+        {
+            "labels": ["click"],
+            "dense": [
+                {"name": "price", "min_value": 0, "max_value": price_max},
+                {"name": "age", "fill": None},
+            ],
+            "sparse": [
+                {"name": "user", "table": "users"},
+                {"name": "item", "table": "items", "type": "int"},
+                {"name": "tags", "table": "tags", "type": "list_string", "max_len": max_len},
+                {"name": "cats", "table": "cats", "type": "list_int", "max_len": max_len},
+            ],
+            **options,
+        }
+    )
+
+
+SPEC = feature_spec(max_record_bytes=512)
 I64_MAX = 2**63 - 1
+
+
+def value_reason(
+    click: float | None, price: float | None, age: float | None, *, price_max: float
+) -> str | None:
+    """Why a row with these (numeric or null) label and dense values is bad; None: good.
+
+    The documented rules for a ``feature_spec(price_max=...)`` spec, in the order
+    they are checked.
+    """
+    if click is None:
+        return "null_label"
+    if not math.isfinite(click):
+        return "label_not_finite"
+    if not 0 <= click <= 1:
+        return "label_out_of_range"
+    if price is not None:
+        if not math.isfinite(price):
+            return "dense_not_finite"
+        if price < 0:
+            return "dense_below_min"
+        if price > price_max:
+            return "dense_above_max"
+    if age is None:
+        return "missing_dense"
+    if not math.isfinite(age):
+        return "dense_not_finite"
+    return None
 
 
 def j(obj: Any) -> bytes:

@@ -4,7 +4,8 @@ Each ``check_*`` function takes a :class:`~connectors.types.Source` and asserts 
 part of the contract every source keeps; ``CONTRACT_CHECKS`` lists those that
 hold for any source with records, ``check_empty`` is for a source without any.
 ``test_synthetic.py`` and ``test_parquet.py`` run them against their sources.
-Columnar sources only: the checks read ``RawChunk.table``.
+Columnar sources only: the checks read ``RawChunk.table``. ``plan_all`` (any
+source) is a helper of the source tests.
 """
 
 from __future__ import annotations
@@ -25,7 +26,17 @@ def table_of(raw: RawChunk) -> pa.Table:
     return raw.table
 
 
-def _plan_all(source: Source, partition: str, max_records: int) -> list[Chunk]:
+def plan_all(source: Source, partition: str, start: int, max_records: int) -> list[Chunk]:
+    """Chunks from ``start`` until the plan has nothing more (``_plan_checked`` also checks)."""
+    chunks = []
+    position = start
+    while (chunk := source.plan(partition, position, max_records)) is not None:
+        chunks.append(chunk)
+        position = chunk.end
+    return chunks
+
+
+def _plan_checked(source: Source, partition: str, max_records: int) -> list[Chunk]:
     chunks = []
     pos = source.start_position(partition)
     while not source.is_finished(partition, pos):
@@ -45,7 +56,7 @@ def check_covers_every_position(source: Source) -> None:
     for max_records in (1, 7, 1000, 10**9):
         for partition in source.partitions():
             seen: list[int] = []
-            for chunk in _plan_all(source, partition, max_records):
+            for chunk in _plan_checked(source, partition, max_records):
                 assert chunk.source == source.name
                 assert chunk.partition == partition
                 raw = source.read(chunk)

@@ -34,7 +34,7 @@ from connectors.deadletter import CountingDeadLetterSink, JsonlDeadLetterSink, r
 from connectors.types import BadRecord, Chunk, RawChunk
 from connectors.validate import POSITION, REASONS, count_reasons, spec_schema
 from pipeline.spec import FeatureSpec
-from tests.connectors.bad_records import I64_MAX, JSON_BAD, SPEC, base, j
+from tests.connectors.bad_records import I64_MAX, JSON_BAD, SPEC, base, j, value_reason
 
 # Criteo TSV has no list fields.
 TSV_SPEC = FeatureSpec.model_validate(
@@ -530,6 +530,7 @@ def test_dead_letters_round_trip_raw_bytes(tmp_path: Path) -> None:
 # --- the oracle: a reference written from the documented rules ------------------------------
 
 ABSENT = object()
+VALUE_FIELDS = ("click", "price", "age")  # the label and dense fields, in value_reason order
 
 
 def is_utf8(text: str) -> bool:
@@ -584,25 +585,9 @@ def reference(rec: dict[str, Any]) -> str | None:
     # The value pass.
     if "click" not in rec:
         return "missing_label"
-    if rec["click"] is None:
-        return "null_label"
-    click = as_float(rec["click"])
-    if not math.isfinite(click):
-        return "label_not_finite"
-    if not 0 <= click <= 1:
-        return "label_out_of_range"
-    if get("price") is not None:
-        price = as_float(rec["price"])
-        if not math.isfinite(price):
-            return "dense_not_finite"
-        if price < 0:
-            return "dense_below_min"
-        if price > 1000:
-            return "dense_above_max"
-    if get("age") is None:
-        return "missing_dense"
-    if not math.isfinite(as_float(rec["age"])):
-        return "dense_not_finite"
+    click, price, age = (None if get(k) is None else as_float(get(k)) for k in VALUE_FIELDS)
+    if reason := value_reason(click, price, age, price_max=1000):
+        return reason
     for name in ("tags", "cats"):
         if len(get(name) or []) > 3:
             return "list_too_long"

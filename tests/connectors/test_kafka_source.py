@@ -27,22 +27,10 @@ from connectors.kafka import (
 )
 from connectors.types import BadRecord, Chunk, RawChunk
 from deploy.local.kafka import API_VERSION, LocalKafka, free_port
-from tests.kafka_fixtures import KafkaForTests
+from tests.connectors.contract import plan_all
+from tests.kafka_fixtures import SLOW_READS, KafkaForTests, make_kafka_source
 
 # -- helpers ----------------------------------------------------------------------------
-
-
-def make_source(bootstrap: str, topic: str, **overrides: Any) -> KafkaSource:
-    settings: dict[str, Any] = {
-        "bootstrap_servers": bootstrap,
-        "topics": [topic],
-        "group_id": f"group-{uuid.uuid4().hex[:8]}",
-        "api_version": API_VERSION,
-        "poll_timeout_ms": 200,
-        "retry_timeout_s": 60,
-    }
-    settings.update(overrides)
-    return KafkaSource(KafkaSourceConfig(**settings))
 
 
 @pytest.fixture
@@ -51,7 +39,7 @@ def sources() -> Iterator[Callable[..., KafkaSource]]:
     made: list[KafkaSource] = []
 
     def make(bootstrap: str, topic: str, **overrides: Any) -> KafkaSource:
-        source = make_source(bootstrap, topic, **overrides)
+        source = make_kafka_source(bootstrap, topic, **overrides)
         made.append(source)
         return source
 
@@ -86,16 +74,6 @@ def fill_small_batches(bootstrap: str, topic: str, n: int, keys: bool = False) -
         client_options={"batch_size": 512},
     )
     return values
-
-
-def plan_all(source: KafkaSource, partition: str, start: int, max_records: int) -> list[Chunk]:
-    """Chunks from ``start`` until the plan has nothing more."""
-    chunks = []
-    position = start
-    while (chunk := source.plan(partition, position, max_records)) is not None:
-        chunks.append(chunk)
-        position = chunk.end
-    return chunks
 
 
 def records_of(raws: list[RawChunk]) -> list[tuple[str, int, bytes]]:
@@ -402,7 +380,7 @@ def test_api_version_auto_detects_or_falls_back_to_0_9(
 
 
 def test_unreachable_broker_raises_after_the_retry_timeout() -> None:
-    source = make_source(f"127.0.0.1:{free_port()}", "t", retry_timeout_s=1.5)
+    source = make_kafka_source(f"127.0.0.1:{free_port()}", "t", retry_timeout_s=1.5)
     started = time.monotonic()
     try:
         with pytest.raises(KafkaUnavailable, match=r"still failing after 1\.5s"):
@@ -460,16 +438,6 @@ def test_dead_letter_sink_never_fails_a_write_but_reports_losses_on_close() -> N
 # -- broker restarts --------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def restartable() -> Iterator[LocalKafka]:
-    """A broker of its own: restarting the session broker would disturb other tests."""
-    local = LocalKafka.start()
-    try:
-        yield local
-    finally:
-        local.stop()
-
-
 class Reader(threading.Thread):
     """Reads chunks in the background, as a Dask worker would."""
 
@@ -497,13 +465,7 @@ def test_broker_restart_mid_read_delays_but_loses_nothing(
         restartable.bootstrap,
         topic,
         max_records=100,
-        # Slow reads on purpose: ~1 KB per fetch, and the broker holds each fetch for
-        # 100 ms waiting for 1 MB that never comes, so reading takes a few seconds.
-        client_options={
-            "max_partition_fetch_bytes": 1024,
-            "fetch_min_bytes": 1 << 20,
-            "fetch_max_wait_ms": 100,
-        },
+        client_options=SLOW_READS,  # reading takes a few seconds
     )
     group_partition = f"{topic}/0"
     chunks = [c for p in source.partitions() for c in plan_all(source, p, 0, 100)]

@@ -14,7 +14,7 @@ import pytest
 from connectors.parquet import InvalidPosition, ParquetSource, UnknownPartition
 from connectors.synthetic import SyntheticConfig, SyntheticSource, write_parquet
 from connectors.types import Chunk, Source
-from tests.connectors.contract import CONTRACT_CHECKS, check_empty, table_of
+from tests.connectors.contract import CONTRACT_CHECKS, check_empty, plan_all, table_of
 
 
 def _write(path: Path, rows: int, row_group_size: int, offset: int = 0) -> Path:
@@ -106,38 +106,21 @@ def test_projection(data: Path) -> None:
 def test_row_groups_merge_up_to_max_records(data: Path) -> None:
     src = ParquetSource(data)
     assert src.boundaries("b.parquet") == [0, 10, 20, 30, 37]
-    spans = [(c.start, c.end) for c in _plan_all(src, "b.parquet", 25)]
+    spans = [(c.start, c.end) for c in plan_all(src, "b.parquet", 0, 25)]
     assert spans == [(0, 20), (20, 37)]
     # A row group larger than max_records is still one chunk.
-    spans = [(c.start, c.end) for c in _plan_all(src, "a.parquet", 5)]
+    spans = [(c.start, c.end) for c in plan_all(src, "a.parquet", 0, 5)]
     assert spans[0] == (0, 128)
     assert len(spans) == 8
-
-
-def _plan_all(src: ParquetSource, partition: str, max_records: int) -> list[Chunk]:
-    out = []
-    pos = 0
-    while (chunk := src.plan(partition, pos, max_records)) is not None:
-        out.append(chunk)
-        pos = chunk.end
-    return out
 
 
 def test_resume_at_a_boundary(data: Path) -> None:
     src = ParquetSource(data)
     # A checkpoint that stopped after three row groups resumes at row 384.
-    rest = [table_of(src.read(c)) for c in _plan_all_from(src, "a.parquet", 384)]
+    rest = [table_of(src.read(c)) for c in plan_all(src, "a.parquet", 384, 200)]
     assert pa.concat_tables(rest)["x"].to_pylist() == list(range(384, 1000))
     assert src.is_finished("a.parquet", 1000)
     assert not src.is_finished("a.parquet", 999)
-
-
-def _plan_all_from(src: ParquetSource, partition: str, pos: int) -> list[Chunk]:
-    out = []
-    while (chunk := src.plan(partition, pos, 200)) is not None:
-        out.append(chunk)
-        pos = chunk.end
-    return out
 
 
 @pytest.mark.parametrize("position", [5, 129, 1001, -1])
@@ -181,7 +164,7 @@ def test_empty_row_groups_are_skipped(tmp_path: Path) -> None:
     src = ParquetSource(path)
     if pq.ParquetFile(path).metadata.num_row_groups == 3:  # pyarrow wrote the empty group
         assert src.boundaries("gaps.parquet") == [0, 3, 5]
-    chunks = _plan_all(src, "gaps.parquet", 1)
+    chunks = plan_all(src, "gaps.parquet", 0, 1)
     assert [table_of(src.read(c))["x"].to_pylist() for c in chunks] == [[0, 1, 2], [3, 4]]
 
 
@@ -202,7 +185,7 @@ def test_synthetic_round_trip(tmp_path: Path) -> None:
     synth = SyntheticSource(cfg)
     src = ParquetSource([path, path1])
     assert src.boundaries("synth.parquet") == [*range(0, 1000, 128), 1000]
-    for chunk in _plan_all(src, "synth.parquet", 300):
+    for chunk in plan_all(src, "synth.parquet", 0, 300):
         raw = src.read(chunk)
         expected = table_of(synth.read(Chunk("synthetic", "synthetic/0", chunk.start, chunk.end)))
         assert table_of(raw).equals(expected)

@@ -35,22 +35,9 @@ from connectors.validate import (
     validate,
 )
 from pipeline.spec import FeatureSpec
+from tests.connectors.bad_records import feature_spec, value_reason
 
-SPEC = FeatureSpec.model_validate(
-    {
-        "labels": ["click"],
-        "dense": [
-            {"name": "price", "min_value": 0, "max_value": 10},
-            {"name": "age", "fill": None},
-        ],
-        "sparse": [
-            {"name": "user", "table": "users"},
-            {"name": "item", "table": "items", "type": "int"},
-            {"name": "tags", "table": "tags", "type": "list_string", "max_len": 2},
-            {"name": "cats", "table": "cats", "type": "list_int", "max_len": 2},
-        ],
-    }
-)
+SPEC = feature_spec(price_max=10, max_len=2)
 
 
 def table(n: int = 1, **columns: Any) -> pa.Table:
@@ -343,20 +330,7 @@ def test_values_match_a_reference(clicks: list[float | None], data: st.DataObjec
     )
 
     def ref(c: float | None, p: float | None, a: float | None) -> str | None:
-        if c is None:
-            return "null_label"
-        if not math.isfinite(c):
-            return "label_not_finite"
-        if not 0 <= c <= 1:
-            return "label_out_of_range"
-        if p is not None:
-            if not math.isfinite(p):
-                return "dense_not_finite"
-            if p < 0:
-                return "dense_below_min"
-            if p > 10:
-                return "dense_above_max"
-        return "missing_dense" if a is None else None
+        return value_reason(c, p, a, price_max=10)
 
     assert reasons(t) == [ref(*v) for v in zip(clicks, prices, ages, strict=True)]
     good, bad = validate(t, SPEC)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from kafka import KafkaConsumer, TopicPartition
+from kafka import KafkaConsumer
 
 from connectors.kafka import produce
 from deploy.local.kafka import (
@@ -24,27 +24,14 @@ from deploy.local.kafka import (
     find_java,
     up,
 )
-from tests.kafka_fixtures import KafkaForTests
+from tests.kafka_fixtures import KafkaForTests, read_partition
 
 
 def consume_all(bootstrap: str, topic: str, partition: int, n: int) -> list[tuple[int, bytes]]:
     """(offset, value) of the first ``n`` records of one partition, via an assigned consumer."""
-    consumer = KafkaConsumer(
-        bootstrap_servers=bootstrap, api_version=API_VERSION, enable_auto_commit=False
-    )
-    try:
-        tp = TopicPartition(topic, partition)
-        consumer.assign([tp])
-        consumer.seek(tp, 0)
-        got: list[tuple[int, bytes]] = []
-        for _ in range(50):
-            for record in consumer.poll(timeout_ms=200).get(tp, []):
-                got.append((record.offset, record.value))
-            if len(got) >= n:
-                break
-        return got
-    finally:
-        consumer.close(autocommit=False)
+    return [
+        (r.offset, r.value) for r in read_partition(bootstrap, topic, partition, n, timeout_s=10)
+    ]
 
 
 def test_topic_with_three_partitions_round_trips_records(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -15,15 +14,14 @@ from connectors.kafka import KafkaSource, KafkaSourceConfig, produce
 from connectors.synthetic import (
     SyntheticConfig,
     iter_json_lines,
-    synthetic_feature_spec,
     synthetic_store_section,
     write_parquet,
 )
 from deploy.train_cli import ProgressLine, demo_job
+from tests.conftest import streamrec, write_synthetic_job
 from tests.kafka_fixtures import KafkaForTests
 from trainer.checkpoint import CheckpointBook
 
-ROOT = Path(__file__).resolve().parents[2]
 TRAINER: dict[str, Any] = {
     "mode": "hybrid",
     "staleness": 2,
@@ -34,28 +32,14 @@ TRAINER: dict[str, Any] = {
 }
 
 
-def streamrec(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "deploy.cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
 def job_file(tmp: Path, source: dict[str, Any]) -> Path:
-    job = {
-        "store": synthetic_store_section(dim=4),
-        "features": synthetic_feature_spec().model_dump(),
-        "source": source,
-        "trainer": TRAINER,
-        "cluster": {"workers": 1, "store_shards": 1, "dashboard_address": ":0"},
-        "run_dir": str(tmp / "run"),
-    }
-    path = tmp / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
-    return path
+    return write_synthetic_job(
+        tmp,
+        store=synthetic_store_section(dim=4),
+        source=source,
+        trainer=TRAINER,
+        cluster={"workers": 1, "store_shards": 1, "dashboard_address": ":0"},
+    )
 
 
 def test_run_from_kafka_commits_what_it_learned_and_resumes_there(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from embedding_store.errors import (
 )
 from embedding_store.proto import embedding_store_pb2 as pb
 from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
-from tests.conftest import grpc_address
+from tests.conftest import grpc_address, streamrec
 
 RNG = np.random.default_rng(7)
 
@@ -285,55 +286,21 @@ def test_client_retries_while_a_shard_restarts(write_job, token_file, start_shar
 
 
 def test_cli_help_and_errors(tmp_path: Path, write_job: Callable[..., Path]) -> None:
-    import subprocess
-    import sys
-
-    out = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", "--help"], capture_output=True, text=True, check=True
-    ).stdout
+    out = streamrec("--help", check=True).stdout
     assert "store" in out
-    out = subprocess.run(
-        [sys.executable, "-m", "deploy.cli", "store", "serve", "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
+    out = streamrec("store", "serve", "--help", check=True).stdout
     assert "--token-file" in out
     assert "--data-dir" in out
     bad = tmp_path / "bad.yaml"
     bad.write_text("store:\n  tables:\n    user: {dim: 8, optimiser: sgd}\n")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "deploy.cli",
-            "store",
-            "serve",
-            "--config",
-            str(bad),
-            "--data-dir",
-            str(tmp_path / "d"),
-            "--no-auth",
-        ],
-        capture_output=True,
-        text=True,
-    )
+
+    def serve(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        data_dir = str(tmp_path / "d")
+        return streamrec("store", "serve", "--config", str(config), "--data-dir", data_dir, *args)
+
+    r = serve(bad, "--no-auth")
     assert r.returncode == 2
     assert "store.tables.user.optimiser" in r.stderr
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "deploy.cli",
-            "store",
-            "serve",
-            "--config",
-            str(write_job()),
-            "--data-dir",
-            str(tmp_path / "d"),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    r = serve(write_job())
     assert r.returncode == 2
     assert "--token-file is required" in r.stderr

@@ -3,25 +3,33 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import pytest
-import yaml
 from distributed import Client, LocalCluster
 
 from deploy.local.shards import ShardProcess
 from pipeline.prepare import StoreAddress
+from tests.conftest import write_job_yaml
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Client]:
-    """A LocalCluster of 2 worker processes (1 thread each), one per test module."""
+@contextmanager
+def dask_cluster() -> Iterator[Client]:
+    """A client of a new LocalCluster of 2 worker processes (1 thread each)."""
     with (
         LocalCluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as lc,
         Client(lc) as client,
     ):
+        yield client
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Client]:
+    """A LocalCluster of 2 worker processes (1 thread each), one per test module."""
+    with dask_cluster() as client:
         yield client
 
 
@@ -37,8 +45,7 @@ def start_store(
 
     def start(section: dict[str, Any]) -> StoreAddress:
         tmp = tmp_path_factory.mktemp("store")
-        job = tmp / "job.yaml"
-        job.write_text(yaml.safe_dump({"store": section}))
+        job = write_job_yaml(tmp / "job.yaml", store=section)
         token = tmp / "token"
         token.write_text("runner-test-token")
         proc = ShardProcess.start(job, tmp / "shard-0", token_file=token)

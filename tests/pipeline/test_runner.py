@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 
 from connectors.parquet import ParquetSource
 from connectors.synthetic import (
@@ -25,6 +25,7 @@ from embedding_store.client import StoreClient
 from pipeline.prepare import StoreAddress, prepare
 from pipeline.runner import StreamRunner
 from pipeline.types import PreparedBatch
+from tests.pipeline.conftest import dask_cluster
 
 SPEC = synthetic_feature_spec()
 EVENTS = 3000
@@ -111,12 +112,7 @@ def test_resume_from_positions_continues_without_overlap(cluster: Client, tmp_pa
 
 def test_a_killed_worker_costs_a_retry_not_a_record(tmp_path: Path) -> None:
     source = SyntheticSource(SyntheticConfig(seed=6, partitions=3, events=3000))
-    with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as lc,
-        Client(lc) as client,
-    ):
+    with dask_cluster() as client:
         runner = StreamRunner(client, source, SPEC, None, staleness=4, max_records=250)
         batches = []
         pids = client.run(os.getpid)

@@ -16,37 +16,30 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
-from kafka import KafkaConsumer, TopicPartition
+from distributed import Client
 
 from connectors.codecs import JsonLinesCodec
 from connectors.deadletter import JsonlDeadLetterSink, read_dead_letters
-from connectors.kafka import KafkaDeadLetterSink, KafkaSource, KafkaSourceConfig, produce
+from connectors.kafka import KafkaDeadLetterSink, KafkaSource, produce
 from connectors.types import BadRecord, Chunk, DeadLetterSink
 from deploy.local.kafka import API_VERSION, LocalKafka
 from pipeline.prepare import StoreAddress, prepare
 from pipeline.runner import StreamRunner
 from pipeline.types import PreparedBatch
 from tests.connectors.bad_records import JSON_BAD_CASES, SPEC, j
-from tests.kafka_fixtures import KafkaForTests
+from tests.kafka_fixtures import SLOW_READS, KafkaForTests, make_kafka_source, read_partition
+from tests.pipeline.conftest import dask_cluster
 
 CODEC = JsonLinesCodec()
 ID_COLUMN = [d.name for d in SPEC.dense].index("age")
 # A partition's ids start at this multiple of its number: ids are unique across partitions.
 ID_STRIDE = 100_000
-# Slow chunk reads (~1 KB per fetch, each fetch held 100 ms by the broker), so that
-# a worker is in the middle of reading a chunk most of the time.
-SLOW_READS = {
-    "max_partition_fetch_bytes": 1024,
-    "fetch_min_bytes": 1 << 20,
-    "fetch_max_wait_ms": 100,
-}
 
 BadCase = tuple[bytes, str, str | None]
 
@@ -142,16 +135,8 @@ class Stream:
 
 def make_source(stream: Stream, **options: Any) -> KafkaSource:
     """A source of the stream's topic; ``options`` go to kafka-python's consumer."""
-    return KafkaSource(
-        KafkaSourceConfig(
-            bootstrap_servers=stream.bootstrap,
-            topics=[stream.topic],
-            group_id=f"group-{uuid.uuid4().hex[:8]}",
-            api_version=stream.api_version,
-            poll_timeout_ms=200,
-            retry_timeout_s=60,
-            client_options=options,
-        )
+    return make_kafka_source(
+        stream.bootstrap, stream.topic, api_version=stream.api_version, client_options=options
     )
 
 
@@ -205,24 +190,6 @@ def assert_dead_letters(letters: list[BadRecord], stream: Stream) -> None:
     for p in stream.ends:
         offsets = [b.position for b in letters if b.partition == p]
         assert offsets == sorted(offsets), f"{p}: dead letters out of order"
-
-
-def read_topic(kafka: KafkaForTests, topic: str, n: int, timeout_s: float = 30.0) -> list[Any]:
-    """The first ``n`` records of partition 0 of ``topic`` (kafka-python records)."""
-    consumer = KafkaConsumer(
-        bootstrap_servers=kafka.bootstrap, api_version=kafka.api_version, enable_auto_commit=False
-    )
-    try:
-        tp = TopicPartition(topic, 0)
-        consumer.assign([tp])
-        consumer.seek(tp, 0)
-        got: list[Any] = []
-        deadline = time.monotonic() + timeout_s
-        while len(got) < n and time.monotonic() < deadline:
-            got += consumer.poll(timeout_ms=200).get(tp, [])
-        return got
-    finally:
-        consumer.close(autocommit=False)
 
 
 @pytest.fixture(scope="module")
@@ -315,7 +282,13 @@ def test_bad_records_are_dead_lettered_and_counted_and_good_ones_arrive_once(
     else:
         assert isinstance(deadletter, KafkaDeadLetterSink)
         assert (deadletter.written, deadletter.failed) == (len(stream.bad), 0)
-        records = read_topic(kafka, f"{topic}.deadletter", len(stream.bad))
+        records = read_partition(
+            kafka.bootstrap,
+            f"{topic}.deadletter",
+            0,
+            len(stream.bad),
+            api_version=kafka.api_version,
+        )
         letters = []
         for r in records:
             d = json.loads(r.value)
@@ -367,12 +340,7 @@ def test_a_worker_killed_while_reading_kafka_costs_a_retry_not_a_record(
     source = make_source(stream, **SLOW_READS)
     killed: list[int] = []
     lost: list[tuple[str, int, int]] = []  # the chunks the killed worker held
-    with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as lc,
-        Client(lc) as client,
-    ):
+    with dask_cluster() as client:
         runner = StreamRunner(client, source, SPEC, store, staleness=4, codec=CODEC, max_records=40)
 
         def kill_a_busy_worker(n: int) -> None:
@@ -412,16 +380,6 @@ def test_a_worker_killed_while_reading_kafka_costs_a_retry_not_a_record(
 
 
 # -- the broker restarted mid-stream -------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def restartable() -> Iterator[LocalKafka]:
-    """A broker of its own: restarting the session's broker would disturb other tests."""
-    local = LocalKafka.start()
-    try:
-        yield local
-    finally:
-        local.stop()
 
 
 @pytest.mark.timeout(120)

@@ -15,7 +15,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -24,16 +23,15 @@ import numpy as np
 import psutil
 import pytest
 import torch
-import yaml
 
-from connectors.synthetic import synthetic_feature_spec, synthetic_store_section
+from connectors.synthetic import synthetic_store_section
 from deploy.config import JobConfig, load_config
 from embedding_store.shard import StoreShard
+from tests.conftest import REPO_ROOT, STREAMREC, write_synthetic_job
 from trainer.checkpoint import CheckpointBook
 
 EVENTS = 16_000
 BATCH = 400  # 40 steps
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_job(tmp: Path, mode: str, *, every_steps: int = 4, workers: int = 1) -> Path:
@@ -48,23 +46,19 @@ def write_job(tmp: Path, mode: str, *, every_steps: int = 4, workers: int = 1) -
     }
     if mode == "hybrid":
         trainer["staleness"] = 3
-    job = {
-        "store": synthetic_store_section(dim=4, row_dtype="float32"),
-        "features": synthetic_feature_spec().model_dump(),
-        "source": {"kind": "synthetic", "seed": 11, "partitions": 1, "events": EVENTS},
-        "trainer": trainer,
-        "cluster": {"workers": workers, "store_shards": 2, "dashboard_address": ":0"},
-        "run_dir": str(tmp / "run"),
-    }
-    path = tmp / "job.yaml"
-    path.write_text(yaml.safe_dump(job))
-    return path
+    return write_synthetic_job(
+        tmp,
+        store=synthetic_store_section(dim=4, row_dtype="float32"),
+        source={"kind": "synthetic", "seed": 11, "partitions": 1, "events": EVENTS},
+        trainer=trainer,
+        cluster={"workers": workers, "store_shards": 2, "dashboard_address": ":0"},
+    )
 
 
 def start(job: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "deploy.cli", "run", str(job)],
-        cwd=ROOT,
+        [*STREAMREC, "run", str(job)],
+        cwd=REPO_ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # its own process group: the test can kill all of it
