@@ -36,31 +36,19 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import CRITEO_DENSE, CRITEO_SPARSE, criteo_spec, print_figures, write_json
+
 from connectors.codecs import ArrowIpcCodec, Codec, CriteoTsvCodec, JsonLinesCodec
 from connectors.types import Chunk, RawChunk
-from pipeline.spec import FeatureSpec
-
-DENSE = [f"I{i}" for i in range(1, 14)]
-SPARSE = [f"C{i}" for i in range(1, 27)]
-
-
-def criteo_spec() -> FeatureSpec:
-    return FeatureSpec.model_validate(
-        {
-            "labels": ["label"],
-            "dense": [{"name": d} for d in DENSE],
-            "sparse": [{"name": s, "table": s.lower()} for s in SPARSE],
-        }
-    )
 
 
 def criteo_table(n: int, seed: int = 0) -> pa.Table:
     rng = np.random.default_rng(seed)
     cols: dict[str, Any] = {"label": rng.integers(0, 2, n).astype(np.float64)}
-    for d in DENSE:
+    for d in CRITEO_DENSE:
         values = rng.integers(0, 1000, n).astype(np.float64)
         cols[d] = pa.array(values, mask=rng.random(n) < 0.1)
-    for s in SPARSE:
+    for s in CRITEO_SPARSE:
         cols[s] = [f"{v:08x}" for v in rng.integers(0, 2**32, n).tolist()]
     return pa.table(cols)
 
@@ -76,7 +64,7 @@ def best_rate(fn: Callable[[], object], n: int, repeats: int) -> float:
 
 def python_baseline(payloads: list[bytes]) -> dict[str, list[Any]]:
     """Per-record json.loads into columns with a label check: what a pandas-style reader does."""
-    names = ["label", *DENSE, *SPARSE]
+    names = ["label", *CRITEO_DENSE, *CRITEO_SPARSE]
     cols: dict[str, list[Any]] = {k: [] for k in names}
     for p in payloads:
         rec = json.loads(p)
@@ -126,11 +114,9 @@ def main() -> None:
     figures["json_vs_baseline"] = (
         figures["json_decode_events_per_s"] / figures["python_baseline_events_per_s"]
     )
-    for k, v in figures.items():
-        print(f"{k:36} {v:>14,.1f}")
+    print_figures(figures, lambda v: f"{v:>14,.1f}", width=36, sep=" ")
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+        write_json(args.json, figures)
 
 
 if __name__ == "__main__":

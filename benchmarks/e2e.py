@@ -50,6 +50,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import write_json
+
 from connectors.synthetic import (
     SyntheticConfig,
     SyntheticSource,
@@ -495,8 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         results["load_after"] = load()
         summarize(results, runs, errors, args, samples, lat_key)
         if args.json:  # after every mode: a later failure keeps what was measured
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(results, indent=2) + "\n")
+            write_json(args.json, results)
 
     print()
     print(

@@ -15,10 +15,7 @@ one thread (after a warm-up call that loads the compiled kernels).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -26,11 +23,12 @@ import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import CRITEO_DENSE, CRITEO_SPARSE, criteo_spec, median_seconds, zipf_ranks
+
 from pipeline.batch import _dedup_bags, build_batch, dense_matrix, label_matrix
 from pipeline.hashing import FieldHasher
-from pipeline.spec import FeatureSpec
 
-N_DENSE = 13
+N_DENSE = len(CRITEO_DENSE)
 CARDINALITIES = [
     4, 10, 30, 100, 300, 1_000, 3_000, 10_000, 30_000, 100_000, 300_000, 1_000_000,
     3_000_000, 10_000_000, 20, 500, 5_000, 50_000, 500_000, 2_000_000, 7, 60, 800,
@@ -52,40 +50,14 @@ def hex_strings(values: np.ndarray, valid: np.ndarray) -> pa.Array:
 def criteo_table(rows: int, seed: int) -> pa.Table:
     rng = np.random.default_rng(seed)
     cols: dict[str, pa.Array] = {"label": pa.array(rng.random(rows) < 0.25)}
-    for i in range(N_DENSE):
+    for name in CRITEO_DENSE:
         counts = np.floor(rng.pareto(1.2, rows) * 3).astype(np.int64)
-        cols[f"I{i + 1}"] = pa.array(counts, mask=rng.random(rows) < 0.1)
-    for i, card in enumerate(CARDINALITIES):
-        ranks = np.floor(np.exp(rng.random(rows) * np.log(card + 1.0))).astype(np.uint64) - 1
+        cols[name] = pa.array(counts, mask=rng.random(rows) < 0.1)
+    for i, (name, card) in enumerate(zip(CRITEO_SPARSE, CARDINALITIES, strict=True)):
+        ranks = zipf_ranks(rng.random(rows), card, np.uint64)
         scrambled = ((ranks + np.uint64(i * 7919)) * np.uint64(0x9E3779B1)) & np.uint64(0xFFFFFFFF)
-        cols[f"C{i + 1}"] = hex_strings(scrambled.astype(np.uint32), rng.random(rows) >= 0.05)
+        cols[name] = hex_strings(scrambled.astype(np.uint32), rng.random(rows) >= 0.05)
     return pa.table(cols)
-
-
-def criteo_spec(shared: bool) -> FeatureSpec:
-    return FeatureSpec.model_validate(
-        {
-            "labels": ["label"],
-            "dense": [
-                {"name": f"I{i + 1}", "transform": "log1p", "clip_max": 20.0}
-                for i in range(N_DENSE)
-            ],
-            "sparse": [
-                {"name": f"C{i + 1}", "table": "all" if shared else f"c{i + 1}"}
-                for i in range(len(CARDINALITIES))
-            ],
-        }
-    )
-
-
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up: loads (or compiles) the kernels
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -96,7 +68,7 @@ def main() -> None:
     args = parser.parse_args()
 
     table = criteo_table(args.rows, seed=0)
-    spec = criteo_spec(args.shared_table)
+    spec = criteo_spec({"transform": "log1p", "clip_max": 20.0}, shared_table=args.shared_table)
     fields = spec.tables()
     hashed: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, int]] = {}
 
@@ -126,7 +98,7 @@ def main() -> None:
     layout = "one shared table" if args.shared_table else f"{len(fields)} tables"
     print(f"{args.rows} rows, {N_DENSE} dense + {len(CARDINALITIES)} string fields, {layout}")
     for label, fn in parts.items():
-        s = median_seconds(fn, args.repeats)
+        s = median_seconds(lambda _, fn=fn: fn(), args.repeats)
         print(f"{label:<28} {s * 1e3:8.2f} ms  {args.rows / s / 1e6:8.2f} M events/s")
     batch = build_batch(table, spec)
     unique = sum(len(t.unique_ids) for t in batch.tables.values())

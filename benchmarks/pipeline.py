@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
-import secrets
-import statistics
 import sys
 import tempfile
 import time
@@ -31,6 +28,15 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import (
+    median_rate,
+    print_figures,
+    store_shards,
+    write_json,
+    write_store_job,
+    write_token,
+)
 
 from connectors.codecs import make_codec
 from connectors.synthetic import (
@@ -83,92 +89,74 @@ def pandas_baseline(data: list[bytes]) -> int:
     return int(labels.shape[0] + dense.shape[0] * 0 + len(tables) * 0)
 
 
-def median_rate(fn: Any, arg: Any, events: int, repeats: int) -> float:
-    fn(arg)  # warm-up: numba compilation, caches
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn(arg)
-        times.append(time.perf_counter() - t0)
-    return events / statistics.median(times)
-
-
 def bench_runner(events: int, tmp: Path) -> dict[str, float]:
     """Kafka (2 partitions) → 2 Dask workers → 2 store shards, end to end."""
-    import yaml
     from distributed import Client, LocalCluster
 
     from connectors.kafka import KafkaSource, KafkaSourceConfig, produce
     from deploy.local.kafka import LocalKafka
-    from deploy.local.shards import ShardProcess
     from pipeline.prepare import StoreAddress
     from pipeline.runner import StreamRunner
 
-    job = tmp / "job.yaml"
-    job.write_text(yaml.safe_dump({"store": synthetic_store_section(dim=16)}))
-    token = tmp / "token"
-    token.write_text(secrets.token_hex(16))
+    job = write_store_job(tmp / "job.yaml", synthetic_store_section(dim=16))
+    token = write_token(tmp / "token")
     kafka = LocalKafka.start(tmp / "kafka")
-    shards = [ShardProcess.start(job, tmp / f"shard-{i}", token_file=token) for i in range(2)]
     try:
-        topic = "bench-events"
-        kafka.create_topic(topic, partitions=2)
-        data = payloads(events + 20_000, seed=7)  # + the first batch, not timed
-        half = len(data) // 2
-        produce(kafka.bootstrap, topic, data[:half], api_version=(0, 9), partition=0)
-        produce(kafka.bootstrap, topic, data[half:], api_version=(0, 9), partition=1)
-        source = KafkaSource(
-            KafkaSourceConfig(
-                bootstrap_servers=kafka.bootstrap,
-                topics=[topic],
-                group_id="bench",
-                auto_offset_reset="earliest",
-                api_version=(0, 9),
-                max_records=20_000,
+        with store_shards(job, [tmp / f"shard-{i}" for i in range(2)], token) as address:
+            topic = "bench-events"
+            kafka.create_topic(topic, partitions=2)
+            data = payloads(events + 20_000, seed=7)  # + the first batch, not timed
+            half = len(data) // 2
+            produce(kafka.bootstrap, topic, data[:half], api_version=(0, 9), partition=0)
+            produce(kafka.bootstrap, topic, data[half:], api_version=(0, 9), partition=1)
+            source = KafkaSource(
+                KafkaSourceConfig(
+                    bootstrap_servers=kafka.bootstrap,
+                    topics=[topic],
+                    group_id="bench",
+                    auto_offset_reset="earliest",
+                    api_version=(0, 9),
+                    max_records=20_000,
+                )
             )
-        )
-        store = StoreAddress(
-            "grpc://" + ",".join(s.address for s in shards), token=token.read_text()
-        )
-        with (
-            LocalCluster(
-                n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
-            ) as lc,
-            Client(lc) as client,
-        ):
-            runner = StreamRunner(
-                client,
-                source,
-                SPEC,
-                store,
-                staleness=4,
-                codec=make_codec("json"),
-                max_records=20_000,
-            )
-            # Steady state: the clock starts when the first batch arrives, so worker
-            # start-up (imports, loading cached numba kernels) is reported apart.
-            t_start = time.perf_counter()
-            seen = 0
-            first_s = 0.0
-            t0 = t_start
-            for batch in runner:
-                if not first_s:
-                    first_s = time.perf_counter() - t_start
-                    t0 = time.perf_counter()
-                    continue
-                seen += len(batch) + batch.bad_records
-                if seen >= events:
-                    break
-            elapsed = time.perf_counter() - t0
-            runner.close()
-        return {
-            "runner_events_per_s": seen / elapsed,
-            "runner_events": seen,
-            "runner_first_batch_s": first_s,
-        }
+            store = StoreAddress(address, token=token.read_text())
+            with (
+                LocalCluster(
+                    n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+                ) as lc,
+                Client(lc) as client,
+            ):
+                runner = StreamRunner(
+                    client,
+                    source,
+                    SPEC,
+                    store,
+                    staleness=4,
+                    codec=make_codec("json"),
+                    max_records=20_000,
+                )
+                # Steady state: the clock starts when the first batch arrives, so worker
+                # start-up (imports, loading cached numba kernels) is reported apart.
+                t_start = time.perf_counter()
+                seen = 0
+                first_s = 0.0
+                t0 = t_start
+                for batch in runner:
+                    if not first_s:
+                        first_s = time.perf_counter() - t_start
+                        t0 = time.perf_counter()
+                        continue
+                    seen += len(batch) + batch.bad_records
+                    if seen >= events:
+                        break
+                elapsed = time.perf_counter() - t0
+                runner.close()
+            return {
+                "runner_events_per_s": seen / elapsed,
+                "runner_events": seen,
+                "runner_first_batch_s": first_s,
+            }
     finally:
-        for s in shards:
-            s.kill()
         kafka.stop()
 
 
@@ -183,9 +171,11 @@ def main(argv: list[str] | None = None) -> int:
 
     data = payloads(args.events)
     results: dict[str, float | int] = {"events": args.events, "repeats": args.repeats}
-    results["decode_hash_events_per_s"] = median_rate(decode_hash, data, args.events, args.repeats)
+    results["decode_hash_events_per_s"] = median_rate(
+        lambda _: decode_hash(data), args.events, args.repeats
+    )
     results["pandas_baseline_events_per_s"] = median_rate(
-        pandas_baseline, data, args.events, max(1, args.repeats // 2)
+        lambda _: pandas_baseline(data), args.events, max(1, args.repeats // 2)
     )
     results["decode_hash_vs_pandas"] = (
         results["decode_hash_events_per_s"] / results["pandas_baseline_events_per_s"]
@@ -194,13 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
             results.update(bench_runner(args.runner_events, Path(tmp)))
 
-    width = max(len(k) for k in results)
-    for k, v in results.items():
-        print(f"{k:<{width}}  {v:,.2f}" if isinstance(v, float) else f"{k:<{width}}  {v}")
+    print_figures(results, lambda v: f"{v:,.2f}" if isinstance(v, float) else f"{v}")
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, results, announce=True)
     return 0
 
 

@@ -23,21 +23,26 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
-import secrets
-import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deploy.local.shards import ShardProcess
+from common import (
+    median_rate,
+    print_figures,
+    store_shards,
+    write_json,
+    write_store_job,
+    write_token,
+    zipf_ranks,
+)
+
 from embedding_store.client import StoreClient
 from embedding_store.hashing import mix64
 from embedding_store.shard import StoreShard
@@ -55,7 +60,7 @@ def zipf_batches(distinct: int, n_batches: int, seed: int) -> list[np.ndarray]:
         chosen = np.zeros(0, dtype=np.int64)
         while chosen.shape[0] < BATCH:
             u = rng.random(BATCH * 2)
-            ranks = np.floor(np.exp(u * np.log(distinct + 1.0))).astype(np.int64) - 1
+            ranks = zipf_ranks(u, distinct, np.int64)
             both = np.concatenate([chosen, ranks])
             _, first = np.unique(both, return_index=True)
             chosen = both[np.sort(first)]
@@ -80,16 +85,6 @@ try:
     _scramble = nb.njit(cache=True)(_scramble_py)
 except ImportError:  # pragma: no cover
     _scramble = _scramble_py
-
-
-def median_rate(fn: Callable[[int], object], repeats: int, rows: int) -> float:
-    fn(0)  # warm-up (compilation, connections)
-    times = []
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        fn(i)
-        times.append(time.perf_counter() - t0)
-    return rows / statistics.median(times)
 
 
 def store_config(distinct: int, shards: int) -> dict:  # type: ignore[type-arg]
@@ -120,36 +115,30 @@ def bench_grpc(
     repeats: int,
     tmp: Path,
 ) -> tuple[float, float]:
-    job = tmp / f"job-{n_shards}.yaml"
-    job.write_text(yaml.safe_dump({"store": store_config(distinct, n_shards)}))
+    job = write_store_job(tmp / f"job-{n_shards}.yaml", store_config(distinct, n_shards))
     token_file = tmp / "token"
-    procs = [
-        ShardProcess.start(job, tmp / f"grpc{n_shards}-{i}", token_file=token_file)
-        for i in range(n_shards)
-    ]
-    try:
-        address = "grpc://" + ",".join(p.address for p in procs)
-        with StoreClient.connect(
+    dirs = [tmp / f"grpc{n_shards}-{i}" for i in range(n_shards)]
+    with (
+        store_shards(job, dirs, token_file) as address,
+        StoreClient.connect(
             address, token=token_file.read_text().strip(), max_message_bytes=256 << 20
-        ) as client:
-            fill(lambda ids: client.lookup({"emb": ids}), distinct)
-            lookup = median_rate(
-                lambda i: client.lookup({"emb": batches[i % len(batches)]}), repeats, BATCH
-            )
-            push = median_rate(
-                lambda i: client.push({"emb": (batches[i % len(batches)], grads)}), repeats, BATCH
-            )
-            return lookup, push
-    finally:
-        for p in procs:
-            p.kill()
+        ) as client,
+    ):
+        fill(lambda ids: client.lookup({"emb": ids}), distinct)
+        lookup = median_rate(
+            lambda i: client.lookup({"emb": batches[i % len(batches)]}), BATCH, repeats
+        )
+        push = median_rate(
+            lambda i: client.push({"emb": (batches[i % len(batches)], grads)}), BATCH, repeats
+        )
+        return lookup, push
 
 
 def gather_rate(distinct: int, positions: list[np.ndarray], repeats: int) -> float:
     """numpy gathering the same rows from a float32 array of the table's size."""
     table = np.random.default_rng(3).random((distinct, DIM), dtype=np.float32)
     return median_rate(
-        lambda i: np.take(table, positions[i % len(positions)], axis=0), repeats, BATCH
+        lambda i: np.take(table, positions[i % len(positions)], axis=0), BATCH, repeats
     )
 
 
@@ -164,13 +153,22 @@ def bench_inproc(
     shard = StoreShard(StoreConfig.model_validate(store_config(distinct, 1)))
     fill(lambda ids: shard.lookup({"emb": ids}), distinct)
     out["inproc_lookup_rows_per_s"] = median_rate(
-        lambda i: shard.lookup({"emb": batches[i % len(batches)]}), repeats, BATCH
+        lambda i: shard.lookup({"emb": batches[i % len(batches)]}), BATCH, repeats
     )
     out["inproc_push_rows_per_s"] = median_rate(
-        lambda i: shard.push({"emb": (batches[i % len(batches)], grads)}), repeats, BATCH
+        lambda i: shard.push({"emb": (batches[i % len(batches)], grads)}), BATCH, repeats
     )
     out["inproc_lookup_vs_limit"] = out["inproc_lookup_rows_per_s"] / out["gather_limit_rows_per_s"]
     return out
+
+
+def shown(v: Any) -> str:
+    """A figure as printed: rates to the unit with thousands separators, ratios to 3 places."""
+    return (
+        f"{v:,.0f}"
+        if isinstance(v, float) and v > 100
+        else (f"{v:.3f}" if isinstance(v, float) else str(v))
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,25 +196,16 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_grpc:
         with tempfile.TemporaryDirectory(prefix="bench-store-") as tmp:
             tmp_path = Path(tmp)
-            (tmp_path / "token").write_text(secrets.token_hex(16))
+            write_token(tmp_path / "token")
             for n in (1, 2):
                 lookup, push = bench_grpc(n, args.distinct, batches, grads, args.repeats, tmp_path)
                 suffix = "" if n == 1 else "_2_shards"
                 results[f"grpc_lookup_rows_per_s{suffix}"] = lookup
                 results[f"grpc_push_rows_per_s{suffix}"] = push
 
-    width = max(len(k) for k in results)
-    for k, v in results.items():
-        shown = (
-            f"{v:,.0f}"
-            if isinstance(v, float) and v > 100
-            else (f"{v:.3f}" if isinstance(v, float) else str(v))
-        )
-        print(f"{k:<{width}}  {shown}")
+    print_figures(results, shown)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, results, announce=True)
     return 0
 
 

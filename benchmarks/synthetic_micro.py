@@ -20,6 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from common import write_json
+
 from connectors.synthetic import SyntheticConfig, SyntheticSource, iter_json_lines
 
 
@@ -59,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(figures, indent=2))
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(figures, indent=2) + "\n")
+        write_json(args.json, figures)
     return 0
 
 

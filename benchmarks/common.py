@@ -1,0 +1,153 @@
+"""Helpers shared by the benchmark scripts in this folder.
+
+The scripts run as ``python benchmarks/X.py``, so this folder is first on
+``sys.path`` and they import these with ``from common import ...``. The imports
+of the repository's own packages are made inside the functions: each script puts
+the repository root on ``sys.path`` itself, and ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from pipeline.spec import FeatureSpec
+
+# The fields of a Criteo display-ads record besides ``label``: 13 dense counts
+# and 26 categorical (string) fields.
+CRITEO_DENSE = [f"I{i}" for i in range(1, 14)]
+CRITEO_SPARSE = [f"C{i}" for i in range(1, 27)]
+
+
+# --- timing ----------------------------------------------------------------------------
+
+
+def median_seconds(fn: Callable[[int], object], repeats: int) -> float:
+    """The median wall time of ``fn(0)`` ... ``fn(repeats - 1)``, after a warm-up ``fn(0)``.
+
+    The warm-up call, not timed, pays for one-off costs (numba compilation or
+    cache loads, connections). ``fn`` gets the run's index, to cycle inputs.
+    """
+    fn(0)
+    times = []
+    for i in range(repeats):
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def median_rate(fn: Callable[[int], object], count: int, repeats: int) -> float:
+    """``count`` (the events or rows one call handles) over ``median_seconds(fn, repeats)``."""
+    return count / median_seconds(fn, repeats)
+
+
+# --- data --------------------------------------------------------------------------------
+
+
+def zipf_ranks(u: np.ndarray, distinct: int, dtype: type[np.integer[Any]]) -> np.ndarray:
+    """Ranks in ``[0, distinct)`` with P(rank k) ~ 1/(k + 1), from uniforms ``u`` in [0, 1).
+
+    >>> zipf_ranks(np.array([0.0, 0.5, 0.999]), 100, np.int64).tolist()
+    [0, 9, 99]
+    """
+    ranks: np.ndarray = np.floor(np.exp(u * np.log(distinct + 1.0))).astype(dtype) - 1
+    return ranks
+
+
+def criteo_spec(
+    dense_options: Mapping[str, Any] | None = None, shared_table: bool = False
+) -> FeatureSpec:
+    """The feature spec of a Criteo-like record: ``label``, ``I1``-``I13``, ``C1``-``C26``.
+
+    ``dense_options`` are added to every dense field; each sparse field ``Cn``
+    feeds its own table ``cn``, or with ``shared_table`` all feed the table ``all``.
+    """
+    from pipeline.spec import FeatureSpec
+
+    return FeatureSpec.model_validate(
+        {
+            "labels": ["label"],
+            "dense": [{"name": d, **(dense_options or {})} for d in CRITEO_DENSE],
+            "sparse": [
+                {"name": s, "table": "all" if shared_table else s.lower()} for s in CRITEO_SPARSE
+            ],
+        }
+    )
+
+
+# --- store shard processes ---------------------------------------------------------------
+
+
+def write_store_job(path: Path, store: dict[str, Any]) -> Path:
+    """Write a job YAML with only a ``store:`` section (all a shard process reads) to ``path``."""
+    import yaml
+
+    path.write_text(yaml.safe_dump({"store": store}))
+    return path
+
+
+def write_token(path: Path) -> Path:
+    """Write a fresh random store token to ``path``."""
+    path.write_text(secrets.token_hex(16))
+    return path
+
+
+@contextmanager
+def store_shards(job: Path, dirs: list[Path], token_file: Path) -> Iterator[str]:
+    """Start one store shard process of ``job`` per directory; yield their ``grpc://`` address.
+
+    The processes are killed on exit.
+    """
+    from deploy.local.shards import ShardProcess
+
+    procs = [ShardProcess.start(job, d, token_file=token_file) for d in dirs]
+    try:
+        yield "grpc://" + ",".join(p.address for p in procs)
+    finally:
+        for p in procs:
+            p.kill()
+
+
+# --- output ------------------------------------------------------------------------------
+
+
+def print_figures(
+    figures: Mapping[str, Any],
+    show: Callable[[Any], str],
+    *,
+    width: int | None = None,
+    sep: str = "  ",
+) -> None:
+    """Print one line per figure: the name left-aligned in ``width``, ``sep``, ``show(value)``.
+
+    ``width`` defaults to the longest name.
+
+    >>> print_figures({"a": 1, "bcd": 2.5}, lambda v: f"{v:.1f}")
+    a    1.0
+    bcd  2.5
+    """
+    if width is None:
+        width = max(len(k) for k in figures)
+    for k, v in figures.items():
+        print(f"{k:<{width}}{sep}{show(v)}")
+
+
+def write_json(path: Path, figures: Mapping[str, Any], *, announce: bool = False) -> None:
+    """Write ``figures`` as indented JSON to ``path``, creating its folder.
+
+    With ``announce``, print ``wrote PATH`` after.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(figures, indent=2) + "\n")
+    if announce:
+        print(f"wrote {path}")
