@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 from typing import Any
 
 import hypothesis.strategies as st
@@ -131,27 +130,6 @@ def test_dedup_accepts_array_likes_and_empty() -> None:
 
 
 @pytest.mark.slow
-def test_dedup_faster_than_np_unique() -> None:
-    rng = np.random.default_rng(0)
-    for n in (100_000, 1_000_000):
-        # Zipf-like ranks, scrambled: a batch's ids, most of them repeats.
-        ranks = np.floor(np.exp(rng.random(n) * np.log(n))).astype(np.uint64)
-        ids = ranks * np.uint64(0x9E3779B97F4A7C15)
-        dedup(ids)
-
-        def best(fn: Any) -> float:
-            times = []
-            for _ in range(5):
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-            return min(times)
-
-        ours = best(lambda: dedup(ids))  # noqa: B023
-        theirs = best(lambda: np.unique(ids, return_inverse=True))  # noqa: B023
-        assert ours < theirs, (n, ours, theirs)
-
-
 # --- dense and labels --------------------------------------------------------------
 
 
