@@ -3,18 +3,21 @@
 The shard restores itself from ``--data-dir`` when it holds a checkpoint, and
 on SIGTERM (or Ctrl-C) stops taking calls, checkpoints into ``--data-dir`` and
 exits 0, so a restart loses nothing that was acknowledged before the signal.
+
+With ``--metrics-port`` it also serves Prometheus metrics over HTTP at
+``http://HOST:PORT/metrics`` on the gRPC server's host, labelled
+``shard="HOST:GRPC_PORT"`` (the address clients name the shard by).
 """
 
 from __future__ import annotations
 
 import signal
 import sys
-import threading
 import time
 from pathlib import Path
 from types import FrameType
 
-from embedding_store.service import make_server
+from embedding_store.service import EmbeddingStoreServicer, make_server
 from embedding_store.shard import StoreShard
 from embedding_store.types import StoreConfig
 
@@ -40,17 +43,40 @@ def serve(
     data_dir: Path,
     token: str | None,
     grace_s: float = 5.0,
+    metrics_port: int | None = None,
 ) -> int:
-    """Serve until SIGTERM/SIGINT, then checkpoint into ``data_dir``; returns the exit code."""
+    """Serve until SIGTERM/SIGINT, then checkpoint into ``data_dir``; returns the exit code.
+
+    ``metrics_port``: serve ``/metrics`` on ``host`` at this port (0: any free
+    one); None: no metrics server.
+    """
     data_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     shard = StoreShard.open(config, data_dir)
     restored = sum(len(t) for t in shard.tables.values())
-    server, bound = make_server(shard, host=host, port=port, token=token)
-    stop = threading.Event()
+    servicer = EmbeddingStoreServicer(shard)
+    server, bound = make_server(shard, host=host, port=port, token=token, servicer=servicer)
+    metrics = None
+    if metrics_port is not None:
+        from monitoring.store_metrics import serve_store_metrics  # only when asked for
+
+        label = f"{host}:{bound}"
+        try:
+            metrics = serve_store_metrics(f"{host}:{metrics_port}", label, servicer.stats)
+        except OSError as exc:
+            server.stop(None)
+            msg = f"--metrics-port {metrics_port}: {exc}"
+            raise SystemExit(msg) from exc
+        # Printed before the "serving" line: a launcher that waits for that line
+        # finds the metrics URL already in the log.
+        print(f"streamrec store: metrics on {metrics.url} (shard={label})", flush=True)
+    # A plain list, not an Event: a handler that takes a lock deadlocks when a
+    # second signal lands while the main thread is inside that same lock (seen:
+    # SIGTERM from the dying parent and one from the test, back to back).
+    signals: list[int] = []
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        stop.set()
+        signals.append(signum)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -60,10 +86,15 @@ def serve(
         f"ready in {time.perf_counter() - started:.2f}s)",
         flush=True,
     )
-    stop.wait()
+    while not signals:
+        time.sleep(0.1)
     print("streamrec store: stopping; checkpointing into the data dir", flush=True)
     server.stop(grace_s).wait()
-    result = shard.checkpoint(data_dir, "auto")
+    try:
+        result = shard.checkpoint(data_dir, "auto")
+    finally:
+        if metrics is not None:
+            metrics.close()
     print(
         f"streamrec store: wrote {result.kind} checkpoint {result.seq} "
         f"({result.rows} rows, {result.bytes} bytes) to {result.manifest}",

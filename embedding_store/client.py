@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -48,6 +48,7 @@ from embedding_store.errors import (
     UnknownTable,
 )
 from embedding_store.hashing import group_by_shard
+from embedding_store.latency import LatencyHistogram
 from embedding_store.proto import embedding_store_pb2 as pb
 from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
 from embedding_store.service import AUTH_HEADER
@@ -55,6 +56,7 @@ from embedding_store.shard import StoreShard
 from embedding_store.types import (
     CheckpointKind,
     CheckpointResult,
+    LatencySnapshot,
     PushResult,
     RestoreResult,
     RowDtype,
@@ -123,12 +125,18 @@ class ShardTransport(Protocol):
 
 
 class InprocTransport:
-    """A shard object in this process; calls run on a thread (kernels release the GIL)."""
+    """A shard object in this process; calls run on a thread (kernels release the GIL).
+
+    Like the gRPC servicer, it times the lookups and pushes it runs (the
+    shard's work and the dtype casts) and ``stats()`` reports them.
+    """
 
     def __init__(self, shard: StoreShard, pool: ThreadPoolExecutor | None, name: str) -> None:
         self.shard = shard
         self.address = name
         self._pool = pool
+        self.lookup_latency = LatencyHistogram()
+        self.push_latency = LatencyHistogram()
 
     def _start(self, fn: Callable[[], T]) -> Wait[T]:
         if self._pool is None:
@@ -143,22 +151,28 @@ class InprocTransport:
         self, ids: dict[str, U64], train: bool, step: int | None, dtype: RowDtype
     ) -> Wait[dict[str, Rows]]:
         def run() -> dict[str, Rows]:
-            rows = self.shard.lookup(ids, train=train, step=step)
-            if dtype == "float16":
-                return {k: v.astype(np.float16) for k, v in rows.items()}
-            return dict(rows)
+            with self.lookup_latency.time():
+                rows = self.shard.lookup(ids, train=train, step=step)
+                if dtype == "float16":
+                    return {k: v.astype(np.float16) for k, v in rows.items()}
+                return dict(rows)
 
         return self._start(run)
 
     def start_push(
         self, grads: dict[str, tuple[U64, Rows]], request_id: str, dtype: RowDtype
     ) -> Wait[PushResult]:
-        # The wire rounds gradients to the push dtype; do the same here so that
-        # inproc:// and grpc:// train identically.
-        cast = {
-            k: (i, np.asarray(g).astype(dtype).astype(np.float32)) for k, (i, g) in grads.items()
-        }
-        return self._start(lambda: self.shard.push(cast, request_id=request_id))
+        def run() -> PushResult:
+            with self.push_latency.time():
+                # The wire rounds gradients to the push dtype; do the same here so
+                # that inproc:// and grpc:// train identically.
+                cast = {
+                    k: (i, np.asarray(g).astype(dtype).astype(np.float32))
+                    for k, (i, g) in grads.items()
+                }
+                return self.shard.push(cast, request_id=request_id)
+
+        return self._start(run)
 
     def checkpoint(
         self, directory: str, kind: CheckpointKind, metadata: dict[str, Any]
@@ -173,7 +187,11 @@ class InprocTransport:
         )
 
     def stats(self) -> ShardStats:
-        return self.shard.stats()
+        return replace(
+            self.shard.stats(),
+            lookup_latency=self.lookup_latency.snapshot(),
+            push_latency=self.push_latency.snapshot(),
+        )
 
     def close(self) -> None:
         pass
@@ -312,10 +330,32 @@ class GrpcTransport:
             for t in r.tables
         )
         last = _checkpoint_from_pb(r.last_checkpoint) if r.HasField("last_checkpoint") else None
-        return ShardStats(tables=tables, duplicate_pushes=r.duplicate_pushes, last_checkpoint=last)
+        latency = {}
+        for name in ("lookup_latency", "push_latency"):
+            # Servers older than these fields leave them out: None, not zeros.
+            if r.HasField(name):
+                try:
+                    latency[name] = latency_from_pb(getattr(r, name))
+                except ValueError as exc:
+                    msg = f"Stats from shard {self.address}: bad {name}: {exc}"
+                    raise StoreError(msg) from None
+        return ShardStats(
+            tables=tables,
+            duplicate_pushes=r.duplicate_pushes,
+            last_checkpoint=last,
+            lookup_latency=latency.get("lookup_latency"),
+            push_latency=latency.get("push_latency"),
+        )
 
     def close(self) -> None:
         self._channel.close()
+
+
+def latency_from_pb(r: pb.LatencyHistogram) -> LatencySnapshot:
+    """A latency snapshot from its wire form; ``ValueError`` when it is inconsistent."""
+    return LatencySnapshot(
+        buckets=tuple(r.buckets), counts=tuple(r.counts), sum_s=r.sum_seconds, count=r.count
+    )
 
 
 def _checkpoint_from_pb(r: pb.CheckpointResponse) -> CheckpointResult:

@@ -9,6 +9,10 @@ Error mapping (the client maps the codes back to the same exception types):
 missing or wrong token      ``UNAUTHENTICATED``
 message over the size cap   ``RESOURCE_EXHAUSTED`` (by gRPC itself)
 ==========================  ======================
+
+The servicer times every Lookup and Push it handles (from entry until the
+response message is built, failed calls included) into two histograms of its
+own; Stats returns them with the shard's counters.
 """
 
 from __future__ import annotations
@@ -18,16 +22,18 @@ import hmac
 import json
 from collections.abc import Callable
 from concurrent import futures
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
 from embedding_store.errors import CheckpointError, InvalidRequest, UnknownTable
+from embedding_store.latency import LatencyHistogram
 from embedding_store.proto import embedding_store_pb2 as pb
 from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
 from embedding_store.shard import StoreShard
-from embedding_store.types import CheckpointResult
+from embedding_store.types import CheckpointResult, LatencySnapshot, ShardStats
 from embedding_store.wire import TO_PB, decode_ids, decode_matrix, encode_matrix, row_dtype
 
 AUTH_HEADER = "authorization"
@@ -67,14 +73,35 @@ def checkpoint_to_pb(result: CheckpointResult) -> pb.CheckpointResponse:
     )
 
 
+def latency_to_pb(snap: LatencySnapshot) -> pb.LatencyHistogram:
+    """The wire form of a latency snapshot (``client.latency_from_pb`` reads it back)."""
+    return pb.LatencyHistogram(
+        buckets=snap.buckets, counts=snap.counts, sum_seconds=snap.sum_s, count=snap.count
+    )
+
+
 class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
-    """Serves one ``StoreShard`` over gRPC."""
+    """Serves one ``StoreShard`` over gRPC, timing its Lookup and Push calls."""
 
     def __init__(self, shard: StoreShard) -> None:
         self.shard = shard
+        self.lookup_latency = LatencyHistogram()
+        self.push_latency = LatencyHistogram()
+
+    def stats(self) -> ShardStats:
+        """The shard's counters with this server's call latencies (what Stats returns)."""
+        return replace(
+            self.shard.stats(),
+            lookup_latency=self.lookup_latency.snapshot(),
+            push_latency=self.push_latency.snapshot(),
+        )
 
     @_errors_to_status
     def Lookup(self, request: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        with self.lookup_latency.time():
+            return self._lookup(request)
+
+    def _lookup(self, request: pb.LookupRequest) -> pb.LookupResponse:
         dtype = row_dtype(request.dtype)
         ids = {t.table: decode_ids(t.ids, f"tables[{t.table}].ids") for t in request.tables}
         if len(ids) != len(request.tables):
@@ -92,6 +119,10 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
 
     @_errors_to_status
     def Push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushResponse:
+        with self.push_latency.time():
+            return self._push(request)
+
+    def _push(self, request: pb.PushRequest) -> pb.PushResponse:
         dtype = row_dtype(request.dtype)
         grads = {}
         for t in request.tables:
@@ -151,13 +182,17 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
 
     @_errors_to_status
     def Stats(self, request: pb.StatsRequest, context: grpc.ServicerContext) -> pb.StatsResponse:
-        stats = self.shard.stats()
+        stats = self.stats()
         resp = pb.StatsResponse(
             tables=[pb.TableStats(**vars(t)) for t in stats.tables],
             duplicate_pushes=stats.duplicate_pushes,
         )
         if stats.last_checkpoint is not None:
             resp.last_checkpoint.CopyFrom(checkpoint_to_pb(stats.last_checkpoint))
+        if stats.lookup_latency is not None:
+            resp.lookup_latency.CopyFrom(latency_to_pb(stats.lookup_latency))
+        if stats.push_latency is not None:
+            resp.push_latency.CopyFrom(latency_to_pb(stats.push_latency))
         return resp
 
     @_errors_to_status
@@ -203,12 +238,20 @@ def make_server(
     host: str = "127.0.0.1",
     port: int = 0,
     token: str | None,
+    servicer: EmbeddingStoreServicer | None = None,
 ) -> tuple[grpc.Server, int]:
     """A started gRPC server for ``shard``; returns it and the port it listens on.
 
     ``token=None`` disables authentication (only for tests of in-process servers
-    on loopback; the command line always requires a token).
+    on loopback; the command line always requires a token). ``servicer``: the
+    servicer of ``shard`` to serve (default a new one); pass one to read its
+    ``stats()``, latencies included, from the same process (a metrics endpoint).
     """
+    if servicer is None:
+        servicer = EmbeddingStoreServicer(shard)
+    elif servicer.shard is not shard:
+        msg = "make_server: the servicer serves another shard; pass the servicer's own shard"
+        raise ValueError(msg)
     cfg = shard.config
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=cfg.server_threads, thread_name_prefix="store"),
@@ -219,7 +262,7 @@ def make_server(
             ("grpc.so_reuseport", 0),
         ],
     )
-    pb_grpc.add_EmbeddingStoreServicer_to_server(EmbeddingStoreServicer(shard), server)  # type: ignore[no-untyped-call]
+    pb_grpc.add_EmbeddingStoreServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         msg = f"could not listen on {host}:{port} (port in use?)"

@@ -16,6 +16,9 @@ optimiser
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
@@ -256,12 +259,91 @@ class TableStats:
 
 
 @dataclass(frozen=True)
+class LatencySnapshot:
+    """A latency histogram at one moment: Prometheus-style buckets, in seconds.
+
+    ``buckets`` are the upper bounds, strictly increasing, the last one ``+inf``.
+    ``counts`` are **cumulative**, as Prometheus' ``le`` buckets are:
+    ``counts[i]`` observations took at most ``buckets[i]`` seconds, so
+    ``counts[-1] == count``. ``sum_s`` is the total of every observation.
+
+    >>> snap = LatencySnapshot((0.25, 1.0, math.inf), counts=(2, 4, 4), sum_s=2.0, count=4)
+    >>> snap.quantile(0.5), snap.quantile(0.75)  # linear within a bucket
+    (0.25, 0.625)
+    >>> snap.mean_s
+    0.5
+    >>> LatencySnapshot((0.001, math.inf), (0, 0), 0.0, 0).quantile(0.5)  # nothing observed
+    nan
+    """
+
+    buckets: tuple[float, ...]
+    counts: tuple[int, ...]
+    sum_s: float
+    count: int
+
+    def __post_init__(self) -> None:
+        # Snapshots also arrive from the wire: refuse ones that would give
+        # nonsense quantiles rather than let a dashboard show them.
+        b, c = self.buckets, self.counts
+        problem = None
+        if len(b) < 2 or b[-1] != math.inf:
+            problem = "buckets must hold at least one finite bound and end with +inf"
+        elif any(not lo < hi for lo, hi in itertools.pairwise(b)) or not b[0] > 0.0:
+            problem = "buckets must be positive and strictly increasing"
+        elif len(c) != len(b):
+            problem = f"{len(c)} counts for {len(b)} buckets"
+        elif c[0] < 0 or any(lo > hi for lo, hi in itertools.pairwise(c)):
+            problem = "counts must be cumulative (non-negative, non-decreasing)"
+        elif c[-1] != self.count:
+            problem = f"the +inf bucket holds {c[-1]} observations but count is {self.count}"
+        elif not (self.sum_s >= 0.0 and math.isfinite(self.sum_s)):
+            problem = f"sum_s must be finite and non-negative, got {self.sum_s}"
+        if problem is not None:
+            msg = f"LatencySnapshot: {problem} (buckets={b}, counts={c})"
+            raise ValueError(msg)
+
+    @property
+    def mean_s(self) -> float:
+        """Mean seconds per observation (NaN when nothing was observed)."""
+        return self.sum_s / self.count if self.count else math.nan
+
+    def quantile(self, q: float) -> float:
+        """Estimate the ``q``-quantile (0 <= q <= 1) as Prometheus' ``histogram_quantile``.
+
+        Linear interpolation inside the bucket holding the rank ``q * count``,
+        the first bucket starting at 0; a rank in the ``+inf`` bucket gives the
+        largest finite bound. NaN when nothing was observed.
+        """
+        if not 0.0 <= q <= 1.0:
+            msg = f"quantile: q must be in [0, 1], got {q}"
+            raise ValueError(msg)
+        if self.count == 0:
+            return math.nan
+        rank = q * self.count
+        # The first bucket reaching the rank; a rank of 0 skips leading empty buckets.
+        i = bisect.bisect_left(self.counts, max(rank, 1e-300))
+        if i >= len(self.buckets) - 1:
+            return self.buckets[-2]
+        lower = self.buckets[i - 1] if i > 0 else 0.0
+        before = self.counts[i - 1] if i > 0 else 0
+        in_bucket = self.counts[i] - before
+        return lower + (self.buckets[i] - lower) * (rank - before) / in_bucket
+
+
+@dataclass(frozen=True)
 class ShardStats:
-    """Counters of one shard."""
+    """Counters of one shard.
+
+    ``lookup_latency`` and ``push_latency``: the time the shard's server spent
+    on each Lookup and Push call (failed ones included), or None where the
+    transport does not time calls (e.g. a shard server older than these fields).
+    """
 
     tables: tuple[TableStats, ...]
     duplicate_pushes: int = 0
     last_checkpoint: CheckpointResult | None = None
+    lookup_latency: LatencySnapshot | None = None
+    push_latency: LatencySnapshot | None = None
 
     def table(self, name: str) -> TableStats:
         for t in self.tables:

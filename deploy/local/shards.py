@@ -2,7 +2,8 @@
 
 Each shard is ``streamrec store serve`` in its own process, with its log in
 ``<data_dir>.log``; the port is chosen by the OS and read back from the log,
-so any number of shards start without port races.
+so any number of shards start without port races. With a metrics port the
+shard also serves Prometheus ``/metrics``; its URL is read back from the log too.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _SERVING = re.compile(r"serving .* on (?P<host>[\w.:-]+):(?P<port>\d+) ")
+_METRICS = re.compile(r"metrics on http://\S+:(?P<port>\d+)/metrics")
 
 
 def _term_with_parent() -> None:
@@ -41,10 +43,19 @@ class ShardProcess:
     config: Path
     token_file: Path | None
     argv: list[str] = field(default_factory=list)
+    metrics_port: int | None = None  # the port /metrics is served on; None: no metrics
 
     @property
     def address(self) -> str:
         return f"{self.host}:{self.port}"
+
+    @property
+    def metrics_url(self) -> str | None:
+        """``http://HOST:PORT/metrics`` (Prometheus text), or None when started without one."""
+        if self.metrics_port is None:
+            return None
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.metrics_port}/metrics"
 
     @classmethod
     def start(
@@ -57,12 +68,15 @@ class ShardProcess:
         host: str = "127.0.0.1",
         timeout_s: float = 120.0,
         die_with_parent: bool = False,
+        metrics_port: int | None = None,
     ) -> ShardProcess:
         """Start a shard and wait until it serves (it may first restore from ``data_dir``).
 
         ``die_with_parent``: the shard gets SIGTERM (so it checkpoints and exits)
         when this process dies, even by ``kill -9``; a restarted job then never
         finds an orphan shard still writing to the same data dir.
+        ``metrics_port``: also serve Prometheus ``/metrics`` on ``host`` at this
+        port (0: any free one, read back from the log); None: no metrics.
         """
         data_dir.mkdir(parents=True, exist_ok=True)
         log_path = data_dir.with_name(data_dir.name + ".log")
@@ -82,6 +96,8 @@ class ShardProcess:
             str(port),
         ]
         argv += ["--token-file", str(token_file)] if token_file else ["--no-auth"]
+        if metrics_port is not None:
+            argv += ["--metrics-port", str(metrics_port)]
         with log_path.open("ab") as log:
             offset = log.tell()
             proc = subprocess.Popen(
@@ -98,6 +114,15 @@ class ShardProcess:
                 text = f.read().decode(errors="replace")
             m = _SERVING.search(text)
             if m:
+                bound_metrics = None
+                if metrics_port is not None:
+                    # The shard prints the metrics line before the serving one.
+                    mm = _METRICS.search(text)
+                    if mm is None:
+                        proc.kill()
+                        msg = f"store shard serves but printed no metrics URL; log: {log_path}"
+                        raise RuntimeError(msg)
+                    bound_metrics = int(mm.group("port"))
                 return cls(
                     proc,
                     m.group("host"),
@@ -107,6 +132,7 @@ class ShardProcess:
                     config,
                     token_file,
                     argv,
+                    metrics_port=bound_metrics,
                 )
             if proc.poll() is not None:
                 msg = f"store shard exited with code {proc.returncode}:\n{text[-4000:]}"
@@ -117,7 +143,7 @@ class ShardProcess:
         raise TimeoutError(msg)
 
     def restart(self, timeout_s: float = 120.0) -> ShardProcess:
-        """Start a fresh process on the same data dir and port (after a stop or a kill)."""
+        """Start a fresh process on the same data dir and ports (after a stop or a kill)."""
         return ShardProcess.start(
             self.config,
             self.data_dir,
@@ -125,6 +151,7 @@ class ShardProcess:
             port=self.port,
             host=self.host,
             timeout_s=timeout_s,
+            metrics_port=self.metrics_port,
         )
 
     def stop(self, timeout_s: float = 60.0) -> int:

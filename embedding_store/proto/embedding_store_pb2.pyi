@@ -192,15 +192,31 @@ class TableStats(_message.Message):
     rejected_nonfinite: int
     def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., capacity: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., clock: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_ids: _Optional[int] = ..., pushes: _Optional[int] = ..., push_ids: _Optional[int] = ..., admissions: _Optional[int] = ..., rejected_admissions: _Optional[int] = ..., evictions: _Optional[int] = ..., expirations: _Optional[int] = ..., overflow: _Optional[int] = ..., dropped_not_admitted: _Optional[int] = ..., rejected_nonfinite: _Optional[int] = ...) -> None: ...
 
+class LatencyHistogram(_message.Message):
+    __slots__ = ("buckets", "counts", "sum_seconds", "count")
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SUM_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    buckets: _containers.RepeatedScalarFieldContainer[float]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    sum_seconds: float
+    count: int
+    def __init__(self, buckets: _Optional[_Iterable[float]] = ..., counts: _Optional[_Iterable[int]] = ..., sum_seconds: _Optional[float] = ..., count: _Optional[int] = ...) -> None: ...
+
 class StatsResponse(_message.Message):
-    __slots__ = ("tables", "duplicate_pushes", "last_checkpoint")
+    __slots__ = ("tables", "duplicate_pushes", "last_checkpoint", "lookup_latency", "push_latency")
     TABLES_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_PUSHES_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_LATENCY_FIELD_NUMBER: _ClassVar[int]
+    PUSH_LATENCY_FIELD_NUMBER: _ClassVar[int]
     tables: _containers.RepeatedCompositeFieldContainer[TableStats]
     duplicate_pushes: int
     last_checkpoint: CheckpointResponse
-    def __init__(self, tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., duplicate_pushes: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CheckpointResponse, _Mapping]] = ...) -> None: ...
+    lookup_latency: LatencyHistogram
+    push_latency: LatencyHistogram
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableStats, _Mapping]]] = ..., duplicate_pushes: _Optional[int] = ..., last_checkpoint: _Optional[_Union[CheckpointResponse, _Mapping]] = ..., lookup_latency: _Optional[_Union[LatencyHistogram, _Mapping]] = ..., push_latency: _Optional[_Union[LatencyHistogram, _Mapping]] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

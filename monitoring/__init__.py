@@ -1,0 +1,1 @@
+"""Watching a running job: the Dask dashboard page, Prometheus metrics, run reports."""
