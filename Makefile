@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: install lint typecheck proto proto-check test test-only demo bench-store bench-pipeline bench-e2e clean
+.PHONY: install browser lint typecheck proto proto-check test test-only demo bench-store bench-pipeline bench-e2e clean
 
 install: $(STAMP)
 
@@ -19,6 +19,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[test,dev]"
 	touch $(STAMP)
+
+# The dashboard tests drive Debian's Chromium headless; installed once (needs root,
+# as in CI), skipped when both programs are already there.
+BROWSER_PKGS := chromium chromium-driver
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  apt-get install -y -q --no-install-recommends $(BROWSER_PKGS) || \
+	  { apt-get update -q && apt-get install -y -q --no-install-recommends $(BROWSER_PKGS); }; }
 
 lint: install
 	$(BIN)/ruff check .
@@ -30,7 +38,7 @@ proto: install
 proto-check: install
 	$(BIN)/python -m embedding_store.proto.generate --check
 
-test: install lint proto-check
+test: install browser lint proto-check
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 test-only:

@@ -30,6 +30,13 @@ another process's burst moves the overall rate, much less the median. The AUC
 is the progressive AUC (every batch scored before it is learned) over the last
 ``--window`` samples once every mode has trained the same ``--samples`` (rounded
 up to whole batches of both partitions).
+
+The streamrec runs also go into an HTML report (``--report``, default
+``bench-results/e2e-report.html``; ``--report ''`` skips it): their loss, AUC,
+throughput and staleness over samples learned, on the same axes, as
+``streamrec report`` draws them (the baseline writes no metrics files). It is
+written once every mode has run, from the metrics read before each temporary
+run directory went away.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -58,6 +65,9 @@ from connectors.synthetic import (
     synthetic_feature_spec,
     synthetic_store_tables,
 )
+
+if TYPE_CHECKING:
+    from monitoring.report import RunData
 
 SPEC = synthetic_feature_spec()
 BATCH = 4096
@@ -89,6 +99,7 @@ class Run:
     median_rate: float = 0.0  # the median rate of the >= 1 s intervals (load spikes aside)
     breakdown: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    metrics: RunData | None = None  # the run's metrics files, read for the report
 
 
 def load() -> list[float]:
@@ -299,6 +310,17 @@ def read_metrics(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
     return out
 
 
+def read_for_report(run_dir: Path, label: str) -> RunData | None:
+    """The run's metrics as ``streamrec report`` reads them; None (and why) if it cannot."""
+    from monitoring.report import ReportError, load_run
+
+    try:
+        return load_run(run_dir, name=label)
+    except ReportError as exc:  # the report is a by-product: the figures stand without it
+        print(f"  {label}: left out of the report: {exc}", file=sys.stderr, flush=True)
+        return None
+
+
 def run_streamrec(
     mode: str,
     samples: int,
@@ -310,6 +332,7 @@ def run_streamrec(
     torch_threads: int | None,
     keep_dir: Path | None,
     log: bool,
+    report: bool = False,
 ) -> Run:
     from deploy.job import run_job
 
@@ -346,6 +369,8 @@ def run_streamrec(
         stats, _ = run_job(job, max_events=samples, on_progress=progress)
         call_s = time.monotonic() - t_call
         lines = read_metrics(run_dir)
+        # Read before the temporary run directory is deleted; drawn after every mode ran.
+        metrics = read_for_report(run_dir, label) if report else None
     if not lines or 0 not in lines:
         msg = f"{label}: the run wrote no metrics"
         raise RuntimeError(msg)
@@ -398,6 +423,7 @@ def run_streamrec(
             "job_call_s": round(call_s, 1),
             "rank_samples": {str(k): v[-1]["samples"] for k, v in lines.items()},
         },
+        metrics=metrics,
     )
 
 
@@ -434,6 +460,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--torch-threads", type=int, default=None, help="trainer.torch_threads")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--keep-runs", type=Path, default=None, help="keep run dirs here")
+    parser.add_argument(
+        "--report",
+        default="bench-results/e2e-report.html",
+        metavar="PATH",
+        help="HTML report of the streamrec runs, PNGs next to it ('': none)",
+    )
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
 
@@ -485,6 +517,7 @@ def main(argv: list[str] | None = None) -> int:
                     torch_threads=args.torch_threads,
                     keep_dir=args.keep_runs,
                     log=log,
+                    report=bool(args.report),
                 )
         except Exception as exc:  # one mode failing must not lose the others' figures
             errors[key] = f"{type(exc).__name__}: {exc}"
@@ -498,6 +531,8 @@ def main(argv: list[str] | None = None) -> int:
         summarize(results, runs, errors, args, samples, lat_key)
         if args.json:  # after every mode: a later failure keeps what was measured
             write_json(args.json, results)
+
+    report = write_run_report(Path(args.report), runs, samples) if args.report else None
 
     print()
     print(
@@ -524,7 +559,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average before {results['load_before']}, after {results['load_after']}")
     if args.json:
         print(f"wrote {args.json}")
+    if report is not None:
+        print(f"wrote {report}")
     return 1 if errors else 0
+
+
+def write_run_report(path: Path, runs: dict[str, Run], samples: int) -> Path | None:
+    """The HTML report of the streamrec runs (after the timing: it costs no measured time)."""
+    from monitoring.report import ReportError, write_report
+
+    loaded = [r.metrics for r in runs.values() if r.metrics is not None]
+    if not loaded:
+        return None
+    try:
+        return write_report(
+            loaded, path, title=f"benchmarks/e2e.py: streamrec modes ({samples:,} samples)"
+        )
+    except (ReportError, OSError) as exc:
+        print(f"report not written: {exc}", file=sys.stderr)
+        return None
 
 
 def summarize(

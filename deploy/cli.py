@@ -29,8 +29,22 @@ def _store_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        print(
+            f"streamrec store serve: --metrics-port {args.metrics_port}: expected 0-65535 "
+            "(0: any free port)",
+            file=sys.stderr,
+        )
+        return 2
     token = None if args.no_auth else read_token(args.token_file)
-    return serve(job.store, host=args.host, port=args.port, data_dir=args.data_dir, token=token)
+    return serve(
+        job.store,
+        host=args.host,
+        port=args.port,
+        data_dir=args.data_dir,
+        token=token,
+        metrics_port=args.metrics_port,
+    )
 
 
 def _synth(args: argparse.Namespace) -> int:
@@ -135,6 +149,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--no-auth", action="store_true", help="accept calls without a token (tests on loopback)"
     )
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="N",
+        help=(
+            "also serve Prometheus metrics at http://HOST:N/metrics, on the --host address "
+            "(0: any free port, printed on start; default: no metrics server)"
+        ),
+    )
     serve.set_defaults(func=_store_serve)
 
     synth = sub.add_parser(
@@ -184,8 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
     kafka.set_defaults(func=_kafka)
 
     from deploy.train_cli import add_commands
+    from monitoring.report import add_report_command
 
     add_commands(sub)
+    add_report_command(sub)
     return parser
 
 

@@ -80,6 +80,10 @@ class ClusterConfig(_Strict):
     store: str | None = Field(None, description="grpc://host:port,... of running shards")
     store_shards: int = Field(2, ge=1, le=1024, description="local shard processes")
     token_file: Path | None = Field(None, description="the store's token (local: generated)")
+    store_metrics: bool = Field(
+        True,
+        description="local store shards serve Prometheus /metrics, each on a free port",
+    )
     store_latency_ms: float = Field(
         0.0, ge=0, description="benchmarking aid: ms added to every store call (trainer, workers)"
     )

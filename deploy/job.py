@@ -34,6 +34,9 @@ from connectors.synthetic import SyntheticConfig, SyntheticSource
 from connectors.types import Chunk, DeadLetterSink, RawChunk, Source
 from deploy.config import JobConfig, KafkaJobSource, ParquetJobSource
 from embedding_store.client import StoreClient
+from monitoring.plugin import StreamrecPlugin
+from monitoring.reporter import Reporter
+from monitoring.types import TOPIC
 from pipeline.prepare import StoreAddress
 from trainer.checkpoint import CheckpointBook, JobManifest
 from trainer.loop import (
@@ -110,14 +113,15 @@ class RankSource:
         self.name = source.name
         self._initial = {p: i % world for i, p in enumerate(sorted(source.partitions()))}
 
-    def _mine(self, partition: str) -> bool:
+    def owns(self, partition: str) -> bool:
+        """Whether this rank trains ``partition``."""
         owner = self._initial.get(partition)
         if owner is None:
             owner = zlib.crc32(partition.encode()) % self.world
         return owner == self.rank
 
     def partitions(self) -> list[str]:
-        return [p for p in self.source.partitions() if self._mine(p)]
+        return [p for p in self.source.partitions() if self.owns(p)]
 
     def start_position(self, partition: str) -> int:
         return self.source.start_position(partition)
@@ -149,6 +153,7 @@ class Services:
     dashboard: str | None
     store: str
     token: str | None
+    store_metrics: tuple[str, ...] = ()  # each local shard's Prometheus /metrics URL
 
 
 def _free_port() -> int:
@@ -181,15 +186,18 @@ def start_services(job: JobConfig, stack: ExitStack) -> Services:
                 run_dir / "store" / f"shard-{i:03d}",
                 token_file=token_file,
                 die_with_parent=True,
+                metrics_port=0 if job.cluster.store_metrics else None,
             )
             stack.callback(shard.stop)
             shards.append(shard)
         store = "grpc://" + ",".join(s.address for s in shards)
+        store_metrics = tuple(s.metrics_url for s in shards if s.metrics_url)
     else:
         store = job.cluster.store
+        store_metrics = ()
     token = token_file.read_text().strip() if token_file is not None else None
     if job.cluster.scheduler is not None:
-        return Services(job.cluster.scheduler, None, store, token)
+        return Services(job.cluster.scheduler, None, store, token, store_metrics)
     cluster = stack.enter_context(
         LocalCluster(
             n_workers=job.cluster.workers,
@@ -198,7 +206,7 @@ def start_services(job: JobConfig, stack: ExitStack) -> Services:
             dashboard_address=job.cluster.dashboard_address,
         )
     )
-    return Services(cluster.scheduler_address, cluster.dashboard_link, store, token)
+    return Services(cluster.scheduler_address, cluster.dashboard_link, store, token, store_metrics)
 
 
 # --- one rank -----------------------------------------------------------------------
@@ -259,6 +267,10 @@ def run_rank(
             if rank == 0:
                 _barrier(world)
         positions = dict(manifest.positions) if manifest is not None else {}
+        if isinstance(mine, RankSource):
+            # The manifest holds every rank's partitions; a rank carrying another's
+            # (stale) position into its checkpoints would move that one back.
+            positions = {p: n for p, n in positions.items() if mine.owns(p)}
         deadletter = build_deadletter(job, rank)
         if deadletter is not None:
             stack.callback(deadletter.close)
@@ -267,6 +279,24 @@ def run_rank(
         def commit(m: JobManifest) -> None:
             if isinstance(source, KafkaSource):
                 source.commit(m.positions)
+
+        best_auc = None
+        if rank == 0 and isinstance(source, SyntheticSource):
+            best_auc = source.best_auc(n_samples=100_000)
+        dask.register_plugin(StreamrecPlugin())  # idempotent: the first rank's stays
+        reporter = Reporter(
+            lambda report: dask.log_event(TOPIC, report),
+            rank=rank,
+            every_s=cfg.log_every_s,
+            ends=lambda parts: {p: source.end_position(p) for p in parts},
+            store_stats=store.stats if rank == 0 else None,
+            store_addresses=services.store.removeprefix("grpc://").split(","),
+        )
+
+        def progress(p: Progress) -> None:
+            reporter(p)
+            if on_progress is not None:
+                on_progress(p)
 
         checkpointer = (
             JobCheckpointer(book, store, on_saved=commit, extra={"mode": cfg.mode, "world": world})
@@ -288,7 +318,8 @@ def run_rank(
             max_samples=None if max_events is None else -(-max_events // world),
             max_time_s=max_time_s,
             stop=stop,
-            on_progress=on_progress,
+            on_progress=progress,
+            best_auc=best_auc,
         )
         runner = StreamRunner(
             dask,
@@ -302,6 +333,8 @@ def run_rank(
             deadletter=deadletter,
             # A quiet stream still ends on the loop's stop (signal, --max-time).
             stop_when=lambda: bool(loop.stop_reason()),
+            # A rank whose partitions are quiet must not hold the others' steps up.
+            idle_ticks=world > 1,
         )
         stack.callback(runner.close)
         stats = loop.run(iter(runner))

@@ -83,8 +83,9 @@ class ProgressLine:
             parts.insert(0, f"[{bar:<20}] {share:>4.0%}")
         auc = p.metrics.auc
         parts.append(f"AUC {auc:.4f}" if auc is not None else "AUC -")
-        if self.best_auc is not None:
-            parts.append(f"(best {self.best_auc:.4f})")
+        best = self.best_auc if self.best_auc is not None else getattr(p, "best_auc", None)
+        if best is not None:
+            parts.append(f"(best {best:.4f})")
         if p.loss is not None:
             parts.append(f"loss {p.loss:.4f}")
         parts.append(f"staleness {p.staleness}")
@@ -130,21 +131,19 @@ def _train(
     total: int | None = None,
     next_steps: str = "",
 ) -> int:
-    from connectors.synthetic import SyntheticSource
-    from deploy.job import JobError, build_source, run_job
+    from deploy.job import JobError, run_job
 
-    best = None
-    if job.source is not None and job.source.kind == "synthetic":
-        synthetic = build_source(job)
-        assert isinstance(synthetic, SyntheticSource)  # the synthetic kind builds one
-        best = synthetic.best_auc(n_samples=100_000)
-    line = ProgressLine(sys.stdout, best_auc=best, total=total)
+    line = ProgressLine(sys.stdout, total=total)
     stop = _install_stop()
 
     def announce(services: Any) -> None:
         if services.dashboard:
             print(f"Dask dashboard: {services.dashboard}")
+            page = services.dashboard.rsplit("/", 1)[0]
+            print(f"training page: {page}/streamrec   metrics: {page}/metrics")
         print(f"store: {services.store}   run dir: {job.run_dir}")
+        for i, url in enumerate(services.store_metrics):
+            print(f"store shard {i} metrics: {url}")
 
     started = time.monotonic()
     try:
@@ -173,6 +172,7 @@ def _train(
         f"{stats.checkpoints} checkpoints"
     )
     final_auc = line.last.metrics.auc if line.last is not None else None
+    best = line.last.best_auc if line.last is not None else None
     if final_auc is not None:
         best_text = f" (the stream's best achievable: {best:.4f})" if best is not None else ""
         print(f"progressive AUC {final_auc:.4f}{best_text}")

@@ -10,6 +10,7 @@ lost with a worker is prepared again elsewhere with the same result.
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -129,6 +130,9 @@ def prepare(
         batch.bad_by_reason[b.reason] = batch.bad_by_reason.get(b.reason, 0) + 1
     if lookup and batch.tables:
         client = store if store is not None else worker_store_client()
+        # Wall-clock, so the trainer (another process) can tell which of its pushes
+        # this lookup saw: the observed staleness.
+        batch.looked_up_at = time.time()
         rows = client.lookup(
             {name: t.unique_ids for name, t in batch.tables.items()}, train=True, step=step
         )

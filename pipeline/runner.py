@@ -1,15 +1,24 @@
 """``StreamRunner``: turns a source into prepared batches on a Dask cluster.
 
-It plans chunks per partition, submits one ``prepare`` task per chunk, keeps
-at most ``staleness`` prepared batches in flight, and yields them in source
-order within each partition (partitions interleave as their batches finish).
-While the consumer holds a batch, at most ``staleness`` more are in flight.
+It plans chunks per partition, submits one ``prepare`` task per chunk
+(round-robin over partitions), keeps at most ``staleness`` prepared batches in
+flight, and yields them in the order they were submitted: so in source order
+within each partition, and a batch is never overtaken by one looked up after
+it. While the consumer holds a batch, at most ``staleness`` more are in
+flight: a batch is trained at most ``staleness`` batches after its lookup,
+which is the staleness bound (yielding whichever batch finished first would
+let a slow one be overtaken, and miss more pushes than that).
 ``positions`` is, per partition, the end of the last batch yielded: every
 record before it has been handed to the consumer exactly once.
 
 ``staleness=0`` is the synchronous mode: the next chunk is submitted (and its
 rows looked up) only when the consumer asks for the next batch, i.e. after it
 has pushed the gradients of the previous one.
+
+With ``idle_ticks=True`` the iterator yields ``None`` whenever the source has
+nothing new (a quiet Kafka partition) instead of waiting: a trainer rank in a
+group must keep taking part in the per-step collective while its partitions
+are quiet, or the other ranks would wait for it.
 
 A task that fails, or whose worker dies, is retried (its chunk is re-read from
 the source), so a lost worker costs a retry, never a record.
@@ -63,6 +72,7 @@ class StreamRunner:
         poll_interval_s: float = 0.2,
         retries: int = 3,
         stop_when: Callable[[], bool] | None = None,
+        idle_ticks: bool = False,
     ) -> None:
         if staleness < 0:
             msg = f"staleness must be >= 0, got {staleness}"
@@ -83,12 +93,14 @@ class StreamRunner:
         # Checked while the source has nothing new: a continuous stream that has
         # gone quiet still ends on Ctrl-C or --max-time.
         self.stop_when = stop_when
+        self.idle_ticks = idle_ticks
         self.stats = RunnerStats()
         self._given = dict(positions or {})
         # Per partition: where the next chunk starts, and the batches not yet yielded.
         self._planned: dict[str, int] = {}
         self._done: dict[str, int] = {}
         self._inflight: dict[str, deque[Future[Prepared]]] = {}
+        self._submitted: deque[Future[Prepared]] = deque()  # every partition's, in order
         self._order: list[str] = []
         self._next_partition = 0
         self._closed = False
@@ -148,7 +160,9 @@ class StreamRunner:
                 continue
             stalled = 0
             self._planned[p] = chunk.end
-            self._inflight[p].append(self._submit(chunk))
+            future = self._submit(chunk)
+            self._inflight[p].append(future)
+            self._submitted.append(future)
             submitted += 1
         return submitted
 
@@ -159,32 +173,36 @@ class StreamRunner:
 
     # --- iteration ------------------------------------------------------------------
 
-    def __iter__(self) -> Iterator[PreparedBatch]:
+    def __iter__(self) -> Iterator[PreparedBatch | None]:
         self._refresh_partitions()
         # While the consumer trains on a batch, ``staleness`` more are in flight, so
         # a lookup misses the pushes of at most ``staleness`` earlier batches.
         limit = self.staleness + 1
         last_refresh = time.monotonic()
+        quiet_until = 0.0
         while not self._closed:
             if time.monotonic() - last_refresh > 5.0:
                 self._refresh_partitions()
                 last_refresh = time.monotonic()
-            self._top_up(limit)
-            heads = [q[0] for q in self._inflight.values() if q]
-            if not heads:
+            if self._inflight_count() or time.monotonic() >= quiet_until:
+                self._top_up(limit)
+            if not self._submitted:
                 if self._finished() or (self.stop_when is not None and self.stop_when()):
                     return
+                # Asking the source again at once would only cost broker round trips.
+                quiet_until = time.monotonic() + self.poll_interval_s
+                if self.idle_ticks:
+                    yield None
+                    continue
                 time.sleep(self.poll_interval_s)
                 self._refresh_partitions()
                 continue
             t0 = time.perf_counter()
-            ready = [f for f in heads if f.done()]
-            if not ready:
-                wait(heads, return_when="FIRST_COMPLETED")
-                ready = [f for f in heads if f.done()]
+            future = self._submitted[0]
+            wait([future])
             self.stats.wait_s += time.perf_counter() - t0
-            future = ready[0]
             batch, bad = future.result()
+            self._submitted.popleft()
             self._inflight[batch.partition].popleft()
             future.release()
             self._record(batch, bad)
@@ -219,3 +237,4 @@ class StreamRunner:
             self.client.cancel(futures)
         for q in self._inflight.values():
             q.clear()
+        self._submitted.clear()

@@ -54,6 +54,7 @@ class PreparedBatch:
     end: int = 0
     bad_records: int = 0
     bad_by_reason: dict[str, int] = field(default_factory=dict)
+    looked_up_at: float = 0.0  # unix time the rows were read from the store; 0: not looked up
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])

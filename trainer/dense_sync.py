@@ -16,8 +16,8 @@ With one rank there is no process group and ``exchange`` only echoes.
 
 >>> import torch
 >>> sync = DenseSync(torch.nn.Linear(2, 1), mode="allreduce")
->>> sync.exchange(Control(active=1, stop=0, checkpoint=1, samples=8))
-Control(active=1, stop=0, checkpoint=1, samples=8)
+>>> sync.exchange(Control(active=1, waiting=0, stop=0, checkpoint=1, samples=8))
+Control(active=1, waiting=0, stop=0, checkpoint=1, samples=8)
 """
 
 from __future__ import annotations
@@ -34,11 +34,12 @@ class Control:
     """Per-rank flags in, sums over ranks out."""
 
     active: int  # ranks that trained this step
+    waiting: int  # ranks with no batch now whose stream goes on (quiet partitions)
     stop: int  # ranks asking to stop (SIGTERM, --max-time, an error)
     checkpoint: int  # ranks whose checkpoint timer is due
     samples: int  # samples trained this step
 
-    def any(self, flag: Literal["active", "stop", "checkpoint"]) -> bool:
+    def any(self, flag: Literal["active", "waiting", "stop", "checkpoint"]) -> bool:
         return bool(getattr(self, flag) > 0)
 
 
@@ -67,7 +68,8 @@ class DenseSync:
             return mine
         params = [p for p in self.model.parameters() if p.requires_grad]
         flags = torch.tensor(
-            [mine.active, mine.stop, mine.checkpoint, mine.samples], dtype=torch.float32
+            [mine.active, mine.waiting, mine.stop, mine.checkpoint, mine.samples],
+            dtype=torch.float32,
         )
         if self.mode == "allreduce":
             grads = [
@@ -92,8 +94,8 @@ class DenseSync:
             dist.all_reduce(flags)
             if self.exchanges % self.average_every == 0:
                 self.average()
-        a, s, c, n = (round(float(x)) for x in flags)
-        return Control(active=a, stop=s, checkpoint=c, samples=n)
+        a, w, s, c, n = (round(float(x)) for x in flags)
+        return Control(active=a, waiting=w, stop=s, checkpoint=c, samples=n)
 
     def average(self) -> None:
         """Replace every rank's dense parameters by their mean (async mode)."""

@@ -42,6 +42,9 @@ from trainer.pusher import Pusher
 log = logging.getLogger(__name__)
 
 _RECENT_LOSSES_KEPT = 4096
+_END = object()
+# While every rank's stream is quiet, the ranks meet this often (not in a busy loop).
+_QUIET_SLEEP_S = 0.05
 
 
 def build_optimizer(model: torch.nn.Module, cfg: DenseOptimizerConfig) -> torch.optim.Optimizer:
@@ -114,6 +117,10 @@ class LoopStats:
     started: float = field(default_factory=time.monotonic)
     last_checkpoint: dict[str, Any] | None = None
     stopped_by: str = ""
+    # Observed staleness: batches by how many earlier pushes their lookup missed.
+    missed_pushes: dict[int, int] = field(default_factory=dict)
+    # Dead-lettered records by partition, then by reason.
+    bad_by_partition: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -135,6 +142,13 @@ class Progress:
     pushes_queued: int
     wait_s: float
     compute_s: float
+    events_total: int = 0  # records read in this run, dead-lettered ones included
+    missed_pushes: dict[str, int] = field(default_factory=dict)  # see LoopStats
+    positions: dict[str, int] = field(default_factory=dict)  # learned up to, per partition
+    deadletter: dict[str, dict[str, int]] = field(default_factory=dict)
+    best_auc: float | None = None  # the synthetic stream's best achievable AUC
+    last_checkpoint: dict[str, Any] | None = None
+    mode: str = ""
 
 
 class JobCheckpointer:
@@ -162,8 +176,13 @@ class JobCheckpointer:
         positions: dict[str, int],
         samples: int,
         dense: dict[str, Any],
+        samples_before: int = 0,
     ) -> JobManifest | None:
-        """Every rank calls this at the same step, with its pushes drained."""
+        """Every rank calls this at the same step, with its pushes drained.
+
+        ``samples`` is what this rank learned since the job (re)started,
+        ``samples_before`` what the restored checkpoint held (the same on every rank).
+        """
         # Rank 0 must not checkpoint the store while another rank still pushes.
         ranks = cast(
             list[dict[str, Any]],
@@ -174,7 +193,7 @@ class JobCheckpointer:
             results = self.store.checkpoint(None, "auto", metadata={"job_step": step})
             manifest = self.book.save(
                 step=step,
-                samples=sum(int(r["samples"]) for r in ranks),
+                samples=samples_before + sum(int(r["samples"]) for r in ranks),
                 positions={p: n for r in ranks for p, n in r["positions"].items()},
                 shard_seqs=[r.seq for r in results],
                 dense={"ranks": [r["dense"] for r in ranks]},
@@ -232,8 +251,10 @@ class TrainLoop:
         max_time_s: float | None = None,
         stop: threading.Event | None = None,
         on_progress: Callable[[Progress], None] | None = None,
+        best_auc: float | None = None,
     ) -> None:
         self.config = config
+        self.best_auc = best_auc
         self.spec = spec
         self.store = store
         self.dense = dense
@@ -324,7 +345,8 @@ class TrainLoop:
             rank=self.rank,
             step=self.step,
             positions=dict(self.positions),
-            samples=self.samples_before + self.stats.samples,
+            samples=self.stats.samples,
+            samples_before=self.samples_before,
             dense=self.dense.state(),
         )
         self._last_checkpoint_t = time.monotonic()
@@ -342,8 +364,12 @@ class TrainLoop:
 
     # --- the loop -----------------------------------------------------------------
 
-    def run(self, batches: Iterator[PreparedBatch]) -> LoopStats:
-        """Train until every rank's stream ends, or a stop; checkpoint on the way out."""
+    def run(self, batches: Iterator[PreparedBatch | None]) -> LoopStats:
+        """Train until every rank's stream ends, or a stop; checkpoint on the way out.
+
+        ``batches`` may yield ``None``: this rank's stream is quiet for now (see
+        ``StreamRunner(idle_ticks=True)``); the rank still takes part in the step.
+        """
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._log = open(  # noqa: SIM115 - closed in finally
@@ -360,11 +386,15 @@ class TrainLoop:
             while True:
                 stop_reason = self.stop_reason()
                 batch = None
+                quiet = False
                 if not exhausted and not stop_reason:
                     t0 = time.perf_counter()
-                    batch = next(batches, None)
+                    item = next(batches, _END)
                     self.stats.wait_s += time.perf_counter() - t0
-                    exhausted = batch is None
+                    exhausted = item is _END
+                    if not exhausted:
+                        batch = cast(PreparedBatch | None, item)
+                        quiet = batch is None
                     if (
                         batch is not None
                         and self.max_samples is not None
@@ -374,6 +404,11 @@ class TrainLoop:
                         # Not learned: the positions stay before it, a restart takes it.
                         batch, exhausted, stop_reason = None, True, "max_events"
                 grads: dict[str, Any] = {}
+                missed = (
+                    self.pusher.missed_since(batch.looked_up_at)
+                    if batch is not None and batch.looked_up_at > 0
+                    else None
+                )
                 t0 = time.perf_counter()
                 if batch is not None and len(batch):
                     grads = self._forward_backward(batch)
@@ -382,6 +417,7 @@ class TrainLoop:
                 self.stats.compute_s += time.perf_counter() - t0
                 mine = Control(
                     active=int(batch is not None),
+                    waiting=int(quiet),
                     stop=int(bool(stop_reason)),
                     checkpoint=int(self._want_checkpoint()),
                     samples=len(batch) if batch is not None else 0,
@@ -390,18 +426,24 @@ class TrainLoop:
                 everyone = self.sync.exchange(mine)
                 self.stats.sync_s += time.perf_counter() - t0
                 if not everyone.any("active"):
-                    self.stats.stopped_by = stop_reason or "end_of_stream"
+                    if everyone.any("waiting") and not everyone.any("stop"):
+                        # Every stream is quiet for now: no step, and no spinning.
+                        time.sleep(_QUIET_SLEEP_S)
+                        continue
+                    self.stats.stopped_by = stop_reason or (
+                        "another rank" if everyone.any("stop") else "end_of_stream"
+                    )
                     break
                 t0 = time.perf_counter()
                 self.dense.optimizer.step()
                 self.stats.compute_s += time.perf_counter() - t0
                 if batch is not None:
+                    self._account(batch, missed)
                     self.positions[batch.partition] = batch.end
                     if self._ledger is not None:
                         self._ledger.write(
                             f"{self.step + 1} {batch.partition} {batch.start} {batch.end}\n"
                         )
-                    self.stats.bad_records += batch.bad_records
                     self.stats.samples += len(batch)
                     if grads:
                         self.pusher.submit(grads)
@@ -436,6 +478,15 @@ class TrainLoop:
                     f.close()
         return self.stats
 
+    def _account(self, batch: PreparedBatch, missed: int | None) -> None:
+        if missed is not None:
+            self.stats.missed_pushes[missed] = self.stats.missed_pushes.get(missed, 0) + 1
+        self.stats.bad_records += batch.bad_records
+        if batch.bad_by_reason:
+            reasons = self.stats.bad_by_partition.setdefault(batch.partition, {})
+            for reason, n in batch.bad_by_reason.items():
+                reasons[reason] = reasons.get(reason, 0) + n
+
     def _report(self) -> None:
         elapsed = self.stats.elapsed()
         recent = self._losses[-50:]
@@ -452,6 +503,13 @@ class TrainLoop:
             pushes_queued=self.pusher.outstanding,
             wait_s=self.stats.wait_s,
             compute_s=self.stats.compute_s,
+            events_total=self.stats.samples + self.stats.bad_records,
+            missed_pushes={str(k): n for k, n in sorted(self.stats.missed_pushes.items())},
+            positions=dict(self.positions),
+            deadletter={p: dict(r) for p, r in self.stats.bad_by_partition.items()},
+            best_auc=self.best_auc,
+            last_checkpoint=self.stats.last_checkpoint,
+            mode=self.config.mode,
         )
         if self._log is not None:
             line = asdict(progress)

@@ -7,6 +7,7 @@ misses at most ``q`` pushes plus the batches already prefetched). A failed
 push is raised on the trainer's thread at its next call: a gradient is never
 dropped silently.
 
+>>> import time
 >>> import numpy as np
 >>> from embedding_store.client import StoreClient
 >>> from embedding_store.types import StoreConfig
@@ -18,20 +19,27 @@ dropped silently.
 >>> _ = pusher.drain()  # seconds waited
 >>> pusher.applied, pusher.outstanding
 (1, 0)
+>>> pusher.missed_since(0.0), pusher.missed_since(time.time())  # before / after it landed
+(1, 0)
 >>> pusher.close()
 """
 
 from __future__ import annotations
 
+import bisect
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 
 import numpy as np
 import numpy.typing as npt
 
 from embedding_store.client import StoreClient
+
+# Enough for any staleness bound a job would use; older pushes count as seen.
+_APPLIED_TIMES_KEPT = 256
 
 Grads = Mapping[str, tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]]
 
@@ -47,6 +55,8 @@ class Pusher:
         self.submitted = 0
         self.applied = 0
         self.push_s = 0.0  # time spent in the store's Push (background)
+        # Unix times the most recent pushes were acknowledged, in order.
+        self._applied_at: deque[float] = deque(maxlen=_APPLIED_TIMES_KEPT)
         self._queue: queue.Queue[tuple[int, Grads] | None] = queue.Queue()
         self._cond = threading.Condition()
         self._error: BaseException | None = None
@@ -57,6 +67,19 @@ class Pusher:
     def outstanding(self) -> int:
         with self._cond:
             return self.submitted - self.applied
+
+    def missed_since(self, looked_up_at: float) -> int:
+        """How many pushes submitted so far were not applied at ``looked_up_at`` (unix s).
+
+        For a batch about to be trained, that is how many earlier pushes its
+        lookup missed: its observed staleness. A push counts as applied when
+        the store acknowledged it, which can only overcount by the reply's flight.
+        """
+        with self._cond:
+            times = list(self._applied_at)
+            unapplied = self.submitted - self.applied
+        # The acknowledgement times increase: those after the lookup were missed.
+        return unapplied + len(times) - bisect.bisect_right(times, looked_up_at)
 
     def submit(self, grads: Grads) -> None:
         """Queue one step's row gradients (returns at once)."""
@@ -107,4 +130,5 @@ class Pusher:
                 self.push_s += time.perf_counter() - t0
             with self._cond:
                 self.applied += 1
+                self._applied_at.append(time.time())
                 self._cond.notify_all()

@@ -7,7 +7,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 import yaml
 
 from connectors.kafka import KafkaSource, KafkaSourceConfig, produce
@@ -88,6 +90,91 @@ def test_run_from_kafka_commits_what_it_learned_and_resumes_there(
     ]
     assert len(dead) == 3
     assert "trained" in second.stdout
+
+
+def test_two_ranks_train_their_own_partitions_and_resume_exactly_once(
+    tmp_path: Path, kafka: KafkaForTests, kafka_topic: Any
+) -> None:
+    """`trainer.ranks: 2` through `streamrec run`: uneven partitions, a stop, a resume."""
+    topic = kafka_topic(partitions=3)
+    lines = list(iter_json_lines(SyntheticConfig(seed=6), 3000))
+    sizes = {0: 1500, 1: 700, 2: 800}  # rank 0 gets partitions 0 and 2, rank 1 gets 1
+    start = 0
+    for partition, n in sizes.items():
+        extra = [b"{not json"] if partition == 0 else []
+        produce(
+            kafka.bootstrap,
+            topic,
+            lines[start : start + n] + extra,
+            api_version=kafka.api_version,
+            partition=partition,
+        )
+        start += n
+    ends = {f"{topic}/{p}": n + (1 if p == 0 else 0) for p, n in sizes.items()}
+    source = {
+        "kind": "kafka",
+        "bootstrap_servers": kafka.bootstrap,
+        "topics": [topic],
+        "group_id": f"{topic}-trainer",
+        "api_version": ".".join(map(str, kafka.api_version)),
+        "deadletter": "file",
+    }
+    job = write_synthetic_job(
+        tmp_path,
+        store=synthetic_store_section(dim=4),
+        source=source,
+        trainer={**TRAINER, "ranks": 2, "batch_size": 250},
+        cluster={"workers": 1, "store_shards": 1, "dashboard_address": ":0"},
+    )
+    run_dir = tmp_path / "run"
+    book = CheckpointBook(run_dir / "checkpoints")
+
+    first = streamrec("run", str(job), "--max-events", "1000")
+    assert first.returncode == 0, first.stdout + first.stderr
+    m1 = book.latest()
+    assert m1 is not None
+    assert 0 < m1.samples <= 1000
+    ledger_lines = {r: len(ledger(run_dir, r)) for r in (0, 1)}
+    assert all(ledger_lines.values()), "both ranks learned in the first run"
+
+    second = streamrec("run", str(job), "--max-time", "30")
+    assert second.returncode == 0, second.stdout + second.stderr
+    m2 = book.latest()
+    assert m2 is not None
+    assert m2.positions == ends
+    assert m2.samples == 3000
+    fields = KafkaSourceConfig.model_fields
+    src = KafkaSource(KafkaSourceConfig(**{k: v for k, v in source.items() if k in fields}))
+    try:
+        assert {p: src.committed(p) for p in ends} == ends
+    finally:
+        src.close()
+
+    # Each rank read only its own partitions, and every offset was learned once
+    # over the two runs (both ended with a checkpoint, so every ledger line counts).
+    owned = {0: {f"{topic}/0", f"{topic}/2"}, 1: {f"{topic}/1"}}
+    covered = {p: np.zeros(n, dtype=np.int64) for p, n in ends.items()}
+    for rank in (0, 1):
+        for _, partition, lo, hi in ledger(run_dir, rank):
+            assert partition in owned[rank]
+            covered[partition][lo:hi] += 1
+    for partition, counts in covered.items():
+        assert counts.min() == counts.max() == 1, partition
+
+    # The dense allreduce keeps both ranks' copies of the model equal.
+    views = book.load_dense(m2)["ranks"]
+    assert len(views) == 2
+    for name, weight in views[0]["model"].items():
+        assert torch.equal(weight, views[1]["model"][name]), name
+    assert (run_dir / "metrics-rank1.jsonl").stat().st_size > 0
+
+
+def ledger(run_dir: Path, rank: int) -> list[tuple[int, str, int, int]]:
+    path = run_dir / f"learned-rank{rank}.log"
+    if not path.exists():
+        return []
+    rows = [line.split() for line in path.read_text().splitlines()]
+    return [(int(s), p, int(lo), int(hi)) for s, p, lo, hi in rows]
 
 
 def test_backfill_shows_a_progress_bar_and_resumes(tmp_path: Path) -> None:

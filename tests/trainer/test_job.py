@@ -11,6 +11,7 @@ every offset is learned exactly once across the restart.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import signal
@@ -236,3 +237,34 @@ def test_hybrid_run_killed_and_restarted_learns_every_offset_once(tmp_path: Path
     assert final is not None
     assert final.samples == EVENTS
     assert final.positions == {"synthetic/0": EVENTS}
+
+
+@pytest.mark.parametrize(("mode", "bound"), [("sync", 0), ("hybrid", 3)])
+def test_observed_staleness_stays_within_the_bound(tmp_path: Path, mode: str, bound: int) -> None:
+    """Every batch's lookup missed at most ``staleness`` pushes, across interleaved partitions."""
+    trainer: dict[str, Any] = {
+        "mode": mode,
+        "batch_size": 250,
+        "model": {"kind": "ffnn", "hidden": [16]},
+        "torch_threads": 1,
+        "log_every_s": 0.2,
+        "checkpoint": {"enabled": False},
+    }
+    if mode == "hybrid":
+        trainer["staleness"] = bound
+    job = write_synthetic_job(
+        tmp_path,
+        store=synthetic_store_section(dim=4, row_dtype="float32"),
+        # Partitions of unequal cost would let a batch be overtaken, were it allowed.
+        source={"kind": "synthetic", "seed": 3, "partitions": 3, "events": 5_000},
+        trainer=trainer,
+        cluster={"workers": 2, "store_shards": 2, "dashboard_address": ":0"},
+    )
+    finish(start(job))
+    last = (tmp_path / "run" / "metrics-rank0.jsonl").read_text().splitlines()[-1]
+    report = json.loads(last)
+    missed = {int(k): n for k, n in report["missed_pushes"].items()}
+    assert sum(missed.values()) == report["step"] == 60  # every batch was measured
+    assert max(missed) <= bound, missed
+    if mode == "hybrid":
+        assert max(missed) > 0, "hybrid lookups ran ahead of the pushes"

@@ -1,0 +1,170 @@
+"""The job's figures as Prometheus metrics, for the scheduler's ``/metrics``.
+
+``job_metric_families(state, now)`` turns a ``MonitorState`` into metric
+families (pure); ``JobMetricsCollector`` hands them to a prometheus_client
+registry. The store shards' families come from ``monitoring.store_metrics``,
+the same function each shard process uses for its own ``/metrics``, so a
+figure has one name wherever it is scraped.
+
+>>> from monitoring.state import MonitorState
+>>> state = MonitorState()
+>>> state.receive(dict(kind="trainer", rank=0, time=1.0, step=1, samples_total=10,
+...     events_total=10, loss=0.6, auc=0.7, logloss=0.6, calibration=1.0, best_auc=None,
+...     missed_pushes={"1": 2}, staleness_bound=2, pushes_queued=1, wait_s=0.0,
+...     compute_s=1.0, checkpoint=None, mode="hybrid", partitions={}))
+>>> names = [m.name for m in job_metric_families(state, now=2.0)]
+>>> "streamrec_trainer_auc" in names, "streamrec_trainer_staleness" in names
+(True, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+from monitoring.state import MonitorState
+from monitoring.store_metrics import merge_families, store_metric_families
+from monitoring.wire import shard_stats_from_report
+
+
+def job_metric_families(state: MonitorState, now: float) -> list[Metric]:
+    """Trainer, source, checkpoint and store metrics of the job, as the state holds them."""
+    rank = ["rank"]
+    g = {
+        name: GaugeMetricFamily(f"streamrec_trainer_{name}", doc, labels=rank)
+        for name, doc in (
+            ("step", "Training steps taken by the job (restored ones included)."),
+            ("samples_per_second", "Samples learned per second over the last report interval."),
+            ("events_per_second", "Records read per second over the last report interval."),
+            ("loss", "Mean training loss of the recent steps."),
+            ("auc", "Progressive-validation AUC over the sliding window."),
+            ("logloss", "Progressive-validation log loss over the sliding window."),
+            ("calibration", "Mean prediction over mean label in the window (1 is calibrated)."),
+            ("pushes_queued", "Row-gradient pushes handed to the store and not yet applied."),
+            ("staleness_bound", "The configured staleness: pushes a lookup may miss at most."),
+            ("report_age_seconds", "Seconds since this rank last reported."),
+        )
+    }
+    c = {
+        name: CounterMetricFamily(f"streamrec_trainer_{name}", doc, labels=rank)
+        for name, doc in (
+            ("samples", "Samples learned by the job, restored checkpoints included."),
+            ("events", "Records read by this run of the rank, dead-lettered ones included."),
+            ("wait_seconds", "Seconds this run of the rank waited for prepared batches."),
+            ("compute_seconds", "Seconds this run of the rank spent in forward, backward, step."),
+        )
+    }
+    staleness = HistogramMetricFamily(
+        "streamrec_trainer_staleness",
+        "Batches by how many earlier pushes their lookup missed (observed staleness).",
+        labels=rank,
+    )
+    for rank_id, r in sorted(state.ranks.items()):
+        last, label = r.last, [str(rank_id)]
+        rates = r.series
+        values = {
+            "step": last["step"],
+            "samples_per_second": rates["samples_per_s"][-1] if rates["samples_per_s"] else None,
+            "events_per_second": rates["events_per_s"][-1] if rates["events_per_s"] else None,
+            "loss": last["loss"],
+            "auc": last["auc"],
+            "logloss": last["logloss"],
+            "calibration": last["calibration"],
+            "pushes_queued": last["pushes_queued"],
+            "staleness_bound": last["staleness_bound"],
+            "report_age_seconds": max(0.0, now - last["time"]),
+        }
+        for name, value in values.items():
+            if value is not None:
+                g[name].add_metric(label, float(value))
+        c["samples"].add_metric(label, float(last["samples_total"]))
+        c["events"].add_metric(label, float(last["events_total"]))
+        c["wait_seconds"].add_metric(label, last["wait_s"])
+        c["compute_seconds"].add_metric(label, last["compute_s"])
+        hist = {int(k): n for k, n in last["missed_pushes"].items()}
+        buckets, cum = [], 0
+        for k in range(max([last["staleness_bound"], *hist]) + 1):
+            cum += hist.get(k, 0)
+            buckets.append((str(float(k)), float(cum)))
+        buckets.append(("+Inf", float(cum)))
+        total = float(sum(k * n for k, n in hist.items()))
+        staleness.add_metric(label, buckets, total)
+    out: list[Metric] = [*g.values(), *c.values(), staleness]
+
+    best = [r.last["best_auc"] for r in state.ranks.values() if r.last["best_auc"] is not None]
+    if best:
+        m = GaugeMetricFamily(
+            "streamrec_source_best_auc", "The synthetic stream's best achievable AUC."
+        )
+        m.add_metric([], best[0])
+        out.append(m)
+
+    part = ["partition", "rank"]
+    position = GaugeMetricFamily(
+        "streamrec_source_position", "Every record below was learned.", labels=part
+    )
+    end = GaugeMetricFamily(
+        "streamrec_source_end_offset", "The partition's end (Kafka log end offset).", labels=part
+    )
+    lag = GaugeMetricFamily(
+        "streamrec_source_lag", "Records not learned yet: end minus position.", labels=part
+    )
+    dead = CounterMetricFamily(
+        "streamrec_deadletter_records",
+        "Records dead-lettered by this run, by partition and reason.",
+        labels=["partition", "reason"],
+    )
+    for p in state.partitions():
+        label = [p["partition"], str(p["rank"])]
+        position.add_metric(label, p["position"])
+        if p["end"] is not None:
+            end.add_metric(label, p["end"])
+            lag.add_metric(label, p["lag"])
+        for reason, n in sorted(p["deadletter"].items()):
+            dead.add_metric([p["partition"], reason], n)
+    out += [position, end, lag, dead]
+
+    cp = state.checkpoint(now)
+    if cp is not None:
+        for name, doc, value in (
+            ("step", "Step of the last job checkpoint.", cp["step"]),
+            ("age_seconds", "Seconds since the last job checkpoint was written.", cp["age_s"]),
+            ("bytes", "Bytes the store shards wrote for the last checkpoint.", cp["bytes"]),
+            ("duration_seconds", "How long the last checkpoint took.", cp["seconds"]),
+            ("timestamp_seconds", "Unix time of the last checkpoint.", cp["time"]),
+        ):
+            m = GaugeMetricFamily(f"streamrec_checkpoint_{name}", doc)
+            m.add_metric([], float(value))
+            out.append(m)
+
+    if state.store is not None:
+        # Labelled by address, as each shard labels its own /metrics.
+        out += merge_families(
+            fam
+            for s in state.store["shards"]
+            for fam in store_metric_families(s["address"], shard_stats_from_report(s))
+        )
+    return out
+
+
+class JobMetricsCollector(Collector):
+    """A prometheus_client collector over a ``MonitorState`` (read at scrape time)."""
+
+    def __init__(self, state: MonitorState, clock: Callable[[], float]) -> None:
+        self.state = state
+        self.clock = clock
+
+    def describe(self) -> list[Metric]:
+        # Nothing up front: the registry would otherwise collect() to learn the names
+        # and refuse a second job's collector in the same process as a duplicate.
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        yield from job_metric_families(self.state, self.clock())

@@ -1,0 +1,191 @@
+"""``MonitorState``: the reports of a running job, folded into what the page shows.
+
+A pure state machine: ``receive(report)`` with the dicts of ``monitoring.types``,
+``snapshot()`` for the page's JSON. Rates (samples/s, events/s) come from the
+difference of two reports of the same rank, so a report that is late or lost
+costs resolution, never a wrong figure. Nothing here does I/O or reads a clock
+of its own: the scheduler plugin is the thin shell around it.
+
+>>> state = MonitorState()
+>>> base = dict(kind="trainer", rank=0, step=1, loss=0.6, auc=0.7, logloss=0.6,
+...     calibration=1.0, best_auc=0.8, missed_pushes={"0": 1, "2": 1}, staleness_bound=2,
+...     pushes_queued=1, wait_s=0.0, compute_s=1.0, checkpoint=None, mode="hybrid",
+...     partitions={"t/0": {"position": 100, "end": 150, "deadletter": {"bad_json": 2}}})
+>>> state.receive({**base, "time": 10.0, "samples_total": 100, "events_total": 102})
+>>> state.receive({**base, "time": 12.0, "samples_total": 300, "events_total": 310})
+>>> snap = state.snapshot(now=12.5)
+>>> snap["ranks"]["0"]["series"]["samples_per_s"], snap["partitions"][0]["lag"]
+([100.0], 50)
+>>> snap["staleness"]["hist"]
+{'0': 1, '1': 0, '2': 1}
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from monitoring.types import LatencyReport, StoreReport, TrainerReport
+from monitoring.wire import latency_from_report
+
+SERIES = ("t", "samples_per_s", "events_per_s", "loss", "auc", "wait_share")
+
+
+@dataclass
+class _Rank:
+    last: TrainerReport
+    series: dict[str, deque[float | None]]
+
+
+@dataclass
+class MonitorState:
+    """Every rank's recent history and the store's last counters."""
+
+    history: int = 3600  # points kept per rank (an hour at one report a second)
+    ranks: dict[int, _Rank] = field(default_factory=dict)
+    store: StoreReport | None = None
+    reports: int = 0
+    rejected: int = 0
+
+    def receive(self, report: dict[str, Any]) -> None:
+        """Fold one report in; a report that is not one of ours is counted and dropped."""
+        kind = report.get("kind") if isinstance(report, dict) else None
+        if kind == "trainer":
+            self._trainer(cast(TrainerReport, report))
+        elif kind == "store":
+            self.store = cast(StoreReport, report)
+        else:
+            self.rejected += 1
+            return
+        self.reports += 1
+
+    def _trainer(self, report: TrainerReport) -> None:
+        rank = self.ranks.get(report["rank"])
+        if rank is None:
+            series: dict[str, deque[float | None]] = {k: deque(maxlen=self.history) for k in SERIES}
+            self.ranks[report["rank"]] = _Rank(report, series)
+            return
+        prev = rank.last
+        dt = report["time"] - prev["time"]
+        if dt <= 0:
+            return  # out of order: the newer report already stands
+        rank.last = report
+        ds = report["samples_total"] - prev["samples_total"]
+        de = report["events_total"] - prev["events_total"]
+        if ds < 0 or de < 0:
+            return  # a restarted run (its counters went back): no rate this once
+        dw = report["wait_s"] - prev["wait_s"]
+        dc = report["compute_s"] - prev["compute_s"]
+        point = {
+            "t": report["time"],
+            "samples_per_s": ds / dt,
+            "events_per_s": de / dt,
+            "loss": report["loss"],
+            "auc": report["auc"],
+            "wait_share": dw / (dw + dc) if dw + dc > 0 else None,
+        }
+        for k in SERIES:
+            rank.series[k].append(point[k])
+
+    # --- what the page and /metrics read ---------------------------------------------
+
+    def staleness(self) -> dict[str, Any]:
+        """Batches by missed pushes, summed over ranks, every count up to the max shown."""
+        hist: dict[int, int] = {}
+        bound = 0
+        for r in self.ranks.values():
+            bound = max(bound, r.last["staleness_bound"])
+            for k, n in r.last["missed_pushes"].items():
+                hist[int(k)] = hist.get(int(k), 0) + n
+        top = max([bound, *hist])
+        return {"bound": bound, "hist": {str(k): hist.get(k, 0) for k in range(top + 1)}}
+
+    def partitions(self) -> list[dict[str, Any]]:
+        """Per source partition: the rank that trains it, position, end, lag, dead letters."""
+        out = []
+        for rank_id, r in sorted(self.ranks.items()):
+            for name, p in sorted(r.last["partitions"].items()):
+                end = p["end"]
+                out.append(
+                    {
+                        "partition": name,
+                        "rank": rank_id,
+                        "position": p["position"],
+                        "end": end,
+                        "lag": None if end is None else max(0, end - p["position"]),
+                        "deadletter": dict(p["deadletter"]),
+                    }
+                )
+        return out
+
+    def shards(self) -> list[dict[str, Any]]:
+        """Per store shard: totals over its tables, latency quantiles, the tables."""
+        if self.store is None:
+            return []
+        out = []
+        for s in self.store["shards"]:
+            tables = s["tables"]
+            out.append(
+                {
+                    "shard": s["shard"],
+                    "address": s["address"],
+                    "rows": sum(t["rows"] for t in tables),
+                    "memory_bytes": sum(t["memory_bytes"] for t in tables),
+                    "admissions": sum(t["admissions"] for t in tables),
+                    "evictions": sum(t["evictions"] for t in tables),
+                    "expirations": sum(t["expirations"] for t in tables),
+                    "lookup_ms": _quantiles_ms(s["lookup_latency"]),
+                    "push_ms": _quantiles_ms(s["push_latency"]),
+                    "tables": [dict(t) for t in tables],
+                }
+            )
+        return out
+
+    def checkpoint(self, now: float) -> dict[str, Any] | None:
+        """The newest checkpoint any rank reported, with its age at ``now``."""
+        cps = [r.last["checkpoint"] for r in self.ranks.values() if r.last["checkpoint"]]
+        if not cps:
+            return None
+        cp = max(cps, key=lambda c: c["step"])
+        return {**cp, "age_s": max(0.0, now - cp["time"])}
+
+    def snapshot(self, now: float, points: int = 900) -> dict[str, Any]:
+        """Everything the page draws, JSON-able; ``points`` per series at most."""
+        ranks = {}
+        for rank_id, r in sorted(self.ranks.items()):
+            last = r.last
+            ranks[str(rank_id)] = {
+                "series": {k: list(v)[-points:] for k, v in r.series.items()},
+                "step": last["step"],
+                "samples_total": last["samples_total"],
+                "events_total": last["events_total"],
+                "loss": last["loss"],
+                "auc": last["auc"],
+                "pushes_queued": last["pushes_queued"],
+                "wait_s": last["wait_s"],
+                "compute_s": last["compute_s"],
+                "mode": last["mode"],
+                "age_s": max(0.0, now - last["time"]),
+            }
+        best = [r.last["best_auc"] for r in self.ranks.values() if r.last["best_auc"] is not None]
+        return {
+            "now": now,
+            "ranks": ranks,
+            "best_auc": best[0] if best else None,
+            "staleness": self.staleness(),
+            "partitions": self.partitions(),
+            "shards": self.shards(),
+            "checkpoint": self.checkpoint(now),
+            "reports": self.reports,
+        }
+
+
+def _quantiles_ms(lat: LatencyReport | None) -> dict[str, float | None] | None:
+    if lat is None:
+        return None
+    snap = latency_from_report(lat)
+    values = {"p50": snap.quantile(0.5), "p99": snap.quantile(0.99), "mean": snap.mean_s}
+    # NaN (nothing observed yet) is not JSON: the page shows a dash for None.
+    return {k: None if math.isnan(v) else v * 1000.0 for k, v in values.items()}

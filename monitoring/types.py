@@ -1,0 +1,106 @@
+"""What trainers send to the scheduler's streamrec plugin, as plain msgpack-able dicts.
+
+A trainer rank sends a ``TrainerReport`` about once a second through Dask's
+event log (``Client.log_event("streamrec", report)``); rank 0 also sends a
+``StoreReport`` with every store shard's counters. Plain dicts, because Dask
+events travel as msgpack: no classes of ours have to be importable where the
+scheduler runs to carry them, only to draw them.
+
+>>> r = TrainerReport(kind="trainer", rank=0, time=1.0, step=3, samples_total=30,
+...     events_total=31, loss=0.5, auc=0.7, logloss=0.5, calibration=1.0,
+...     best_auc=None, missed_pushes={"0": 3}, staleness_bound=2, pushes_queued=0,
+...     wait_s=0.1, compute_s=0.2, partitions={}, checkpoint=None, mode="hybrid")
+>>> r["samples_total"]
+30
+"""
+
+from __future__ import annotations
+
+from typing import Literal, TypedDict
+
+TOPIC = "streamrec"  # the Dask event topic the reports travel on
+
+
+class PartitionReport(TypedDict):
+    """One source partition as its rank sees it."""
+
+    position: int  # every record below was learned
+    end: int | None  # the log end offset (Kafka) or the stream's end; None: unknown
+    deadletter: dict[str, int]  # records dead-lettered by this run, by reason
+
+
+class CheckpointReport(TypedDict):
+    """The last job checkpoint this rank took part in."""
+
+    step: int
+    time: float  # unix s it was written
+    seconds: float  # how long it took
+    bytes: int  # what the store shards wrote
+
+
+class TrainerReport(TypedDict):
+    """One trainer rank, now; the counters are cumulative over this run."""
+
+    kind: Literal["trainer"]
+    rank: int
+    time: float  # unix s
+    step: int
+    samples_total: int  # learned by the job, restored checkpoints included
+    events_total: int  # records read by this rank in this run, dead-lettered included
+    loss: float | None
+    auc: float | None  # progressive, over the sliding window
+    logloss: float | None
+    calibration: float | None
+    best_auc: float | None  # the synthetic stream's best achievable AUC
+    missed_pushes: dict[str, int]  # batches by how many earlier pushes their lookup missed
+    staleness_bound: int
+    pushes_queued: int
+    wait_s: float  # waiting for prepared batches
+    compute_s: float  # forward, backward, dense step
+    partitions: dict[str, PartitionReport]
+    checkpoint: CheckpointReport | None
+    mode: str
+
+
+class LatencyReport(TypedDict):
+    """A latency histogram: ``counts[i]`` calls took at most ``buckets[i]`` seconds."""
+
+    buckets: list[float]
+    counts: list[int]
+    sum_s: float
+    count: int
+
+
+class TableReport(TypedDict):
+    """One table on one shard (``embedding_store.types.TableStats`` as a dict)."""
+
+    name: str
+    dim: int
+    rows: int
+    capacity: int
+    memory_bytes: int
+    lookup_ids: int
+    push_ids: int
+    admissions: int
+    rejected_admissions: int
+    evictions: int
+    expirations: int
+
+
+class ShardReport(TypedDict):
+    """One store shard's counters."""
+
+    shard: int
+    address: str
+    tables: list[TableReport]
+    duplicate_pushes: int
+    lookup_latency: LatencyReport | None
+    push_latency: LatencyReport | None
+
+
+class StoreReport(TypedDict):
+    """Every store shard, as rank 0 read them."""
+
+    kind: Literal["store"]
+    time: float
+    shards: list[ShardReport]

@@ -1,0 +1,265 @@
+"""The streamrec page of the Dask dashboard and ``/metrics``: a real scheduler, a real job.
+
+The first test registers the plugin on an in-process scheduler and feeds it
+reports through Dask's event log, as trainers do. The others run a real
+``streamrec run`` (store shard processes, Dask worker processes, a trainer) and
+watch it: ``/metrics`` of the scheduler and of every shard move while it trains,
+and headless Chromium shows the page with live values.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from distributed import Client, LocalCluster
+from prometheus_client.parser import text_string_to_metric_families
+
+from connectors.synthetic import synthetic_store_section
+from monitoring.plugin import StreamrecPlugin
+from monitoring.types import TOPIC
+from tests.conftest import REPO_ROOT, STREAMREC, write_synthetic_job
+from tests.monitoring.test_state import store_report, trainer
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+
+
+def get(url: str, timeout: float = 10) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        body: bytes = r.read()
+    return body.decode()
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(get(url))
+        for s in fam.samples
+    }
+
+
+def wait_until(what: str, check: Callable[[], Any], timeout: float = 60) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(0.25)
+    pytest.fail(f"{what}: not within {timeout} s")
+
+
+def test_plugin_serves_the_page_its_data_and_metrics() -> None:
+    with (
+        LocalCluster(
+            n_workers=1, processes=False, dashboard_address="127.0.0.1:0", threads_per_worker=1
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        client.register_plugin(StreamrecPlugin())
+        client.register_plugin(StreamrecPlugin())  # a second rank's: the first one stays
+        base = f"http://127.0.0.1:{cluster.scheduler.http_server.port}"
+        parts = {"t/0": {"position": 90, "end": 100, "deadletter": {"bad_json": 2}}}
+        client.log_event(TOPIC, trainer(time=1.0, samples_total=10, events_total=10))
+        client.log_event(
+            TOPIC, trainer(time=2.0, samples_total=30, events_total=32, partitions=parts)
+        )
+        client.log_event(TOPIC, store_report(rows=40))
+        data = wait_until(
+            "the reports reach the plugin",
+            lambda: (d := json.loads(get(f"{base}/streamrec/data.json")))["reports"] == 3 and d,
+        )
+        assert data["ranks"]["0"]["series"]["samples_per_s"] == [20.0]
+        assert data["partitions"][0]["lag"] == 10
+        assert [s["address"] for s in data["shards"]] == ["127.0.0.1:1", "127.0.0.1:2"]
+        page = get(f"{base}/streamrec")
+        assert 'id="chart-throughput"' in page
+        assert 'id="shards"' in page
+        metrics = scrape(f"{base}/metrics")
+        assert metrics[("streamrec_trainer_samples_total", (("rank", "0"),))] == 30
+        assert metrics[("streamrec_store_rows", (("shard", "127.0.0.1:1"), ("table", "a")))] == 40
+        # The dashboard's own pages link to it from their menu bar.
+        assert 'href="streamrec"' in get(f"{base}/status")
+
+
+# --- a real job --------------------------------------------------------------------------
+
+
+@dataclass
+class RunningJob:
+    proc: subprocess.Popen[str]
+    lines: list[str] = field(default_factory=list)
+
+    def find(self, pattern: str) -> re.Match[str] | None:
+        for line in list(self.lines):
+            m = re.search(pattern, line)
+            if m:
+                return m
+        return None
+
+    def wait_for(self, pattern: str, timeout: float = 120) -> re.Match[str]:
+        def check() -> re.Match[str] | None:
+            if self.proc.poll() is not None:
+                pytest.fail("the job ended early:\n" + "".join(self.lines)[-3000:])
+            return self.find(pattern)
+
+        m: re.Match[str] = wait_until(f"job output {pattern!r}", check, timeout)
+        return m
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningJob]:
+    """A job that trains until the module's tests are done with it."""
+    tmp = tmp_path_factory.mktemp("watched")
+    path = write_synthetic_job(
+        tmp,
+        store=synthetic_store_section(dim=4, row_dtype="float32"),
+        source={"kind": "synthetic", "seed": 4, "partitions": 2, "events": 5_000_000},
+        trainer={
+            "mode": "hybrid",
+            "staleness": 2,
+            "batch_size": 500,
+            "model": {"kind": "ffnn", "hidden": [16]},
+            "torch_threads": 1,
+            "log_every_s": 0.5,
+            "checkpoint": {"every_s": 3, "every_steps": None},
+        },
+        cluster={"workers": 1, "store_shards": 2, "dashboard_address": "127.0.0.1:0"},
+    )
+    proc = subprocess.Popen(
+        [*STREAMREC, "run", str(path), "--max-time", "600"],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    running = RunningJob(proc)
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            running.lines.append(line)
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        running.wait_for(r"Dask dashboard: (http://\S+)/status")
+        yield running
+    finally:
+        proc.send_signal(signal.SIGINT)  # a clean stop: checkpoint, then everything down
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, "".join(running.lines)[-3000:]
+
+
+def dashboard(job: RunningJob) -> str:
+    return job.wait_for(r"Dask dashboard: (http://\S+)/status").group(1)
+
+
+def shard_addresses(job: RunningJob) -> list[str]:
+    return job.wait_for(r"store: grpc://(\S+)").group(1).split(",")
+
+
+def test_metrics_move_while_the_job_trains(job: RunningJob) -> None:
+    url = f"{dashboard(job)}/metrics"
+    key = ("streamrec_trainer_samples_total", (("rank", "0"),))
+    first = wait_until("a first trainer report", lambda: scrape(url).get(key))
+    second = wait_until("more samples", lambda: (v := scrape(url).get(key, 0)) > first and v)
+    assert second > first
+    metrics = scrape(url)
+    for shard in shard_addresses(job):
+        assert metrics[("streamrec_store_rows", (("shard", shard), ("table", "c3")))] > 0
+    lag = [v for (name, _), v in metrics.items() if name == "streamrec_source_lag"]
+    assert len(lag) == 2
+    assert all(v > 0 for v in lag)  # 5M events a partition: far from done
+    assert metrics[("streamrec_trainer_auc", (("rank", "0"),))] > 0.5
+
+
+def test_every_shard_serves_its_own_metrics(job: RunningJob) -> None:
+    wait_until("both shards announce their metrics", lambda: len(shard_metric_urls(job)) == 2)
+    for i, (url, address) in enumerate(
+        zip(shard_metric_urls(job), shard_addresses(job), strict=True)
+    ):
+        key = ("streamrec_store_lookup_seconds_count", (("shard", address),))
+        first = wait_until(f"shard {i} lookups", lambda u=url, k=key: scrape(u).get(k))
+        wait_until(f"shard {i} lookups move", lambda u=url, k=key, f=first: scrape(u).get(k, 0) > f)
+
+
+def shard_metric_urls(job: RunningJob) -> list[str]:
+    return re.findall(r"store shard \d+ metrics: (http://\S+/metrics)", "".join(job.lines))
+
+
+def test_the_page_shows_live_values_in_a_real_browser(job: RunningJob, tmp_path: Path) -> None:
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    setup = "Chromium is part of the test set-up (`make test` installs Debian's chromium)"
+    assert shutil.which(CHROMIUM), setup
+    assert shutil.which(CHROMEDRIVER), setup
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+        "--window-size=1400,1800",
+    ):
+        options.add_argument(arg)
+    browser = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    try:
+        base = dashboard(job)
+        # Reached the way a user does: from the dashboard's menu bar.
+        browser.get(f"{base}/status")
+        WebDriverWait(browser, 60).until(
+            lambda b: b.find_elements(By.CSS_SELECTOR, 'a[href="streamrec"]')
+        )
+        browser.find_element(By.CSS_SELECTOR, 'a[href="streamrec"]').click()
+        WebDriverWait(browser, 30).until(lambda b: b.current_url.endswith("/streamrec"))
+
+        def live(chart: str) -> bool:
+            last = browser.find_element(By.ID, chart).get_attribute("data-last") or ""
+            return bool(last) and float(last) > 0
+
+        WebDriverWait(browser, 90).until(
+            lambda b: live("chart-throughput") and live("chart-auc") and live("chart-loss")
+        )
+        WebDriverWait(browser, 30).until(lambda b: live("chart-staleness"))
+        assert float(browser.find_element(By.ID, "samples-total").text.replace(",", "")) > 0
+
+        def column(table: str, index: int) -> list[str]:
+            cells = browser.find_elements(
+                By.CSS_SELECTOR, f"#{table} tbody tr td:nth-child({index})"
+            )
+            return sorted(c.text for c in cells)
+
+        WebDriverWait(browser, 30).until(lambda b: len(column("shards", 2)) == 2)
+        assert column("shards", 2) == sorted(shard_addresses(job))
+        assert column("partitions", 1) == ["synthetic/0", "synthetic/1"]
+        WebDriverWait(browser, 30).until(lambda b: column("checkpoint", 1))
+        shot = tmp_path / "streamrec-page.png"
+        assert browser.save_screenshot(str(shot))
+        assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    finally:
+        browser.quit()
