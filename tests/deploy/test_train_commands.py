@@ -44,6 +44,27 @@ def job_file(tmp: Path, source: dict[str, Any]) -> Path:
     )
 
 
+def kafka_job_source(kafka: KafkaForTests, topic: str) -> dict[str, Any]:
+    return {
+        "kind": "kafka",
+        "bootstrap_servers": kafka.bootstrap,
+        "topics": [topic],
+        "group_id": f"{topic}-trainer",
+        "api_version": ".".join(map(str, kafka.api_version)),
+        "deadletter": "file",
+    }
+
+
+def committed_offsets(source: dict[str, Any], partitions: Any) -> dict[str, int | None]:
+    """What the job's consumer group has committed, asked of the broker."""
+    fields = KafkaSourceConfig.model_fields
+    src = KafkaSource(KafkaSourceConfig(**{k: v for k, v in source.items() if k in fields}))
+    try:
+        return {p: src.committed(p) for p in partitions}
+    finally:
+        src.close()
+
+
 def test_run_from_kafka_commits_what_it_learned_and_resumes_there(
     tmp_path: Path, kafka: KafkaForTests, kafka_topic: Any
 ) -> None:
@@ -52,14 +73,7 @@ def test_run_from_kafka_commits_what_it_learned_and_resumes_there(
     bad = [b"{not json", b'{"click": "yes"}', b""]
     produce(kafka.bootstrap, topic, lines[:2000] + bad, api_version=kafka.api_version, partition=0)
     produce(kafka.bootstrap, topic, lines[2000:], api_version=kafka.api_version, partition=1)
-    source = {
-        "kind": "kafka",
-        "bootstrap_servers": kafka.bootstrap,
-        "topics": [topic],
-        "group_id": f"{topic}-trainer",
-        "api_version": ".".join(map(str, kafka.api_version)),
-        "deadletter": "file",
-    }
+    source = kafka_job_source(kafka, topic)
     job = job_file(tmp_path, source)
 
     first = streamrec("run", str(job), "--max-events", "1500")
@@ -68,13 +82,8 @@ def test_run_from_kafka_commits_what_it_learned_and_resumes_there(
     m1 = book.latest()
     assert m1 is not None
     assert 0 < m1.samples <= 1500
-    fields = KafkaSourceConfig.model_fields
-    src = KafkaSource(KafkaSourceConfig(**{k: v for k, v in source.items() if k in fields}))
-    try:
-        # Offsets are committed to the group exactly as far as the checkpoint learned.
-        assert {p: src.committed(p) for p in m1.positions} == m1.positions
-    finally:
-        src.close()
+    # Offsets are committed to the group exactly as far as the checkpoint learned.
+    assert committed_offsets(source, m1.positions) == m1.positions
 
     # A continuous job on a topic that stops growing: stop it by time.
     second = streamrec("run", str(job), "--max-time", "25")
@@ -111,14 +120,7 @@ def test_two_ranks_train_their_own_partitions_and_resume_exactly_once(
         )
         start += n
     ends = {f"{topic}/{p}": n + (1 if p == 0 else 0) for p, n in sizes.items()}
-    source = {
-        "kind": "kafka",
-        "bootstrap_servers": kafka.bootstrap,
-        "topics": [topic],
-        "group_id": f"{topic}-trainer",
-        "api_version": ".".join(map(str, kafka.api_version)),
-        "deadletter": "file",
-    }
+    source = kafka_job_source(kafka, topic)
     job = write_synthetic_job(
         tmp_path,
         store=synthetic_store_section(dim=4),
@@ -143,12 +145,7 @@ def test_two_ranks_train_their_own_partitions_and_resume_exactly_once(
     assert m2 is not None
     assert m2.positions == ends
     assert m2.samples == 3000
-    fields = KafkaSourceConfig.model_fields
-    src = KafkaSource(KafkaSourceConfig(**{k: v for k, v in source.items() if k in fields}))
-    try:
-        assert {p: src.committed(p) for p in ends} == ends
-    finally:
-        src.close()
+    assert committed_offsets(source, ends) == ends
 
     # Each rank read only its own partitions, and every offset was learned once
     # over the two runs (both ended with a checkpoint, so every ledger line counts).

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -40,26 +41,9 @@ def trainer(**over: Any) -> dict[str, Any]:
 
 
 def table(name: str, rows: int) -> TableStats:
-    counters = dict.fromkeys(
-        [
-            "clock",
-            "lookups",
-            "lookup_ids",
-            "pushes",
-            "push_ids",
-            "admissions",
-            "rejected_admissions",
-            "evictions",
-            "expirations",
-            "overflow",
-            "dropped_not_admitted",
-            "rejected_nonfinite",
-        ],
-        3,
-    )
-    return TableStats(
-        name=name, dim=4, rows=rows, capacity=1000, memory_bytes=rows * 32, **counters
-    )
+    sizes = {"name": name, "dim": 4, "rows": rows, "capacity": 1000, "memory_bytes": rows * 32}
+    counters = {f.name: 3 for f in fields(TableStats) if f.name not in sizes}
+    return TableStats(**sizes, **counters)  # type: ignore[arg-type]
 
 
 def store_report(rows: int) -> dict[str, Any]:
