@@ -291,7 +291,9 @@ def run_rank(
             ends=lambda parts: {p: source.end_position(p) for p in parts},
             store_stats=store.stats if rank == 0 else None,
             store_addresses=services.store.removeprefix("grpc://").split(","),
+            background=True,
         )
+        stack.callback(reporter.close)
 
         def progress(p: Progress) -> None:
             reporter(p)

@@ -201,8 +201,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         max_time_s=args.max_time,
         total=args.events,
         next_steps=(
-            "next: `streamrec run examples/kafka.yaml` trains from Kafka, "
-            "`streamrec backfill examples/backfill.yaml --from data/*.parquet` from "
+            f"next: `streamrec report {args.run_dir}` plots this run's loss, AUC, "
+            "throughput and staleness; `streamrec run examples/kafka.yaml` trains from "
+            "Kafka, `streamrec backfill examples/backfill.yaml --from data/*.parquet` from "
             "history (see the README)"
         ),
     )

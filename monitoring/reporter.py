@@ -22,6 +22,7 @@ the training.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -95,7 +96,10 @@ def store_report(stats: Sequence[ShardStats], addresses: Sequence[str], now: flo
 
 
 class Reporter:
-    """Sends one rank's reports (see the module docstring); call it with each ``Progress``."""
+    """Sends one rank's reports (see the module docstring); call it with each ``Progress``.
+
+    ``background=True`` sends from a thread of its own (call ``close`` at the end).
+    """
 
     def __init__(
         self,
@@ -107,6 +111,7 @@ class Reporter:
         store_stats: Callable[[], Sequence[ShardStats]] | None = None,
         store_addresses: Sequence[str] = (),
         clock: Callable[[], float] = time.time,
+        background: bool = False,
     ) -> None:
         self.send = send
         self.rank = rank
@@ -118,12 +123,51 @@ class Reporter:
         self.sent = 0
         self.failures = 0
         self._last = -float("inf")
+        # In the background, the broker and store round trips of a report never
+        # lengthen a training step; only the newest pending report is kept.
+        self._wake = threading.Condition()
+        self._pending: tuple[Progress, float] | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(
+                target=self._run, name=f"streamrec-reporter-{rank}", daemon=True
+            )
+            self._thread.start()
 
     def __call__(self, progress: Progress) -> None:
         now = self.clock()
         if now - self._last < self.every_s:
             return
         self._last = now
+        if self._thread is None:
+            self._report(progress, now)
+            return
+        with self._wake:
+            self._pending = (progress, now)  # a newer report replaces one not yet sent
+            self._wake.notify()
+
+    def close(self) -> None:
+        """Stop the background thread (a report not yet sent is dropped)."""
+        if self._thread is not None:
+            with self._wake:
+                self._closed = True
+                self._wake.notify()
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while self._pending is None and not self._closed:
+                    self._wake.wait()
+                if self._closed:
+                    return
+                progress, now = self._pending  # type: ignore[misc]
+                self._pending = None
+            self._report(progress, now)
+
+    def _report(self, progress: Progress, now: float) -> None:
         try:
             ends = self.ends(list(progress.positions)) if self.ends is not None else None
             self.send(trainer_report(progress, now, ends))
