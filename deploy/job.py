@@ -283,12 +283,23 @@ def run_rank(
         best_auc = None
         if rank == 0 and isinstance(source, SyntheticSource):
             best_auc = source.best_auc(n_samples=100_000)
-        dask.register_plugin(StreamrecPlugin())  # idempotent: the first rank's stays
+        try:
+            dask.register_plugin(StreamrecPlugin())  # idempotent: the first rank's stays
+        except Exception as exc:  # an external scheduler without streamrec installed
+            log.warning(
+                "the Dask scheduler could not load the streamrec plugin (%s): no /streamrec "
+                "page and no streamrec_ metrics; install streamrec where it runs",
+                exc,
+            )
+        # Its own source object: Kafka clients are not thread-safe, and the reporter
+        # asks for the partitions' ends from its own thread.
+        ends_source = build_source(job)
+        stack.callback(ends_source.close)
         reporter = Reporter(
             lambda report: dask.log_event(TOPIC, report),
             rank=rank,
             every_s=cfg.log_every_s,
-            ends=lambda parts: {p: source.end_position(p) for p in parts},
+            ends=lambda parts: {p: ends_source.end_position(p) for p in parts},
             store_stats=store.stats if rank == 0 else None,
             store_addresses=services.store.removeprefix("grpc://").split(","),
             background=True,
