@@ -225,8 +225,14 @@ def _relabel(
                 checked.problems[k] = p._replace(reason=new_reason, detail=detail)
 
 
-def _empty_result(spec: FeatureSpec) -> tuple[pa.Table, list[BadRecord]]:
-    return spec_schema(spec, position=True).empty_table(), []
+def _none_good(
+    raw: RawChunk, spec: FeatureSpec, early: dict[int, Problem]
+) -> tuple[pa.Table, list[BadRecord]]:
+    """No good records: an empty good table, and the ``early`` problems in record order."""
+    bad = problems_to_bad(
+        [early[i] for i in sorted(early)], np.arange(len(raw), dtype=np.int64), raw
+    )
+    return spec_schema(spec, position=True).empty_table(), bad
 
 
 def _drop_position(table: pa.Table) -> pa.Table:
@@ -313,7 +319,7 @@ class JsonLinesCodec:
         payloads = _payloads_of(raw, "json")
         n = len(payloads)
         if n == 0:
-            return _empty_result(spec)
+            return _none_good(raw, spec, {})
         schema = spec_schema(spec)
         lens, early = _screen(payloads, spec)
         joined, starts, _ = _join(payloads, dict.fromkeys(early, _PLACEHOLDER), lens)
@@ -367,10 +373,15 @@ class JsonLinesCodec:
         >>> JsonLinesCodec().encode(pa.table({"y": [float("nan")], "u": ["é"]}))
         [b'{"y":NaN,"u":"\\xc3\\xa9"}']
         """
-        return [
-            json.dumps(row, separators=(",", ":"), ensure_ascii=False, default=_not_json).encode()
-            for row in _drop_position(table).to_pylist()
-        ]
+        table = _drop_position(table)
+        names = table.column_names
+        # Column by column, then zipped: several times faster than Table.to_pylist.
+        columns = [c.to_pylist() for c in table.columns]
+        rows = zip(*columns, strict=True) if columns else [()] * table.num_rows
+        dumps = json.JSONEncoder(
+            separators=(",", ":"), ensure_ascii=False, default=_not_json
+        ).encode
+        return [dumps(dict(zip(names, row, strict=True))).encode() for row in rows]
 
 
 def _merge(
@@ -1570,7 +1581,7 @@ class CriteoTsvCodec:
         payloads = _payloads_of(raw, "criteo_tsv")
         n = len(payloads)
         if n == 0:
-            return _empty_result(spec)
+            return _none_good(raw, spec, {})
         _, early = _screen(payloads, spec)
         # A placeholder line of empty columns reads as a row of nulls, keeping rows aligned.
         placeholder = b"\t" * (len(names) - 1)
@@ -1847,8 +1858,7 @@ class ArrowIpcCodec:
             if table.num_rows:
                 groups.setdefault(table.schema, []).append((i, table))
         if not groups:
-            good = spec_schema(spec, position=True).empty_table()
-            return _finish_empty(raw, early, good)
+            return _none_good(raw, spec, early)
         parts: list[tuple[Checked, npt.NDArray[np.int64], npt.NDArray[np.int64], pa.Table]] = []
         for members in groups.values():
             originals = pa.concat_tables([t for _, t in members])
@@ -1861,21 +1871,21 @@ class ArrowIpcCodec:
         order = np.lexsort((within, record))
         table = pa.concat_tables([p[0].table for p in parts]).take(pa.array(order))
         good = np.concatenate([p[0].good for p in parts])[order]
-        problems: list[Problem] = []
-        offset = 0
-        where: list[tuple[pa.Table, int]] = []
-        for c, rec, _, originals in parts:
-            problems += [p._replace(row=p.row + offset) for p in c.problems]
-            where += [(originals, r) for r in range(rec.shape[0])]
-            offset += rec.shape[0]
+        # Row k of the groups, concatenated, is row k - starts[g] of group g.
+        starts = np.cumsum([0, *(p[1].shape[0] for p in parts)])
+        problems = [
+            p._replace(row=p.row + int(starts[g]))
+            for g, part in enumerate(parts)
+            for p in part[0].problems
+        ]
         rank = np.empty_like(order)
         rank[order] = np.arange(order.shape[0])
         moved = [p._replace(row=int(rank[p.row])) for p in problems]
-        source_row = [where[int(k)] for k in order]
 
         def raw_of_row(row: int) -> bytes:
-            originals, r = source_row[row]
-            return _write_ipc(originals.take([r]))
+            k = int(order[row])
+            g = int(np.searchsorted(starts, k, side="right")) - 1
+            return _write_ipc(parts[g][3].take([k - int(starts[g])]))
 
         checked = Checked(table, good, sorted(moved))
         return _finish(raw, checked, record[order], early, raw_of_row)
@@ -1891,15 +1901,6 @@ class ArrowIpcCodec:
         k, n = self.rows_per_payload, table.num_rows
         # `take` copies the rows: a slice would carry its arrays' whole buffers into the stream.
         return [_write_ipc(table.take(np.arange(i, min(i + k, n)))) for i in range(0, n, k)]
-
-
-def _finish_empty(
-    raw: RawChunk, early: dict[int, Problem], good: pa.Table
-) -> tuple[pa.Table, list[BadRecord]]:
-    bad = problems_to_bad(
-        [early[i] for i in sorted(early)], np.arange(len(raw), dtype=np.int64), raw
-    )
-    return good, bad
 
 
 def _read_ipc(payload: bytes) -> pa.Table:

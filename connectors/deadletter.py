@@ -120,18 +120,7 @@ def read_dead_letters(path: str | os.PathLike[str]) -> list[BadRecord]:
     with path.open(encoding="ascii") as f:
         for number, line in enumerate(f, 1):
             try:
-                d = json.loads(line)
-                out.append(
-                    BadRecord(
-                        source=d["source"],
-                        partition=d["partition"],
-                        position=d["position"],
-                        reason=d["reason"],
-                        field=d["field"],
-                        detail=d["detail"],
-                        raw=d["raw"].encode("latin-1"),
-                    )
-                )
+                out.append(BadRecord.from_json(json.loads(line)))
             except (ValueError, KeyError, TypeError) as e:
                 msg = f"{path}:{number} is not a dead-letter line ({e}): {line[:80]!r}"
                 raise ValueError(msg) from e

@@ -183,6 +183,43 @@ def _is_transient(exc: BaseException) -> bool:
     return isinstance(exc, KafkaError) and bool(exc.retriable)
 
 
+class _Backoff:
+    """Pauses between attempts, doubling up to ``_MAX_BACKOFF_S``, within ``timeout_s``.
+
+    The time budget runs from ``since``, or else from the first failure; :meth:`reset`
+    (after progress) starts it again at the next failure.
+    """
+
+    def __init__(self, timeout_s: float, since: float | None = None) -> None:
+        self.timeout_s = timeout_s
+        self._since = since
+        self._delay = 0.1
+
+    def reset(self) -> None:
+        self._since, self._delay = None, 0.1
+
+    def wait(
+        self,
+        what: str,
+        exc: BaseException,
+        give_up: str,
+        on_retry: Callable[[], None] | None = None,
+    ) -> None:
+        """Log, run ``on_retry``, sleep; past the budget, raise KafkaUnavailable(give_up)."""
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        remaining = self._since + self.timeout_s - now
+        if remaining <= 0:
+            raise KafkaUnavailable(give_up) from exc
+        pause = min(self._delay, remaining)
+        log.warning("%s failed (%r); retrying in %.1fs", what, exc, pause)
+        if on_retry is not None:
+            on_retry()
+        time.sleep(pause)
+        self._delay = min(self._delay * 2, _MAX_BACKOFF_S)
+
+
 def retrying(
     what: str,
     fn: Callable[[], T],
@@ -206,28 +243,19 @@ def retrying(
     >>> retrying("demo", flaky, timeout_s=5, bootstrap="127.0.0.1:9092"), len(calls)
     ('ok', 3)
     """
-    deadline = time.monotonic() + timeout_s
-    delay = 0.1
+    backoff = _Backoff(timeout_s, since=time.monotonic())
     while True:
         try:
             return fn()
         except Exception as exc:
             if not _is_transient(exc):
                 raise
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                msg = (
-                    f"{what}: Kafka at {bootstrap} still failing after {timeout_s:g}s "
-                    f"({exc!r}); check that the broker runs and is reachable from here "
-                    f"(retry_timeout_s bounds this wait)"
-                )
-                raise KafkaUnavailable(msg) from exc
-            pause = min(delay, remaining)
-            log.warning("%s failed (%r); retrying in %.1fs", what, exc, pause)
-            if on_retry is not None:
-                on_retry()
-            time.sleep(pause)
-            delay = min(delay * 2, _MAX_BACKOFF_S)
+            give_up = (
+                f"{what}: Kafka at {bootstrap} still failing after {timeout_s:g}s "
+                f"({exc!r}); check that the broker runs and is reachable from here "
+                f"(retry_timeout_s bounds this wait)"
+            )
+            backoff.wait(what, exc, give_up, on_retry)
 
 
 def resolve_api_version(
@@ -282,10 +310,16 @@ def resolve_api_version(
     )
 
 
-def _check_client_options(options: Mapping[str, Any], allowed: Iterable[str], kind: str) -> None:
-    reserved = sorted(set(options) & _RESERVED_OPTIONS)
+def _check_client_options(
+    options: Mapping[str, Any],
+    allowed: Iterable[str],
+    kind: str,
+    reserved_options: Iterable[str] = _RESERVED_OPTIONS,
+    instead: str = "use the fields of the config instead",
+) -> None:
+    reserved = sorted(set(options) & set(reserved_options))
     if reserved:
-        msg = f"client_options may not set {reserved}: use the fields of the config instead"
+        msg = f"client_options may not set {reserved}: {instead}"
         raise ValueError(msg)
     unknown = sorted(set(options) - set(allowed))
     if unknown:
@@ -625,28 +659,20 @@ class KafkaSource:
         position = chunk.start  # the next offset wanted; survives reconnects
         client: Any = None
         last_progress = time.monotonic()
-        failing_since: float | None = None  # first failure since the last progress
-        delay = 0.1
+        # The budget runs from the first failure since the last progress.
+        backoff = _Backoff(self.config.retry_timeout_s)
 
         def fail(exc: BaseException) -> None:
-            nonlocal client, failing_since, delay, last_progress
-            now = time.monotonic()
-            failing_since = now if failing_since is None else failing_since
-            remaining = failing_since + self.config.retry_timeout_s - now
-            if remaining <= 0:
-                msg = (
-                    f"reading {chunk.partition} [{chunk.start}, {chunk.end}): Kafka at "
-                    f"{self.config.bootstrap_servers} still failing after "
-                    f"{self.config.retry_timeout_s:g}s ({exc!r}); check that the broker runs"
-                )
-                raise KafkaUnavailable(msg) from exc
-            pause = min(delay, remaining)
-            log.warning("reading %s failed (%r); retrying in %.1fs", chunk.name, exc, pause)
-            if client is not None:
-                self._drop("read")  # fresh connections and metadata on the next attempt
-                client = None
-            time.sleep(pause)
-            delay = min(delay * 2, _MAX_BACKOFF_S)
+            nonlocal client, last_progress
+            give_up = (
+                f"reading {chunk.partition} [{chunk.start}, {chunk.end}): Kafka at "
+                f"{self.config.bootstrap_servers} still failing after "
+                f"{self.config.retry_timeout_s:g}s ({exc!r}); check that the broker runs"
+            )
+            # Fresh connections and metadata on the next attempt.
+            drop = None if client is None else lambda: self._drop("read")
+            backoff.wait(f"reading {chunk.name}", exc, give_up, drop)
+            client = None
             last_progress = time.monotonic()
 
         while position < chunk.end:
@@ -676,7 +702,7 @@ class KafkaSource:
                     moved = True
                 if moved:
                     last_progress = time.monotonic()
-                    failing_since, delay = None, 0.1
+                    backoff.reset()
                 elif time.monotonic() - last_progress > _READ_STALL_S:
                     # The records exist (the plan saw them): a broker away or recovering.
                     msg = f"no records of {chunk.partition} for {_READ_STALL_S:g}s"
@@ -756,14 +782,13 @@ def _producer(
     from kafka import KafkaProducer
 
     options: dict[str, Any] = dict(client_options or {})
-    reserved = sorted(set(options) & {"bootstrap_servers", "api_version"})
-    if reserved:
-        msg = f"client_options may not set {reserved}: pass them as arguments"
-        raise ValueError(msg)
-    unknown = sorted(set(options) - set(KafkaProducer.DEFAULT_CONFIG))
-    if unknown:
-        msg = f"client_options has keys kafka-python's KafkaProducer does not know: {unknown}"
-        raise ValueError(msg)
+    _check_client_options(
+        options,
+        KafkaProducer.DEFAULT_CONFIG,
+        "KafkaProducer",
+        reserved_options=("bootstrap_servers", "api_version"),
+        instead="pass them as arguments",
+    )
     if api_version < (0, 11):
         # Idempotent producing needs 0.11; say so instead of letting kafka-python warn.
         options.setdefault("enable_idempotence", False)

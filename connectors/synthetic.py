@@ -30,7 +30,6 @@ True
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -728,17 +727,17 @@ def iter_json_lines(
 
     Missing dense values are ``null``.
 
+    >>> import json
     >>> first = next(iter_json_lines(SyntheticConfig(), events=3))
     >>> rec = json.loads(first)
     >>> sorted(rec)[:3], isinstance(rec["C1"], str), rec["click"] in (0.0, 1.0)
     (['C1', 'C10', 'C11'], True, True)
     """
+    from connectors.codecs import JsonLinesCodec
+
     n = _event_count(config, events)
     src = SyntheticSource(config)
-    names = table_schema().names
+    codec = JsonLinesCodec()
     step = config.chunk_size
     for start in range(0, n, step):
-        table = src.records(partition, start, min(step, n - start))
-        cols: list[list[Any]] = [table.column(c).to_pylist() for c in names]
-        for row in zip(*cols, strict=True):
-            yield json.dumps(dict(zip(names, row, strict=True)), separators=(",", ":")).encode()
+        yield from codec.encode(src.records(partition, start, min(step, n - start)))

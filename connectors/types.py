@@ -17,7 +17,7 @@ Positions are integers: Kafka offsets, row indices within a Parquet file
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -88,6 +88,24 @@ class BadRecord:
             "detail": self.detail,
             "raw": self.raw.decode("latin-1"),
         }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> BadRecord:
+        """The record whose dead-letter form is ``d`` (raw bytes restored exactly).
+
+        >>> r = BadRecord("kafka", "t/0", 7, "not_json", None, "not JSON", b"\\xff{")
+        >>> BadRecord.from_json(r.to_json()) == r
+        True
+        """
+        return cls(
+            source=d["source"],
+            partition=d["partition"],
+            position=d["position"],
+            reason=d["reason"],
+            field=d["field"],
+            detail=d["detail"],
+            raw=d["raw"].encode("latin-1"),
+        )
 
 
 class Source(Protocol):

@@ -378,7 +378,7 @@ def arrow_kind(t: pa.DataType) -> str:
     >>> arrow_kind(pa.large_string()), arrow_kind(pa.struct([("a", pa.int8())]))
     ('string', 'object')
     """
-    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+    if _is_text(t):
         return "string"
     if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
         return "binary"
@@ -529,11 +529,15 @@ def utf8_or_null(
     except pa.ArrowInvalid:
         pass
     # Some value is not UTF-8: find which, in Python (only when one is broken).
-    values = col.to_pylist()
-    broken = np.array([v is not None and not is_utf8(v) for v in values], dtype=np.bool_)
+    broken = _not_utf8(col.to_pylist())
     marker.mark(broken, reason, field, col, describe)
     kept = pc.if_else(pa.array(~broken), col, pa.scalar(None, col.type))
     return kept.cast(pa.string())
+
+
+def _not_utf8(values: Sequence[bytes | None]) -> npt.NDArray[np.bool_]:
+    """Which of ``values`` are not null and not UTF-8."""
+    return np.array([v is not None and not is_utf8(v) for v in values], dtype=np.bool_)
 
 
 def is_utf8(value: bytes) -> bool:
@@ -573,51 +577,44 @@ def _coerce_list(
     flat = pc.list_flatten(arr)
     n = len(arr)
     problem = np.zeros(n, dtype=np.bool_)
-    if flat.null_count:
-        parents = pc.list_parent_indices(arr).to_numpy()
-        nulls = _to_numpy_bool(flat.is_null())
+    parents: npt.NDArray[np.int64] | None = None
+
+    def mark_rows(
+        elements: npt.NDArray[np.bool_], reason: str, describe: Callable[[Any], str]
+    ) -> None:
+        """Mark the rows holding an element where ``elements`` is true."""
+        nonlocal parents, problem
+        if parents is None:
+            parents = pc.list_parent_indices(arr).to_numpy()
         hit = np.zeros(n, dtype=np.bool_)
-        hit[parents[nulls]] = True
-        marker.mark(
-            hit,
+        hit[parents[elements]] = True
+        marker.mark(hit, reason, field.name, arr, describe)
+        problem |= hit
+
+    if flat.null_count:
+        mark_rows(
+            _to_numpy_bool(flat.is_null()),
             "sparse_wrong_type",
-            field.name,
-            arr,
             lambda v: f"{what} holds a null element ({show(v)}); list elements are not null",
         )
-        problem |= hit
     elem = arr.type.value_type
     if _is_binary(elem):
         try:
             arr.cast(pa.list_(pa.string()))
         except pa.ArrowInvalid:
-            parents = pc.list_parent_indices(arr).to_numpy()
-            values = flat.to_pylist()
-            broken = np.array([v is not None and not is_utf8(v) for v in values], dtype=np.bool_)
-            hit = np.zeros(n, dtype=np.bool_)
-            hit[parents[broken]] = True
-            marker.mark(
-                hit,
+            mark_rows(
+                _not_utf8(flat.to_pylist()),
                 "not_utf8",
-                field.name,
-                arr,
                 lambda v: f"{what} holds {show(v)}, with an element not valid UTF-8",
             )
-            problem |= hit
     if pa.types.is_uint64(elem):
         over = _to_numpy_bool(pc.greater(flat, pa.scalar(INT64_MAX, pa.uint64())))
         if over.any():
-            parents = pc.list_parent_indices(arr).to_numpy()
-            hit = np.zeros(n, dtype=np.bool_)
-            hit[parents[over]] = True
-            marker.mark(
-                hit,
+            mark_rows(
+                over,
                 "int_overflow",
-                field.name,
-                arr,
                 lambda v: f"{what} holds {show(v)}, with an element beyond int64",
             )
-            problem |= hit
     if problem.any():
         # The rows just reported are bad: null them so the cast below cannot fail on them.
         arr = pc.if_else(pa.array(problem), pa.scalar(None, arr.type), arr)

@@ -11,11 +11,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from deploy.config import ConfigError, load_config
-
 
 def _store_serve(args: argparse.Namespace) -> int:
-    from deploy.store_server import read_token, serve  # keeps `--help` fast
+    # Imported here, not above: `--help` must not pay for the job config's imports.
+    from deploy.config import ConfigError, load_config
+    from deploy.store_server import read_token, serve
 
     try:
         job = load_config(args.config)

@@ -17,7 +17,6 @@ import multiprocessing as mp
 import os
 import secrets
 import signal
-import socket
 import threading
 import zlib
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from connectors.parquet import ParquetSource
 from connectors.synthetic import SyntheticConfig, SyntheticSource
 from connectors.types import Chunk, DeadLetterSink, RawChunk, Source
 from deploy.config import JobConfig, KafkaJobSource, ParquetJobSource
+from deploy.local.kafka import free_port
 from embedding_store.client import StoreClient
 from monitoring.plugin import StreamrecPlugin
 from monitoring.reporter import Reporter
@@ -154,12 +154,6 @@ class Services:
     store: str
     token: str | None
     store_metrics: tuple[str, ...] = ()  # each local shard's Prometheus /metrics URL
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_services(job: JobConfig, stack: ExitStack) -> Services:
@@ -301,7 +295,7 @@ def run_rank(
             every_s=cfg.log_every_s,
             ends=lambda parts: {p: ends_source.end_position(p) for p in parts},
             store_stats=store.stats if rank == 0 else None,
-            store_addresses=services.store.removeprefix("grpc://").split(","),
+            store_addresses=store.addresses,
             background=True,
         )
         stack.callback(reporter.close)
@@ -425,7 +419,7 @@ def run_ranks(
     )
     if world == 1:
         return train()
-    master = f"tcp://127.0.0.1:{_free_port()}"
+    master = f"tcp://127.0.0.1:{free_port()}"
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(

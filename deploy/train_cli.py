@@ -14,9 +14,12 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from deploy.config import ConfigError, JobConfig, load_config
+if TYPE_CHECKING:
+    # Imported in the commands: deploy.config pulls in every source's config (numba,
+    # kafka-python), which `streamrec --help` must not wait for.
+    from deploy.config import JobConfig
 
 
 def demo_job(
@@ -29,6 +32,7 @@ def demo_job(
     ('synthetic', 'hybrid', 2)
     """
     from connectors.synthetic import synthetic_feature_spec, synthetic_store_section
+    from deploy.config import JobConfig
 
     return JobConfig.model_validate(
         {
@@ -131,6 +135,7 @@ def _train(
     total: int | None = None,
     next_steps: str = "",
 ) -> int:
+    from deploy.config import ConfigError
     from deploy.job import JobError, run_job
 
     line = ProgressLine(sys.stdout, total=total)
@@ -210,6 +215,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _load(path: Path) -> JobConfig | None:
+    from deploy.config import ConfigError, load_config
+
     try:
         return load_config(path)
     except ConfigError as exc:
@@ -229,6 +236,8 @@ def cmd_backfill(args: argparse.Namespace) -> int:
     if job is None:
         return 2
     if args.paths:
+        from deploy.config import JobConfig
+
         source: dict[str, Any] = {"kind": "parquet", "paths": [str(p) for p in args.paths]}
         if job.source is not None and job.source.kind == "parquet":
             source = {**job.source.model_dump(), **source}

@@ -477,6 +477,11 @@ class StoreClient:
     def num_shards(self) -> int:
         return len(self._transports)
 
+    @property
+    def addresses(self) -> list[str]:
+        """Each shard's address, in shard order (``host:port``, or ``inproc://shard-N``)."""
+        return [t.address for t in self._transports]
+
     def _delay(self) -> None:
         """The added latency of one call (``latency_s``, a benchmarking aid)."""
         if self.latency_s > 0.0:

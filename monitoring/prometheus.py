@@ -98,12 +98,12 @@ def job_metric_families(state: MonitorState, now: float) -> list[Metric]:
         staleness.add_metric(label, buckets, total)
     out: list[Metric] = [*g.values(), *c.values(), staleness]
 
-    best = [r.last["best_auc"] for r in state.ranks.values() if r.last["best_auc"] is not None]
-    if best:
+    best = state.best_auc()
+    if best is not None:
         m = GaugeMetricFamily(
             "streamrec_source_best_auc", "The synthetic stream's best achievable AUC."
         )
-        m.add_metric([], best[0])
+        m.add_metric([], best)
         out.append(m)
 
     part = ["partition", "rank"]

@@ -62,7 +62,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
@@ -440,14 +440,7 @@ def load_run(path: Path, *, name: str | None = None, strict: bool = False) -> Ru
     run = run_from_lines(
         name or path.resolve().name, lines, path=path, checkpoints=marks, strict=strict
     )
-    return RunData(
-        name=run.name,
-        path=run.path,
-        ranks=run.ranks,
-        checkpoints=run.checkpoints,
-        warnings=run.warnings + tuple(manifest_warnings),
-        skipped_lines=run.skipped_lines,
-    )
+    return replace(run, warnings=run.warnings + tuple(manifest_warnings))
 
 
 def load_runs(paths: Sequence[Path], *, strict: bool = False) -> list[RunData]:
@@ -501,25 +494,37 @@ def job_samples(run: RunData, incarnation: int, t: float) -> float:
     >>> job_samples(run, 0, 11.0)  # rank 1: 0 at 10 s, 30 at 12 s
     25.0
     """
+    return _job_samples_curve(run, incarnation)(t)
+
+
+def _job_samples_curve(run: RunData, incarnation: int) -> Callable[[float], float]:
+    """``job_samples(run, incarnation, t)`` as a function of ``t``, the curves built once."""
     main = run.ranks[run.main_rank]
-    total = float(main[min(incarnation, len(main) - 1)].samples_before)
+    before = float(main[min(incarnation, len(main) - 1)].samples_before)
+    curves = []  # (times, samples) of each rank's incarnation, from its start
     for incs in run.ranks.values():
-        if incarnation >= len(incs):
-            continue
-        inc = incs[incarnation]
-        xs = [inc.start, *(p.time for p in inc.points)]
-        ys = [0.0, *(float(p.samples) for p in inc.points)]
-        total += _interp(t, xs, ys)
-    return total
+        if incarnation < len(incs):
+            inc = incs[incarnation]
+            xs = [inc.start, *(p.time for p in inc.points)]
+            ys = [0.0, *(float(p.samples) for p in inc.points)]
+            curves.append((xs, ys))
+
+    def at(t: float) -> float:
+        total = before
+        for xs, ys in curves:
+            total += _interp(t, xs, ys)
+        return total
+
+    return at
 
 
 def _main_points(run: RunData) -> list[tuple[int, Point, float]]:
     """(incarnation, point, job samples) for every report of the main rank."""
-    return [
-        (k, p, job_samples(run, k, p.time))
-        for k, inc in enumerate(run.ranks[run.main_rank])
-        for p in inc.points
-    ]
+    out = []
+    for k, inc in enumerate(run.ranks[run.main_rank]):
+        samples_at = _job_samples_curve(run, k)
+        out += [(k, p, samples_at(p.time)) for p in inc.points]
+    return out
 
 
 def metric_series(run: RunData, metric: Callable[[Point], float | None]) -> Series:
@@ -620,7 +625,7 @@ def _mean_missed(hist: Sequence[int]) -> float:
 
 def has_missed_pushes(run: RunData) -> bool:
     """Whether the main rank's reports carry the observed staleness histogram."""
-    return all(p.missed_pushes is not None for _, p, _ in _main_points(run))
+    return all(p.missed_pushes is not None for inc in run.ranks[run.main_rank] for p in inc.points)
 
 
 def staleness_series(run: RunData) -> Series:
@@ -837,20 +842,20 @@ def _plot_metric(
         ax.plot(s.x, s.y, color=color(i), label=run.name, marker="." if len(s.x) < 60 else None)
         _mark_checkpoints(ax, [c.samples for c in run.checkpoints], i)
     if best:
-        bests = {b for run in runs if (b := summarize(run).best_auc) is not None}
-        for i, run in enumerate(runs):
-            b = summarize(run).best_auc
-            if b is not None:
-                shared = len(bests) == 1
-                ax.axhline(
-                    b,
-                    linestyle="--",
-                    linewidth=1,
-                    color="0.4" if shared else color(i),
-                    label=f"best achievable {b:.4f}" if shared else f"{run.name}: best {b:.4f}",
-                )
-                if shared:
-                    break
+        bests = [summarize(run).best_auc for run in runs]
+        shared = len({b for b in bests if b is not None}) == 1
+        for i, (run, b) in enumerate(zip(runs, bests, strict=True)):
+            if b is None:
+                continue
+            ax.axhline(
+                b,
+                linestyle="--",
+                linewidth=1,
+                color="0.4" if shared else color(i),
+                label=f"best achievable {b:.4f}" if shared else f"{run.name}: best {b:.4f}",
+            )
+            if shared:
+                break
     return _png(fig, ax)
 
 

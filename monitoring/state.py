@@ -143,6 +143,11 @@ class MonitorState:
             )
         return out
 
+    def best_auc(self) -> float | None:
+        """The synthetic stream's best achievable AUC, as the first rank to know it said."""
+        best = [r.last["best_auc"] for r in self.ranks.values() if r.last["best_auc"] is not None]
+        return best[0] if best else None
+
     def checkpoint(self, now: float) -> dict[str, Any] | None:
         """The newest checkpoint any rank reported, with its age at ``now``."""
         cps = [r.last["checkpoint"] for r in self.ranks.values() if r.last["checkpoint"]]
@@ -169,11 +174,10 @@ class MonitorState:
                 "mode": last["mode"],
                 "age_s": max(0.0, now - last["time"]),
             }
-        best = [r.last["best_auc"] for r in self.ranks.values() if r.last["best_auc"] is not None]
         return {
             "now": now,
             "ranks": ranks,
-            "best_auc": best[0] if best else None,
+            "best_auc": self.best_auc(),
             "staleness": self.staleness(),
             "partitions": self.partitions(),
             "shards": self.shards(),

@@ -134,24 +134,13 @@ def store_metric_families(shard: str, stats: ShardStats) -> list[Metric]:
     )
     dups.add_metric([shard], stats.duplicate_pushes)
     families.append(dups)
-    if stats.lookup_latency is not None:
-        families.append(
-            _histogram(
-                "streamrec_store_lookup_seconds",
-                "Seconds the shard's server spent per Lookup call.",
-                shard,
-                stats.lookup_latency,
-            )
-        )
-    if stats.push_latency is not None:
-        families.append(
-            _histogram(
-                "streamrec_store_push_seconds",
-                "Seconds the shard's server spent per Push call.",
-                shard,
-                stats.push_latency,
-            )
-        )
+    for name, method, snap in (
+        ("streamrec_store_lookup_seconds", "Lookup", stats.lookup_latency),
+        ("streamrec_store_push_seconds", "Push", stats.push_latency),
+    ):
+        if snap is not None:
+            doc = f"Seconds the shard's server spent per {method} call."
+            families.append(_histogram(name, doc, shard, snap))
     last = stats.last_checkpoint
     if last is not None:
         size = GaugeMetricFamily(

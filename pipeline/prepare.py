@@ -18,7 +18,7 @@ from distributed import Worker, WorkerPlugin, get_worker
 
 from connectors.codecs import Codec
 from connectors.types import BadRecord, Chunk, Source
-from connectors.validate import validate
+from connectors.validate import count_reasons, validate
 from embedding_store.client import StoreClient
 from embedding_store.types import RowDtype
 from pipeline.batch import build_batch
@@ -126,8 +126,7 @@ def prepare(
     batch.start = chunk.start
     batch.end = chunk.end
     batch.bad_records = len(bad)
-    for b in bad:
-        batch.bad_by_reason[b.reason] = batch.bad_by_reason.get(b.reason, 0) + 1
+    batch.bad_by_reason = count_reasons(bad)
     if lookup and batch.tables:
         client = store if store is not None else worker_store_client()
         # Wall-clock, so the trainer (another process) can tell which of its pushes

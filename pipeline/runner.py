@@ -96,11 +96,14 @@ class StreamRunner:
         self.idle_ticks = idle_ticks
         self.stats = RunnerStats()
         self._given = dict(positions or {})
-        # Per partition: where the next chunk starts, and the batches not yet yielded.
+        # Per partition: where this run started, where the next chunk starts, and
+        # the end of the last batch yielded.
+        self._first: dict[str, int] = {}
         self._planned: dict[str, int] = {}
         self._done: dict[str, int] = {}
-        self._inflight: dict[str, deque[Future[Prepared]]] = {}
-        self._submitted: deque[Future[Prepared]] = deque()  # every partition's, in order
+        # The batches not yet yielded, every partition's, in submission order (the
+        # order they are yielded in).
+        self._submitted: deque[Future[Prepared]] = deque()
         self._order: list[str] = []
         self._next_partition = 0
         self._closed = False
@@ -121,13 +124,13 @@ class StreamRunner:
                 start = self._given.get(p)
                 if start is None:
                     start = self.source.start_position(p)
+                self._first[p] = start
                 self._planned[p] = start
                 self._done[p] = start
-                self._inflight[p] = deque()
                 self._order.append(p)
 
     def _inflight_count(self) -> int:
-        return sum(len(q) for q in self._inflight.values())
+        return len(self._submitted)
 
     # --- submission -----------------------------------------------------------------
 
@@ -147,9 +150,8 @@ class StreamRunner:
             pure=False,
         )
 
-    def _top_up(self, limit: int) -> int:
+    def _top_up(self, limit: int) -> None:
         """Submit chunks round-robin over partitions until ``limit`` are in flight."""
-        submitted = 0
         stalled = 0
         while self._inflight_count() < limit and self._order and stalled < len(self._order):
             p = self._order[self._next_partition % len(self._order)]
@@ -160,11 +162,7 @@ class StreamRunner:
                 continue
             stalled = 0
             self._planned[p] = chunk.end
-            future = self._submit(chunk)
-            self._inflight[p].append(future)
-            self._submitted.append(future)
-            submitted += 1
-        return submitted
+            self._submitted.append(self._submit(chunk))
 
     def _finished(self) -> bool:
         return self._inflight_count() == 0 and all(
@@ -203,7 +201,6 @@ class StreamRunner:
             self.stats.wait_s += time.perf_counter() - t0
             batch, bad = future.result()
             self._submitted.popleft()
-            self._inflight[batch.partition].popleft()
             future.release()
             self._record(batch, bad)
             yield batch
@@ -214,27 +211,23 @@ class StreamRunner:
         self.stats.batches += 1
         self.stats.records += len(batch)
         self.stats.bad_records += len(bad)
-        for b in bad:
-            self.stats.bad_by_reason[b.reason] = self.stats.bad_by_reason.get(b.reason, 0) + 1
+        for reason, n in batch.bad_by_reason.items():  # counted by prepare
+            self.stats.bad_by_reason[reason] = self.stats.bad_by_reason.get(reason, 0) + n
         if bad and self.deadletter is not None:
             self.deadletter.write(bad)
 
     def progress(self) -> tuple[int, int | None]:
         """(records yielded, records to yield in this run or None) over all partitions."""
-        first = {p: self._given.get(p, self.source.start_position(p)) for p in self._order}
-        done = sum(self._done[p] - first[p] for p in self._order)
+        done = sum(self._done[p] - self._first[p] for p in self._order)
         ends = [self.source.end_position(p) for p in self._order]
         if any(e is None for e in ends):
             return done, None
-        total = sum((e or 0) - first[p] for p, e in zip(self._order, ends, strict=True))
+        total = sum((e or 0) - self._first[p] for p, e in zip(self._order, ends, strict=True))
         return done, total
 
     def close(self) -> None:
         """Cancel what is in flight; the positions stay those of the batches yielded."""
         self._closed = True
-        futures = [f for q in self._inflight.values() for f in q]
-        if futures:
-            self.client.cancel(futures)
-        for q in self._inflight.values():
-            q.clear()
+        if self._submitted:
+            self.client.cancel(list(self._submitted))
         self._submitted.clear()

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +122,7 @@ class CheckpointBook:
         text = json.dumps(body, indent=1, sort_keys=True).encode()
         write_file_atomic(path, lambda f: f.write(text))
         self._collect_garbage()
-        return JobManifest(**{**body, "path": str(path)})
+        return replace(manifest, path=str(path))
 
     def load_dense(self, manifest: JobManifest) -> dict[str, Any]:
         path = self.directory / manifest.dense_file

@@ -35,7 +35,7 @@ from trainer.checkpoint import CheckpointBook, JobManifest
 from trainer.config import DenseOptimizerConfig, TrainerConfig
 from trainer.dense_sync import Control, DenseSync
 from trainer.metrics import MetricsSnapshot, ProgressiveMetrics
-from trainer.models import build_model, loss_fn
+from trainer.models import build_model, field_dims, loss_fn
 from trainer.pooling import pool, row_grads, to_tensors
 from trainer.pusher import Pusher
 
@@ -85,12 +85,12 @@ class DenseModel:
         self, config: TrainerConfig, spec: FeatureSpec, dims: dict[str, int], device: torch.device
     ) -> None:
         torch.manual_seed(config.seed)  # every rank starts from the same weights
-        field_dims = [dims[f.table] for f in spec.sparse]
         self.module = build_model(
             config.model,
             num_dense=len(spec.dense),
-            field_dims=field_dims,
+            field_dims=field_dims(spec, dims),
             num_tasks=len(spec.labels),
+            field_names=[f.name for f in spec.sparse],  # errors name the fields
         ).to(device)
         self.optimizer = build_optimizer(self.module, config.optimizer)
 
@@ -289,10 +289,9 @@ class TrainLoop:
     # --- one step -----------------------------------------------------------------
 
     def _forward_backward(self, batch: PreparedBatch) -> dict[str, Any]:
-        """Score the batch, then compute the gradients of its loss (dense and rows)."""
+        """Score the batch, then the gradients of its loss (the caller zeroed the dense ones)."""
         cuda = self.device.type == "cuda"
         bt = to_tensors(batch, self.spec, device=self.device, non_blocking=cuda, pin_memory=cuda)
-        self.dense.optimizer.zero_grad(set_to_none=True)
         with torch.autocast(
             device_type=self.device.type,
             dtype=torch.bfloat16,
@@ -410,10 +409,10 @@ class TrainLoop:
                     else None
                 )
                 t0 = time.perf_counter()
+                # A rank without a batch still steps, with no dense gradients of its own.
+                self.dense.optimizer.zero_grad(set_to_none=True)
                 if batch is not None and len(batch):
                     grads = self._forward_backward(batch)
-                else:
-                    self.dense.optimizer.zero_grad(set_to_none=True)
                 self.stats.compute_s += time.perf_counter() - t0
                 mine = Control(
                     active=int(batch is not None),
@@ -523,6 +522,4 @@ class TrainLoop:
 def _jsonable(value: object) -> object:
     if isinstance(value, np.generic):
         return value.item()
-    if isinstance(value, tuple):
-        return list(value)
     return str(value)

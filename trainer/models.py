@@ -67,36 +67,43 @@ def _mlp(width_in: int, widths: Sequence[int], activation: Activation) -> nn.Seq
     return nn.Sequential(*layers)
 
 
-def _check_inputs(dense: Tensor, sparse: Sequence[Tensor], num_dense: int, dims: list[int]) -> None:
-    if dense.shape[1] != num_dense or [s.shape[1] for s in sparse] != dims:
-        msg = (
-            f"expected {num_dense} dense features and sparse fields of dims {dims}, "
-            f"got {dense.shape[1]} and {[s.shape[1] for s in sparse]}"
-        )
-        raise ValueError(msg)
+class _DenseNet(nn.Module):
+    """A model's input widths, which every ``forward`` checks first."""
+
+    def __init__(self, num_dense: int, field_dims: Sequence[int]) -> None:
+        super().__init__()
+        self.num_dense = num_dense
+        self.field_dims = list(field_dims)
+
+    def _check_inputs(self, dense: Tensor, sparse: Sequence[Tensor]) -> None:
+        dims = [s.shape[1] for s in sparse]
+        if dense.shape[1] != self.num_dense or dims != self.field_dims:
+            msg = (
+                f"expected {self.num_dense} dense features and sparse fields of dims "
+                f"{self.field_dims}, got {dense.shape[1]} and {dims}"
+            )
+            raise ValueError(msg)
 
 
-class FFNN(nn.Module):
+class FFNN(_DenseNet):
     """MLP over ``concat(dense, *sparse)`` then a linear head, one logit per task."""
 
     def __init__(
         self, config: FFNNConfig, num_dense: int, field_dims: Sequence[int], num_tasks: int
     ) -> None:
-        super().__init__()
-        self.num_dense = num_dense
-        self.field_dims = list(field_dims)
+        super().__init__(num_dense, field_dims)
         self.mlp = _mlp(num_dense + sum(field_dims), config.hidden, config.activation)
         width = config.hidden[-1] if config.hidden else num_dense + sum(field_dims)
         self.head = nn.Linear(width, num_tasks)
 
     def forward(self, dense: Tensor, sparse: list[Tensor]) -> Tensor:
-        _check_inputs(dense, sparse, self.num_dense, self.field_dims)
+        self._check_inputs(dense, sparse)
         x: Tensor = self.mlp(torch.cat([dense, *sparse], dim=1))
         out: Tensor = self.head(x)
         return out
 
 
-class DLRM(nn.Module):
+class DLRM(_DenseNet):
     """Dot interaction of [bottom_mlp(dense), *sparse] (upper triangle), then the top MLP.
 
     Without dense features there is no bottom MLP and only the sparse fields
@@ -109,9 +116,7 @@ class DLRM(nn.Module):
     def __init__(
         self, config: DLRMConfig, num_dense: int, field_dims: Sequence[int], num_tasks: int
     ) -> None:
-        super().__init__()
-        self.num_dense = num_dense
-        self.field_dims = list(field_dims)
+        super().__init__(num_dense, field_dims)
         dim = field_dims[0]
         self.bottom: nn.Module | None = (
             _mlp(num_dense, [*config.bottom, dim], "relu") if num_dense else None
@@ -126,7 +131,7 @@ class DLRM(nn.Module):
         self.head = nn.Linear(config.top[-1] if config.top else width_in, num_tasks)
 
     def forward(self, dense: Tensor, sparse: list[Tensor]) -> Tensor:
-        _check_inputs(dense, sparse, self.num_dense, self.field_dims)
+        self._check_inputs(dense, sparse)
         vectors = list(sparse)
         parts: list[Tensor] = []
         if self.bottom is not None:
@@ -157,15 +162,13 @@ class CrossLayer(nn.Module):
         return x0 * projected + x
 
 
-class DCNv2(nn.Module):
+class DCNv2(_DenseNet):
     """Cross network and deep MLP over ``concat(dense, *sparse)``, stacked or in parallel."""
 
     def __init__(
         self, config: DCNv2Config, num_dense: int, field_dims: Sequence[int], num_tasks: int
     ) -> None:
-        super().__init__()
-        self.num_dense = num_dense
-        self.field_dims = list(field_dims)
+        super().__init__(num_dense, field_dims)
         self.parallel = config.structure == "parallel"
         width = num_dense + sum(field_dims)
         self.cross = nn.ModuleList(
@@ -176,7 +179,7 @@ class DCNv2(nn.Module):
         self.head = nn.Linear(deep_out + width if self.parallel else deep_out, num_tasks)
 
     def forward(self, dense: Tensor, sparse: list[Tensor]) -> Tensor:
-        _check_inputs(dense, sparse, self.num_dense, self.field_dims)
+        self._check_inputs(dense, sparse)
         x0 = torch.cat([dense, *sparse], dim=1)
         x = x0
         for layer in self.cross:

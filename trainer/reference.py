@@ -52,7 +52,6 @@ from trainer.models import loss_fn
 from trainer.pooling import pool_table
 
 F32 = npt.NDArray[np.float32]
-U64 = npt.NDArray[np.uint64]
 
 # --- row update rules -------------------------------------------------------------
 #

@@ -755,6 +755,8 @@ def up(
     the servers keep running after this process exits, until :func:`down`.
     Raises :class:`KafkaSetupError` when a Kafka from this state dir still runs.
     """
+    from embedding_store.persistence import write_file_atomic  # numpy, pyarrow: only here
+
     state_dir.mkdir(parents=True, exist_ok=True)
     old = _read_state(state_dir)
     if old is not None:
@@ -776,9 +778,9 @@ def up(
         state_dir / "kafka", cache_dir=cache_dir, heap=heap, timeout_s=timeout_s
     )
     state = kafka.state()
-    tmp = state_dir / (STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(state, indent=2) + "\n")
-    tmp.replace(state_dir / STATE_FILE)  # atomic: never a half-written state file
+    body = (json.dumps(state, indent=2) + "\n").encode()
+    # Never a half-written state file.
+    write_file_atomic(state_dir / STATE_FILE, lambda f: f.write(body))
     return state
 
 

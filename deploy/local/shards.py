@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 _SERVING = re.compile(r"serving .* on (?P<host>[\w.:-]+):(?P<port>\d+) ")
@@ -42,7 +42,6 @@ class ShardProcess:
     log_path: Path
     config: Path
     token_file: Path | None
-    argv: list[str] = field(default_factory=list)
     metrics_port: int | None = None  # the port /metrics is served on; None: no metrics
 
     @property
@@ -131,7 +130,6 @@ class ShardProcess:
                     log_path,
                     config,
                     token_file,
-                    argv,
                     metrics_port=bound_metrics,
                 )
             if proc.poll() is not None:

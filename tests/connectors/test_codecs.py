@@ -115,6 +115,14 @@ def assert_decoded(
     return bad
 
 
+def first_of_each_reason(bad: list[BadRecord]) -> dict[str, BadRecord]:
+    """The first bad record of each reason."""
+    by_reason: dict[str, BadRecord] = {}
+    for b in bad:
+        by_reason.setdefault(b.reason, b)
+    return by_reason
+
+
 # --- JSON lines -----------------------------------------------------------------------------
 
 
@@ -187,9 +195,7 @@ def test_json_acceptance(codec: JsonLinesCodec) -> None:
     assert len({r for _, r in JSON_BAD}) == 19
     bad = assert_decoded(codec, SPEC, cases, expected)
     # Details name the field and the value.
-    by_reason: dict[str, BadRecord] = {}
-    for b in bad:
-        by_reason.setdefault(b.reason, b)  # the first of each reason
+    by_reason = first_of_each_reason(bad)
     assert by_reason["label_out_of_range"].detail == "label 'click' is 1.5, outside [0, 1]"
     assert by_reason["dense_wrong_type"].field == "price"
     assert "'3'" in by_reason["dense_wrong_type"].detail
@@ -261,9 +267,7 @@ def test_criteo_tsv_acceptance() -> None:
         cases += [(payload_good, None), (payload, reason)]
         expected.append(row)
     bad = assert_decoded(CriteoTsvCodec(), TSV_SPEC, cases, expected)
-    by_reason: dict[str, BadRecord] = {}
-    for b in bad:
-        by_reason.setdefault(b.reason, b)
+    by_reason = first_of_each_reason(bad)
     assert by_reason["dense_wrong_type"].detail == "dense field 'I1' is 'abc', not a number"
     assert by_reason["wrong_column_count"].detail == "the line has 2 columns, not 5"
     assert by_reason["missing_label"].detail == "label 'label' is empty (missing)"

@@ -27,7 +27,6 @@ from connectors.synthetic import (
     SPARSE_NAMES,
     SyntheticConfig,
     SyntheticSource,
-    auc,
     iter_json_lines,
     synthetic_feature_spec,
     synthetic_store_tables,
@@ -37,6 +36,7 @@ from connectors.synthetic import (
 from connectors.types import Chunk, Source
 from embedding_store.types import StoreConfig
 from tests.connectors.contract import CONTRACT_CHECKS, check_empty, table_of
+from trainer.metrics import auc
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -129,7 +129,6 @@ def test_dedup_accepts_array_likes_and_empty() -> None:
     assert (unique.shape, inverse.shape) == ((0,), (0,))
 
 
-@pytest.mark.slow
 # --- dense and labels --------------------------------------------------------------
 
 

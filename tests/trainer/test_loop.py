@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 import pytest
 import torch
 
@@ -74,9 +73,6 @@ STEPS = 10
 MODEL = FFNNConfig(hidden=[16, 8])
 ADAM = DenseOptimizerConfig(kind="adam", lr=0.01)
 NO_CHECKPOINTS = CheckpointConfig(enabled=False)
-
-F32 = npt.NDArray[np.float32]
-U64 = npt.NDArray[np.uint64]
 
 
 def source(partitions: int = 1) -> SyntheticSource:
