@@ -55,6 +55,10 @@ FALLBACK_API_VERSION: ApiVersion = (0, 9)
 # A single metadata or offsets request; longer waits are retries (retry_timeout_s).
 REQUEST_TIMEOUT_MS = 10_000
 _MAX_BACKOFF_S = 5.0
+# How often a pause between retries asks whether the job is stopping.
+_STOP_POLL_S = 0.1
+# A broker that stays away is reported this often (each attempt is logged at debug).
+_WARN_EVERY_S = 30.0
 # A chunk read that gets nothing for this long drops its consumer and opens a new one
 # (fresh connections and metadata after a broker restart).
 _READ_STALL_S = 5.0
@@ -187,13 +191,22 @@ class _Backoff:
     """Pauses between attempts, doubling up to ``_MAX_BACKOFF_S``, within ``timeout_s``.
 
     The time budget runs from ``since``, or else from the first failure; :meth:`reset`
-    (after progress) starts it again at the next failure.
+    (after progress) starts it again at the next failure. ``should_stop`` is asked
+    while pausing: a job that is stopping (Ctrl-C, ``--max-time``) must not sit out
+    the whole budget waiting for a broker.
     """
 
-    def __init__(self, timeout_s: float, since: float | None = None) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        since: float | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> None:
         self.timeout_s = timeout_s
         self._since = since
         self._delay = 0.1
+        self.should_stop = should_stop
+        self._last_warning = -_WARN_EVERY_S
 
     def reset(self) -> None:
         self._since, self._delay = None, 0.1
@@ -205,19 +218,39 @@ class _Backoff:
         give_up: str,
         on_retry: Callable[[], None] | None = None,
     ) -> None:
-        """Log, run ``on_retry``, sleep; past the budget, raise KafkaUnavailable(give_up)."""
+        """Log, run ``on_retry``, sleep; past the budget or on a stop, raise KafkaUnavailable."""
         now = time.monotonic()
         if self._since is None:
             self._since = now
         remaining = self._since + self.timeout_s - now
         if remaining <= 0:
             raise KafkaUnavailable(give_up) from exc
+        self._stop_check(what, exc)
         pause = min(self._delay, remaining)
-        log.warning("%s failed (%r); retrying in %.1fs", what, exc, pause)
+        # One warning now and then, not one per attempt: a long outage stays readable.
+        quiet = now - self._last_warning < _WARN_EVERY_S
+        log.log(
+            logging.DEBUG if quiet else logging.WARNING,
+            "%s failed (%s); retrying for up to %.0fs more",
+            what,
+            exc,
+            remaining,
+        )
+        if not quiet:
+            self._last_warning = now
         if on_retry is not None:
             on_retry()
-        time.sleep(pause)
+        until = time.monotonic() + pause
+        while (left := until - time.monotonic()) > 0:
+            time.sleep(min(left, _STOP_POLL_S))
+            self._stop_check(what, exc)
         self._delay = min(self._delay * 2, _MAX_BACKOFF_S)
+
+    def _stop_check(self, what: str, exc: BaseException) -> None:
+        if self.should_stop is not None and self.should_stop():
+            waited = 0.0 if self._since is None else time.monotonic() - self._since
+            msg = f"{what}: gave up after {waited:.1f}s because the job is stopping ({exc})"
+            raise KafkaUnavailable(msg) from exc
 
 
 def retrying(
@@ -227,12 +260,13 @@ def retrying(
     timeout_s: float,
     bootstrap: str,
     on_retry: Callable[[], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> T:
     """Call ``fn`` until it succeeds, retrying transient Kafka errors with backoff.
 
-    Non-transient errors propagate at once; transient ones past ``timeout_s`` become
-    :class:`KafkaUnavailable`. ``on_retry`` runs before each new attempt (e.g. to
-    drop a client whose connections are stale).
+    Non-transient errors propagate at once; transient ones past ``timeout_s``, or
+    while ``should_stop()`` says so, become :class:`KafkaUnavailable`. ``on_retry``
+    runs before each new attempt (e.g. to drop a client whose connections are stale).
 
     >>> calls = []
     >>> def flaky():
@@ -243,7 +277,7 @@ def retrying(
     >>> retrying("demo", flaky, timeout_s=5, bootstrap="127.0.0.1:9092"), len(calls)
     ('ok', 3)
     """
-    backoff = _Backoff(timeout_s, since=time.monotonic())
+    backoff = _Backoff(timeout_s, since=time.monotonic(), should_stop=should_stop)
     while True:
         try:
             return fn()
@@ -252,7 +286,7 @@ def retrying(
                 raise
             give_up = (
                 f"{what}: Kafka at {bootstrap} still failing after {timeout_s:g}s "
-                f"({exc!r}); check that the broker runs and is reachable from here "
+                f"({exc}); check that the broker runs and is reachable from here "
                 f"(retry_timeout_s bounds this wait)"
             )
             backoff.wait(what, exc, give_up, on_retry)
@@ -264,6 +298,7 @@ def resolve_api_version(
     *,
     client_options: Mapping[str, Any] | None = None,
     retry_timeout_s: float = 300.0,
+    should_stop: Callable[[], bool] | None = None,
 ) -> ApiVersion:
     """The version to give kafka-python: ``api_version`` itself, or for ``"auto"`` a detection.
 
@@ -307,6 +342,7 @@ def resolve_api_version(
         detect,
         timeout_s=retry_timeout_s,
         bootstrap=bootstrap_servers,
+        should_stop=should_stop,
     )
 
 
@@ -411,6 +447,15 @@ class KafkaSource:
         self._lock = threading.Lock()
         self._clients: dict[tuple[str, int, str], Any] = {}
         self._known: dict[str, list[int]] = {}  # partitions seen per topic; never shrink
+        self._should_stop: Callable[[], bool] | None = None  # stays on this side of a pickle
+
+    def stop_waiting_when(self, should_stop: Callable[[], bool] | None) -> None:
+        """Make every wait for the broker give up (KafkaUnavailable) once ``should_stop()``.
+
+        A job sets this to its stop condition (Ctrl-C, ``--max-time``), so a broker
+        that is down never holds a stopping job for the whole ``retry_timeout_s``.
+        """
+        self._should_stop = should_stop
 
     def __getstate__(self) -> dict[str, Any]:
         # Clients hold sockets and threads; the resolved version is plain data and
@@ -440,6 +485,7 @@ class KafkaSource:
                 "auto",
                 client_options=self.config.client_options,
                 retry_timeout_s=self.config.retry_timeout_s,
+                should_stop=self._should_stop,
             )
             with self._lock:
                 self._api_version = resolved
@@ -495,6 +541,7 @@ class KafkaSource:
             timeout_s=self.config.retry_timeout_s,
             bootstrap=self.config.bootstrap_servers,
             on_retry=lambda: self._drop(role),
+            should_stop=self._should_stop,
         )
 
     # -- planning (driver) ----------------------------------------------------------------
@@ -660,7 +707,7 @@ class KafkaSource:
         client: Any = None
         last_progress = time.monotonic()
         # The budget runs from the first failure since the last progress.
-        backoff = _Backoff(self.config.retry_timeout_s)
+        backoff = _Backoff(self.config.retry_timeout_s, should_stop=self._should_stop)
 
         def fail(exc: BaseException) -> None:
             nonlocal client, last_progress

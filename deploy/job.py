@@ -18,22 +18,31 @@ import os
 import secrets
 import signal
 import threading
+import time
 import zlib
 from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
+from dataclasses import field as dc_field
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from connectors.codecs import Codec, make_codec
 from connectors.deadletter import JsonlDeadLetterSink
-from connectors.kafka import KafkaDeadLetterSink, KafkaSource, KafkaSourceConfig
+from connectors.kafka import (
+    KafkaDeadLetterSink,
+    KafkaSource,
+    KafkaSourceConfig,
+    KafkaUnavailable,
+)
 from connectors.parquet import ParquetSource
 from connectors.synthetic import SyntheticConfig, SyntheticSource
 from connectors.types import Chunk, DeadLetterSink, RawChunk, Source
 from deploy.config import JobConfig, KafkaJobSource, ParquetJobSource
 from deploy.local.kafka import free_port
 from embedding_store.client import StoreClient
+from embedding_store.errors import StoreUnavailable
 from monitoring.plugin import StreamrecPlugin
 from monitoring.reporter import Reporter
 from monitoring.types import TOPIC
@@ -44,10 +53,14 @@ from trainer.loop import (
     JobCheckpointer,
     LoopStats,
     Progress,
+    Rollback,
     TrainLoop,
     pick_device,
     restore_job,
 )
+
+if TYPE_CHECKING:
+    from deploy.local.shards import ShardSupervisor
 
 log = logging.getLogger(__name__)
 
@@ -154,13 +167,21 @@ class Services:
     store: str
     token: str | None
     store_metrics: tuple[str, ...] = ()  # each local shard's Prometheus /metrics URL
+    # Restarts local shards that die; lives in the job's process only (not pickled).
+    supervisor: ShardSupervisor | None = dc_field(default=None, compare=False, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "supervisor": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
 
 def start_services(job: JobConfig, stack: ExitStack) -> Services:
     """Start the shards and the Dask cluster the job does not name; ``stack`` stops them."""
     from distributed import LocalCluster
 
-    from deploy.local.shards import ShardProcess
+    from deploy.local.shards import ShardProcess, ShardSupervisor
 
     run_dir = job.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -186,12 +207,17 @@ def start_services(job: JobConfig, stack: ExitStack) -> Services:
             shards.append(shard)
         store = "grpc://" + ",".join(s.address for s in shards)
         store_metrics = tuple(s.metrics_url for s in shards if s.metrics_url)
+        supervisor = ShardSupervisor(shards)
+        # Stops the shards as they are then (restarted ones included), before the
+        # callbacks above reach the original processes.
+        stack.callback(supervisor.stop)
     else:
         store = job.cluster.store
         store_metrics = ()
+        supervisor = None
     token = token_file.read_text().strip() if token_file is not None else None
     if job.cluster.scheduler is not None:
-        return Services(job.cluster.scheduler, None, store, token, store_metrics)
+        return Services(job.cluster.scheduler, None, store, token, store_metrics, supervisor)
     cluster = stack.enter_context(
         LocalCluster(
             n_workers=job.cluster.workers,
@@ -200,7 +226,9 @@ def start_services(job: JobConfig, stack: ExitStack) -> Services:
             dashboard_address=job.cluster.dashboard_address,
         )
     )
-    return Services(cluster.scheduler_address, cluster.dashboard_link, store, token, store_metrics)
+    return Services(
+        cluster.scheduler_address, cluster.dashboard_link, store, token, store_metrics, supervisor
+    )
 
 
 # --- one rank -----------------------------------------------------------------------
@@ -213,11 +241,16 @@ def run_rank(
     rank: int = 0,
     world: int = 1,
     max_events: int | None = None,
-    max_time_s: float | None = None,
+    deadline: float | None = None,
     stop: threading.Event | None = None,
     on_progress: Callable[[Progress], None] | None = None,
 ) -> tuple[LoopStats, JobManifest | None]:
-    """Train as rank ``rank``: restore, stream, learn, checkpoint. Returns the stats."""
+    """Train as rank ``rank``: restore, stream, learn, checkpoint. Returns the stats.
+
+    When the store loses state (a shard died and was restarted), every rank
+    rolls back to the newest job checkpoint and goes on (``trainer.recovery``).
+    ``deadline`` is a ``time.monotonic()`` value (``--max-time``).
+    """
     from distributed import Client
 
     from pipeline.runner import StreamRunner
@@ -239,9 +272,16 @@ def run_rank(
 
         torch.set_num_threads(cfg.torch_threads)
     device = pick_device(cfg.device)
+    stop = stop or threading.Event()
+
+    def stopping() -> bool:
+        return stop.is_set() or (deadline is not None and time.monotonic() >= deadline)
+
     source = build_source(job)
-    mine = RankSource(source, rank, world) if world > 1 else source
+    _stop_waiting_when(source, stopping)
     with ExitStack() as stack:
+        stack.callback(source.close)
+        mine = RankSource(source, rank, world) if world > 1 else source
         latency_s = job.cluster.store_latency_ms / 1000.0
         store = stack.enter_context(
             StoreClient.connect(services.store, token=services.token, latency_s=latency_s)
@@ -249,30 +289,22 @@ def run_rank(
         dask = stack.enter_context(Client(services.scheduler))
         dense = DenseModel(cfg, spec, store.dims, device)
         book = None
-        manifest = None
         if cfg.checkpoint.enabled:
             book = CheckpointBook(
                 cfg.checkpoint.dir or job.run_dir / "checkpoints", keep=cfg.checkpoint.keep
             )
-            # Rank 0 rolls the store back; the others load their dense state after it.
-            if rank != 0:
-                _barrier(world)
-            manifest = restore_job(book, store, dense, rank=rank)
-            if rank == 0:
-                _barrier(world)
-        positions = dict(manifest.positions) if manifest is not None else {}
-        if isinstance(mine, RankSource):
-            # The manifest holds every rank's partitions; a rank carrying another's
-            # (stale) position into its checkpoints would move that one back.
-            positions = {p: n for p, n in positions.items() if mine.owns(p)}
         deadletter = build_deadletter(job, rank)
         if deadletter is not None:
             stack.callback(deadletter.close)
-        stack.callback(source.close)
 
         def commit(m: JobManifest) -> None:
             if isinstance(source, KafkaSource):
-                source.commit(m.positions)
+                try:
+                    source.commit(m.positions)
+                except KafkaUnavailable as exc:
+                    # The manifest is the commit point and a restart reads it first;
+                    # the group's offsets only serve a job started without it.
+                    log.warning("offsets of checkpoint step %d not committed: %s", m.step, exc)
 
         best_auc = None
         if rank == 0 and isinstance(source, SyntheticSource):
@@ -288,6 +320,7 @@ def run_rank(
         # Its own source object: Kafka clients are not thread-safe, and the reporter
         # asks for the partitions' ends from its own thread.
         ends_source = build_source(job)
+        _stop_waiting_when(ends_source, stopping)
         stack.callback(ends_source.close)
         reporter = Reporter(
             lambda report: dask.log_event(TOPIC, report),
@@ -310,43 +343,174 @@ def run_rank(
             if book is not None
             else None
         )
-        loop = TrainLoop(
-            cfg,
-            spec,
-            store,
-            dense,
-            rank=rank,
-            device=device,
-            run_dir=job.run_dir,
-            checkpointer=checkpointer,
-            positions=positions,
-            start_step=manifest.step if manifest is not None else 0,
-            start_samples=manifest.samples if manifest is not None else 0,
-            max_samples=None if max_events is None else -(-max_events // world),
-            max_time_s=max_time_s,
-            stop=stop,
-            on_progress=progress,
-            best_auc=best_auc,
-        )
-        runner = StreamRunner(
-            dask,
-            mine,
-            spec,
-            StoreAddress(services.store, token=services.token, latency_s=latency_s),
-            staleness=cfg.prefetch,
-            codec=build_codec(job),
-            max_records=cfg.batch_size,
-            positions=positions,
-            deadletter=deadletter,
-            # A quiet stream still ends on the loop's stop (signal, --max-time).
-            stop_when=lambda: bool(loop.stop_reason()),
-            # A rank whose partitions are quiet must not hold the others' steps up.
-            idle_ticks=world > 1,
-        )
-        stack.callback(runner.close)
-        stats = loop.run(iter(runner))
+        supervisor = services.supervisor
+        stats = LoopStats()
+        # Net of what rollbacks took back: learned by this rank up to its newest checkpoint.
+        kept_samples = kept_events = 0
+        in_a_row, rolled_back_to = 0, -1
+        while True:
+            # Rank 0 rolls the store back; the others load their dense state after it.
+            if rank != 0:
+                _barrier(world)
+            restarts = supervisor.restarts if supervisor is not None else 0
+            manifest = restore_job(book, store, dense, rank=rank) if book is not None else None
+            if rank == 0:
+                _barrier(world)
+            stats.samples, stats.events = kept_samples, kept_events
+            positions = dict(manifest.positions) if manifest is not None else {}
+            if isinstance(mine, RankSource):
+                # The manifest holds every rank's partitions; a rank carrying another's
+                # (stale) position into its checkpoints would move that one back.
+                positions = {p: n for p, n in positions.items() if mine.owns(p)}
+
+            def store_changed(seen: int = restarts) -> str | None:
+                if supervisor is None or supervisor.restarts == seen:
+                    return None
+                return supervisor.events[-1]
+
+            share = None
+            if max_events is not None:
+                share = max_events // world + (1 if rank < max_events % world else 0)
+                share = max(0, share - kept_events)
+            loop = TrainLoop(
+                cfg,
+                spec,
+                store,
+                dense,
+                rank=rank,
+                device=device,
+                run_dir=job.run_dir,
+                checkpointer=checkpointer,
+                positions=positions,
+                start_step=manifest.step if manifest is not None else 0,
+                start_samples=manifest.samples if manifest is not None else 0,
+                max_events=share,
+                deadline=deadline,
+                stop=stop,
+                on_progress=progress,
+                best_auc=best_auc,
+                store_changed=store_changed,
+                before_checkpoint=getattr(deadletter, "flush", None),
+                # A job always has a checkpoint to roll back to.
+                initial_checkpoint=book is not None and manifest is None,
+                stats=stats,
+            )
+            runner = StreamRunner(
+                dask,
+                mine,
+                spec,
+                StoreAddress(services.store, token=services.token, latency_s=latency_s),
+                staleness=cfg.prefetch,
+                codec=build_codec(job),
+                max_records=cfg.batch_size,
+                positions=positions,
+                deadletter=deadletter,
+                # A quiet stream still ends on the loop's stop (signal, --max-time).
+                stop_when=functools.partial(_stop_requested, loop),
+                # The loop reports and checks for stops while the stream is quiet, and
+                # a quiet rank must not hold the others' steps up.
+                idle_ticks=True,
+                max_events=share,
+            )
+            try:
+                stats = loop.run(iter(runner))
+                break
+            except Rollback as exc:
+                t0 = time.monotonic()
+                runner.close()
+                if not cfg.recovery.enabled or book is None:
+                    why = "checkpoints are off" if book is None else "trainer.recovery is off"
+                    msg = (
+                        f"the embedding store lost state ({exc}) and {why}; start the job "
+                        "again to resume from its newest checkpoint"
+                    )
+                    raise JobError(msg) from exc
+                kept_samples += loop.checkpointed[0]
+                kept_events += loop.checkpointed[1]
+                newest = book.latest()
+                newest_step = newest.step if newest is not None else -1
+                in_a_row = in_a_row + 1 if newest_step == rolled_back_to else 1
+                rolled_back_to = newest_step
+                if in_a_row > cfg.recovery.max_in_a_row:
+                    msg = (
+                        f"the embedding store lost state {in_a_row} times without a checkpoint "
+                        f"in between (last: {exc}); giving up (trainer.recovery.max_in_a_row)"
+                    )
+                    raise JobError(msg) from exc
+                log.warning("rank %d: %s; rolling back to the newest checkpoint", rank, exc)
+                if rank == 0:
+                    _await_store(
+                        store, dask, supervisor, timeout_s=cfg.recovery.timeout_s, stopping=stopping
+                    )
+                stats.recoveries += 1
+                stats.recovery_s.append(time.monotonic() - t0)
+                log.warning(
+                    "rank %d: store ready again after %.1fs; restoring checkpoint step %d",
+                    rank,
+                    stats.recovery_s[-1],
+                    newest_step,
+                )
+            finally:
+                runner.close()
         latest = book.latest() if book is not None else None
+        if latest is not None and stats.recoveries:
+            log.warning(
+                "rank %d recovered %d time(s) from a lost store shard (%s)",
+                rank,
+                stats.recoveries,
+                ", ".join(f"{s:.1f}s" for s in stats.recovery_s),
+            )
         return stats, latest
+
+
+def _stop_requested(loop: TrainLoop) -> bool:
+    return bool(loop.stop_reason())
+
+
+def _stop_waiting_when(source: Source, stopping: Callable[[], bool]) -> None:
+    if isinstance(source, KafkaSource):
+        source.stop_waiting_when(stopping)
+
+
+def _executing(dask_worker: Any) -> int:
+    return int(dask_worker.state.executing_count)
+
+
+def _await_store(
+    store: StoreClient,
+    dask: Any,
+    supervisor: ShardSupervisor | None,
+    *,
+    timeout_s: float,
+    stopping: Callable[[], bool],
+) -> None:
+    """Until no prepare task of the failed attempt runs and every shard answers.
+
+    A cancelled task still running on a worker would look rows up in (and so
+    create rows in) the store after it was rolled back.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if stopping():
+            msg = "the job was stopped while it waited for the embedding store to recover"
+            raise JobError(msg)
+        if supervisor is not None and supervisor.failed:
+            raise JobError(supervisor.failed)
+        try:
+            busy = sum(dask.run(_executing).values())
+            if not busy:
+                store.stats()
+                return
+            problem = f"{busy} cancelled prepare task(s) still running"
+        except StoreUnavailable as exc:
+            problem = str(exc)
+        if time.monotonic() > deadline:
+            msg = (
+                f"the embedding store did not recover within {timeout_s:g}s ({problem}); "
+                "check the shards and start the job again (trainer.recovery.timeout_s)"
+            )
+            raise JobError(msg)
+        time.sleep(0.2)
 
 
 def _barrier(world: int) -> None:
@@ -370,7 +534,7 @@ def _rank_main(
     world: int,
     master: str,
     max_events: int | None,
-    max_time_s: float | None,
+    deadline: float | None,
 ) -> None:
     import torch.distributed as dist
 
@@ -386,11 +550,19 @@ def _rank_main(
             rank=rank,
             world=world,
             max_events=max_events,
-            max_time_s=max_time_s,
+            deadline=deadline,
             stop=stop,
         )
     finally:
         dist.destroy_process_group()
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        return f"killed by {signal.Signals(-code).name}"
+    return f"exit code {code}"
 
 
 def run_ranks(
@@ -398,11 +570,16 @@ def run_ranks(
     services: Services,
     *,
     max_events: int | None = None,
-    max_time_s: float | None = None,
+    deadline: float | None = None,
     stop: threading.Event | None = None,
     on_progress: Callable[[Progress], None] | None = None,
 ) -> tuple[LoopStats, JobManifest | None]:
-    """Rank 0 here, ranks 1.. in spawned processes; a rank that fails stops the job."""
+    """Rank 0 here, ranks 1.. in spawned processes; a rank that fails stops the job.
+
+    A rank process that dies (``kill -9``, out of memory) breaks the others'
+    collectives; the job then stops with a :class:`JobError` that names the rank
+    and says how to resume: the newest checkpoint holds everything learned.
+    """
     import torch.distributed as dist
 
     world = job.trainer.ranks
@@ -413,7 +590,7 @@ def run_ranks(
         services,
         world=world,
         max_events=max_events,
-        max_time_s=max_time_s,
+        deadline=deadline,
         stop=stop,
         on_progress=on_progress,
     )
@@ -424,7 +601,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(job.model_dump_json(), services, r, world, master, max_events, max_time_s),
+            args=(job.model_dump_json(), services, r, world, master, max_events, deadline),
             name=f"streamrec-rank-{r}",
             daemon=True,
         )
@@ -441,16 +618,36 @@ def run_ranks(
 
     threading.Thread(target=forward_stop, daemon=True).start()
     dist.init_process_group(_backend(job), init_method=master, rank=0, world_size=world)
+    error: BaseException | None = None
     try:
         result = train(rank=0)
+    except Exception as exc:
+        error = exc
     finally:
         dist.destroy_process_group()
         for p in procs:
-            p.join(timeout=60)
-    failed = [p.name for p in procs if p.exitcode not in (0, None)]
+            p.join(timeout=10 if error is not None else 60)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+    failed = [
+        f"{p.name} (pid {p.pid}, {_exit_text(p.exitcode)})"
+        for p in procs
+        if p.exitcode not in (0, None)
+    ]
     if failed:
-        msg = f"trainer rank process(es) {failed} failed; see the log above"
-        raise JobError(msg)
+        book = CheckpointBook(job.trainer.checkpoint.dir or job.run_dir / "checkpoints")
+        newest = book.latest() if job.trainer.checkpoint.enabled else None
+        resume = (
+            f"the newest checkpoint (step {newest.step}) holds everything learned; "
+            "run the same command again to resume from it"
+            if newest is not None
+            else "no checkpoint was taken; run the same command again to start over"
+        )
+        msg = f"trainer rank process {', '.join(failed)} ended the job; {resume}"
+        raise JobError(msg) from error
+    if error is not None:
+        raise error
     return result
 
 
@@ -463,7 +660,11 @@ def run_job(
     on_progress: Callable[[Progress], None] | None = None,
     on_services: Callable[[Services], None] | None = None,
 ) -> tuple[LoopStats, JobManifest | None]:
-    """Start what the job needs, train, checkpoint, stop everything (see the module doc)."""
+    """Start what the job needs, train, checkpoint, stop everything (see the module doc).
+
+    ``max_time_s`` counts from this call: starting the services is part of it.
+    """
+    deadline = None if max_time_s is None else time.monotonic() + max_time_s
     with ExitStack() as stack:
         services = start_services(job, stack)
         if on_services is not None:
@@ -472,7 +673,7 @@ def run_job(
             job,
             services,
             max_events=max_events,
-            max_time_s=max_time_s,
+            deadline=deadline,
             stop=stop,
             on_progress=on_progress,
         )

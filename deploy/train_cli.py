@@ -135,6 +135,7 @@ def _train(
     total: int | None = None,
     next_steps: str = "",
 ) -> int:
+    from connectors.kafka import KafkaUnavailable, UnknownTopic
     from deploy.config import ConfigError
     from deploy.job import JobError, run_job
 
@@ -160,10 +161,16 @@ def _train(
             on_progress=line,
             on_services=announce,
         )
-    except (JobError, ConfigError) as exc:
+    except ConfigError as exc:
         line.done()
         print(f"streamrec: {exc}", file=sys.stderr)
         return 2
+    except (JobError, KafkaUnavailable, UnknownTopic) as exc:
+        # What could not be reached or recovered, in one line: no traceback.
+        line.done()
+        elapsed = time.monotonic() - started
+        print(f"streamrec: {exc} (after {elapsed:.1f}s)", file=sys.stderr)
+        return 1
     line.done()
     elapsed = time.monotonic() - started
     print(
@@ -183,6 +190,12 @@ def _train(
         print(f"progressive AUC {final_auc:.4f}{best_text}")
     if stats.bad_records:
         print(f"{stats.bad_records} bad records dead-lettered (see {job.run_dir})")
+    if stats.recoveries:
+        times = ", ".join(f"{s:.1f}s" for s in stats.recovery_s)
+        print(
+            f"recovered {stats.recoveries} time(s) from a lost store shard by rolling back "
+            f"to the newest checkpoint ({times})"
+        )
     if manifest is not None:
         print(f"checkpoint: {manifest.path} (step {manifest.step})")
     if next_steps:

@@ -22,10 +22,16 @@ are quiet, or the other ranks would wait for it.
 
 A task that fails, or whose worker dies, is retried (its chunk is re-read from
 the source), so a lost worker costs a retry, never a record.
+
+``max_events`` bounds the records this run reads: chunks are planned so that
+the records yielded never exceed it (a chunk is cut short at the budget), and
+the iterator ends once it is spent. Every wait (for a task, for a quiet
+source) also ends when ``stop_when()`` says so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from collections import deque
@@ -73,12 +79,16 @@ class StreamRunner:
         retries: int = 3,
         stop_when: Callable[[], bool] | None = None,
         idle_ticks: bool = False,
+        max_events: int | None = None,
     ) -> None:
         if staleness < 0:
             msg = f"staleness must be >= 0, got {staleness}"
             raise ValueError(msg)
         if max_records < 1:
             msg = f"max_records must be >= 1, got {max_records}"
+            raise ValueError(msg)
+        if max_events is not None and max_events < 0:
+            msg = f"max_events must be >= 0, got {max_events}"
             raise ValueError(msg)
         self.client = client
         self.source = source
@@ -94,6 +104,7 @@ class StreamRunner:
         # gone quiet still ends on Ctrl-C or --max-time.
         self.stop_when = stop_when
         self.idle_ticks = idle_ticks
+        self.max_events = max_events
         self.stats = RunnerStats()
         self._given = dict(positions or {})
         # Per partition: where this run started, where the next chunk starts, and
@@ -102,8 +113,8 @@ class StreamRunner:
         self._planned: dict[str, int] = {}
         self._done: dict[str, int] = {}
         # The batches not yet yielded, every partition's, in submission order (the
-        # order they are yielded in).
-        self._submitted: deque[Future[Prepared]] = deque()
+        # order they are yielded in), with the positions each chunk spans.
+        self._submitted: deque[tuple[Future[Prepared], int]] = deque()
         self._order: list[str] = []
         self._next_partition = 0
         self._closed = False
@@ -132,6 +143,16 @@ class StreamRunner:
     def _inflight_count(self) -> int:
         return len(self._submitted)
 
+    def _budget(self) -> int | None:
+        """Records that may still be planned under ``max_events`` (None: no bound).
+
+        A chunk in flight counts for its whole span: it holds at most that many records.
+        """
+        if self.max_events is None:
+            return None
+        read = self.stats.records + self.stats.bad_records
+        return self.max_events - read - sum(span for _, span in self._submitted)
+
     # --- submission -----------------------------------------------------------------
 
     def _submit(self, chunk: Chunk) -> Future[Prepared]:
@@ -154,20 +175,30 @@ class StreamRunner:
         """Submit chunks round-robin over partitions until ``limit`` are in flight."""
         stalled = 0
         while self._inflight_count() < limit and self._order and stalled < len(self._order):
+            budget = self._budget()
+            if budget is not None and budget <= 0:
+                return
             p = self._order[self._next_partition % len(self._order)]
             self._next_partition += 1
-            chunk = self.source.plan(p, self._planned[p], self.max_records)
+            size = self.max_records if budget is None else min(self.max_records, budget)
+            chunk = self.source.plan(p, self._planned[p], size)
             if chunk is None:
                 stalled += 1
                 continue
             stalled = 0
             self._planned[p] = chunk.end
-            self._submitted.append(self._submit(chunk))
+            self._submitted.append((self._submit(chunk), chunk.end - chunk.start))
 
     def _finished(self) -> bool:
-        return self._inflight_count() == 0 and all(
-            self.source.is_finished(p, self._planned[p]) for p in self._order
-        )
+        if self._inflight_count():
+            return False
+        budget = self._budget()
+        if budget is not None and budget <= 0:
+            return True
+        return all(self.source.is_finished(p, self._planned[p]) for p in self._order)
+
+    def _stopping(self) -> bool:
+        return self.stop_when is not None and self.stop_when()
 
     # --- iteration ------------------------------------------------------------------
 
@@ -185,7 +216,7 @@ class StreamRunner:
             if self._inflight_count() or time.monotonic() >= quiet_until:
                 self._top_up(limit)
             if not self._submitted:
-                if self._finished() or (self.stop_when is not None and self.stop_when()):
+                if self._finished() or self._stopping():
                     return
                 # Asking the source again at once would only cost broker round trips.
                 quiet_until = time.monotonic() + self.poll_interval_s
@@ -196,8 +227,13 @@ class StreamRunner:
                 self._refresh_partitions()
                 continue
             t0 = time.perf_counter()
-            future = self._submitted[0]
-            wait([future])
+            future = self._submitted[0][0]
+            # In slices: a task stuck on a source that went away must not hold a stop up.
+            while not future.done():
+                if self._stopping():
+                    return
+                with contextlib.suppress(TimeoutError):
+                    wait([future], timeout=self.poll_interval_s)
             self.stats.wait_s += time.perf_counter() - t0
             batch, bad = future.result()
             self._submitted.popleft()
@@ -229,5 +265,5 @@ class StreamRunner:
         """Cancel what is in flight; the positions stay those of the batches yielded."""
         self._closed = True
         if self._submitted:
-            self.client.cancel(list(self._submitted))
+            self.client.cancel([f for f, _ in self._submitted])
         self._submitted.clear()

@@ -97,6 +97,22 @@ class CheckpointConfig(_Strict):
     enabled: bool = True
 
 
+class RecoveryConfig(_Strict):
+    """What the job does when a store shard loses its rows (it died and was restarted).
+
+    Every rank rolls back to the newest job checkpoint (store, dense state, source
+    positions) and goes on, so nothing is lost and nothing learned twice.
+    """
+
+    enabled: bool = Field(True, description="false: such a failure ends the job")
+    timeout_s: float = Field(
+        300.0, gt=0, description="how long one recovery waits for every shard to answer"
+    )
+    max_in_a_row: int = Field(
+        5, ge=1, description="recoveries without a new checkpoint in between before giving up"
+    )
+
+
 class TrainerConfig(_Strict):
     """How the trainer ranks learn from the prepared batches."""
 
@@ -117,6 +133,7 @@ class TrainerConfig(_Strict):
     metrics_window: int = Field(100_000, ge=100, description="samples in the sliding window")
     log_every_s: float = Field(2.0, gt=0)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
 
     @model_validator(mode="before")
     @classmethod

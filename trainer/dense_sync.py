@@ -17,7 +17,7 @@ With one rank there is no process group and ``exchange`` only echoes.
 >>> import torch
 >>> sync = DenseSync(torch.nn.Linear(2, 1), mode="allreduce")
 >>> sync.exchange(Control(active=1, waiting=0, stop=0, checkpoint=1, samples=8))
-Control(active=1, waiting=0, stop=0, checkpoint=1, samples=8)
+Control(active=1, waiting=0, stop=0, checkpoint=1, samples=8, failed=0)
 """
 
 from __future__ import annotations
@@ -38,8 +38,11 @@ class Control:
     stop: int  # ranks asking to stop (SIGTERM, --max-time, an error)
     checkpoint: int  # ranks whose checkpoint timer is due
     samples: int  # samples trained this step
+    # Ranks that lost the embedding store (a shard died or restarted): every rank
+    # then rolls back to the newest job checkpoint together.
+    failed: int = 0
 
-    def any(self, flag: Literal["active", "waiting", "stop", "checkpoint"]) -> bool:
+    def any(self, flag: Literal["active", "waiting", "stop", "checkpoint", "failed"]) -> bool:
         return bool(getattr(self, flag) > 0)
 
 
@@ -68,7 +71,7 @@ class DenseSync:
             return mine
         params = [p for p in self.model.parameters() if p.requires_grad]
         flags = torch.tensor(
-            [mine.active, mine.waiting, mine.stop, mine.checkpoint, mine.samples],
+            [mine.active, mine.waiting, mine.stop, mine.checkpoint, mine.samples, mine.failed],
             dtype=torch.float32,
         )
         if self.mode == "allreduce":
@@ -94,8 +97,8 @@ class DenseSync:
             dist.all_reduce(flags)
             if self.exchanges % self.average_every == 0:
                 self.average()
-        a, w, s, c, n = (round(float(x)) for x in flags)
-        return Control(active=a, waiting=w, stop=s, checkpoint=c, samples=n)
+        a, w, s, c, n, f = (round(float(x)) for x in flags)
+        return Control(active=a, waiting=w, stop=s, checkpoint=c, samples=n, failed=f)
 
     def average(self) -> None:
         """Replace every rank's dense parameters by their mean (async mode)."""

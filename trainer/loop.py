@@ -15,6 +15,7 @@ batches, a store client and callbacks, which keeps it testable in one process.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -29,15 +30,17 @@ import numpy as np
 import torch
 
 from embedding_store.client import StoreClient
+from embedding_store.errors import StoreUnavailable
 from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch
-from trainer.checkpoint import CheckpointBook, JobManifest
+from trainer.checkpoint import CheckpointBook, JobCheckpointError, JobManifest
 from trainer.config import DenseOptimizerConfig, TrainerConfig
 from trainer.dense_sync import Control, DenseSync
+from trainer.ledger import Ledger
 from trainer.metrics import MetricsSnapshot, ProgressiveMetrics
 from trainer.models import build_model, field_dims, loss_fn
 from trainer.pooling import pool, row_grads, to_tensors
-from trainer.pusher import Pusher
+from trainer.pusher import Pusher, PushFailed
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +48,29 @@ _RECENT_LOSSES_KEPT = 4096
 _END = object()
 # While every rank's stream is quiet, the ranks meet this often (not in a busy loop).
 _QUIET_SLEEP_S = 0.05
+
+
+class StoreLost(RuntimeError):
+    """A store shard lost its rows: it died and came back, or was replaced."""
+
+
+class Rollback(RuntimeError):
+    """The store lost state mid-run; every rank must roll back to the newest job checkpoint.
+
+    Raised by :meth:`TrainLoop.run` on every rank at the same step (the ranks
+    agree through the per-step collective), so the caller can restore and go on.
+    """
+
+
+def store_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` means the store (not the model or the data) failed: a rollback heals it.
+
+    >>> store_failure(StoreUnavailable("shard 1 down")), store_failure(ValueError("bad"))
+    (True, False)
+    """
+    if isinstance(exc, PushFailed):
+        return exc.__cause__ is not None and store_failure(exc.__cause__)
+    return isinstance(exc, StoreUnavailable | StoreLost)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: DenseOptimizerConfig) -> torch.optim.Optimizer:
@@ -109,6 +135,7 @@ class LoopStats:
     steps: int = 0
     samples: int = 0
     bad_records: int = 0
+    events: int = 0  # records learned: samples plus dead-lettered ones
     checkpoints: int = 0
     wait_s: float = 0.0  # waiting for prepared batches
     compute_s: float = 0.0  # forward, backward, dense step
@@ -121,6 +148,9 @@ class LoopStats:
     missed_pushes: dict[int, int] = field(default_factory=dict)
     # Dead-lettered records by partition, then by reason.
     bad_by_partition: dict[str, dict[str, int]] = field(default_factory=dict)
+    # Rollbacks to the newest checkpoint after the store lost state, and how long each took.
+    recoveries: int = 0
+    recovery_s: list[float] = field(default_factory=list)
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started
@@ -149,6 +179,10 @@ class Progress:
     best_auc: float | None = None  # the synthetic stream's best achievable AUC
     last_checkpoint: dict[str, Any] | None = None
     mode: str = ""
+    # Empty while the rank trains; its last report says why it stopped (signal,
+    # max_time, max_events, end_of_stream, another rank, error).
+    stopped_by: str = ""
+    recoveries: int = 0
 
 
 class JobCheckpointer:
@@ -177,36 +211,75 @@ class JobCheckpointer:
         samples: int,
         dense: dict[str, Any],
         samples_before: int = 0,
+        failure: BaseException | None = None,
     ) -> JobManifest | None:
         """Every rank calls this at the same step, with its pushes drained.
 
         ``samples`` is what this rank learned since the job (re)started,
         ``samples_before`` what the restored checkpoint held (the same on every rank).
+        ``failure``: this rank could not get ready (a push or a dead-letter flush
+        failed). Every rank learns of any rank's failure, and of one in the store's
+        checkpoint, through the collectives here, so all raise together:
+        :class:`Rollback` when the store failed, else the failure itself (rank 0)
+        or a :class:`JobCheckpointError` naming it (the others). No manifest is
+        written then, so no offset is committed past what is durable.
         """
         # Rank 0 must not checkpoint the store while another rank still pushes.
         ranks = cast(
             list[dict[str, Any]],
-            sync.gather({"positions": positions, "samples": samples, "dense": dense}),
+            sync.gather(
+                {
+                    "positions": positions,
+                    "samples": samples,
+                    "dense": dense,
+                    "failure": _describe(failure),
+                }
+            ),
         )
         manifest = None
-        if rank == 0:
-            results = self.store.checkpoint(None, "auto", metadata={"job_step": step})
-            manifest = self.book.save(
-                step=step,
-                samples=samples_before + sum(int(r["samples"]) for r in ranks),
-                positions={p: n for r in ranks for p, n in r["positions"].items()},
-                shard_seqs=[r.seq for r in results],
-                dense={"ranks": [r["dense"] for r in ranks]},
-                extra={
-                    **self.extra,
-                    "store_bytes": sum(r.bytes for r in results),
-                    "store_kinds": [r.kind for r in results],
-                },
-            )
-            if self.on_saved is not None:
+        error: BaseException | None = None
+        if any(r["failure"] for r in ranks):
+            error = failure
+        elif rank == 0:
+            try:
+                results = self.store.checkpoint(None, "auto", metadata={"job_step": step})
+                manifest = self.book.save(
+                    step=step,
+                    samples=samples_before + sum(int(r["samples"]) for r in ranks),
+                    positions={p: n for r in ranks for p, n in r["positions"].items()},
+                    shard_seqs=[r.seq for r in results],
+                    dense={"ranks": [r["dense"] for r in ranks]},
+                    extra={
+                        **self.extra,
+                        "store_bytes": sum(r.bytes for r in results),
+                        "store_kinds": [r.kind for r in results],
+                    },
+                )
+            except Exception as exc:
+                error = exc
+            if manifest is not None and self.on_saved is not None:
                 self.on_saved(manifest)
-        sync.barrier()
+        # Instead of a barrier: every rank learns whether the checkpoint happened.
+        outcome = cast(list[dict[str, Any]], sync.gather({"failure": _describe(error)}))
+        failures = [r["failure"] for r in ranks + outcome if r["failure"]]
+        if failures:
+            store_failed = any(f["store"] for f in failures)
+            text = "; ".join(sorted({f["text"] for f in failures}))
+            if error is not None and not store_failed:
+                raise error
+            if store_failed:
+                msg = f"checkpoint at step {step} not taken: {text}"
+                raise Rollback(msg) from error
+            msg = f"checkpoint at step {step} failed on another rank: {text}"
+            raise JobCheckpointError(msg)
         return manifest
+
+
+def _describe(exc: BaseException | None) -> dict[str, Any] | None:
+    """What other ranks need to know of a failure (exceptions need not pickle)."""
+    if exc is None:
+        return None
+    return {"text": f"{type(exc).__name__}: {exc}", "store": store_failure(exc)}
 
 
 def restore_job(
@@ -247,12 +320,28 @@ class TrainLoop:
         positions: dict[str, int] | None = None,
         start_step: int = 0,
         start_samples: int = 0,
-        max_samples: int | None = None,
-        max_time_s: float | None = None,
+        max_events: int | None = None,
+        deadline: float | None = None,
         stop: threading.Event | None = None,
         on_progress: Callable[[Progress], None] | None = None,
         best_auc: float | None = None,
+        store_changed: Callable[[], str | None] | None = None,
+        before_checkpoint: Callable[[], None] | None = None,
+        initial_checkpoint: bool = False,
+        stats: LoopStats | None = None,
     ) -> None:
+        """``max_events``: this rank learns at most this many records (dead-lettered
+        ones included) and then ends its stream (``stopped_by`` "max_events").
+        ``deadline``: a ``time.monotonic()`` value; the loop stops at the first step
+        boundary after it ("max_time"). ``store_changed()`` is asked every step and
+        returns what happened when a store shard lost its rows (it was restarted):
+        the ranks then roll back (:class:`Rollback`). ``before_checkpoint`` runs on
+        every rank before its state goes into a checkpoint (e.g. flushing dead
+        letters, so that no committed offset covers a record not yet durable).
+        ``initial_checkpoint``: take one before the first step, so that a job
+        always has a checkpoint to roll back to. ``stats``: carry on counting
+        into these (a job that recovered keeps one summary).
+        """
         self.config = config
         self.best_auc = best_auc
         self.spec = spec
@@ -266,12 +355,23 @@ class TrainLoop:
         self.positions = dict(positions or {})
         self.step = start_step
         self.samples_before = start_samples
-        self.max_samples = max_samples
-        self.max_time_s = max_time_s
+        self.max_events = max_events
+        self.deadline = deadline
         self.stop = stop or threading.Event()
         self.on_progress = on_progress
+        self.store_changed = store_changed
+        self.before_checkpoint = before_checkpoint
+        self.initial_checkpoint = initial_checkpoint
         self.metrics = ProgressiveMetrics(window=config.metrics_window)
-        self.stats = LoopStats()
+        self.stats = stats if stats is not None else LoopStats()
+        # What went wrong with the store since the last step (told to every rank at
+        # the next collective, which then rolls back together).
+        self._failure: BaseException | None = None
+        self._events = 0  # records this loop learned (stats may carry earlier attempts')
+        self._learned = 0  # samples this loop learned
+        # (samples, events) this loop had learned at its last checkpoint: what a
+        # rollback to that checkpoint keeps.
+        self.checkpointed = (0, 0)
         self.sync = DenseSync(
             dense.module,
             mode="local" if config.mode == "async" else "allreduce",
@@ -282,9 +382,9 @@ class TrainLoop:
         self._last_checkpoint_t = time.monotonic()
         self._checkpointed_step = start_step  # a restored job holds this step already
         self._log: TextIO | None = None
-        # One line per learned chunk (step, partition, start, end): the audit trail
-        # that shows each offset was learned once, across restarts.
-        self._ledger: TextIO | None = None
+        # One line per learned chunk, and a rollback line per restore: the audit
+        # trail that shows each offset was learned once, across restarts.
+        self._ledger: Ledger | None = None
 
     # --- one step -----------------------------------------------------------------
 
@@ -329,7 +429,7 @@ class TrainLoop:
         """Why the loop should stop now (a signal, --max-time), or '' to go on."""
         if self.stop.is_set():
             return "signal"
-        if self.max_time_s is not None and self.stats.elapsed() >= self.max_time_s:
+        if self.deadline is not None and time.monotonic() >= self.deadline:
             return "max_time"
         return ""
 
@@ -338,18 +438,25 @@ class TrainLoop:
         if self.checkpointer is None:
             return None
         t0 = time.perf_counter()
-        self.stats.push_wait_s += self.pusher.drain()
+        try:
+            self.stats.push_wait_s += self.pusher.drain()
+            if self.before_checkpoint is not None and self._failure is None:
+                self.before_checkpoint()
+        except Exception as exc:
+            self._failure = self._failure or exc
         manifest = self.checkpointer.take(
             self.sync,
             rank=self.rank,
             step=self.step,
             positions=dict(self.positions),
-            samples=self.stats.samples,
+            samples=self._learned,
             samples_before=self.samples_before,
             dense=self.dense.state(),
+            failure=self._failure,
         )
         self._last_checkpoint_t = time.monotonic()
         self._checkpointed_step = self.step
+        self.checkpointed = (self._learned, self._events)
         self.stats.checkpoints += 1
         if manifest is not None:
             self.stats.last_checkpoint = {
@@ -368,114 +475,172 @@ class TrainLoop:
 
         ``batches`` may yield ``None``: this rank's stream is quiet for now (see
         ``StreamRunner(idle_ticks=True)``); the rank still takes part in the step.
+        Raises :class:`Rollback` on every rank when the store lost state.
         """
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             self._log = open(  # noqa: SIM115 - closed in finally
                 self.run_dir / f"metrics-rank{self.rank}.jsonl", "a", encoding="utf-8"
             )
-            self._ledger = open(  # noqa: SIM115 - closed in finally
-                self.run_dir / f"learned-rank{self.rank}.log", "a", encoding="utf-8", buffering=1
-            )
-        last_report = time.monotonic()
-        exhausted = False
-        sync_mode = self.config.mode == "sync"
-        queue_bound = self.config.effective_push_queue
+            ledger_path = self.run_dir / f"learned-rank{self.rank}.log"
+            known = ledger_path.exists() and ledger_path.stat().st_size > 0
+            self._ledger = Ledger(ledger_path)
+            if known:
+                # Whatever an earlier run learned after the checkpoint this run
+                # starts from was rolled back with the store: it counts as unlearned.
+                self._ledger.rollback(self.step)
         try:
-            while True:
-                stop_reason = self.stop_reason()
-                batch = None
-                quiet = False
-                if not exhausted and not stop_reason:
-                    t0 = time.perf_counter()
-                    item = next(batches, _END)
-                    self.stats.wait_s += time.perf_counter() - t0
-                    exhausted = item is _END
-                    if not exhausted:
-                        batch = cast(PreparedBatch | None, item)
-                        quiet = batch is None
-                    if (
-                        batch is not None
-                        and self.max_samples is not None
-                        and self.stats.samples + len(batch) > self.max_samples
-                        and self.stats.samples > 0
-                    ):
-                        # Not learned: the positions stay before it, a restart takes it.
-                        batch, exhausted, stop_reason = None, True, "max_events"
-                grads: dict[str, Any] = {}
-                missed = (
-                    self.pusher.missed_since(batch.looked_up_at)
-                    if batch is not None and batch.looked_up_at > 0
-                    else None
-                )
-                t0 = time.perf_counter()
-                # A rank without a batch still steps, with no dense gradients of its own.
-                self.dense.optimizer.zero_grad(set_to_none=True)
-                if batch is not None and len(batch):
-                    grads = self._forward_backward(batch)
-                self.stats.compute_s += time.perf_counter() - t0
-                mine = Control(
-                    active=int(batch is not None),
-                    waiting=int(quiet),
-                    stop=int(bool(stop_reason)),
-                    checkpoint=int(self._want_checkpoint()),
-                    samples=len(batch) if batch is not None else 0,
-                )
-                t0 = time.perf_counter()
-                everyone = self.sync.exchange(mine)
-                self.stats.sync_s += time.perf_counter() - t0
-                if not everyone.any("active"):
-                    if everyone.any("waiting") and not everyone.any("stop"):
-                        # Every stream is quiet for now: no step, and no spinning.
-                        time.sleep(_QUIET_SLEEP_S)
-                        continue
-                    self.stats.stopped_by = stop_reason or (
-                        "another rank" if everyone.any("stop") else "end_of_stream"
-                    )
-                    break
-                t0 = time.perf_counter()
-                self.dense.optimizer.step()
-                self.stats.compute_s += time.perf_counter() - t0
-                if batch is not None:
-                    self._account(batch, missed)
-                    self.positions[batch.partition] = batch.end
-                    if self._ledger is not None:
-                        self._ledger.write(
-                            f"{self.step + 1} {batch.partition} {batch.start} {batch.end}\n"
-                        )
-                    self.stats.samples += len(batch)
-                    if grads:
-                        self.pusher.submit(grads)
-                self.step += 1
-                self.stats.steps += 1
-                # The staleness bound: the next lookup may miss at most this many pushes.
-                self.stats.push_wait_s += self.pusher.wait(queue_bound)
-                if sync_mode:
-                    self.sync.barrier()  # every rank's push lands before any next lookup
-                if everyone.any("checkpoint"):
-                    self.checkpoint()
-                if everyone.any("stop"):
-                    self.stats.stopped_by = stop_reason or "another rank"
-                    break
-                if time.monotonic() - last_report >= self.config.log_every_s:
-                    self._report()
-                    last_report = time.monotonic()
-            self.stats.push_wait_s += self.pusher.drain()
-            if self.config.mode == "async":
-                self.sync.average()  # the job ends with one dense network, not one per rank
-            if (
-                self.checkpointer is not None
-                and self.config.checkpoint.on_exit
-                and self._checkpointed_step != self.step
-            ):
-                self.checkpoint()
-            self._report()
+            self._run(batches)
+        except Rollback:
+            raise
+        except BaseException as exc:
+            self.stats.stopped_by = self.stats.stopped_by or f"error: {type(exc).__name__}"
+            with contextlib.suppress(Exception):
+                self._report()  # the metrics file says how the run ended
+            raise
         finally:
             self.pusher.close()
-            for f in (self._log, self._ledger):
-                if f is not None:
-                    f.close()
+            if self._log is not None:
+                self._log.close()
+            if self._ledger is not None:
+                self._ledger.close()
         return self.stats
+
+    def _run(self, batches: Iterator[PreparedBatch | None]) -> None:
+        last_report = time.monotonic()
+        exhausted = False
+        end_reason = "end_of_stream"
+        sync_mode = self.config.mode == "sync"
+        queue_bound = self.config.effective_push_queue
+        if self.initial_checkpoint:
+            self.checkpoint()
+        while True:
+            if self._failure is None and self.store_changed is not None:
+                changed = self.store_changed()
+                if changed:
+                    self._failure = StoreLost(changed)
+            stop_reason = self.stop_reason()
+            batch = None
+            quiet = False
+            if not exhausted and not stop_reason and self._failure is None:
+                t0 = time.perf_counter()
+                try:
+                    item = next(batches, _END)
+                except Exception as exc:
+                    if not store_failure(exc):
+                        raise
+                    self._failure, item = exc, None
+                self.stats.wait_s += time.perf_counter() - t0
+                if item is _END:
+                    exhausted = True
+                    # A stream cut short by a stop is not the stream's end.
+                    stop_reason = self.stop_reason()
+                elif self._failure is None:
+                    batch = cast(PreparedBatch | None, item)
+                    quiet = batch is None
+            grads: dict[str, Any] = {}
+            missed = (
+                self.pusher.missed_since(batch.looked_up_at)
+                if batch is not None and batch.looked_up_at > 0
+                else None
+            )
+            t0 = time.perf_counter()
+            # A rank without a batch still steps, with no dense gradients of its own.
+            self.dense.optimizer.zero_grad(set_to_none=True)
+            if batch is not None and len(batch):
+                grads = self._forward_backward(batch)
+            self.stats.compute_s += time.perf_counter() - t0
+            mine = Control(
+                active=int(batch is not None),
+                waiting=int(quiet),
+                stop=int(bool(stop_reason)),
+                checkpoint=int(self._want_checkpoint()),
+                samples=len(batch) if batch is not None else 0,
+                failed=int(self._failure is not None),
+            )
+            t0 = time.perf_counter()
+            everyone = self.sync.exchange(mine)
+            self.stats.sync_s += time.perf_counter() - t0
+            if everyone.any("failed"):
+                # Nothing of this step is learned: the store goes back to the checkpoint.
+                what = str(self._failure) if self._failure else "another rank lost the store"
+                raise Rollback(what) from self._failure
+            if not everyone.any("active"):
+                if everyone.any("waiting") and not everyone.any("stop"):
+                    # Every stream is quiet for now: no step, and no spinning.
+                    if time.monotonic() - last_report >= self.config.log_every_s:
+                        self._report()
+                        last_report = time.monotonic()
+                    time.sleep(_QUIET_SLEEP_S)
+                    continue
+                self.stats.stopped_by = stop_reason or (
+                    "another rank" if everyone.any("stop") else end_reason
+                )
+                break
+            t0 = time.perf_counter()
+            self.dense.optimizer.step()
+            self.stats.compute_s += time.perf_counter() - t0
+            if batch is not None:
+                self._learn(batch, missed, grads)
+                if self.max_events is not None and self._events >= self.max_events:
+                    # This rank's share is learned; the others may still have theirs.
+                    exhausted, end_reason = True, "max_events"
+            self.step += 1
+            self.stats.steps += 1
+            # The staleness bound: the next lookup may miss at most this many pushes.
+            try:
+                self.stats.push_wait_s += self.pusher.wait(queue_bound)
+            except Exception as exc:
+                if not store_failure(exc):
+                    raise
+                self._failure = exc  # every rank hears of it at the next step
+            if sync_mode:
+                self.sync.barrier()  # every rank's push lands before any next lookup
+            if everyone.any("checkpoint"):
+                self.checkpoint()
+            if everyone.any("stop"):
+                self.stats.stopped_by = stop_reason or "another rank"
+                break
+            if time.monotonic() - last_report >= self.config.log_every_s:
+                self._report()
+                last_report = time.monotonic()
+        if self.config.mode == "async":
+            self.sync.average()  # the job ends with one dense network, not one per rank
+        if (
+            self.checkpointer is not None
+            and self.config.checkpoint.on_exit
+            and self._checkpointed_step != self.step
+        ):
+            self.checkpoint()  # drains the pushes; a failed one rolls every rank back
+        else:
+            try:
+                self.stats.push_wait_s += self.pusher.drain()
+            except Exception as exc:
+                if not store_failure(exc):
+                    raise
+                msg = f"the last pushes were lost: {exc}"
+                raise Rollback(msg) from exc
+        self._report()
+
+    def _learn(
+        self, batch: PreparedBatch, missed: int | None, grads: dict[str, Any]
+    ) -> None:
+        """Account for a batch whose step was taken, and hand its row gradients over."""
+        self._account(batch, missed)
+        self.positions[batch.partition] = batch.end
+        if self._ledger is not None:
+            self._ledger.learned(self.step + 1, batch.partition, batch.start, batch.end)
+        self.stats.samples += len(batch)
+        self._learned += len(batch)
+        self._events += len(batch) + batch.bad_records
+        self.stats.events += len(batch) + batch.bad_records
+        if grads:
+            try:
+                self.pusher.submit(grads)
+            except Exception as exc:
+                if not store_failure(exc):
+                    raise
+                self._failure = exc
 
     def _account(self, batch: PreparedBatch, missed: int | None) -> None:
         if missed is not None:
@@ -493,7 +658,7 @@ class TrainLoop:
             rank=self.rank,
             step=self.step,
             samples=self.stats.samples,
-            samples_total=self.samples_before + self.stats.samples,
+            samples_total=self.samples_before + self._learned,
             samples_per_s=self.stats.samples / elapsed if elapsed > 0 else 0.0,
             elapsed_s=elapsed,
             loss=float(np.mean(recent)) if recent else None,
@@ -509,6 +674,8 @@ class TrainLoop:
             best_auc=self.best_auc,
             last_checkpoint=self.stats.last_checkpoint,
             mode=self.config.mode,
+            stopped_by=self.stats.stopped_by,
+            recoveries=self.stats.recoveries,
         )
         if self._log is not None:
             line = asdict(progress)

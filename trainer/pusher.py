@@ -44,6 +44,10 @@ _APPLIED_TIMES_KEPT = 256
 Grads = Mapping[str, tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]]
 
 
+class PushFailed(RuntimeError):
+    """A push to the store failed; ``__cause__`` is the store's error."""
+
+
 class Pusher:
     """Applies pushes in submission order on one background thread."""
 
@@ -110,7 +114,7 @@ class Pusher:
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             msg = f"a push to the embedding store failed: {self._error}"
-            raise RuntimeError(msg) from self._error
+            raise PushFailed(msg) from self._error
 
     def _run(self) -> None:
         while True:

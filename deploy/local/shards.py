@@ -9,14 +9,18 @@ shard also serves Prometheus ``/metrics``; its URL is read back from the log too
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 _SERVING = re.compile(r"serving .* on (?P<host>[\w.:-]+):(?P<port>\d+) ")
 _METRICS = re.compile(r"metrics on http://\S+:(?P<port>\d+)/metrics")
@@ -43,6 +47,7 @@ class ShardProcess:
     config: Path
     token_file: Path | None
     metrics_port: int | None = None  # the port /metrics is served on; None: no metrics
+    die_with_parent: bool = False
 
     @property
     def address(self) -> str:
@@ -131,6 +136,7 @@ class ShardProcess:
                     config,
                     token_file,
                     metrics_port=bound_metrics,
+                    die_with_parent=die_with_parent,
                 )
             if proc.poll() is not None:
                 msg = f"store shard exited with code {proc.returncode}:\n{text[-4000:]}"
@@ -150,6 +156,7 @@ class ShardProcess:
             host=self.host,
             timeout_s=timeout_s,
             metrics_port=self.metrics_port,
+            die_with_parent=self.die_with_parent,
         )
 
     def stop(self, timeout_s: float = 60.0) -> int:
@@ -170,3 +177,68 @@ class ShardProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+class ShardSupervisor:
+    """Restarts local shard processes that die, and counts how often that happened.
+
+    A thread polls the processes; a shard that exited without being asked to
+    (``kill -9``, a crash) is started again on the same address and data dir,
+    where it restores its own newest checkpoint. Its rows since then are gone,
+    and so may be rows the job had pushed: :attr:`restarts` tells the job, which
+    then rolls every shard back to its newest job checkpoint.
+    """
+
+    def __init__(self, shards: list[ShardProcess], *, poll_s: float = 0.2) -> None:
+        self.shards = shards
+        self.poll_s = poll_s
+        self.restarts = 0
+        self.events: list[str] = []  # one line per restart, for the job's log
+        self.failed: str | None = None  # a shard that could not be started again
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="shard-supervisor", daemon=True)
+        self._thread.start()
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self.shards]
+
+    def _watch(self) -> None:
+        while not self._stopped.wait(self.poll_s):
+            for i, shard in enumerate(self.shards):
+                code = shard.proc.poll()
+                if code is None or self._stopped.is_set():
+                    continue
+                what = f"signal {-code}" if code < 0 else f"exit code {code}"
+                log.warning(
+                    "store shard %d (%s) died (%s); restarting it", i, shard.address, what
+                )
+                t0 = time.monotonic()
+                try:
+                    fresh = shard.restart()
+                except (RuntimeError, TimeoutError) as exc:
+                    with self._lock:
+                        self.failed = f"store shard {i} ({shard.address}) died ({what}) and "
+                        self.failed += f"could not be restarted: {exc}"
+                    log.error("%s", self.failed)
+                    return
+                with self._lock:
+                    self.shards[i] = fresh
+                    self.restarts += 1
+                    self.events.append(
+                        f"store shard {i} ({shard.address}) died ({what}); restarted in "
+                        f"{time.monotonic() - t0:.1f}s"
+                    )
+                log.warning("%s", self.events[-1])
+
+    def stop_watching(self) -> None:
+        """Stop restarting shards (before they are stopped on purpose)."""
+        self._stopped.set()
+        self._thread.join(timeout=130)
+
+    def stop(self) -> None:
+        """Stop watching, then stop every shard (SIGTERM: each checkpoints and exits)."""
+        self.stop_watching()
+        for shard in self.shards:
+            shard.stop()

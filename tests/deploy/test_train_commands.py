@@ -23,6 +23,7 @@ from deploy.train_cli import ProgressLine, demo_job
 from tests.conftest import streamrec, write_synthetic_job
 from tests.kafka_fixtures import KafkaForTests
 from trainer.checkpoint import CheckpointBook
+from trainer.ledger import ledger_entries
 
 TRAINER: dict[str, Any] = {
     "mode": "hybrid",
@@ -168,10 +169,7 @@ def test_two_ranks_train_their_own_partitions_and_resume_exactly_once(
 
 def ledger(run_dir: Path, rank: int) -> list[tuple[int, str, int, int]]:
     path = run_dir / f"learned-rank{rank}.log"
-    if not path.exists():
-        return []
-    rows = [line.split() for line in path.read_text().splitlines()]
-    return [(int(s), p, int(lo), int(hi)) for s, p, lo, hi in rows]
+    return ledger_entries(path) if path.exists() else []
 
 
 def test_backfill_shows_a_progress_bar_and_resumes(tmp_path: Path) -> None:

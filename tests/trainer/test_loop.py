@@ -39,6 +39,7 @@ from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch
 from trainer.checkpoint import CheckpointBook
 from trainer.config import CheckpointConfig, DenseOptimizerConfig, TrainerConfig
+from trainer.ledger import ledger_entries
 from trainer.loop import DenseModel, JobCheckpointer, Progress, TrainLoop, restore_job
 from trainer.models import FFNNConfig, build_model, field_dims, loss_fn
 from trainer.reference import ReferenceModel
@@ -363,12 +364,13 @@ def test_checkpoint_crash_restore_and_resume_equal_an_uninterrupted_run(tmp_path
         for part in ("ids", "weights", "state"):
             np.testing.assert_array_equal(again[name][part], want[part], err_msg=f"{name}.{part}")
 
-    # Every offset was learned exactly once across the restart (the ledger).
+    # Every offset was learned exactly once across the restart: the resumed run's
+    # rollback line voids what the crashed one learned after its checkpoint.
     lines = (run_dir / "learned-rank0.log").read_text().splitlines()
-    learned = [tuple(int(x) for x in ln.split()[::2]) for ln in lines]  # (step, start)
-    kept = [(s, a) for s, a in learned[:crash_after] if s <= restored.step] + learned[crash_after:]
-    assert [a for _, a in kept] == [c.start for c in planned]
-    assert [s for s, _ in kept] == list(range(1, STEPS + 1))
+    assert lines[crash_after] == f"rollback {restored.step}"
+    kept = ledger_entries(run_dir / "learned-rank0.log")
+    assert [e[2] for e in kept] == [c.start for c in planned]
+    assert [e[0] for e in kept] == list(range(1, STEPS + 1))
     store.close()
 
 

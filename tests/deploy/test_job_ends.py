@@ -1,0 +1,164 @@
+"""A job ends when it says it will: `--max-events`, `--max-time` and Ctrl-C in every state.
+
+Each test runs the real `streamrec run` (store shard processes, a Dask
+LocalCluster, a real Kafka broker or none at all) and checks how it ended:
+the exit code, the stop reason in the summary and in the metrics file, and
+what was learned.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from connectors.kafka import produce
+from connectors.synthetic import SyntheticConfig, iter_json_lines, synthetic_store_section
+from deploy.local.kafka import free_port
+from tests.conftest import REPO_ROOT, STREAMREC, streamrec, write_synthetic_job
+from tests.kafka_fixtures import KafkaForTests
+from trainer.checkpoint import CheckpointBook
+from trainer.ledger import learned_ranges
+
+
+def kafka_job(tmp: Path, bootstrap: str, topic: str, **trainer: Any) -> Path:
+    return write_synthetic_job(
+        tmp,
+        store=synthetic_store_section(dim=4),
+        source={
+            "kind": "kafka",
+            "bootstrap_servers": bootstrap,
+            "topics": [topic],
+            "group_id": f"{topic}-trainer",
+            "api_version": "auto",
+            "deadletter": "file",
+        },
+        trainer={
+            "batch_size": 100,
+            "model": {"kind": "ffnn", "hidden": [16]},
+            "torch_threads": 1,
+            "log_every_s": 0.5,
+            "checkpoint": {"every_steps": 10, "every_s": None},
+            **trainer,
+        },
+        cluster={"workers": 2, "store_shards": 1, "dashboard_address": ":0"},
+    )
+
+
+def last_report(run_dir: Path) -> dict[str, Any]:
+    lines = (run_dir / "metrics-rank0.jsonl").read_text().splitlines()
+    return dict(json.loads(lines[-1]))
+
+
+def produce_in_blocks(kafka: KafkaForTests, topic: str, n: int, block: int) -> None:
+    """``n`` records in blocks of ``block`` alternating over 2 partitions (the issue's repro)."""
+    lines = list(iter_json_lines(SyntheticConfig(seed=9), n))
+    for i, start in enumerate(range(0, n, block)):
+        produce(
+            kafka.bootstrap,
+            topic,
+            lines[start : start + block],
+            api_version=kafka.api_version,
+            partition=i % 2,
+        )
+
+
+@pytest.mark.parametrize("mode", ["sync", "hybrid"])
+def test_max_events_equal_to_the_topic_ends_by_itself(
+    tmp_path: Path, kafka: KafkaForTests, kafka_topic: Any, mode: str
+) -> None:
+    """The whole topic is N records and `--max-events N`: N learned, exit 0, no Ctrl-C.
+
+    It used to learn all N and then wait for more forever (the stream is continuous).
+    """
+    topic = kafka_topic(partitions=2)
+    produce_in_blocks(kafka, topic, 2050, 100)  # 1050 / 1000: the last chunk is short
+    job = kafka_job(tmp_path, kafka.bootstrap, topic, mode=mode)
+    out = streamrec("run", str(job), "--max-events", "2050", timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "trained 2,050 samples" in out.stdout
+    assert "stopped by max_events" in out.stdout
+    run_dir = tmp_path / "run"
+    assert last_report(run_dir)["stopped_by"] == "max_events"
+    final = CheckpointBook(run_dir / "checkpoints").latest()
+    assert final is not None
+    assert final.samples == 2050
+    assert final.positions == {f"{topic}/0": 1050, f"{topic}/1": 1000}
+
+
+def test_max_events_cuts_a_chunk_at_the_budget_and_the_next_run_goes_on(
+    tmp_path: Path, kafka: KafkaForTests, kafka_topic: Any
+) -> None:
+    """`--max-events 777` on a longer topic learns exactly 777; the next run resumes there."""
+    topic = kafka_topic(partitions=2)
+    produce_in_blocks(kafka, topic, 1600, 100)
+    job = kafka_job(tmp_path, kafka.bootstrap, topic)
+    first = streamrec("run", str(job), "--max-events", "777", timeout=180)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "trained 777 samples" in first.stdout
+    assert "stopped by max_events" in first.stdout
+    second = streamrec("run", str(job), "--max-events", "823", timeout=180)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "trained 823 samples" in second.stdout
+    run_dir = tmp_path / "run"
+    ranges = learned_ranges(run_dir / "learned-rank0.log")
+    for partition in (f"{topic}/0", f"{topic}/1"):
+        spans = ranges[partition]
+        assert spans[0][0] == 0
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans)), spans
+        assert spans[-1][1] == 800  # every offset once, no gap, no overlap
+
+
+def no_broker_job(tmp: Path) -> Path:
+    # A port nothing listens on; "auto" must detect the version, so it dials at once.
+    return kafka_job(tmp, f"127.0.0.1:{free_port()}", "events")
+
+
+def test_max_time_ends_a_job_whose_broker_is_not_there(tmp_path: Path) -> None:
+    """Ends soon after the deadline with one line naming the address, non-zero, no traceback.
+
+    It used to retry for 300 s (retry_timeout_s) and then end in a traceback.
+    """
+    job = no_broker_job(tmp_path)
+    out = streamrec("run", str(job), "--max-time", "10", timeout=120)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("streamrec: "), out.stderr
+    assert "accepts connections" in last
+    assert "127.0.0.1:" in last
+
+
+def test_ctrl_c_ends_a_job_waiting_for_a_broker(tmp_path: Path) -> None:
+    job = no_broker_job(tmp_path)
+    proc = subprocess.Popen(
+        [*STREAMREC, "run", str(job)],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # Until the job is waiting for the broker (it says so on stderr); it used to
+    # ignore Ctrl-C for minutes then (the communicate timeout below).
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if "accepts connections" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = "".join(seen) + err
+    assert proc.returncode == 1, text
+    assert "Traceback" not in text, text
+    assert "because the job is stopping" in err, text
