@@ -213,13 +213,15 @@ class StreamRunner:
             if time.monotonic() - last_refresh > 5.0:
                 self._refresh_partitions()
                 last_refresh = time.monotonic()
-            if self._inflight_count() or time.monotonic() >= quiet_until:
+            asked = bool(self._inflight_count()) or time.monotonic() >= quiet_until
+            if asked:
                 self._top_up(limit)
             if not self._submitted:
                 if self._finished() or self._stopping():
                     return
-                # Asking the source again at once would only cost broker round trips.
-                quiet_until = time.monotonic() + self.poll_interval_s
+                if asked:
+                    # Asking the source again at once would only cost broker round trips.
+                    quiet_until = time.monotonic() + self.poll_interval_s
                 if self.idle_ticks:
                     yield None
                     continue

@@ -437,3 +437,40 @@ def test_a_broker_restart_mid_stream_delays_it_but_loses_nothing(
     assert_exactly_once(batches, stream)
     assert runner.stats.bad_by_reason == stream.bad_counts()
     assert runner.stats.bad_records == len(stream.bad) == 8
+
+
+# -- a stream that goes quiet and then goes on ----------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_idle_ticks_go_on_when_a_quiet_stream_gets_new_records(
+    store: StoreAddress, kafka: KafkaForTests, kafka_topic: Callable[..., str]
+) -> None:
+    """With ``idle_ticks`` the runner yields None while the topic is quiet, and the records
+    produced later still arrive (the runner once stopped asking the broker after the first
+    quiet tick when it was asked again sooner than its poll interval)."""
+    topic = kafka_topic(1)
+    stream = Stream(kafka.bootstrap, kafka.api_version, topic)
+    stream.add(0, 100)
+    source = make_source(stream)
+    with dask_cluster() as client:
+        runner = StreamRunner(
+            client, source, SPEC, store, staleness=2, codec=CODEC, max_records=50, idle_ticks=True
+        )
+        batches: list[PreparedBatch] = []
+        ticks = 0
+        deadline = time.monotonic() + 60
+        for item in runner:
+            if item is None:
+                ticks += 1
+                if ticks == 20:  # quiet for a while: more records arrive
+                    stream.add(0, 100)
+                time.sleep(0.05)  # a trainer asks faster than the poll interval
+            else:
+                batches.append(item)
+            if (ticks >= 20 and runner.positions == stream.ends) or time.monotonic() > deadline:
+                break
+        runner.close()
+    source.close()
+    assert ticks >= 20
+    assert_exactly_once(batches, stream)
