@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: install browser lint typecheck proto proto-check test test-only demo bench-store bench-pipeline bench-e2e clean
+.PHONY: install browser lint typecheck proto proto-check test test-only demo bench-store bench-pipeline bench-e2e bench-chaos clean
 
 install: $(STAMP)
 
@@ -53,6 +53,9 @@ bench-pipeline: install
 
 bench-e2e: install
 	$(BIN)/python benchmarks/e2e.py --json bench-results/e2e.json
+
+bench-chaos: install
+	$(BIN)/python benchmarks/chaos.py --json bench-results/chaos.json
 
 bench-store: install
 	$(BIN)/python benchmarks/store.py --json bench-results/store.json

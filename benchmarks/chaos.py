@@ -1,0 +1,353 @@
+"""Chaos benchmark: a continuous Kafka job survives SIGKILLs of its parts and loses nothing.
+
+    python benchmarks/chaos.py --minutes 10 --kill-every-s 30 --json bench-results/chaos.json
+
+A real local Kafka 0.9 broker (2 partitions), a producer thread writing the
+synthetic stream at ``--rate`` events/s, and ``streamrec run`` (hybrid mode,
+2 store shards, 2 Dask workers, 1 trainer) as a user runs it. Every
+``--kill-every-s`` seconds one component is killed with SIGKILL, in a random
+order that takes each kind in turn (a shuffled bag): a store shard (the job
+restarts it and rolls back to its newest checkpoint), a Dask worker (its Nanny
+starts a new one, the task is retried) or the broker (the benchmark plays its
+supervisor: it brings it back on the same port after ``--outage-s``). The job
+is never restarted by hand. A killed trainer rank ends a job (with the command
+to resume, see tests/trainer/test_job_faults.py), so it is not a victim here.
+
+At the end the producer stops, the job catches up with the topic's end, gets
+Ctrl-C (SIGINT: last checkpoint, offsets committed) and the offsets are
+counted from the ledger (``learned-rank0.log``, rollbacks applied) and the
+consumer group: each offset of the topic must be learned exactly once.
+
+A kill's recovery time runs from the kill until the job has learned more
+than it had when it was killed (after a rollback it must first learn again
+what the rollback took back).
+
+JSON keys: produced, learned_once, learned_twice, never_learned, kills,
+kills_by_kind, recoveries, recovery_s_p50, recovery_s_max, job_rollbacks,
+committed_equals_end, manual_restarts (always 0), stop_reason, exit_code,
+and the list of kills with their times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from common import print_figures, write_json  # noqa: E402
+
+KINDS = ("shard", "worker", "broker")
+
+
+@dataclass
+class Kill:
+    kind: str
+    at_s: float  # seconds since the job started
+    pid: int
+    learned_at_kill: int
+    recovery_s: float | None = None
+    # The broker: its recovery counts from the moment it is back, until the job learns more.
+    ready: bool = True
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="SIGKILL a running streamrec job's parts and count what it learned."
+    )
+    parser.add_argument("--minutes", type=float, default=10.0, help="how long to keep killing")
+    parser.add_argument("--kill-every-s", type=float, default=30.0)
+    parser.add_argument("--kills", type=int, default=None, help="stop after this many kills")
+    parser.add_argument("--rate", type=float, default=1000.0, help="events/s produced")
+    parser.add_argument("--outage-s", type=float, default=3.0, help="broker down this long")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=500)
+    parser.add_argument("--catch-up-s", type=float, default=300.0, help="max wait at the end")
+    parser.add_argument("--work-dir", type=Path, default=None, help="default: a temporary one")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    return parser.parse_args(argv)
+
+
+def write_job(work: Path, bootstrap: str, topic: str, batch_size: int) -> Path:
+    import yaml
+
+    from connectors.synthetic import synthetic_feature_spec, synthetic_store_section
+
+    job = {
+        "run_dir": str(work / "run"),
+        "features": synthetic_feature_spec().model_dump(mode="json"),
+        "store": synthetic_store_section(dim=8),
+        "source": {
+            "kind": "kafka",
+            "bootstrap_servers": bootstrap,
+            "topics": [topic],
+            "group_id": "chaos",
+            "api_version": "0.9",
+            "deadletter": "file",
+        },
+        "trainer": {
+            "mode": "hybrid",
+            "staleness": 4,
+            "batch_size": batch_size,
+            "model": {"kind": "ffnn", "hidden": [64, 32]},
+            "torch_threads": 1,
+            "log_every_s": 1.0,
+            "checkpoint": {"every_steps": 20, "every_s": 10.0},
+        },
+        "cluster": {"workers": 2, "store_shards": 2, "dashboard_address": ":0"},
+    }
+    path = work / "job.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+class Producer(threading.Thread):
+    """Writes the synthetic stream in blocks, alternating partitions, retrying through outages."""
+
+    def __init__(self, bootstrap: str, topic: str, rate: float, seed: int) -> None:
+        super().__init__(name="chaos-producer", daemon=True)
+        self.bootstrap, self.topic, self.rate, self.seed = bootstrap, topic, rate, seed
+        self.stopped = threading.Event()
+        self.blocks = 0
+        self.errors = 0
+
+    def run(self) -> None:
+        from connectors.kafka import produce
+        from connectors.synthetic import SyntheticConfig, iter_json_lines
+
+        block = max(1, int(self.rate / 4))
+        lines = iter_json_lines(SyntheticConfig(seed=self.seed), 1 << 40)
+        t0 = time.monotonic()
+        while not self.stopped.is_set():
+            payloads = [next(lines) for _ in range(block)]
+            while not self.stopped.is_set():
+                try:
+                    produce(
+                        self.bootstrap,
+                        self.topic,
+                        payloads,
+                        api_version=(0, 9),
+                        partition=self.blocks % 2,
+                        timeout_s=10.0,
+                    )
+                    break
+                except Exception:  # the broker is down: the same block again
+                    self.errors += 1
+                    time.sleep(0.5)
+            self.blocks += 1
+            ahead = t0 + self.blocks * block / self.rate - time.monotonic()
+            if ahead > 0:
+                self.stopped.wait(ahead)
+
+
+def learned_count(run_dir: Path) -> int:
+    from trainer.ledger import learned_ranges
+
+    path = run_dir / "learned-rank0.log"
+    if not path.exists():
+        return 0
+    return sum(e - s for spans in learned_ranges(path).values() for s, e in spans)
+
+
+def job_children(job: subprocess.Popen[bytes], marker: str) -> list[Any]:
+    import psutil
+
+    found = []
+    for c in psutil.Process(job.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if marker in " ".join(c.cmdline()) and not any(
+                f.path.endswith(".log") and "learned-rank" in f.path for f in c.open_files()
+            ):
+                found.append(c)
+    return found
+
+
+def kill_one(
+    kill: Kill, job: subprocess.Popen[bytes], kafka: Any, outage_s: float, run_dir: Path
+) -> None:
+    """SIGKILL one component of ``kill.kind``; sets ``kill.pid``."""
+    if kill.kind == "broker":
+        kill.pid = int(kafka.broker_process.pid)
+        kill.ready = False
+        kafka.kill_broker()
+
+        def bring_back() -> None:
+            time.sleep(outage_s)
+            kafka.start_broker()
+            # Batches prepared before the kill may still be learned meanwhile: the job
+            # has resumed once it learns more than it had when the broker was back.
+            kill.learned_at_kill = learned_count(run_dir)
+            kill.ready = True
+
+        threading.Thread(target=bring_back, name="broker-supervisor", daemon=True).start()
+        return
+    marker = "store serve" if kill.kind == "shard" else "spawn_main"
+    victims = job_children(job, marker)
+    if not victims:
+        msg = f"no {kill.kind} process to kill"
+        raise RuntimeError(msg)
+    victim = random.choice(victims)
+    victim.kill()
+    kill.pid = int(victim.pid)
+
+
+def count_offsets(run_dir: Path, ends: dict[str, int]) -> dict[str, int]:
+    import numpy as np
+
+    from trainer.ledger import learned_ranges
+
+    ranges = learned_ranges(*sorted(run_dir.glob("learned-rank*.log")))
+    once = twice = never = 0
+    for partition, end in ends.items():
+        covered = np.zeros(end, dtype=np.int64)
+        for s, e in ranges.get(partition, []):
+            covered[s:e] += 1
+        once += int((covered == 1).sum())
+        twice += int((covered >= 2).sum())
+        never += int((covered == 0).sum())
+    return {"learned_once": once, "learned_twice": twice, "never_learned": never}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    random.seed(args.seed)
+    from connectors.kafka import KafkaSource, KafkaSourceConfig
+    from deploy.local.kafka import LocalKafka
+
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="streamrec-chaos-"))
+    work.mkdir(parents=True, exist_ok=True)
+    run_dir = work / "run"
+    kafka = LocalKafka.start(work / "kafka")
+    job_proc: subprocess.Popen[bytes] | None = None
+    producer: Producer | None = None
+    try:
+        topic = "chaos"
+        kafka.create_topic(topic, partitions=2)
+        producer = Producer(kafka.bootstrap, topic, args.rate, args.seed)
+        producer.start()
+        job = write_job(work, kafka.bootstrap, topic, args.batch_size)
+        log_path = work / "job.log"
+        with log_path.open("wb") as log:
+            job_proc = subprocess.Popen(
+                [sys.executable, "-m", "deploy.cli", "run", str(job)],
+                cwd=REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        started = time.monotonic()
+        while learned_count(run_dir) == 0:  # until the job trains
+            if job_proc.poll() is not None or time.monotonic() - started > 300:
+                msg = f"the job did not start training; see {log_path}"
+                raise RuntimeError(msg)
+            time.sleep(0.5)
+        kills: list[Kill] = []
+        bag: list[str] = []
+        until = time.monotonic() + args.minutes * 60
+        next_kill = time.monotonic() + args.kill_every_s
+        while time.monotonic() < until and (args.kills is None or len(kills) < args.kills):
+            if job_proc.poll() is not None:
+                break  # the job died: a failure the figures show (manual_restarts stays 0)
+            now = time.monotonic()
+            pending = [k for k in kills if k.recovery_s is None]
+            learned = learned_count(run_dir)
+            for k in pending:
+                if k.ready and learned > k.learned_at_kill:
+                    k.recovery_s = now - started - k.at_s
+                    print(f"  {k.kind} kill at {k.at_s:.0f}s: recovered in {k.recovery_s:.1f}s")
+            # One component down at a time: the next kill waits for the last recovery.
+            if now >= next_kill and not pending:
+                bag = bag or random.sample(KINDS, len(KINDS))
+                kill = Kill(bag.pop(), time.monotonic() - started, 0, learned)
+                kill_one(kill, job_proc, kafka, args.outage_s, run_dir)
+                kills.append(kill)
+                print(f"killed the {kill.kind} (pid {kill.pid}) at {kill.at_s:.0f}s")
+                next_kill = time.monotonic() + args.kill_every_s
+            time.sleep(0.25)
+        producer.stopped.set()
+        producer.join(timeout=60)
+        # Let the last recovery finish and the job catch up with the topic's end.
+        src = KafkaSource(
+            KafkaSourceConfig(
+                bootstrap_servers=kafka.bootstrap,
+                topics=[topic],
+                group_id="chaos",  # the job's group: its committed offsets are counted
+                api_version="0.9",
+            )
+        )
+        ends = {p: src.end_position(p) for p in src.partitions()}
+        deadline = time.monotonic() + args.catch_up_s
+        while time.monotonic() < deadline and job_proc.poll() is None:
+            if learned_count(run_dir) >= sum(ends.values()):
+                break
+            time.sleep(0.5)
+        now = time.monotonic()
+        for k in kills:
+            if k.recovery_s is None and k.ready and learned_count(run_dir) > k.learned_at_kill:
+                k.recovery_s = now - started - k.at_s
+        if job_proc.poll() is None:
+            job_proc.send_signal(signal.SIGINT)
+        try:
+            exit_code = job_proc.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            os.killpg(job_proc.pid, signal.SIGKILL)
+            exit_code = job_proc.wait()
+        output = log_path.read_text(errors="replace")
+        committed = {p: src.committed(p) for p in ends}
+        src.close()
+        stop = re.findall(r"stopped by (\S+)", output)
+        rollbacks = re.findall(r"recovered (\d+) time\(s\)", output)
+        recovered = [k.recovery_s for k in kills if k.recovery_s is not None]
+        figures: dict[str, Any] = {
+            "produced": sum(ends.values()),
+            **count_offsets(run_dir, ends),
+            "kills": len(kills),
+            "kills_by_kind": {kind: sum(k.kind == kind for k in kills) for kind in KINDS},
+            "recoveries": len(recovered),
+            "recovery_s_p50": round(statistics.median(recovered), 2) if recovered else None,
+            "recovery_s_max": round(max(recovered), 2) if recovered else None,
+            "job_rollbacks": int(rollbacks[-1]) if rollbacks else 0,
+            "committed_equals_end": committed == ends,
+            "manual_restarts": 0,
+            "stop_reason": stop[-1] if stop else None,
+            "exit_code": exit_code,
+            "producer_retries": producer.errors,
+            "minutes": args.minutes,
+            "kill_every_s": args.kill_every_s,
+            "work_dir": str(work),
+            "kill_log": [asdict(k) for k in kills],
+        }
+        print_figures({k: v for k, v in figures.items() if k != "kill_log"}, str)
+        if args.json is not None:
+            write_json(args.json, figures, announce=True)
+        return 0
+    finally:
+        if producer is not None:
+            producer.stopped.set()
+        if job_proc is not None and job_proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job_proc.pid, signal.SIGKILL)
+        if job_proc is not None:
+            # Orphaned Dask workers of a job that was killed keep its process group.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job_proc.pid, signal.SIGKILL)
+        kafka.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""The chaos benchmark's short run: three SIGKILLs (a store shard, a Dask worker, the broker).
+
+``benchmarks/chaos.py`` runs a continuous `streamrec run` from a real local
+Kafka while a producer writes, kills one component of each kind in a random
+order, never restarts the job, and counts every offset from the ledger and the
+consumer group. The long run (10 minutes, a kill every 30 s) is the benchmark
+itself; this is the same script, short.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import REPO_ROOT
+
+
+def test_three_kills_lose_nothing_and_learn_nothing_twice(tmp_path: Path) -> None:
+    out = tmp_path / "chaos.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/chaos.py",
+            "--minutes", "4",
+            "--kill-every-s", "12",
+            "--kills", "3",
+            "--rate", "600",
+            "--seed", "1",
+            "--work-dir", str(tmp_path / "work"),
+            "--json", str(out),
+        ],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    figures = json.loads(out.read_text())
+    log = (tmp_path / "work" / "job.log").read_text(errors="replace")[-4000:]
+    assert figures["kills"] == 3, figures
+    assert figures["kills_by_kind"] == {"shard": 1, "worker": 1, "broker": 1}
+    assert figures["recoveries"] == 3, (figures, log)
+    assert figures["produced"] > 0
+    assert figures["never_learned"] == 0, (figures, log)
+    assert figures["learned_twice"] == 0, (figures, log)
+    assert figures["learned_once"] == figures["produced"]
+    assert figures["committed_equals_end"], (figures, log)
+    assert figures["job_rollbacks"] == 1, (figures, log)  # the shard's
+    assert figures["manual_restarts"] == 0
+    assert figures["exit_code"] == 0, log
+    assert figures["stop_reason"] == "signal", log
