@@ -19,8 +19,10 @@ counted from the ledger (``learned-rank0.log``, rollbacks applied) and the
 consumer group: each offset of the topic must be learned exactly once.
 
 A kill's recovery time runs from the kill until the job has learned more
-than it had when it was killed (after a rollback it must first learn again
-what the rollback took back).
+than it had when it was killed: for a shard, after the job rolled back (so
+it first learns again what the rollback took back); for the broker, more
+than it had when the broker was back (batches prepared before the kill may
+still be learned during the outage).
 
 JSON keys: produced, learned_once, learned_twice, never_learned, kills,
 kills_by_kind, recoveries, recovery_s_p50, recovery_s_max, job_rollbacks,
@@ -64,6 +66,7 @@ class Kill:
     recovery_s: float | None = None
     # The broker: its recovery counts from the moment it is back, until the job learns more.
     ready: bool = True
+    rollbacks_at_kill: int = 0  # a shard's kill is over only after the job rolled back
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -153,6 +156,13 @@ class Producer(threading.Thread):
             ahead = t0 + self.blocks * block / self.rate - time.monotonic()
             if ahead > 0:
                 self.stopped.wait(ahead)
+
+
+def rollback_count(run_dir: Path) -> int:
+    path = run_dir / "learned-rank0.log"
+    if not path.exists():
+        return 0
+    return sum(line.startswith("rollback") for line in path.read_text().splitlines())
 
 
 def learned_count(run_dir: Path) -> int:
@@ -266,7 +276,10 @@ def main(argv: list[str] | None = None) -> int:
             now = time.monotonic()
             pending = [k for k in kills if k.recovery_s is None]
             learned = learned_count(run_dir)
+            rollbacks = rollback_count(run_dir)
             for k in pending:
+                if k.kind == "shard" and rollbacks > k.rollbacks_at_kill:
+                    k.ready = True
                 if k.ready and learned > k.learned_at_kill:
                     k.recovery_s = now - started - k.at_s
                     print(f"  {k.kind} kill at {k.at_s:.0f}s: recovered in {k.recovery_s:.1f}s")
@@ -274,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
             if now >= next_kill and not pending:
                 bag = bag or random.sample(KINDS, len(KINDS))
                 kill = Kill(bag.pop(), time.monotonic() - started, 0, learned)
+                kill.rollbacks_at_kill = rollback_count(run_dir)
+                # Steps already under way may still be learned before the job notices
+                # the lost shard; they are rolled back and do not count as recovery.
+                kill.ready = kill.kind != "shard"
                 kill_one(kill, job_proc, kafka, args.outage_s, run_dir)
                 kills.append(kill)
                 print(f"killed the {kill.kind} (pid {kill.pid}) at {kill.at_s:.0f}s")
