@@ -353,7 +353,27 @@ def run_rank(
             if rank != 0:
                 _barrier(world)
             restarts = supervisor.restarts if supervisor is not None else 0
-            manifest = restore_job(book, store, dense, rank=rank) if book is not None else None
+            manifest = None
+            restore_started = time.monotonic()
+            while book is not None:
+                try:
+                    manifest = restore_job(book, store, dense, rank=rank)
+                    break
+                except StoreUnavailable as exc:
+                    # A shard that died while the store was being rolled back (rank 0
+                    # alone restores the store): wait for it again, then roll back again.
+                    waited = time.monotonic() - restore_started
+                    if not cfg.recovery.enabled or waited > cfg.recovery.timeout_s:
+                        raise
+                    log.warning("rank %d: restoring the store failed (%s); retrying", rank, exc)
+                    _await_store(
+                        store,
+                        dask,
+                        supervisor,
+                        timeout_s=max(1.0, cfg.recovery.timeout_s - waited),
+                        stopping=stopping,
+                    )
+                    restarts = supervisor.restarts if supervisor is not None else 0
             if rank == 0:
                 _barrier(world)
             stats.samples, stats.events = kept_samples, kept_events

@@ -230,6 +230,7 @@ class GrpcTransport:
         """Call ``method`` with retries; ``first`` is an already started future."""
         fn = getattr(self._stub, method)
         delay = self._retry.initial_backoff_s
+        error: StoreError | None = None
         for attempt in range(self._retry.attempts):
             try:
                 if attempt == 0 and first is not None:
@@ -237,10 +238,16 @@ class GrpcTransport:
                 return fn(request, metadata=self._metadata, timeout=self._retry.timeout_s)
             except grpc.RpcError as exc:
                 if exc.code() not in _RETRYABLE or attempt == self._retry.attempts - 1:
-                    raise _map_rpc_error(exc, self.address, method) from None
+                    error = _map_rpc_error(exc, self.address, method)
+                    break
                 time.sleep(delay)
                 delay = min(delay * 2, self._retry.max_backoff_s)
-        raise AssertionError("unreachable")  # pragma: no cover
+        # Raised outside the handler, so no gRPC call object rides along as its
+        # __context__: Dask pickles a task's error, and that object does not pickle
+        # (the job would get a plain Exception instead of StoreUnavailable).
+        if error is None:  # pragma: no cover - every way out of the loop sets it
+            raise AssertionError("unreachable")
+        raise error
 
     def _start(self, method: str, request: Any) -> Wait[Any]:
         future = getattr(self._stub, method).future(

@@ -122,3 +122,26 @@ def test_a_killed_worker_costs_a_retry_not_a_record(tmp_path: Path) -> None:
                 os.kill(next(iter(pids.values())), signal.SIGKILL)
         _assert_tiles(batches, {p: (0, 3000) for p in source.partitions()})
         assert len(batches) == 36
+
+
+def test_a_lookup_on_a_dead_shard_reaches_the_trainer_as_store_unavailable(
+    cluster: Client, start_shards: Callable[..., Any], write_job: Callable[..., Path]
+) -> None:
+    """The prepare task's error keeps its type across Dask: the job rolls back on it.
+
+    Dask pickles a task's error; with the gRPC call object as its ``__context__``
+    it did not pickle and arrived as a plain ``Exception``, which the job took
+    for a crash instead of a lost shard.
+    """
+    from embedding_store.errors import StoreUnavailable
+    from pipeline.prepare import StoreAddress as Address
+
+    job = write_job(**synthetic_store_section(dim=8, row_dtype="float32"))
+    [shard] = start_shards(1, job, None)
+    address = Address(f"grpc://{shard.address}")
+    shard.kill()
+    source = SyntheticSource(SyntheticConfig(seed=1, partitions=1, events=100))
+    runner = StreamRunner(cluster, source, SPEC, address, staleness=0, max_records=50, retries=0)
+    with pytest.raises(StoreUnavailable, match="on shard"):
+        next(iter(runner))
+    runner.close()
