@@ -75,6 +75,12 @@ class JsonlDeadLetterSink:
                 view = view[os.write(self._fd, view) :]
             self.written += len(records)
 
+    def flush(self) -> None:
+        """Make every line written so far durable (fsync)."""
+        with self._lock:
+            if self._fd is not None:
+                os.fsync(self._fd)
+
     def close(self) -> None:
         """Flush to disk and close; the sink may be written to again (it reopens)."""
         with self._lock:
@@ -159,6 +165,10 @@ class CountingDeadLetterSink:
             self._counts.update(r.reason for r in records)
         self.inner.write(records)
 
+    def flush(self) -> None:
+        """Flush the inner sink."""
+        self.inner.flush()
+
     def close(self) -> None:
         """Close the inner sink."""
         self.inner.close()
@@ -178,6 +188,9 @@ class NullDeadLetterSink:
     """
 
     def write(self, records: Sequence[BadRecord]) -> None:
+        """Do nothing."""
+
+    def flush(self) -> None:
         """Do nothing."""
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ resumes after the last record it got, so nothing is lost or duplicated.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -33,6 +34,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
@@ -881,18 +883,31 @@ def produce(
         producer.close(timeout=timeout_s)
 
 
+# Kafka 0.9's default message.max.bytes; a record's envelope must stay below it.
+DEFAULT_MAX_MESSAGE_BYTES = 1_000_012
+# Room for the record's key, the message and message-set headers.
+_ENVELOPE_OVERHEAD = 1024
+
+
 class KafkaDeadLetterSink:
     """Writes each :class:`~connectors.types.BadRecord` as JSON to a dead-letter topic.
 
     The value is ``json.dumps(record.to_json())`` (raw bytes as latin-1 text, so
     any payload round-trips); the key is ``"source/partition"`` of the bad
-    record, so one partition's bad records stay in order. ``write`` never raises
-    for a record: a failed delivery is logged and counted, and :meth:`close`,
-    after flushing, raises :class:`DeadLetterError` if any record was lost.
+    record, so one partition's bad records stay in order.
 
-        sink = KafkaDeadLetterSink("127.0.0.1:9092", "events.deadletter", api_version="0.9")
+    Nothing is lost: an envelope larger than ``max_message_bytes`` is sent in a
+    form that fits (``raw`` cut, with ``truncated: true``, the payload's length
+    ``raw_bytes`` and ``raw_sha256``) and the whole record goes to the JSON-lines
+    file ``spill_path``; a record the broker refuses, or does not acknowledge
+    by :meth:`flush`, goes there whole too. ``write`` never raises for a record;
+    :meth:`flush` (and :meth:`close`) raise :class:`DeadLetterError` only when a
+    record could be neither delivered nor spilled.
+
+        sink = KafkaDeadLetterSink("127.0.0.1:9092", "events.deadletter", api_version="0.9",
+                                   spill_path="runs/job/deadletter-rank0.jsonl")
         sink.write([bad_record])
-        sink.close()
+        sink.flush()  # every record so far acknowledged, or in the spill file
     """
 
     def __init__(
@@ -904,22 +919,33 @@ class KafkaDeadLetterSink:
         client_options: Mapping[str, Any] | None = None,
         flush_timeout_s: float = 60.0,
         retry_timeout_s: float = 300.0,
+        spill_path: str | Path | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
+        from connectors.deadletter import JsonlDeadLetterSink
+
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
         self.api_version = parse_api_version(api_version)
         self.client_options = dict(client_options or {})
         self.flush_timeout_s = flush_timeout_s
         self.retry_timeout_s = retry_timeout_s
-        self.written = 0
-        self.failed = 0
+        limit = int(self.client_options.get("max_request_size", max_message_bytes))
+        self.max_message_bytes = min(limit, max_message_bytes)
+        self.spill = JsonlDeadLetterSink(spill_path) if spill_path is not None else None
+        self.written = 0  # acknowledged by the broker
+        self.truncated = 0  # sent cut to fit, whole in the spill file
+        self.spilled = 0  # refused or unacknowledged: whole in the spill file only
+        self.failed = 0  # neither delivered nor spilled: lost, and flush() says so
         self._first_error: BaseException | None = None
         self._lock = threading.Lock()
         self._producer: Any = None
+        self._pending: dict[int, BadRecord] = {}
+        self._next_id = 0
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_producer=None, _lock=None, _first_error=None)
+        state.update(_producer=None, _lock=None, _first_error=None, _pending={})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -938,16 +964,69 @@ class KafkaDeadLetterSink:
             self._producer = _producer(self.bootstrap_servers, version, self.client_options)
         return self._producer
 
-    def _failed(self, exc: BaseException) -> None:
-        with self._lock:
-            self.failed += 1
-            if self._first_error is None:
-                self._first_error = exc
-        log.error("a bad record could not be written to %s: %r", self.topic, exc)
+    def _spill(self, records: Sequence[BadRecord], why: BaseException | None) -> bool:
+        """Write ``records`` whole to the spill file; False (and counted lost) if impossible."""
+        try:
+            if self.spill is None:
+                msg = "no spill_path to keep it in"
+                raise DeadLetterError(msg)
+            self.spill.write(records)
+            return True
+        except (OSError, DeadLetterError) as exc:
+            with self._lock:
+                self.failed += len(records)
+                if self._first_error is None:
+                    self._first_error = why or exc
+            log.error(
+                "%d bad record(s) could not be written to %s (%r) nor spilled (%r)",
+                len(records),
+                self.topic,
+                why,
+                exc,
+            )
+            return False
 
-    def _delivered(self, _metadata: Any) -> None:
+    def _settled(self, ident: int, error: BaseException | None) -> None:
         with self._lock:
-            self.written += 1
+            record = self._pending.pop(ident, None)
+            if record is not None and error is None:
+                self.written += 1
+        if record is not None and error is not None and self._spill([record], error):
+            with self._lock:
+                self.spilled += 1
+            log.warning(
+                "a bad record (%s offset %d) was refused by %s (%r); kept whole in %s",
+                record.partition,
+                record.position,
+                self.topic,
+                error,
+                self.spill.path if self.spill is not None else "-",
+            )
+
+    def _envelope(self, record: BadRecord, key: bytes) -> bytes:
+        value = json.dumps(record.to_json()).encode()
+        if len(value) + len(key) + _ENVELOPE_OVERHEAD <= self.max_message_bytes:
+            return value
+        # Too large for the topic: the whole record goes to the spill file, the
+        # topic gets it cut, with what identifies the whole.
+        if self.spill is None:
+            msg = f"an oversize bad record ({len(record.raw)} bytes) has no spill_path to go to"
+            raise DeadLetterError(msg)
+        self.spill.write([record])  # an OSError here: write() spills (or counts) it once
+        envelope = record.to_json()
+        envelope["raw"] = ""
+        envelope.update(
+            truncated=True,
+            raw_bytes=len(record.raw),
+            raw_sha256=hashlib.sha256(record.raw).hexdigest(),
+            whole_record_in=str(self.spill.path) if self.spill is not None else None,
+        )
+        room = self.max_message_bytes - len(key) - _ENVELOPE_OVERHEAD - len(json.dumps(envelope))
+        # A latin-1 character takes at most 6 bytes in JSON (\u00XX).
+        envelope["raw"] = record.raw[: max(0, room // 6)].decode("latin-1")
+        with self._lock:
+            self.truncated += 1
+        return json.dumps(envelope).encode()
 
     def write(self, records: Sequence[BadRecord]) -> None:
         """Queue ``records`` for the dead-letter topic (delivery is asynchronous)."""
@@ -955,38 +1034,61 @@ class KafkaDeadLetterSink:
             return
         try:
             producer = self._get_producer()
-        except Exception as exc:  # Kafka unreachable: count the loss, keep the stream going
-            for _ in records:
-                self._failed(exc)
+        except Exception as exc:  # Kafka unreachable: keep them whole in the spill file
+            if self._spill(records, exc):
+                with self._lock:
+                    self.spilled += len(records)
             return
         for record in records:
+            key = f"{record.source}/{record.partition}".encode()
+            with self._lock:
+                ident = self._next_id
+                self._next_id += 1
+                self._pending[ident] = record
             try:
-                value = json.dumps(record.to_json()).encode()
-                key = f"{record.source}/{record.partition}".encode()
+                value = self._envelope(record, key)
                 future = producer.send(self.topic, value=value, key=key)
             except Exception as exc:  # one record's trouble must not stop the stream
-                self._failed(exc)
+                self._settled(ident, exc)
                 continue
-            future.add_callback(self._delivered)
-            future.add_errback(self._failed)
+            future.add_callback(lambda _meta, i=ident: self._settled(i, None))
+            future.add_errback(lambda exc, i=ident: self._settled(i, exc))
 
-    def close(self) -> None:
-        """Flush everything queued, close the producer; raise if records were lost."""
-        producer, self._producer = self._producer, None
-        if producer is not None:
+    def flush(self) -> None:
+        """Until every record written is acknowledged or spilled; raise if one was lost.
+
+        Records the broker has not acknowledged within ``flush_timeout_s`` are
+        spilled whole (they may also reach the topic later: a duplicate, never a loss).
+        """
+        if self._producer is not None:
             try:
-                producer.flush(timeout=self.flush_timeout_s)
+                self._producer.flush(timeout=self.flush_timeout_s)
             except Exception as exc:
-                self._failed(exc)
-            finally:
-                producer.close(timeout=self.flush_timeout_s)
+                log.warning("flushing the dead-letter topic %s failed: %r", self.topic, exc)
+        with self._lock:
+            waiting = list(self._pending.items())
+        for ident, _ in waiting:
+            self._settled(ident, KafkaUnavailable(f"not acknowledged by {self.topic} in time"))
+        if self.spill is not None:
+            self.spill.flush()
         if self.failed:
             msg = (
                 f"{self.failed} bad record(s) could not be written to {self.topic} at "
-                f"{self.bootstrap_servers} (first error: {self._first_error!r}); they are "
-                f"in the log above"
+                f"{self.bootstrap_servers} nor kept in a spill file (first error: "
+                f"{self._first_error!r}); they are in the log above"
             )
             raise DeadLetterError(msg)
+
+    def close(self) -> None:
+        """Flush everything queued, close the producer; raise if records were lost."""
+        try:
+            self.flush()
+        finally:
+            producer, self._producer = self._producer, None
+            if producer is not None:
+                producer.close(timeout=self.flush_timeout_s)
+            if self.spill is not None:
+                self.spill.close()
 
 
 if TYPE_CHECKING:  # mypy proves that the classes implement the shared protocols

@@ -143,8 +143,16 @@ class Source(Protocol):
 
 
 class DeadLetterSink(Protocol):
-    """Where bad records go; writing must not fail the stream for one bad record."""
+    """Where bad records go; writing must not fail the stream for one bad record.
+
+    ``flush`` returns once every record written so far is durable (on disk, or
+    acknowledged by a broker) and raises when one cannot be made so. A job calls
+    it before each checkpoint: an offset is committed only once every record
+    below it is learned or durably dead-lettered.
+    """
 
     def write(self, records: Sequence[BadRecord]) -> None: ...
+
+    def flush(self) -> None: ...
 
     def close(self) -> None: ...

@@ -104,6 +104,8 @@ def build_deadletter(job: JobConfig, rank: int) -> DeadLetterSink | None:
             f"{cfg.topics[0]}.deadletter",
             api_version=cfg.api_version,
             client_options=cfg.client_options,
+            # Oversize or refused records are kept whole here: nothing is lost.
+            spill_path=job.run_dir / f"deadletter-rank{rank}.jsonl",
         )
     return JsonlDeadLetterSink(job.run_dir / f"deadletter-rank{rank}.jsonl")
 
@@ -410,7 +412,7 @@ def run_rank(
                 on_progress=progress,
                 best_auc=best_auc,
                 store_changed=store_changed,
-                before_checkpoint=getattr(deadletter, "flush", None),
+                before_checkpoint=deadletter.flush if deadletter is not None else None,
                 # A job always has a checkpoint to roll back to.
                 initial_checkpoint=book is not None and manifest is None,
                 stats=stats,

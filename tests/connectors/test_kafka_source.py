@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 import random
@@ -9,6 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import cloudpickle  # type: ignore[import-untyped]
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
+from connectors.deadletter import read_dead_letters
 from connectors.kafka import (
     DeadLetterError,
     KafkaDeadLetterSink,
@@ -419,7 +422,7 @@ def test_dead_letter_sink_round_trip(
     assert restored[0].raw == b"\xff\x00{"
 
 
-def test_dead_letter_sink_never_fails_a_write_but_reports_losses_on_close() -> None:
+def test_dead_letter_sink_without_a_spill_file_reports_losses_on_flush_and_close() -> None:
     sink = KafkaDeadLetterSink(
         f"127.0.0.1:{free_port()}",
         "nowhere.deadletter",
@@ -429,8 +432,68 @@ def test_dead_letter_sink_never_fails_a_write_but_reports_losses_on_close() -> N
     record = BadRecord("kafka", "t/0", 1, "nan", "x", "x is NaN", b"{}")
     sink.write([record, record])  # the broker is unreachable: no exception here
     with pytest.raises(DeadLetterError, match="2 bad record\\(s\\) could not be written"):
+        sink.flush()
+    with pytest.raises(DeadLetterError, match="2 bad record\\(s\\) could not be written"):
         sink.close()
     assert pickle.loads(pickle.dumps(sink)).topic == "nowhere.deadletter"
+
+
+def test_an_oversize_bad_record_is_cut_to_fit_and_kept_whole_in_the_spill_file(
+    kafka: KafkaForTests,
+    kafka_topic: Callable[..., str],
+    sources: Callable[..., KafkaSource],
+    tmp_path: Path,
+) -> None:
+    """A 900 KB bad record: its 1.8 MB envelope used to be refused by the broker and lost."""
+    topic = kafka_topic()
+    dead_topic = f"{topic}.deadletter"
+    kafka.create_topic(dead_topic)
+    raw = bytes(range(256)) * 3600  # 921,600 bytes, half of them non-ASCII
+    big = BadRecord("kafka", f"{topic}/0", 41, "not_json", None, "payload is not JSON", raw)
+    small = BadRecord("kafka", f"{topic}/0", 42, "not_json", None, "payload is not JSON", b"{")
+    spill = tmp_path / "deadletter-rank0.jsonl"
+    sink = KafkaDeadLetterSink(
+        kafka.bootstrap, dead_topic, api_version=kafka.api_version, spill_path=spill
+    )
+    sink.write([big, small])
+    sink.flush()  # durable: acknowledged, or whole in the spill file
+    assert (sink.written, sink.truncated, sink.spilled, sink.failed) == (2, 1, 0, 0)
+    assert read_dead_letters(spill) == [big]  # the whole record, bytes exact
+    sink.close()
+
+    reader = sources(kafka.bootstrap, dead_topic)
+    chunk = reader.plan(f"{dead_topic}/0", 0, 100)
+    assert chunk is not None
+    got = [json.loads(v) for v in reader.read(chunk).payloads or []]
+    assert len(got) == 2
+    cut, whole = got
+    assert cut["truncated"] is True
+    assert cut["raw_bytes"] == len(raw)
+    assert cut["raw_sha256"] == hashlib.sha256(raw).hexdigest()
+    assert cut["whole_record_in"] == str(spill)
+    assert 0 < len(cut["raw"]) < len(raw)
+    assert raw.startswith(cut["raw"].encode("latin-1"))
+    assert (cut["partition"], cut["position"]) == (big.partition, big.position)
+    assert BadRecord.from_json(whole) == small
+
+
+def test_dead_letters_a_broker_cannot_take_are_spilled_and_flush_says_so(tmp_path: Path) -> None:
+    spill = tmp_path / "spill.jsonl"
+    sink = KafkaDeadLetterSink(
+        f"127.0.0.1:{free_port()}",
+        "nowhere.deadletter",
+        api_version="0.9",
+        client_options={"max_block_ms": 300},
+        spill_path=spill,
+        flush_timeout_s=2.0,
+    )
+    record = BadRecord("kafka", "t/0", 1, "nan", "x", "x is NaN", b"{}")
+    sink.write([record, record])  # the broker is unreachable: no exception here
+    sink.flush()  # kept whole in the spill file: durable, so no error
+    assert sink.spilled == 2
+    assert sink.failed == 0
+    assert read_dead_letters(spill) == [record, record]
+    sink.close()
 
 
 # -- broker restarts --------------------------------------------------------------------
