@@ -1,10 +1,12 @@
-"""``ParquetSource``: Parquet files as a finite source, one chunk per row group.
+"""``ParquetSource``: Parquet files as a finite source, in chunks of at most ``max_records`` rows.
 
 Each file is a partition; its positions are row indices within the file. A
-chunk is always whole row groups: ``plan`` starts at a row-group boundary and
-takes the following row groups while they fit in ``max_records`` (so small row
-groups are merged), but always at least one (a row group larger than
-``max_records`` is one chunk). Row groups without rows are skipped.
+chunk is ``[position, min(position + max_records, rows))``: a row group larger
+than ``max_records`` is cut into several chunks, and smaller ones are merged,
+so a backfill trains at ``trainer.batch_size`` whatever row-group size the
+files were written with. Any row is a valid position, so a checkpoint taken in
+the middle of a row group resumes there. A read decodes only the row groups
+the chunk overlaps.
 
 Partition names are the files' paths relative to the deepest folder that holds
 all of them (POSIX separators), so they stay the same when the same data is
@@ -19,14 +21,14 @@ named again from another working directory or moved as a whole.
 >>> chunk = src.plan("a.parquet", 0, 100)
 >>> chunk.start, chunk.end
 (0, 10)
->>> src.plan("a.parquet", 0, 5).end  # one row group of 4: the next would pass 5
-4
->>> src.read(src.plan("a.parquet", 8, 100)).table["x"].to_pylist()
-[8, 9]
->>> src.plan("a.parquet", 5, 100)  # doctest: +ELLIPSIS
+>>> [(c.start, c.end) for c in (src.plan("a.parquet", p, 3) for p in (0, 3, 6, 9))]
+[(0, 3), (3, 6), (6, 9), (9, 10)]
+>>> src.read(src.plan("a.parquet", 3, 3)).table["x"].to_pylist()  # across row groups 0 and 1
+[3, 4, 5]
+>>> src.plan("a.parquet", 11, 100)  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-connectors.parquet.InvalidPosition: ...position 5 is not a row-group boundary ...: 0, 4, 8, 10
+connectors.parquet.InvalidPosition: ...position 11 is outside the file's 10 rows ...
 """
 
 from __future__ import annotations
@@ -176,37 +178,42 @@ class ParquetSource:
         return self._file(partition).rows
 
     def boundaries(self, partition: str) -> list[int]:
-        """The positions a chunk may start at, and the file's end."""
+        """The file's row-group starts and its end (chunks may start anywhere between)."""
         f = self._file(partition)
         return [*f.starts, f.rows]
 
     def plan(self, partition: str, position: int, max_records: int) -> Chunk | None:
-        """Whole row groups from ``position`` (a boundary) up to ``max_records``, at least one."""
+        """Rows ``[position, min(position + max_records, rows))``; None at the end.
+
+        The chunk names the row groups it overlaps and where it starts in the first.
+        """
         f = self._file(partition)
         if position == f.rows:
             return None
-        k = bisect.bisect_left(f.starts, position)
-        if k == len(f.starts) or f.starts[k] != position:
-            where = (
-                f"is outside the file's {f.rows} rows"
-                if not 0 <= position < f.rows
-                else "is not a row-group boundary"
-            )
+        if not 0 <= position < f.rows:
             msg = (
-                f"{f.path}: position {position} {where} (partition {partition!r}); "
-                f"resume at one of: {_describe(self.boundaries(partition))}"
+                f"{f.path}: position {position} is outside the file's {f.rows} rows "
+                f"(partition {partition!r}); resume at a row in [0, {f.rows}]"
             )
             raise InvalidPosition(msg)
-        ends = [*f.starts[1:], f.rows]
-        m = k + 1
-        while m < len(f.starts) and ends[m] - position <= max_records:
-            m += 1
+        if max_records < 1:
+            msg = f"max_records must be >= 1, got {max_records}"
+            raise ValueError(msg)
+        end = min(position + max_records, f.rows)
+        # Row groups overlapping [position, end): the last starting at or before
+        # ``position``, up to the last starting before ``end``.
+        first = bisect.bisect_right(f.starts, position) - 1
+        last = bisect.bisect_left(f.starts, end)
         return Chunk(
             source=self.name,
             partition=partition,
             start=position,
-            end=ends[m - 1],
-            extra=(("path", f.path), ("row_groups", f.groups[k:m])),
+            end=end,
+            extra=(
+                ("path", f.path),
+                ("row_groups", f.groups[first:last]),
+                ("skip", position - f.starts[first]),
+            ),
         )
 
     def is_finished(self, partition: str, position: int) -> bool:
@@ -214,7 +221,10 @@ class ParquetSource:
         return position >= self._file(partition).rows
 
     def read(self, chunk: Chunk) -> RawChunk:
-        """The chunk's row groups (projected to ``columns``), with their row indices."""
+        """The chunk's rows (projected to ``columns``), with their row indices.
+
+        Decodes the row groups the chunk overlaps, then slices (zero-copy).
+        """
         if chunk.source != self.name:
             msg = f"source {self.name!r} cannot read a chunk of source {chunk.source!r}"
             raise ValueError(msg)
@@ -224,13 +234,18 @@ class ParquetSource:
         if not isinstance(groups, tuple):
             msg = f"{chunk!r} names no row groups: plan it with ParquetSource.plan"
             raise ValueError(msg)
+        skip = extra.get("skip", 0)
+        if not isinstance(skip, int):
+            msg = f"{chunk!r}: 'skip' must be a row count"
+            raise ValueError(msg)
         table = pq.ParquetFile(f.path).read_row_groups(list(groups), columns=self.columns)
-        if table.num_rows != len(chunk):
+        if table.num_rows < skip + len(chunk):
             msg = (
                 f"{f.path}: row groups {list(groups)} hold {table.num_rows} rows, the chunk "
-                f"[{chunk.start}, {chunk.end}) expects {len(chunk)}: the file changed"
+                f"[{chunk.start}, {chunk.end}) needs {skip + len(chunk)}: the file changed"
             )
             raise InvalidPosition(msg)
+        table = table.slice(skip, len(chunk))
         positions = np.arange(chunk.start, chunk.end, dtype=np.int64)
         return RawChunk(chunk=chunk, positions=positions, table=table)
 

@@ -314,7 +314,7 @@ def add_commands(sub: Any) -> None:
         "backfill",
         help="train over Parquet history, with a progress bar; resumable",
         description=(
-            "Train over Parquet files (one chunk per row group) with a progress bar; "
+            "Train over Parquet files (trainer.batch_size rows per step) with a progress bar; "
             "a stopped backfill resumes at its checkpoint's position."
         ),
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -240,3 +241,40 @@ def test_demo_job_splits_events_over_partitions(events: int) -> None:
     assert job.source is not None
     assert job.source.kind == "synthetic"
     assert job.source.events * 2 >= events  # type: ignore[union-attr]
+
+
+def test_backfill_trains_at_the_batch_size_and_resumes_inside_a_row_group(
+    tmp_path: Path,
+) -> None:
+    """Row groups of 1000 rows, `batch_size: 300`: steps of at most 300 samples.
+
+    A backfill used to make one step of each whole row group, and could resume
+    only at a row-group boundary.
+    """
+    data = write_parquet(tmp_path / "history.parquet", SyntheticConfig(seed=8), 2500, 1000)
+    job = write_synthetic_job(
+        tmp_path,
+        store=synthetic_store_section(dim=4),
+        source={"kind": "parquet", "paths": [str(data)]},
+        trainer={**TRAINER, "batch_size": 300},
+        cluster={"workers": 1, "store_shards": 1, "dashboard_address": ":0"},
+    )
+    first = streamrec("backfill", str(job), "--max-events", "1100")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "trained 1,100 samples" in first.stdout
+    book = CheckpointBook(tmp_path / "run" / "checkpoints")
+    m1 = book.latest()
+    assert m1 is not None
+    assert m1.positions == {"history.parquet": 1100}  # inside the second row group
+    second = streamrec("backfill", str(job))
+    assert second.returncode == 0, second.stdout + second.stderr
+    chunks = ledger(tmp_path / "run", 0)
+    spans = sorted((lo, hi) for _, _, lo, hi in chunks)
+    assert all(hi - lo <= 300 for lo, hi in spans), spans
+    assert spans[0][0] == 0
+    assert spans[-1][1] == 2500
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans)), spans  # each row once
+    assert len(spans) == 9  # 4 steps to 1100 (the last one cut at the budget), 5 after
+    m2 = book.latest()
+    assert m2 is not None
+    assert m2.samples == 2500
