@@ -44,6 +44,7 @@ def _store_serve(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         token=token,
         metrics_port=args.metrics_port,
+        allow_dirs=tuple(args.allow_dir),
     )
 
 
@@ -148,6 +149,17 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--token-file", type=Path, help="file holding the job's auth token")
     serve.add_argument(
         "--no-auth", action="store_true", help="accept calls without a token (tests on loopback)"
+    )
+    serve.add_argument(
+        "--allow-dir",
+        type=Path,
+        action="append",
+        default=[],
+        metavar="DIR",
+        help=(
+            "a folder outside --data-dir that Checkpoint and Restore calls may name (e.g. a "
+            "shared export folder for resharding); repeatable. Any other path is refused"
+        ),
     )
     serve.add_argument(
         "--metrics-port",

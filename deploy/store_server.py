@@ -44,17 +44,19 @@ def serve(
     token: str | None,
     grace_s: float = 5.0,
     metrics_port: int | None = None,
+    allow_dirs: tuple[Path, ...] = (),
 ) -> int:
     """Serve until SIGTERM/SIGINT, then checkpoint into ``data_dir``; returns the exit code.
 
     ``metrics_port``: serve ``/metrics`` on ``host`` at this port (0: any free
-    one); None: no metrics server.
+    one); None: no metrics server. ``allow_dirs``: folders besides ``data_dir``
+    that Checkpoint and Restore calls may name.
     """
     data_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     shard = StoreShard.open(config, data_dir)
     restored = sum(len(t) for t in shard.tables.values())
-    servicer = EmbeddingStoreServicer(shard)
+    servicer = EmbeddingStoreServicer(shard, allow_dirs=allow_dirs)
     server, bound = make_server(shard, host=host, port=port, token=token, servicer=servicer)
     metrics = None
     if metrics_port is not None:

@@ -17,18 +17,21 @@ own; Stats returns them with the shard's counters.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hmac
 import json
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
-from embedding_store.errors import CheckpointError, InvalidRequest, UnknownTable
+from embedding_store.errors import CheckpointError, InvalidRequest, MessageTooLarge, UnknownTable
 from embedding_store.latency import LatencyHistogram
 from embedding_store.proto import embedding_store_pb2 as pb
 from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
@@ -38,6 +41,32 @@ from embedding_store.wire import TO_PB, decode_ids, decode_matrix, encode_matrix
 
 AUTH_HEADER = "authorization"
 _KINDS = {pb.AUTO: "auto", pb.FULL: "full", pb.DELTA: "delta"}
+# Lookup replies being built at once may hold this many times max_message_bytes.
+_INFLIGHT_REPLIES = 4
+# Bytes a looked-up row takes while its reply is built: float32 rows, then the wire copy.
+_WORK_BYTES_PER_VALUE = 4 + 4
+
+
+class _ByteBudget:
+    """Bounds the bytes that concurrent calls hold; a call that alone exceeds it still runs."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._used = 0
+        self._cond = threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self, n: int) -> Iterator[None]:
+        with self._cond:
+            while self._used and self._used + n > self.capacity:
+                self._cond.wait()
+            self._used += n
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._used -= n
+                self._cond.notify_all()
 
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
@@ -56,6 +85,8 @@ def _errors_to_status(
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except CheckpointError as exc:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except MessageTooLarge as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
     return wrapper
@@ -83,10 +114,13 @@ def latency_to_pb(snap: LatencySnapshot) -> pb.LatencyHistogram:
 class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
     """Serves one ``StoreShard`` over gRPC, timing its Lookup and Push calls."""
 
-    def __init__(self, shard: StoreShard) -> None:
+    def __init__(self, shard: StoreShard, *, allow_dirs: tuple[Path, ...] = ()) -> None:
         self.shard = shard
+        # Folders besides the data dir that Checkpoint and Restore may name.
+        self.allow_dirs = tuple(Path(d).resolve() for d in allow_dirs)
         self.lookup_latency = LatencyHistogram()
         self.push_latency = LatencyHistogram()
+        self._replies = _ByteBudget(_INFLIGHT_REPLIES * shard.config.max_message_bytes)
 
     def stats(self) -> ShardStats:
         """The shard's counters with this server's call latencies (what Stats returns)."""
@@ -108,6 +142,24 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
             msg = "tables: a table is named twice in one Lookup"
             raise InvalidRequest(msg)
         step = request.step if request.HasField("step") else None
+        # Refused before any row is made or read: a reply that cannot be sent would
+        # only cost memory (and, with train=True, create rows for nothing).
+        values = sum(len(v) * self.shard.table(name).dim for name, v in ids.items())
+        reply = values * (2 if dtype == "float16" else 4)
+        limit = self.shard.config.max_message_bytes
+        if reply > limit:
+            n = sum(len(v) for v in ids.values())
+            msg = (
+                f"Lookup: the reply for {n} ids would be {reply:,} bytes, over "
+                f"max_message_bytes {limit:,}; split the ids into several calls"
+            )
+            raise MessageTooLarge(msg)
+        with self._replies.hold(values * _WORK_BYTES_PER_VALUE):
+            return self._lookup_rows(ids, request, step, dtype)
+
+    def _lookup_rows(
+        self, ids: dict[str, Any], request: pb.LookupRequest, step: int | None, dtype: Any
+    ) -> pb.LookupResponse:
         rows = self.shard.lookup(ids, train=request.train, step=step)
         return pb.LookupResponse(
             tables=[
@@ -147,6 +199,32 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
             duplicate_request=result.duplicate_request,
         )
 
+    def _confined(self, directory: str) -> Path | None:
+        """``directory`` of a Checkpoint or Restore: inside the data dir or an allowed one.
+
+        A caller may name a folder inside the shard's data dir (relative, or
+        absolute within it) or inside a folder the shard was started with
+        (``--allow-dir``); the empty string is the data dir itself. Anything
+        else (``/etc``, ``../../..``) is refused: a remote caller must not make
+        the shard write or read where its operator did not say it may.
+        """
+        if not directory:
+            return None
+        home = self.shard.data_dir
+        roots = ((home.resolve(),) if home is not None else ()) + self.allow_dirs
+        if not roots:
+            msg = f"directory: {directory!r} given, but this shard has no data directory"
+            raise InvalidRequest(msg)
+        target = (roots[0] / directory).resolve()
+        if not any(target == r or r in target.parents for r in roots):
+            msg = (
+                f"directory: {directory!r} is outside the shard's data directory "
+                f"{roots[0]}; name a folder inside it (or leave it empty for the data "
+                "directory), or start the shard with --allow-dir"
+            )
+            raise InvalidRequest(msg)
+        return target
+
     @_errors_to_status
     def Checkpoint(
         self, request: pb.CheckpointRequest, context: grpc.ServicerContext
@@ -163,7 +241,8 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
         if kind is None:
             msg = f"kind: unknown checkpoint kind {request.kind}"
             raise InvalidRequest(msg)
-        result = self.shard.checkpoint(request.directory or None, kind, metadata=metadata)  # type: ignore[arg-type]
+        directory = self._confined(request.directory)
+        result = self.shard.checkpoint(directory, kind, metadata=metadata)  # type: ignore[arg-type]
         return checkpoint_to_pb(result)
 
     @_errors_to_status
@@ -171,7 +250,7 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
         self, request: pb.RestoreRequest, context: grpc.ServicerContext
     ) -> pb.RestoreResponse:
         result = self.shard.restore(
-            request.directory or None,
+            self._confined(request.directory),
             shard_index=request.shard_index,
             num_shards=max(1, request.num_shards),
             upto_seq=request.upto_seq if request.HasField("upto_seq") else None,

@@ -32,7 +32,7 @@ import numpy.typing as npt
 from embedding_store import persistence
 from embedding_store.errors import CheckpointError, InvalidRequest, UnknownTable
 from embedding_store.hashing import shard_of
-from embedding_store.table import EmbeddingTable
+from embedding_store.table import MAX_STEP, EmbeddingTable
 from embedding_store.types import (
     CheckpointKind,
     CheckpointResult,
@@ -98,6 +98,9 @@ class StoreShard:
         step: int | None = None,
     ) -> dict[str, F32]:
         """Rows for the ids of each named table (see ``EmbeddingTable.lookup``)."""
+        if step is not None and not 0 <= step < MAX_STEP:
+            msg = f"step: must be in [0, 2**40), got {step}"
+            raise InvalidRequest(msg)
         tables = [(name, self.table(name)) for name in requests]
         return {name: t.lookup(requests[name], train=train, step=step) for name, t in tables}
 

@@ -94,6 +94,9 @@ class RowBatch:
 # --- kernels --------------------------------------------------------------------
 
 
+# Step clocks a caller may set: 2**40 steps is 35 years at 1,000 steps a second.
+MAX_STEP = 1 << 40
+
 @nb.njit(nogil=True, cache=True, inline="always")
 def _home(key: np.int64, mask: int) -> np.int64:
     return np.int64(mix64(np.uint64(key)) & np.uint64(mask))
@@ -539,6 +542,10 @@ class EmbeddingTable:
     # --- the training path ------------------------------------------------------
 
     def _advance_clock(self, step: int | None) -> int:
+        if step is not None and not 0 <= int(step) < MAX_STEP:
+            # A clock of 2**62 (or -5) would be persisted and break TTL and recency.
+            msg = f"step: must be in [0, 2**40), got {int(step)} (table {self.name!r})"
+            raise InvalidRequest(msg)
         self.clock = self.clock + 1 if step is None else max(self.clock, int(step))
         return self.clock
 
@@ -618,9 +625,11 @@ class EmbeddingTable:
     def push(self, ids: npt.ArrayLike, grads: npt.ArrayLike) -> PushResult:
         """Apply gradients to the rows of ``ids`` with the table's optimizer.
 
-        Gradients of an id named twice are summed. Rows with a NaN or Inf are
-        rejected and counted; ids without a row (not admitted, or evicted since
-        their lookup) are dropped and counted.
+        Gradients of an id named twice are summed. Gradients with a NaN or Inf,
+        and updates that would leave a NaN or Inf in a row (an overflow), are
+        rejected and counted (``rejected_nonfinite``): the row keeps its values.
+        Ids without a row (not admitted, or evicted since their lookup) are
+        dropped and counted.
         """
         keys = _as_ids(ids).view(np.int64)
         g = np.asarray(grads)
@@ -641,9 +650,12 @@ class EmbeddingTable:
                 summed = np.zeros((uniq.shape[0], self.dim), dtype=np.float32)
                 np.add.at(summed, inverse, g[valid])
                 rows, g = uniq.astype(np.int64), summed
-            self.optimizer.apply(self._weights, self._state, self._row_step, rows, g)
-            if self.config.weight_clip is not None:
-                _clip(self._weights, rows, self.config.weight_clip)
+                # Finite gradients of one id can overflow when summed (2e38 twice).
+                overflow = ~np.isfinite(g).all(axis=1)
+                if overflow.any():
+                    nonfinite += int(np.bincount(inverse, minlength=len(uniq))[overflow].sum())
+                    rows[overflow] = -1
+            nonfinite += self._apply_finite(rows, g)
             applied = keys.shape[0] - absent - nonfinite
             self._counters["pushes"] += 1
             self._counters["push_ids"] += keys.shape[0]
@@ -652,6 +664,29 @@ class EmbeddingTable:
         return PushResult(
             applied=applied, dropped_not_admitted=absent, rejected_nonfinite=nonfinite
         )
+
+    def _apply_finite(self, rows: I64, g: F32) -> int:
+        """Apply ``g`` to ``rows``; rows the update would make non-finite are left as they were.
+
+        Returns how many rows were left unchanged: a finite gradient can still
+        overflow a weight or an optimizer state (3e38 three times), and a row
+        that holds NaN or Inf would be served, and checkpointed, for good.
+        """
+        live = rows[rows >= 0]
+        before = (self._weights[live], self._state[live], self._row_step[live])
+        self.optimizer.apply(self._weights, self._state, self._row_step, rows, g)
+        if self.config.weight_clip is not None:
+            _clip(self._weights, rows, self.config.weight_clip)
+        bad = ~(np.isfinite(self._weights[live]).all(axis=1))
+        if self._state.shape[1]:
+            bad |= ~np.isfinite(self._state[live]).all(axis=1)
+        if not bad.any():
+            return 0
+        undo = live[bad]
+        self._weights[undo] = before[0][bad]
+        self._state[undo] = before[1][bad]
+        self._row_step[undo] = before[2][bad]
+        return int(bad.sum())
 
     # --- eviction and expiry ----------------------------------------------------
 

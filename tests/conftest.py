@@ -83,10 +83,16 @@ def start_shards(tmp_path: Path) -> Iterator[Callable[..., list[ShardProcess]]]:
     started: list[ShardProcess] = []
 
     def start(
-        n: int, config: Path, token_file: Path | None, prefix: str = "shard"
+        n: int,
+        config: Path,
+        token_file: Path | None,
+        prefix: str = "shard",
+        allow_dirs: tuple[Path, ...] = (),
     ) -> list[ShardProcess]:
         procs = [
-            ShardProcess.start(config, tmp_path / f"{prefix}-{i}", token_file=token_file)
+            ShardProcess.start(
+                config, tmp_path / f"{prefix}-{i}", token_file=token_file, allow_dirs=allow_dirs
+            )
             for i in range(n)
         ]
         started.extend(procs)

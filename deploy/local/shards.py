@@ -48,6 +48,7 @@ class ShardProcess:
     token_file: Path | None
     metrics_port: int | None = None  # the port /metrics is served on; None: no metrics
     die_with_parent: bool = False
+    allow_dirs: tuple[Path, ...] = ()
 
     @property
     def address(self) -> str:
@@ -73,6 +74,7 @@ class ShardProcess:
         timeout_s: float = 120.0,
         die_with_parent: bool = False,
         metrics_port: int | None = None,
+        allow_dirs: tuple[Path, ...] = (),
     ) -> ShardProcess:
         """Start a shard and wait until it serves (it may first restore from ``data_dir``).
 
@@ -102,6 +104,8 @@ class ShardProcess:
         argv += ["--token-file", str(token_file)] if token_file else ["--no-auth"]
         if metrics_port is not None:
             argv += ["--metrics-port", str(metrics_port)]
+        for d in allow_dirs:
+            argv += ["--allow-dir", str(d)]
         with log_path.open("ab") as log:
             offset = log.tell()
             proc = subprocess.Popen(
@@ -137,6 +141,7 @@ class ShardProcess:
                     token_file,
                     metrics_port=bound_metrics,
                     die_with_parent=die_with_parent,
+                    allow_dirs=allow_dirs,
                 )
             if proc.poll() is not None:
                 msg = f"store shard exited with code {proc.returncode}:\n{text[-4000:]}"
@@ -157,6 +162,7 @@ class ShardProcess:
             timeout_s=timeout_s,
             metrics_port=self.metrics_port,
             die_with_parent=self.die_with_parent,
+            allow_dirs=self.allow_dirs,
         )
 
     def stop(self, timeout_s: float = 60.0) -> int:
