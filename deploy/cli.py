@@ -109,15 +109,20 @@ def _kafka(args: argparse.Namespace) -> int:
         except (KafkaSetupError, KafkaStartError) as exc:
             print(f"streamrec kafka up: {exc}", file=sys.stderr)
             return 1
+        what = {
+            "running": "already running",
+            "restarted": f"restarted ({' and '.join(state.get('restarted', []))}) on the same "
+            "address, with its data",
+        }.get(state.get("action", ""), "started")
         print(
             f"Kafka {'.'.join(map(str, state['api_version']))} on {state['bootstrap']} "
-            f"(ZooKeeper {state['zookeeper']}); stop it with `streamrec kafka down`"
+            f"(ZooKeeper {state['zookeeper']}): {what}; stop it with `streamrec kafka down`"
         )
         return 0
     if down(args.state_dir):
-        print("Kafka stopped")
+        print("Kafka stopped (`streamrec kafka up` starts it again on the same address)")
     else:
-        print(f"no Kafka recorded in {args.state_dir}")
+        print(f"no Kafka running from {args.state_dir}")
     return 0
 
 
@@ -208,7 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     kafka.add_argument(
-        "kafka_command", choices=["up", "down"], metavar="up|down", help="start or stop it"
+        "kafka_command",
+        choices=["up", "down"],
+        metavar="up|down",
+        help=(
+            "up: start it, or restart what died on the same address with its data "
+            "(idempotent); down: stop it (the address and data are kept for the next up)"
+        ),
     )
     kafka.add_argument(
         "--state-dir",

@@ -364,6 +364,44 @@ class LocalKafka:
             raise
         return kafka
 
+    @classmethod
+    def resume(
+        cls,
+        work_dir: Path,
+        *,
+        zk_port: int,
+        broker_port: int,
+        zookeeper_process: JavaProcess | None = None,
+        broker_process: JavaProcess | None = None,
+        cache_dir: Path | None = None,
+        heap: str = "256m",
+        timeout_s: float = 90.0,
+    ) -> LocalKafka:
+        """The servers of ``work_dir`` on their ports: the ones given running are kept,
+        the others started again (with the data they left), so clients find Kafka
+        where they looked for it.
+
+        A broker killed moments ago still holds its ZooKeeper registration until
+        its session expires (``ZK_SESSION_TIMEOUT_MS``); the new one waits it out.
+        """
+        java = find_java()
+        home = kafka_home(cache_dir)
+        kafka = cls(
+            home,
+            java,
+            work_dir.resolve(),
+            zk_port,
+            broker_port,
+            heap=heap,
+            zookeeper_process=zookeeper_process,
+            broker_process=broker_process,
+        )
+        if zookeeper_process is None or not zookeeper_process.alive():
+            kafka._start_zookeeper(timeout_s, new_port=False)
+        if broker_process is None or not broker_process.alive():
+            kafka._start_broker(timeout_s, new_port=False)
+        return kafka
+
     @property
     def bootstrap(self) -> str:
         """``127.0.0.1:<port>``, for ``bootstrap_servers``."""
@@ -379,10 +417,11 @@ class LocalKafka:
         path.write_text(text)
         return path
 
-    def _start_zookeeper(self, timeout_s: float) -> None:
+    def _start_zookeeper(self, timeout_s: float, *, new_port: bool = True) -> None:
         log4j = self._write("log4j.properties", _LOG4J)
         for attempt in range(3):  # a free port may be taken before ZooKeeper binds it
-            self.zk_port = free_port()
+            if new_port:
+                self.zk_port = free_port()
             config = self._write(
                 "zookeeper.properties",
                 render_properties(
@@ -415,8 +454,11 @@ class LocalKafka:
             tail = zk.log_tail()
             exited = not zk.alive()
             zk.kill()
-            if _ADDRESS_IN_USE in tail and attempt < 2:
+            if _ADDRESS_IN_USE in tail and attempt < 2 and new_port:
                 continue
+            if _ADDRESS_IN_USE in tail:
+                msg = _port_taken("ZooKeeper", self.zk_port, self.work_dir)
+                raise KafkaStartError(msg)
             what = "exited" if exited else f"did not start within {timeout_s}s"
             msg = f"ZooKeeper {what} (log {zk.log_path}); its log ends:\n{tail}"
             raise KafkaStartError(msg)
@@ -502,6 +544,8 @@ class LocalKafka:
                 time.sleep(0.1)
             exited = not broker.alive()
             broker.kill()
+            if exited and _ADDRESS_IN_USE in text and not new_port:
+                raise KafkaStartError(_port_taken("the Kafka broker", self.broker_port, None))
             if exited and time.monotonic() < deadline:
                 if _ADDRESS_IN_USE in text and new_port and attempt < 3:
                     continue
@@ -742,6 +786,21 @@ def _recorded(state: Mapping[str, Any], key: str, main_class: str) -> JavaProces
     return JavaProcess(pid, main_class, Path(os.devnull))
 
 
+def _port_taken(what: str, port: int, work_dir: Path | None) -> str:
+    return (
+        f"{what} cannot listen on 127.0.0.1:{port}, where it ran before: another process "
+        f"holds the port. Stop that process, or delete the state file to start a new Kafka "
+        f"on new ports (clients must then be given the new address)"
+        + (f"; the data stays in {work_dir}" if work_dir is not None else "")
+    )
+
+
+def _port(address: object) -> int | None:
+    if isinstance(address, str) and address.rpartition(":")[2].isdigit():
+        return int(address.rpartition(":")[2])
+    return None
+
+
 def up(
     state_dir: Path,
     *,
@@ -751,33 +810,47 @@ def up(
 ) -> dict[str, Any]:
     """Start ZooKeeper and a broker detached, with data in ``<state_dir>/kafka``.
 
-    Records pids and addresses in ``<state_dir>/kafka.json`` and returns that record;
-    the servers keep running after this process exits, until :func:`down`.
-    Raises :class:`KafkaSetupError` when a Kafka from this state dir still runs.
+    Records pids and addresses in ``<state_dir>/kafka.json`` and returns that record,
+    with ``"action"``: ``"started"`` (a new Kafka), ``"running"`` (both servers
+    already run: nothing to do) or ``"restarted"`` (a server that had died, or
+    was stopped by :func:`down`, started again on the address it had, with its
+    data, so clients that were using it carry on). The servers keep running after
+    this process exits, until :func:`down`.
     """
     from embedding_store.persistence import write_file_atomic  # numpy, pyarrow: only here
 
     state_dir.mkdir(parents=True, exist_ok=True)
     old = _read_state(state_dir)
-    if old is not None:
-        running = [
-            p
-            for p in (
-                _recorded(old, "broker_pid", _BROKER_MAIN),
-                _recorded(old, "zookeeper_pid", _ZK_MAIN),
-            )
-            if p is not None and p.alive()
-        ]
-        if running:
-            msg = (
-                f"Kafka from {state_dir} already runs at {old.get('bootstrap')} "
-                f"(pids {[p.pid for p in running]}); run `streamrec kafka down` first"
-            )
-            raise KafkaSetupError(msg)
-    kafka = LocalKafka.start(
-        state_dir / "kafka", cache_dir=cache_dir, heap=heap, timeout_s=timeout_s
-    )
-    state = kafka.state()
+    zk_port = _port(old.get("zookeeper")) if old else None
+    broker_port = _port(old.get("bootstrap")) if old else None
+    if old is not None and zk_port is not None and broker_port is not None:
+        zk = _recorded(old, "zookeeper_pid", _ZK_MAIN)
+        broker = _recorded(old, "broker_pid", _BROKER_MAIN)
+        alive = [p is not None and p.alive() for p in (zk, broker)]
+        if all(alive):
+            return {**old, "action": "running"}
+        if alive[1] and not alive[0] and broker is not None:
+            # A broker whose ZooKeeper died cannot register again: restart both.
+            broker.stop()
+            alive[1] = False
+        work_dir = Path(str(old.get("work_dir") or state_dir / "kafka"))
+        kafka = LocalKafka.resume(
+            work_dir,
+            zk_port=zk_port,
+            broker_port=broker_port,
+            zookeeper_process=zk if alive[0] else None,
+            broker_process=broker if alive[1] else None,
+            cache_dir=cache_dir,
+            heap=heap,
+            timeout_s=timeout_s,
+        )
+        restarted = [n for n, a in zip(("ZooKeeper", "broker"), alive, strict=True) if not a]
+        state = {**kafka.state(), "action": "restarted", "restarted": restarted}
+    else:
+        kafka = LocalKafka.start(
+            state_dir / "kafka", cache_dir=cache_dir, heap=heap, timeout_s=timeout_s
+        )
+        state = {**kafka.state(), "action": "started"}
     body = (json.dumps(state, indent=2) + "\n").encode()
     # Never a half-written state file.
     write_file_atomic(state_dir / STATE_FILE, lambda f: f.write(body))
@@ -785,20 +858,25 @@ def up(
 
 
 def down(state_dir: Path, *, timeout_s: float = 30.0) -> bool:
-    """Stop the Kafka that :func:`up` started from ``state_dir``; False if none was recorded.
+    """Stop the Kafka that :func:`up` started from ``state_dir``; False if none runs.
 
     Only pids that still run the expected Java main class are signalled, so a
     stale state file never kills an unrelated process. The data stays in
-    ``<state_dir>/kafka``; the state file is removed.
+    ``<state_dir>/kafka`` and the state file keeps the addresses (without pids),
+    so the next :func:`up` brings Kafka back where its clients look for it.
     """
+    from embedding_store.persistence import write_file_atomic
+
     state = _read_state(state_dir)
     if state is None:
         return False
     broker = _recorded(state, "broker_pid", _BROKER_MAIN)
     zookeeper = _recorded(state, "zookeeper_pid", _ZK_MAIN)
+    running = [p for p in (broker, zookeeper) if p is not None and p.alive()]
     # Broker first: stopping ZooKeeper under a live broker makes it hang on shutdown.
-    for proc in (broker, zookeeper):
-        if proc is not None and proc.alive():
-            proc.stop(timeout_s)
-    (state_dir / STATE_FILE).unlink(missing_ok=True)
-    return True
+    for proc in running:
+        proc.stop(timeout_s)
+    stopped = {**state, "broker_pid": None, "zookeeper_pid": None, "action": "stopped"}
+    body = (json.dumps(stopped, indent=2) + "\n").encode()
+    write_file_atomic(state_dir / STATE_FILE, lambda f: f.write(body))
+    return bool(running)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +20,6 @@ from connectors.kafka import produce
 from deploy.local.kafka import (
     API_VERSION,
     REPO_ROOT,
-    KafkaSetupError,
     _pid_alive,
     down,
     find_java,
@@ -81,16 +82,16 @@ def test_up_records_state_and_down_stops_it(tmp_path: Path) -> None:
         produce(state["bootstrap"], topic, [b"hello"], api_version=API_VERSION)
         assert consume_all(state["bootstrap"], topic, 0, 1) == [(0, b"hello")]
 
-        with pytest.raises(
-            KafkaSetupError, match=r"already runs at 127\.0\.0\.1:\d+ .*`streamrec kafka down`"
-        ):
-            up(tmp_path)
+        again = up(tmp_path)  # idempotent: both run, nothing to do
+        assert again["action"] == "running"
+        assert again["bootstrap"] == state["bootstrap"]
     finally:
         stopped = down(tmp_path)
     assert stopped is True
-    assert not state_file.exists()
     assert not any(_pid_alive(pid) for pid in pids)
-    assert down(tmp_path) is False  # nothing recorded any more
+    assert down(tmp_path) is False  # nothing runs any more
+    kept = json.loads(state_file.read_text())  # the address stays for the next up
+    assert (kept["bootstrap"], kept["broker_pid"]) == (state["bootstrap"], None)
 
 
 def test_down_leaves_unrelated_processes_alone(tmp_path: Path) -> None:
@@ -100,7 +101,7 @@ def test_down_leaves_unrelated_processes_alone(tmp_path: Path) -> None:
         (tmp_path / "kafka.json").write_text(
             json.dumps({"broker_pid": other.pid, "zookeeper_pid": None})
         )
-        assert down(tmp_path) is True
+        assert down(tmp_path) is False  # nothing of ours ran
         assert other.poll() is None  # not a Kafka broker: not signalled
     finally:
         other.kill()
@@ -147,3 +148,63 @@ def test_missing_npm_says_to_install_it(tmp_path: Path) -> None:
     assert result.returncode != 0
     assert "KafkaSetupError: npm not found: install Node.js with npm" in result.stderr
     assert not (tmp_path / "cache").exists() or not any((tmp_path / "cache").iterdir())
+
+
+def _kafka_cli(state_dir: Path, command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "deploy.cli", "kafka", command, "--state-dir", str(state_dir)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def test_kafka_up_brings_a_killed_broker_back_where_clients_look(tmp_path: Path) -> None:
+    """`kafka up` after a kill -9 (broker; then broker and ZooKeeper; then `down`): same
+    address, same data, and a consumer that was reading carries on by itself.
+
+    It used to refuse while a stale pid was recorded, and `down` then `up` moved the
+    broker to a new port, where a running job never looked.
+    """
+    first = _kafka_cli(tmp_path, "up")
+    assert first.returncode == 0, first.stderr
+    state = json.loads((tmp_path / "kafka.json").read_text())
+    bootstrap = state["bootstrap"]
+    topic = f"back-{uuid.uuid4().hex[:8]}"
+    try:
+        produce(bootstrap, topic, [b"0", b"1"], api_version=API_VERSION)
+        for i, victims in enumerate((["broker_pid"], ["broker_pid", "zookeeper_pid"], "down")):
+            if victims == "down":
+                assert _kafka_cli(tmp_path, "down").returncode == 0
+            else:
+                for key in victims:
+                    os.kill(state[key], signal.SIGKILL)
+            again = _kafka_cli(tmp_path, "up")
+            assert again.returncode == 0, again.stderr
+            assert f"on {bootstrap} " in again.stdout, again.stdout
+            assert "restarted" in again.stdout, again.stdout
+            state = json.loads((tmp_path / "kafka.json").read_text())
+            assert state["bootstrap"] == bootstrap
+            assert len(consume_all(bootstrap, topic, 0, 2 + i)) == 2 + i  # the data stayed
+            produce(bootstrap, topic, [str(2 + i).encode()], api_version=API_VERSION)
+        got = consume_all(bootstrap, topic, 0, 5)
+        assert [v for _, v in got] == [b"0", b"1", b"2", b"3", b"4"]  # nothing lost
+        assert "already running" in _kafka_cli(tmp_path, "up").stdout
+
+        # A source that was reading when the broker died carries on once it is back.
+        from tests.kafka_fixtures import make_kafka_source
+
+        source = make_kafka_source(bootstrap, topic, api_version=API_VERSION)
+        os.kill(state["broker_pid"], signal.SIGKILL)
+        restarter = threading.Timer(3.0, lambda: _kafka_cli(tmp_path, "up"))
+        restarter.start()
+        try:
+            chunk = source.plan(f"{topic}/0", 0, 100)  # waits for the broker
+            assert chunk is not None
+            assert len(source.read(chunk).payloads or []) == 5
+        finally:
+            restarter.join()
+            source.close()
+    finally:
+        _kafka_cli(tmp_path, "down")
