@@ -13,7 +13,6 @@ import contextlib
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ import pytest
 
 from connectors.synthetic import synthetic_store_section
 from tests.conftest import REPO_ROOT, STREAMREC, write_synthetic_job
+from tests.trainer.test_job import wait_for_checkpoint
 from trainer.checkpoint import CheckpointBook
 from trainer.ledger import learned_ranges
 
@@ -60,19 +60,6 @@ def start(job: Path) -> subprocess.Popen[str]:
         text=True,
         start_new_session=True,
     )
-
-
-def wait_for_step(run_dir: Path, step: int, proc: subprocess.Popen[str]) -> None:
-    book = CheckpointBook(run_dir / "checkpoints")
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        m = book.latest()
-        if m is not None and m.step >= step:
-            return
-        if proc.poll() is not None:
-            pytest.fail(f"the job ended before checkpoint step {step}: {proc.communicate()[0]}")
-        time.sleep(0.05)
-    pytest.fail(f"no checkpoint at step >= {step} within 180 s")
 
 
 def children(proc: subprocess.Popen[str], marker: str) -> list[psutil.Process]:
@@ -132,7 +119,7 @@ def test_a_killed_store_shard_is_healed_in_a_two_rank_job(tmp_path: Path) -> Non
     run_dir = tmp_path / "run"
     proc = start(job)
     try:
-        wait_for_step(run_dir, 4, proc)
+        wait_for_checkpoint(run_dir, 4, proc)
         shards = children(proc, "serve")
         assert len(shards) == 2
         shards[1].kill()
@@ -149,7 +136,7 @@ def test_a_killed_trainer_rank_ends_the_job_with_the_command_to_resume(tmp_path:
     run_dir = tmp_path / "run"
     proc = start(job)
     try:
-        wait_for_step(run_dir, 4, proc)
+        wait_for_checkpoint(run_dir, 4, proc)
         rank_process(proc, 1).kill()  # rank 0 is the job process itself
         code, out = finish(proc, timeout=120)
     finally:
