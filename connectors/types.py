@@ -143,16 +143,32 @@ class Source(Protocol):
 
 
 class DeadLetterSink(Protocol):
-    """Where bad records go; writing must not fail the stream for one bad record.
+    """Where bad records go: ``write`` never fails the stream; ``flush`` is the durability point.
 
-    ``flush`` returns once every record written so far is durable (on disk, or
-    acknowledged by a broker) and raises when one cannot be made so. A job calls
-    it before each checkpoint: an offset is committed only once every record
-    below it is learned or durably dead-lettered.
+    - ``write(records)`` hands records over and returns; it does not raise for a
+      record, a broker or a disk (a sink keeps what it could not deliver and
+      tries again), so one bad record never stops the stream. Delivery may be
+      asynchronous.
+    - ``flush()`` returns only once every record written so far is durable:
+      acknowledged by a broker, or appended and fsynced to a file. It raises
+      :class:`~connectors.deadletter.DeadLetterError` when a record cannot be
+      made so, and keeps raising at every call until that record is durable: a
+      record is never dropped silently.
+    - ``close()`` flushes (raising as ``flush`` does), then releases the sink.
+
+    A job calls ``flush`` on every rank before each checkpoint's manifest is
+    saved, and a failing flush fails that checkpoint: a Kafka offset is
+    committed only once every record below it is learned or durably dead-lettered.
     """
 
-    def write(self, records: Sequence[BadRecord]) -> None: ...
+    def write(self, records: Sequence[BadRecord]) -> None:
+        """Hand ``records`` over (never raises for a record, a broker or a disk)."""
+        ...
 
-    def flush(self) -> None: ...
+    def flush(self) -> None:
+        """Block until every record written so far is durable; raise DeadLetterError if not."""
+        ...
 
-    def close(self) -> None: ...
+    def close(self) -> None:
+        """Flush, then release connections and files."""
+        ...

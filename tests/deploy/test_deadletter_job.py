@@ -9,6 +9,8 @@ record, and the job goes on.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from connectors.synthetic import SyntheticConfig, iter_json_lines, synthetic_sto
 from tests.conftest import streamrec, write_synthetic_job
 from tests.kafka_fixtures import KafkaForTests
 from trainer.checkpoint import CheckpointBook
+from trainer.ledger import learned_ranges
 
 
 def test_an_oversize_bad_record_is_dead_lettered_cut_and_kept_whole(
@@ -49,7 +52,8 @@ def test_an_oversize_bad_record_is_dead_lettered_cut_and_kept_whole(
         },
         cluster={"workers": 1, "store_shards": 1, "dashboard_address": ":0"},
     )
-    out = streamrec("run", str(job), "--max-events", "601", timeout=180)
+    # --max-events ends the run once all 601 are learned; --max-time bounds it regardless.
+    out = streamrec("run", str(job), "--max-events", "601", "--max-time", "150", timeout=240)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "Traceback" not in out.stderr, out.stderr
     assert "trained 600 samples" in out.stdout
@@ -57,6 +61,11 @@ def test_an_oversize_bad_record_is_dead_lettered_cut_and_kept_whole(
     run_dir = tmp_path / "run"
     [whole] = read_dead_letters(run_dir / "deadletter-rank0.jsonl")
     assert (whole.position, whole.raw) == (300, big)
+    # Every offset learned once (the bad record's chunk included): nothing skipped or repeated.
+    [spans] = learned_ranges(run_dir / "learned-rank0.log").values()
+    assert spans[0][0] == 0
+    assert spans[-1][1] == 601
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans)), spans
     final = CheckpointBook(run_dir / "checkpoints").latest()
     assert final is not None
     assert final.positions == {f"{topic}/0": 601}
@@ -65,11 +74,15 @@ def test_an_oversize_bad_record_is_dead_lettered_cut_and_kept_whole(
     fields = set(KafkaSourceConfig.model_fields)
     reader = KafkaSource(KafkaSourceConfig(**{k: v for k, v in source.items() if k in fields}))
     try:
-        assert reader.committed(f"{topic}/0") == 601  # past the bad record: it is durable
+        end = reader.end_position(f"{topic}/0")
+        assert reader.committed(f"{topic}/0") == end == 601  # past the bad record: it is durable
         letters = reader.read(reader.plan(f"{topic}.deadletter/0", 0, 10))  # type: ignore[arg-type]
     finally:
         reader.close()
     [envelope] = [json.loads(p) for p in letters.payloads or []]
     assert envelope["truncated"] is True
     assert envelope["raw_bytes"] == len(big)
+    assert envelope["raw_sha256"] == hashlib.sha256(big).hexdigest()
+    assert envelope["whole_record_in"] == str(run_dir / "deadletter-rank0.jsonl")
+    assert big.startswith(envelope["raw"].encode("latin-1"))
     assert envelope["position"] == 300
