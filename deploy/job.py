@@ -11,6 +11,7 @@ SIGTERM or Ctrl-C) the ranks take a last checkpoint, then everything stops.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import multiprocessing as mp
@@ -20,10 +21,11 @@ import signal
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from dataclasses import field as dc_field
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import yaml
@@ -39,10 +41,20 @@ from connectors.kafka import (
 from connectors.parquet import ParquetSource
 from connectors.synthetic import SyntheticConfig, SyntheticSource
 from connectors.types import Chunk, DeadLetterSink, RawChunk, Source
+from deploy.cluster import (
+    ClusterError,
+    TorchrunRank,
+    check_scheduler,
+    check_store,
+    check_torchrun_job,
+    environment,
+    store_token,
+)
 from deploy.config import JobConfig, KafkaJobSource, ParquetJobSource
 from deploy.local.kafka import free_port
 from embedding_store.client import StoreClient
 from embedding_store.errors import StoreUnavailable
+from embedding_store.location import Location
 from monitoring.plugin import StreamrecPlugin
 from monitoring.reporter import Reporter
 from monitoring.types import TOPIC
@@ -157,6 +169,12 @@ class RankSource:
         self.source.close()
 
 
+def checkpoint_location(job: JobConfig) -> Location:
+    """Where the job's manifests and dense states go: ``trainer.checkpoint.dir`` or the run's."""
+    where = job.trainer.checkpoint.dir
+    return Location.parse(where if where is not None else job.run_dir / "checkpoints")
+
+
 # --- local services -----------------------------------------------------------------
 
 
@@ -179,8 +197,25 @@ class Services:
         self.__dict__.update(state)
 
 
-def start_services(job: JobConfig, stack: ExitStack) -> Services:
-    """Start the shards and the Dask cluster the job does not name; ``stack`` stops them."""
+def check_named_services(job: JobConfig, store: str, token: str | None) -> None:
+    """Refuse to start when a service the job names does not answer or does not fit it."""
+    try:
+        if job.cluster.scheduler is not None:
+            check_scheduler(job.cluster.scheduler)
+        if job.cluster.store is not None:
+            check_store(job, store, token)
+    except ClusterError as exc:
+        raise JobError(str(exc)) from None
+
+
+def start_services(
+    job: JobConfig, stack: ExitStack, *, env: Mapping[str, str] | None = None
+) -> Services:
+    """Start the shards and the Dask cluster the job does not name; ``stack`` stops them.
+
+    Services the job names (``cluster.scheduler``, ``cluster.store``) are checked
+    first: a wrong address, token or table schema is a :class:`JobError`.
+    """
     from distributed import LocalCluster
 
     from deploy.local.shards import ShardProcess, ShardSupervisor
@@ -217,7 +252,11 @@ def start_services(job: JobConfig, stack: ExitStack) -> Services:
         store = job.cluster.store
         store_metrics = ()
         supervisor = None
-    token = token_file.read_text().strip() if token_file is not None else None
+    if job.cluster.store is None:
+        token = token_file.read_text().strip() if token_file is not None else None
+    else:
+        token = store_token(job, env if env is not None else environment())
+    check_named_services(job, store, token)
     if job.cluster.scheduler is not None:
         return Services(job.cluster.scheduler, None, store, token, store_metrics, supervisor)
     cluster = stack.enter_context(
@@ -246,6 +285,7 @@ def run_rank(
     deadline: float | None = None,
     stop: threading.Event | None = None,
     on_progress: Callable[[Progress], None] | None = None,
+    device_index: int = 0,
 ) -> tuple[LoopStats, JobManifest | None]:
     """Train as rank ``rank``: restore, stream, learn, checkpoint. Returns the stats.
 
@@ -273,7 +313,7 @@ def run_rank(
         import torch
 
         torch.set_num_threads(cfg.torch_threads)
-    device = pick_device(cfg.device)
+    device = pick_device(cfg.device, device_index)
     stop = stop or threading.Event()
 
     def stopping() -> bool:
@@ -292,9 +332,7 @@ def run_rank(
         dense = DenseModel(cfg, spec, store.dims, device)
         book = None
         if cfg.checkpoint.enabled:
-            book = CheckpointBook(
-                cfg.checkpoint.dir or job.run_dir / "checkpoints", keep=cfg.checkpoint.keep
-            )
+            book = CheckpointBook(checkpoint_location(job), keep=cfg.checkpoint.keep)
         deadletter = build_deadletter(job, rank)
         if deadletter is not None:
             stack.callback(deadletter.close)
@@ -378,6 +416,10 @@ def run_rank(
                     restarts = supervisor.restarts if supervisor is not None else 0
             if rank == 0:
                 _barrier(world)
+            else:
+                # Rank 0 restored the store: the shards' processes now are the ones to
+                # train against (a push that meets another one is a lost shard).
+                store.accept_restarts()
             stats.samples, stats.events = kept_samples, kept_events
             positions = dict(manifest.positions) if manifest is not None else {}
             if isinstance(mine, RankSource):
@@ -564,7 +606,13 @@ def _rank_main(
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    dist.init_process_group(_backend(job), init_method=master, rank=rank, world_size=world)
+    dist.init_process_group(
+        _backend(job),
+        init_method=master,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=job.trainer.collective_timeout_s),
+    )
     try:
         run_rank(
             job,
@@ -574,6 +622,7 @@ def _rank_main(
             max_events=max_events,
             deadline=deadline,
             stop=stop,
+            device_index=rank,
         )
     finally:
         dist.destroy_process_group()
@@ -639,7 +688,13 @@ def run_ranks(
                 os.kill(p.pid, signal.SIGTERM)
 
     threading.Thread(target=forward_stop, daemon=True).start()
-    dist.init_process_group(_backend(job), init_method=master, rank=0, world_size=world)
+    dist.init_process_group(
+        _backend(job),
+        init_method=master,
+        rank=0,
+        world_size=world,
+        timeout=timedelta(seconds=job.trainer.collective_timeout_s),
+    )
     error: BaseException | None = None
     try:
         result = train(rank=0)
@@ -658,7 +713,7 @@ def run_ranks(
         if p.exitcode not in (0, None)
     ]
     if failed:
-        book = CheckpointBook(job.trainer.checkpoint.dir or job.run_dir / "checkpoints")
+        book = CheckpointBook(checkpoint_location(job))
         newest = book.latest() if job.trainer.checkpoint.enabled else None
         resume = (
             f"the newest checkpoint (step {newest.step}) holds everything learned; "
@@ -673,6 +728,71 @@ def run_ranks(
     return result
 
 
+def run_torchrun_rank(
+    job: JobConfig,
+    launch: TorchrunRank,
+    services: Services,
+    *,
+    max_events: int | None = None,
+    deadline: float | None = None,
+    stop: threading.Event | None = None,
+    on_progress: Callable[[Progress], None] | None = None,
+) -> tuple[LoopStats, JobManifest | None]:
+    """Train as the rank torchrun started: join its world (``env://``), then :func:`run_rank`.
+
+    A rank whose peer dies (its host lost) gets an error from the next collective
+    and ends with a :class:`JobError`; torchrun then starts the world again when
+    ``--max-restarts`` allows, and every rank resumes from the newest checkpoint.
+    """
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        _backend(job),
+        init_method="env://",
+        rank=launch.rank,
+        world_size=launch.world,
+        timeout=timedelta(seconds=job.trainer.collective_timeout_s),
+    )
+    try:
+        return run_rank(
+            job,
+            services,
+            rank=launch.rank,
+            world=launch.world,
+            max_events=max_events,
+            deadline=deadline,
+            stop=stop,
+            on_progress=on_progress,
+            device_index=launch.local_rank,
+        )
+    except (RuntimeError, dist.DistError) as exc:
+        if isinstance(exc, JobError) or not _collective_failure(exc):
+            raise
+        msg = (
+            f"rank {launch.rank} of {launch.world}: another rank of the torchrun world is gone "
+            f"({str(exc).splitlines()[0][:200]}); torchrun starts the world again when "
+            "--max-restarts allows, and the ranks resume from the newest checkpoint"
+        )
+        raise JobError(msg) from exc
+    finally:
+        # A peer that is gone makes the collective teardown fail too.
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` comes from torch.distributed losing a peer (not from our own code)."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return any(
+        marker in text
+        for marker in ("Connection closed by peer", "Connection reset", "gloo", "NCCL", "Timed out")
+    )
+
+
 def run_job(
     job: JobConfig,
     *,
@@ -681,16 +801,37 @@ def run_job(
     stop: threading.Event | None = None,
     on_progress: Callable[[Progress], None] | None = None,
     on_services: Callable[[Services], None] | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> tuple[LoopStats, JobManifest | None]:
     """Start what the job needs, train, checkpoint, stop everything (see the module doc).
 
     ``max_time_s`` counts from this call: starting the services is part of it.
+    Started by ``torchrun`` (``RANK`` in ``env``, default the process's), this
+    process is one rank of torchrun's world and starts no services: the job must
+    name them (:func:`deploy.cluster.check_torchrun_job`).
     """
     deadline = None if max_time_s is None else time.monotonic() + max_time_s
+    env = env if env is not None else environment()
+    try:
+        launch = TorchrunRank.from_env(env)
+        if launch is not None:
+            check_torchrun_job(job, launch)
+    except ClusterError as exc:
+        raise JobError(str(exc)) from None
     with ExitStack() as stack:
-        services = start_services(job, stack)
+        services = start_services(job, stack, env=env)
         if on_services is not None:
             on_services(services)
+        if launch is not None:
+            return run_torchrun_rank(
+                job,
+                launch,
+                services,
+                max_events=max_events,
+                deadline=deadline,
+                stop=stop,
+                on_progress=on_progress,
+            )
         return run_ranks(
             job,
             services,

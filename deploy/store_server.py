@@ -1,6 +1,7 @@
 """``streamrec store serve``: run one store shard as a process.
 
-The shard restores itself from ``--data-dir`` when it holds a checkpoint, and
+The shard restores itself from ``--data-dir`` when it holds a checkpoint (or
+from ``--snapshots`` in an object store, when that holds a newer one), and
 on SIGTERM (or Ctrl-C) stops taking calls, checkpoints into ``--data-dir`` and
 exits 0, so a restart loses nothing that was acknowledged before the signal.
 
@@ -17,6 +18,7 @@ import time
 from pathlib import Path
 from types import FrameType
 
+from embedding_store.location import Location
 from embedding_store.service import EmbeddingStoreServicer, make_server
 from embedding_store.shard import StoreShard
 from embedding_store.types import StoreConfig
@@ -45,16 +47,20 @@ def serve(
     grace_s: float = 5.0,
     metrics_port: int | None = None,
     allow_dirs: tuple[Path, ...] = (),
+    mirror: Location | None = None,
+    advertise: str | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT, then checkpoint into ``data_dir``; returns the exit code.
 
     ``metrics_port``: serve ``/metrics`` on ``host`` at this port (0: any free
     one); None: no metrics server. ``allow_dirs``: folders besides ``data_dir``
-    that Checkpoint and Restore calls may name.
+    that Checkpoint and Restore calls may name. ``mirror``: every checkpoint is
+    copied there too, and a newer one there is restored at start (an empty disk on
+    a new host). ``advertise``: the host clients name this shard by (labels).
     """
     data_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    shard = StoreShard.open(config, data_dir)
+    shard = StoreShard.open(config, data_dir, mirror=mirror)
     restored = sum(len(t) for t in shard.tables.values())
     servicer = EmbeddingStoreServicer(shard, allow_dirs=allow_dirs)
     server, bound = make_server(shard, host=host, port=port, token=token, servicer=servicer)
@@ -62,7 +68,7 @@ def serve(
     if metrics_port is not None:
         from monitoring.store_metrics import serve_store_metrics  # only when asked for
 
-        label = f"{host}:{bound}"
+        label = f"{advertise or host}:{bound}"
         try:
             metrics = serve_store_metrics(f"{host}:{metrics_port}", label, servicer.stats)
         except OSError as exc:
@@ -84,7 +90,8 @@ def serve(
     signal.signal(signal.SIGINT, on_signal)
     print(
         f"streamrec store: serving {len(config.tables)} table(s) on {host}:{bound} "
-        f"(data dir {data_dir}, {restored} rows restored, "
+        f"(data dir {data_dir}{f', snapshots {mirror}' if mirror is not None else ''}, "
+        f"{restored} rows restored, "
         f"ready in {time.perf_counter() - started:.2f}s)",
         flush=True,
     )

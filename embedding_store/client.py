@@ -42,6 +42,7 @@ from embedding_store.errors import (
     CheckpointError,
     InvalidRequest,
     MessageTooLarge,
+    ShardRestarted,
     StoreError,
     StoreUnavailable,
     Unauthenticated,
@@ -121,6 +122,10 @@ class ShardTransport(Protocol):
 
     def stats(self) -> ShardStats: ...
 
+    def accept_restart(self) -> None:
+        """Take the shard's current process as the one to train against (see ShardRestarted)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -146,6 +151,9 @@ class InprocTransport:
 
     def describe(self) -> tuple[dict[str, int], RowDtype]:
         return {name: t.dim for name, t in self.shard.tables.items()}, self.shard.config.row_dtype
+
+    def accept_restart(self) -> None:
+        """A shard object in this process cannot restart."""
 
     def start_lookup(
         self, ids: dict[str, U64], train: bool, step: int | None, dtype: RowDtype
@@ -217,6 +225,8 @@ class GrpcTransport:
         self.address = address
         self._retry = retry
         self._metadata = ((AUTH_HEADER, f"Bearer {token}"),) if token is not None else ()
+        # The shard process this client trains against (see ShardRestarted); "" until known.
+        self.incarnation = ""
         self._channel = grpc.insecure_channel(
             address,
             options=[
@@ -257,7 +267,21 @@ class GrpcTransport:
 
     def describe(self) -> tuple[dict[str, int], RowDtype]:
         r = self._call("Health", pb.HealthRequest())
+        if not self.incarnation:
+            self.incarnation = r.incarnation
         return dict(r.dims), FROM_PB.get(r.row_dtype, "float16")
+
+    def accept_restart(self) -> None:
+        """Take the shard's current process as the one to train against from now on."""
+        self.incarnation = self._call("Health", pb.HealthRequest()).incarnation
+
+    def _check_incarnation(self, seen: str, what: str) -> None:
+        if self.incarnation and seen and seen != self.incarnation:
+            msg = (
+                f"store shard {self.address} restarted (a new process answered the {what}): "
+                "what was pushed to it since its last checkpoint is lost"
+            )
+            raise ShardRestarted(msg)
 
     def start_lookup(
         self, ids: dict[str, U64], train: bool, step: int | None, dtype: RowDtype
@@ -294,6 +318,7 @@ class GrpcTransport:
 
         def result() -> PushResult:
             r = wait()
+            self._check_incarnation(r.incarnation, "push")
             return PushResult(
                 applied=r.applied,
                 dropped_not_admitted=r.dropped_not_admitted,
@@ -312,6 +337,7 @@ class GrpcTransport:
                 directory=directory, kind=_KINDS[kind], metadata_json=json.dumps(metadata)
             ),
         )
+        self._check_incarnation(r.incarnation, "checkpoint")
         return _checkpoint_from_pb(r)
 
     def restore(
@@ -326,6 +352,8 @@ class GrpcTransport:
                 upto_seq=upto_seq,
             ),
         )
+        # Restored: this process's rows are the checkpoint's, so train against it.
+        self.incarnation = r.incarnation
         return RestoreResult(
             manifests=tuple(r.manifests), rows=r.rows, rows_by_table=dict(r.rows_by_table)
         )
@@ -634,6 +662,16 @@ class StoreClient:
     def stats(self) -> list[ShardStats]:
         """Counters of every shard, in shard order."""
         return self._each(lambda i, t: t.stats())
+
+    def accept_restarts(self) -> None:
+        """Train against the shards' current processes from now on.
+
+        A push or checkpoint answered by another process of a shard than the one
+        this client knew raises :class:`ShardRestarted`; a job that rolled the
+        store back to a checkpoint calls this on every rank before it goes on
+        (``restore`` does it for the caller's own client).
+        """
+        self._each(lambda i, t: t.accept_restart())
 
     def close(self) -> None:
         """Close the channels (the shards themselves keep running)."""

@@ -36,3 +36,11 @@ class Unauthenticated(StoreError):
 
 class MessageTooLarge(StoreError):
     """A request or reply exceeds the configured maximum message size (RESOURCE_EXHAUSTED)."""
+
+
+class ShardRestarted(StoreUnavailable):
+    """A shard answered as a new process: what was pushed since its last checkpoint is gone.
+
+    Raised by a client that saw the shard's incarnation change; a job rolls back
+    to its newest checkpoint (:meth:`StoreClient.accept_restarts` then accepts it).
+    """

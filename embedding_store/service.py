@@ -68,6 +68,7 @@ class _ByteBudget:
                 self._used -= n
                 self._cond.notify_all()
 
+
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 
@@ -197,6 +198,7 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
             dropped_not_admitted=result.dropped_not_admitted,
             rejected_nonfinite=result.rejected_nonfinite,
             duplicate_request=result.duplicate_request,
+            incarnation=self.shard.incarnation,
         )
 
     def _confined(self, directory: str) -> Path | None:
@@ -243,7 +245,9 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
             raise InvalidRequest(msg)
         directory = self._confined(request.directory)
         result = self.shard.checkpoint(directory, kind, metadata=metadata)  # type: ignore[arg-type]
-        return checkpoint_to_pb(result)
+        reply = checkpoint_to_pb(result)
+        reply.incarnation = self.shard.incarnation
+        return reply
 
     @_errors_to_status
     def Restore(
@@ -256,7 +260,10 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
             upto_seq=request.upto_seq if request.HasField("upto_seq") else None,
         )
         return pb.RestoreResponse(
-            manifests=list(result.manifests), rows=result.rows, rows_by_table=result.rows_by_table
+            manifests=list(result.manifests),
+            rows=result.rows,
+            rows_by_table=result.rows_by_table,
+            incarnation=self.shard.incarnation,
         )
 
     @_errors_to_status
@@ -280,6 +287,7 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
             status="SERVING",
             dims={name: t.dim for name, t in self.shard.tables.items()},
             row_dtype=TO_PB[self.shard.config.row_dtype],
+            incarnation=self.shard.incarnation,
         )
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import replace
@@ -29,9 +30,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from embedding_store import mirror as snapshot_mirror
 from embedding_store import persistence
 from embedding_store.errors import CheckpointError, InvalidRequest, UnknownTable
 from embedding_store.hashing import shard_of
+from embedding_store.location import Location
 from embedding_store.table import MAX_STEP, EmbeddingTable
 from embedding_store.types import (
     CheckpointKind,
@@ -56,9 +59,25 @@ class _PendingPush:
 class StoreShard:
     """One shard of the embedding store (thread-safe)."""
 
-    def __init__(self, config: StoreConfig, *, data_dir: Path | str | None = None) -> None:
+    def __init__(
+        self,
+        config: StoreConfig,
+        *,
+        data_dir: Path | str | None = None,
+        mirror: Location | None = None,
+    ) -> None:
+        """``mirror``: where the checkpoints of ``data_dir`` are copied, so that this shard
+        can be restarted on another host (see :mod:`embedding_store.mirror`).
+        """
         self.config = config
         self.data_dir = Path(data_dir) if data_dir is not None else None
+        if mirror is not None and self.data_dir is None:
+            msg = "a snapshot mirror needs the shard's data dir (its checkpoints are copied)"
+            raise ValueError(msg)
+        self.mirror = mirror
+        # Tells this life of the shard from any other: a client that sees it change
+        # knows that what was pushed since the last checkpoint is gone.
+        self.incarnation = uuid.uuid4().hex
         self._tables = {name: EmbeddingTable(name, cfg) for name, cfg in config.tables.items()}
         self._push_lock = threading.Lock()
         self._pushes: OrderedDict[str, PushResult | _PendingPush] = OrderedDict()
@@ -69,10 +88,24 @@ class StoreShard:
         self._last_checkpoint: CheckpointResult | None = None
 
     @classmethod
-    def open(cls, config: StoreConfig, data_dir: Path | str) -> StoreShard:
-        """A shard persisted in ``data_dir``: restored from it when it holds a checkpoint."""
-        shard = cls(config, data_dir=data_dir)
-        if persistence.list_manifests(Path(data_dir)):
+    def open(
+        cls, config: StoreConfig, data_dir: Path | str, *, mirror: Location | None = None
+    ) -> StoreShard:
+        """A shard persisted in ``data_dir``: restored from it when it holds a checkpoint.
+
+        With a ``mirror`` holding a newer checkpoint than ``data_dir`` (an empty
+        disk, or a shard that ran on another host since), that one is fetched and
+        restored: the mirror is the truth.
+        """
+        shard = cls(config, data_dir=data_dir, mirror=mirror)
+        local = persistence.list_manifests(Path(data_dir))
+        if mirror is not None:
+            remote = snapshot_mirror.newest_seq(mirror)
+            if remote is not None and (not local or local[-1][0] < remote):
+                snapshot_mirror.fetch_chain(mirror, Path(data_dir), remote)
+                shard.restore(upto_seq=remote)
+                return shard
+        if local:
             shard.restore()
         return shard
 
@@ -194,6 +227,10 @@ class StoreShard:
             start = time.perf_counter()
             existing = persistence.list_manifests(target)
             seq = existing[-1][0] + 1 if existing else 1
+            mirror = self.mirror if target == self.data_dir else None
+            if mirror is not None:
+                # Never reuse a seq the mirror holds (a shard that ran elsewhere since).
+                seq = max(seq, (snapshot_mirror.newest_seq(mirror) or 0) + 1)
             chain = self._chain
             can_delta = (
                 chain is not None
@@ -238,10 +275,20 @@ class StoreShard:
                 for table in self._tables.values():
                     table.mark_all_dirty()
                 raise
+            if mirror is not None:
+                try:
+                    snapshot_mirror.upload(path, mirror)
+                except BaseException:
+                    self._chain = None  # as above: the next checkpoint is full
+                    for table in self._tables.values():
+                        table.mark_all_dirty()
+                    raise
             deltas = 0 if actual == "full" else (chain[2] + 1 if chain else 1)
             self._chain = (target, seq, deltas)
             if actual == "full":
-                persistence.collect_garbage(target, self.config.keep_full_checkpoints)
+                removed = persistence.collect_garbage(target, self.config.keep_full_checkpoints)
+                if mirror is not None:
+                    snapshot_mirror.remove(mirror, removed)
             result = CheckpointResult(
                 manifest=str(path),
                 kind="full" if actual == "full" else "delta",
@@ -275,6 +322,14 @@ class StoreShard:
             raise InvalidRequest(msg)
         source = self._resolve_dir(directory, "restore")
         with self._checkpoint_lock:
+            if (
+                self.mirror is not None
+                and source == self.data_dir
+                and upto_seq is not None
+                and upto_seq not in {s for s, _ in persistence.list_manifests(source)}
+            ):
+                # Asked for a checkpoint this disk never held (the shard moved hosts).
+                snapshot_mirror.fetch_chain(self.mirror, source, upto_seq)
             chains = [
                 persistence.plan_restore(d, upto_seq) for d in persistence.source_dirs(source)
             ]

@@ -97,6 +97,7 @@ class RowBatch:
 # Step clocks a caller may set: 2**40 steps is 35 years at 1,000 steps a second.
 MAX_STEP = 1 << 40
 
+
 @nb.njit(nogil=True, cache=True, inline="always")
 def _home(key: np.int64, mask: int) -> np.int64:
     return np.int64(mix64(np.uint64(key)) & np.uint64(mask))

@@ -17,7 +17,6 @@ pydantic_core._pydantic_core.ValidationError: 1 validation error for TrainerConf
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -89,7 +88,13 @@ class DenseOptimizerConfig(_Strict):
 class CheckpointConfig(_Strict):
     """When the job checkpoints: every N steps, every T seconds, and on exit."""
 
-    dir: Path | None = Field(None, description="None: the run directory's checkpoints/")
+    dir: str | None = Field(
+        None,
+        description=(
+            "a path or a URL (s3://bucket/prefix?endpoint_override=HOST:PORT&scheme=http, "
+            "file:///...) that every trainer host reaches; None: the run directory's checkpoints/"
+        ),
+    )
     every_steps: int | None = Field(1000, ge=1)
     every_s: float | None = Field(300.0, gt=0)
     keep: int = Field(3, ge=1, description="job manifests (and dense states) kept")
@@ -132,6 +137,14 @@ class TrainerConfig(_Strict):
     torch_threads: int | None = Field(None, ge=1)
     metrics_window: int = Field(100_000, ge=100, description="samples in the sliding window")
     log_every_s: float = Field(2.0, gt=0)
+    collective_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description=(
+            "how long a rank waits for the others in a collective before it gives up (a rank "
+            "on a dead host); longer than the slowest checkpoint"
+        ),
+    )
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
 

@@ -2,18 +2,22 @@
 
 Each rank appends one line per learned chunk to ``<run_dir>/learned-rank<R>.log``::
 
-    <step> <partition> <start> <end>
+    <step> <partition> <start> <end> <unix time>
 
-and, whenever it rolls back to a job checkpoint (a restart, or a recovery from a
-lost store shard), one line ::
+and, whenever it starts from a job checkpoint (a start, a restart, or a
+recovery from a lost store shard), one line ::
 
-    rollback <step>
+    rollback <step> <unix time>
 
-which voids every earlier chunk learned after ``step``: the store and the dense
-network were put back to that checkpoint, so those chunks count as never
-learned, and they are learned again after the line. :func:`learned_ranges`
-applies the rollbacks, which is how tests and ``benchmarks/chaos.py`` count
-offsets learned once, twice or never.
+which voids every chunk learned before it after ``step``: the store and the
+dense network were put back to that checkpoint, so those chunks count as never
+learned, and they are learned again after the line. A rollback is the whole
+job's (every rank starts from the same checkpoint), so :func:`learned_ranges`
+merges the ledgers it is given by time and lets a rollback in any of them void
+the chunks of all: a rank restarted on another host, with a new run directory
+and perhaps another rank number, still voids what its earlier life learned.
+That is how tests and ``benchmarks/chaos.py`` count offsets learned once,
+twice or never.
 
 >>> import tempfile, pathlib
 >>> path = pathlib.Path(tempfile.mkdtemp()) / "learned-rank0.log"
@@ -28,6 +32,7 @@ offsets learned once, twice or never.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import TracebackType
 from typing import TextIO
@@ -45,11 +50,11 @@ class Ledger:
 
     def learned(self, step: int, partition: str, start: int, end: int) -> None:
         """Record that step ``step`` learned ``[start, end)`` of ``partition``."""
-        self._file.write(f"{step} {partition} {start} {end}\n")
+        self._file.write(f"{step} {partition} {start} {end} {time.time():.6f}\n")
 
     def rollback(self, step: int) -> None:
-        """Void every chunk recorded so far with a step after ``step``."""
-        self._file.write(f"{ROLLBACK} {step}\n")
+        """Void every chunk recorded so far (by any rank) with a step after ``step``."""
+        self._file.write(f"{ROLLBACK} {step} {time.time():.6f}\n")
 
     def close(self) -> None:
         self._file.close()
@@ -66,29 +71,60 @@ class Ledger:
         self.close()
 
 
-def ledger_entries(path: Path) -> list[tuple[int, str, int, int]]:
-    """The chunks of one ledger that still count, rollbacks applied, in the order learned.
+_Entry = tuple[int, str, int, int]
 
-    A line a killed process left half-written (the last one) is ignored.
+
+def _lines(path: Path) -> list[tuple[float, int, str, int, int] | tuple[float, int]]:
+    """The parsed lines of one ledger: (time, step, partition, start, end) or (time, step)
+    for a rollback. A line a killed process left half-written (the last one) is skipped;
+    lines without a time (older ledgers) take their position in the file as one.
     """
-    entries: list[tuple[int, str, int, int]] = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    out: list[tuple[float, int, str, int, int] | tuple[float, int]] = []
+    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
         parts = line.split()
-        if len(parts) == 2 and parts[0] == ROLLBACK and parts[1].isdigit():
-            upto = int(parts[1])
+        if parts and parts[0] == ROLLBACK and len(parts) in (2, 3) and parts[1].isdigit():
+            out.append((_time(parts[2:], i), int(parts[1])))
+        elif (
+            len(parts) in (4, 5)
+            and parts[0].isdigit()
+            and parts[2].isdigit()
+            and parts[3].isdigit()
+        ):
+            out.append((_time(parts[4:], i), int(parts[0]), parts[1], int(parts[2]), int(parts[3])))
+    return out
+
+
+def _time(rest: list[str], index: int) -> float:
+    try:
+        return float(rest[0]) if rest else float(index)
+    except ValueError:
+        return float(index)
+
+
+def _apply(lines: list[tuple[float, int, str, int, int] | tuple[float, int]]) -> list[_Entry]:
+    entries: list[_Entry] = []
+    for line in lines:
+        if len(line) == 2:
+            upto = line[1]
             entries = [e for e in entries if e[0] <= upto]
-        elif len(parts) == 4 and parts[0].isdigit() and parts[2].isdigit() and parts[3].isdigit():
-            entries.append((int(parts[0]), parts[1], int(parts[2]), int(parts[3])))
+        else:
+            entries.append(line[1:])
     return entries
+
+
+def ledger_entries(path: Path) -> list[_Entry]:
+    """The chunks of one ledger that still count, rollbacks applied, in the order learned."""
+    return _apply(_lines(path))
 
 
 def learned_ranges(*paths: Path) -> dict[str, list[tuple[int, int]]]:
     """Per partition, the ``[start, end)`` ranges learned (rollbacks applied), sorted.
 
-    Several paths: the ledgers of every rank of a job, merged.
+    Several paths: the ledgers of every rank of a job, from every host and every
+    run directory it had, merged by time (see the module docstring).
     """
+    merged = sorted((line for path in paths for line in _lines(path)), key=lambda line: line[0])
     out: dict[str, list[tuple[int, int]]] = {}
-    for path in paths:
-        for _, partition, start, end in ledger_entries(path):
-            out.setdefault(partition, []).append((start, end))
+    for _, partition, start, end in _apply(merged):
+        out.setdefault(partition, []).append((start, end))
     return {p: sorted(r) for p, r in sorted(out.items())}

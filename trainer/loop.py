@@ -94,14 +94,18 @@ def build_optimizer(model: torch.nn.Module, cfg: DenseOptimizerConfig) -> torch.
     return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
 
 
-def pick_device(requested: str) -> torch.device:
-    """``auto`` is CUDA when a GPU is visible, else the CPU."""
+def pick_device(requested: str, index: int = 0) -> torch.device:
+    """``auto`` is CUDA when a GPU is visible, else the CPU; ``index`` picks among the GPUs.
+
+    A rank passes its local rank (``LOCAL_RANK`` under torchrun), so the ranks
+    of one host use one GPU each (wrapping around when there are fewer GPUs).
+    """
     if requested == "cuda" and not torch.cuda.is_available():
         msg = "trainer.device: 'cuda' was asked for but no CUDA device is visible"
         raise RuntimeError(msg)
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(requested)
+    if requested == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", index % torch.cuda.device_count())
 
 
 class DenseModel:
@@ -482,13 +486,10 @@ class TrainLoop:
             self._log = open(  # noqa: SIM115 - closed in finally
                 self.run_dir / f"metrics-rank{self.rank}.jsonl", "a", encoding="utf-8"
             )
-            ledger_path = self.run_dir / f"learned-rank{self.rank}.log"
-            known = ledger_path.exists() and ledger_path.stat().st_size > 0
-            self._ledger = Ledger(ledger_path)
-            if known:
-                # Whatever an earlier run learned after the checkpoint this run
-                # starts from was rolled back with the store: it counts as unlearned.
-                self._ledger.rollback(self.step)
+            self._ledger = Ledger(self.run_dir / f"learned-rank{self.rank}.log")
+            # Whatever an earlier run (of any rank, on any host) learned after the
+            # checkpoint this run starts from was rolled back with the store.
+            self._ledger.rollback(self.step)
         try:
             self._run(batches)
         except Rollback:
@@ -622,9 +623,7 @@ class TrainLoop:
                 raise Rollback(msg) from exc
         self._report()
 
-    def _learn(
-        self, batch: PreparedBatch, missed: int | None, grads: dict[str, Any]
-    ) -> None:
+    def _learn(self, batch: PreparedBatch, missed: int | None, grads: dict[str, Any]) -> None:
         """Account for a batch whose step was taken, and hand its row gradients over."""
         self._account(batch, missed)
         self.positions[batch.partition] = batch.end

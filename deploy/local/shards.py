@@ -49,6 +49,7 @@ class ShardProcess:
     metrics_port: int | None = None  # the port /metrics is served on; None: no metrics
     die_with_parent: bool = False
     allow_dirs: tuple[Path, ...] = ()
+    snapshots: str | None = None  # the object-store URL its checkpoints are copied to
 
     @property
     def address(self) -> str:
@@ -75,6 +76,8 @@ class ShardProcess:
         die_with_parent: bool = False,
         metrics_port: int | None = None,
         allow_dirs: tuple[Path, ...] = (),
+        snapshots: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> ShardProcess:
         """Start a shard and wait until it serves (it may first restore from ``data_dir``).
 
@@ -83,6 +86,8 @@ class ShardProcess:
         finds an orphan shard still writing to the same data dir.
         ``metrics_port``: also serve Prometheus ``/metrics`` on ``host`` at this
         port (0: any free one, read back from the log); None: no metrics.
+        ``snapshots``: ``--snapshots URL`` (checkpoints copied to an object store).
+        ``env``: the process's environment (default: this one's).
         """
         data_dir.mkdir(parents=True, exist_ok=True)
         log_path = data_dir.with_name(data_dir.name + ".log")
@@ -106,10 +111,13 @@ class ShardProcess:
             argv += ["--metrics-port", str(metrics_port)]
         for d in allow_dirs:
             argv += ["--allow-dir", str(d)]
+        if snapshots is not None:
+            argv += ["--snapshots", snapshots]
         with log_path.open("ab") as log:
             offset = log.tell()
             proc = subprocess.Popen(
                 argv,
+                env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -142,6 +150,7 @@ class ShardProcess:
                     metrics_port=bound_metrics,
                     die_with_parent=die_with_parent,
                     allow_dirs=allow_dirs,
+                    snapshots=snapshots,
                 )
             if proc.poll() is not None:
                 msg = f"store shard exited with code {proc.returncode}:\n{text[-4000:]}"
@@ -163,6 +172,7 @@ class ShardProcess:
             metrics_port=self.metrics_port,
             die_with_parent=self.die_with_parent,
             allow_dirs=self.allow_dirs,
+            snapshots=self.snapshots,
         )
 
     def stop(self, timeout_s: float = 60.0) -> int:
@@ -217,9 +227,7 @@ class ShardSupervisor:
                 if code is None or self._stopped.is_set():
                     continue
                 what = f"signal {-code}" if code < 0 else f"exit code {code}"
-                log.warning(
-                    "store shard %d (%s) died (%s); restarting it", i, shard.address, what
-                )
+                log.warning("store shard %d (%s) died (%s); restarting it", i, shard.address, what)
                 t0 = time.monotonic()
                 try:
                     fresh = shard.restart()

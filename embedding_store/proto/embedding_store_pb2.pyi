@@ -82,16 +82,18 @@ class PushRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableGrads, _Mapping]]] = ..., dtype: _Optional[_Union[RowDtype, str]] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("applied", "dropped_not_admitted", "rejected_nonfinite", "duplicate_request")
+    __slots__ = ("applied", "dropped_not_admitted", "rejected_nonfinite", "duplicate_request", "incarnation")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_NOT_ADMITTED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_NONFINITE_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     applied: int
     dropped_not_admitted: int
     rejected_nonfinite: int
     duplicate_request: bool
-    def __init__(self, applied: _Optional[int] = ..., dropped_not_admitted: _Optional[int] = ..., rejected_nonfinite: _Optional[int] = ..., duplicate_request: _Optional[bool] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, applied: _Optional[int] = ..., dropped_not_admitted: _Optional[int] = ..., rejected_nonfinite: _Optional[int] = ..., duplicate_request: _Optional[bool] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("directory", "kind", "metadata_json")
@@ -104,7 +106,7 @@ class CheckpointRequest(_message.Message):
     def __init__(self, directory: _Optional[str] = ..., kind: _Optional[_Union[CheckpointKind, str]] = ..., metadata_json: _Optional[str] = ...) -> None: ...
 
 class CheckpointResponse(_message.Message):
-    __slots__ = ("manifest", "kind", "seq", "rows", "tombstones", "bytes", "seconds")
+    __slots__ = ("manifest", "kind", "seq", "rows", "tombstones", "bytes", "seconds", "incarnation")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +114,7 @@ class CheckpointResponse(_message.Message):
     TOMBSTONES_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     manifest: str
     kind: str
     seq: int
@@ -119,7 +122,8 @@ class CheckpointResponse(_message.Message):
     tombstones: int
     bytes: int
     seconds: float
-    def __init__(self, manifest: _Optional[str] = ..., kind: _Optional[str] = ..., seq: _Optional[int] = ..., rows: _Optional[int] = ..., tombstones: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, manifest: _Optional[str] = ..., kind: _Optional[str] = ..., seq: _Optional[int] = ..., rows: _Optional[int] = ..., tombstones: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
     __slots__ = ("directory", "shard_index", "num_shards", "upto_seq")
@@ -134,7 +138,7 @@ class RestoreRequest(_message.Message):
     def __init__(self, directory: _Optional[str] = ..., shard_index: _Optional[int] = ..., num_shards: _Optional[int] = ..., upto_seq: _Optional[int] = ...) -> None: ...
 
 class RestoreResponse(_message.Message):
-    __slots__ = ("manifests", "rows", "rows_by_table")
+    __slots__ = ("manifests", "rows", "rows_by_table", "incarnation")
     class RowsByTableEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -145,10 +149,12 @@ class RestoreResponse(_message.Message):
     MANIFESTS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     ROWS_BY_TABLE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     manifests: _containers.RepeatedScalarFieldContainer[str]
     rows: int
     rows_by_table: _containers.ScalarMap[str, int]
-    def __init__(self, manifests: _Optional[_Iterable[str]] = ..., rows: _Optional[int] = ..., rows_by_table: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, manifests: _Optional[_Iterable[str]] = ..., rows: _Optional[int] = ..., rows_by_table: _Optional[_Mapping[str, int]] = ..., incarnation: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
@@ -223,7 +229,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "dims", "row_dtype")
+    __slots__ = ("status", "dims", "row_dtype", "incarnation")
     class DimsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -234,7 +240,9 @@ class HealthResponse(_message.Message):
     STATUS_FIELD_NUMBER: _ClassVar[int]
     DIMS_FIELD_NUMBER: _ClassVar[int]
     ROW_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
     status: str
     dims: _containers.ScalarMap[str, int]
     row_dtype: RowDtype
-    def __init__(self, status: _Optional[str] = ..., dims: _Optional[_Mapping[str, int]] = ..., row_dtype: _Optional[_Union[RowDtype, str]] = ...) -> None: ...
+    incarnation: str
+    def __init__(self, status: _Optional[str] = ..., dims: _Optional[_Mapping[str, int]] = ..., row_dtype: _Optional[_Union[RowDtype, str]] = ..., incarnation: _Optional[str] = ...) -> None: ...

@@ -304,4 +304,4 @@ def test_cli_help_and_errors(tmp_path: Path, write_job: Callable[..., Path]) -> 
     assert "store.tables.user.optimiser" in r.stderr
     r = serve(write_job())
     assert r.returncode == 2
-    assert "--token-file is required" in r.stderr
+    assert "give the job's token with --token-file or $STREAMREC_STORE_TOKEN" in r.stderr
