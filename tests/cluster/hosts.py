@@ -1,0 +1,216 @@
+"""Hosts on one machine: each its own loopback address, working directory and processes.
+
+A :class:`Host` stands for one machine of a cluster. Its processes are
+started by the stock commands a user runs there (``streamrec store serve``,
+``dask scheduler``, ``dask worker``, ``torchrun ... streamrec run``), bound to
+its own address (127.0.0.2, 127.0.0.3, ...), in its own working directory.
+Nothing is shared between hosts but the network (and what lives behind it:
+Kafka, the S3 server). :meth:`Host.crash` is ``kill -9`` of everything the
+host runs; :meth:`Host.replace` gives it a new, empty working directory, as
+a replacement machine would have.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+BIN = Path(sys.executable).parent
+STREAMREC = [sys.executable, "-m", "deploy.cli"]
+
+
+def free_port_on(address: str) -> int:
+    """A port free on ``address`` now, and on every other address too.
+
+    Some servers bind all addresses (torchrun's rendezvous store does), so a port
+    free on one loopback address only could be another host's.
+    """
+    del address
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Host:
+    """One "machine": an address, a working directory per life, the processes it runs."""
+
+    name: str
+    address: str
+    root: Path
+    env: dict[str, str]
+    life: int = 0
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    dirs: list[Path] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.replace()
+
+    @property
+    def workdir(self) -> Path:
+        return self.dirs[-1]
+
+    def replace(self) -> Path:
+        """A new, empty working directory (a replacement machine's disk)."""
+        self.life += 1
+        path = self.root / f"{self.name}-life{self.life}"
+        path.mkdir(parents=True)
+        self.dirs.append(path)
+        return path
+
+    def start(self, role: str, argv: list[str], *, extra_env: dict[str, str] | None = None) -> None:
+        """Run ``argv`` in the working directory, logging to ``<role>.log`` there."""
+        log = (self.workdir / f"{role}.log").open("ab")
+        self.procs[role] = subprocess.Popen(
+            argv,
+            cwd=self.workdir,
+            env={**self.env, **(extra_env or {})},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: crash() kills all of it
+        )
+        log.close()
+
+    def log(self, role: str) -> str:
+        path = self.workdir / f"{role}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def wait_log(self, role: str, pattern: str, timeout_s: float = 120.0) -> re.Match[str]:
+        """Wait until ``role``'s log matches ``pattern``; fail with the log if it exits first."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            m = re.search(pattern, self.log(role))
+            if m:
+                return m
+            proc = self.procs[role]
+            if proc.poll() is not None:
+                msg = f"{self.name}/{role} exited ({proc.returncode}):\n{self.log(role)[-4000:]}"
+                raise AssertionError(msg)
+            time.sleep(0.1)
+        msg = f"{self.name}/{role}: no {pattern!r} in {timeout_s}s:\n{self.log(role)[-4000:]}"
+        raise AssertionError(msg)
+
+    def crash(self) -> None:
+        """``kill -9`` of every process the host runs (no signal handler, no goodbye).
+
+        Descendants too, whatever their process group: torchrun starts its ranks
+        in sessions of their own, and a machine that dies takes them all.
+        """
+        for proc in self.procs.values():
+            try:
+                family = [*psutil.Process(proc.pid).children(recursive=True)]
+            except psutil.NoSuchProcess:
+                family = []
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            for child in family:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
+            proc.wait()
+            psutil.wait_procs(family, timeout=10)
+        self.procs.clear()
+
+    def stop(self, role: str, timeout_s: float = 120.0) -> int:
+        """SIGTERM to ``role``'s process group, as an orchestrator stops it; its exit code."""
+        proc = self.procs[role]
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            return proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            msg = f"{self.name}/{role} did not stop within {timeout_s}s:\n{self.log(role)[-4000:]}"
+            raise AssertionError(msg) from None
+
+
+# --- the commands a user runs on each kind of host --------------------------------------
+
+
+def store_serve(job: str, host: Host, port: int, snapshots: str) -> list[str]:
+    return [
+        *STREAMREC,
+        "store",
+        "serve",
+        "--config",
+        job,
+        "--host",
+        host.address,
+        "--port",
+        str(port),
+        "--data-dir",
+        "shard",
+        "--snapshots",
+        snapshots,
+    ]
+
+
+def dask_scheduler(host: Host, port: int) -> list[str]:
+    return [
+        str(BIN / "dask"),
+        "scheduler",
+        "--host",
+        host.address,
+        "--port",
+        str(port),
+        "--dashboard-address",
+        f"{host.address}:0",
+    ]
+
+
+def dask_worker(host: Host, scheduler: str) -> list[str]:
+    return [
+        str(BIN / "dask"),
+        "worker",
+        scheduler,
+        "--host",
+        host.address,
+        "--nworkers",
+        "1",
+        "--nthreads",
+        "1",
+        "--no-dashboard",
+        "--name",
+        host.name,
+    ]
+
+
+def torchrun(
+    job: str, host: Host, *, nnodes: int, endpoint: str, is_host: bool, run_id: str
+) -> list[str]:
+    """One trainer host's ``torchrun``: c10d rendezvous over TCP, one rank.
+
+    No ``--max-restarts``: when a trainer host is lost, torchrun on the others
+    ends too (its rank reports the lost peer), and what orchestrates the hosts
+    starts torchrun again on all of them, as a Kubernetes Job would. (torch
+    2.13's c10d rendezvous did not re-form a world with a replaced host here:
+    both agents waited for each other's keys until the store timed out.)
+    """
+    return [
+        str(BIN / "torchrun"),
+        f"--nnodes={nnodes}",
+        "--nproc-per-node=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={endpoint}",
+        f"--rdzv-id={run_id}",
+        # Which host serves the rendezvous store: on one machine every loopback
+        # address looks local, so say it rather than let torchrun guess.
+        f"--rdzv-conf=is_host={int(is_host)},join_timeout=300",
+        f"--local-addr={host.address}",
+        "--max-restarts=0",
+        "--monitor-interval=0.5",
+        "-m",
+        "deploy.cli",
+        "run",
+        job,
+    ]

@@ -1,0 +1,325 @@
+"""A job on seven "hosts" of one machine, as a user runs it on a cluster, with hosts lost.
+
+Every host is its own loopback address, working directory and processes
+(:mod:`tests.cluster.hosts`): two store shard hosts (``streamrec store serve
+--snapshots s3://...``), a scheduler host (``dask scheduler``), two worker
+hosts (``dask worker``) and two trainer hosts, each running ``torchrun`` with
+one rank (c10d rendezvous over TCP). Nothing is shared but the network, the
+Kafka broker and the S3 server: job checkpoints and shard snapshots live in S3.
+
+The fault test kills a trainer host and a store shard host with ``kill -9``
+at random points and restarts each from a new, empty working directory with
+the same command. A lost trainer host ends torchrun on the other (one line
+naming the lost peer); torchrun is started again on both, and the ranks resume
+from the newest manifest in S3. A shard on an empty disk restores its snapshot
+from S3, and the job rolls back to the newest checkpoint by itself.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from connectors.kafka import KafkaSource, KafkaSourceConfig, produce
+from connectors.synthetic import (
+    SyntheticConfig,
+    iter_json_lines,
+    synthetic_feature_spec,
+    synthetic_store_section,
+)
+from deploy.local.objectstore import LocalS3
+from tests.cluster.hosts import (
+    Host,
+    dask_scheduler,
+    dask_worker,
+    free_port_on,
+    store_serve,
+    torchrun,
+)
+from tests.kafka_fixtures import KafkaForTests
+from trainer.checkpoint import CheckpointBook, JobManifest
+from trainer.ledger import learned_ranges
+
+PARTITIONS = 3
+EVENTS = 2_000  # per partition
+BATCH = 100
+TOKEN = "cluster-test-token"
+
+
+def produce_topic(kafka: KafkaForTests, topic: str) -> None:
+    lines = list(iter_json_lines(SyntheticConfig(seed=11), EVENTS * PARTITIONS))
+    for p in range(PARTITIONS):
+        produce(
+            kafka.bootstrap,
+            topic,
+            lines[p * EVENTS : (p + 1) * EVENTS],
+            api_version=kafka.api_version,
+            partition=p,
+        )
+
+
+def job_doc(
+    kafka: KafkaForTests, topic: str, *, mode: str, checkpoints: str | None
+) -> dict[str, Any]:
+    trainer: dict[str, Any] = {
+        "mode": mode,
+        "batch_size": BATCH,
+        "model": {"kind": "ffnn", "hidden": [16]},
+        "torch_threads": 1,
+        "log_every_s": 0.5,
+        "checkpoint": {"dir": checkpoints, "every_steps": 5, "every_s": 2.0},
+    }
+    if mode == "hybrid":
+        trainer["staleness"] = 2
+    return {
+        "store": synthetic_store_section(dim=4, row_dtype="float32"),
+        "features": synthetic_feature_spec().model_dump(),
+        "source": {
+            "kind": "kafka",
+            "bootstrap_servers": kafka.bootstrap,
+            "topics": [topic],
+            "group_id": f"{topic}-trainer",
+            "api_version": ".".join(map(str, kafka.api_version)),
+            "deadletter": "file",
+        },
+        "trainer": trainer,
+        "run_dir": "run",
+    }
+
+
+@dataclass
+class Cluster:
+    """The hosts of one job and the commands that (re)start each role."""
+
+    job: dict[str, Any]
+    s3: LocalS3
+    prefix: str
+    shards: list[Host]
+    shard_ports: list[int]
+    scheduler: Host
+    workers: list[Host]
+    trainers: list[Host]
+    rdzv: str
+    run_id: str
+
+    @property
+    def checkpoints(self) -> CheckpointBook:
+        return CheckpointBook(self.job["trainer"]["checkpoint"]["dir"])
+
+    def snapshots(self, i: int) -> str:
+        return self.s3.url(f"{self.prefix}/store/shard-{i:03d}")
+
+    def write_job(self, host: Host) -> str:
+        """The job YAML, as each host has its own copy of it."""
+        path = host.workdir / "job.yaml"
+        path.write_text(yaml.safe_dump(self.job, sort_keys=False))
+        return str(path)
+
+    def start_shard(self, i: int) -> None:
+        host = self.shards[i]
+        host.start(
+            "shard", store_serve(self.write_job(host), host, self.shard_ports[i], self.snapshots(i))
+        )
+        host.wait_log("shard", r"streamrec store: serving")
+
+    def start_trainer(self, i: int) -> None:
+        host = self.trainers[i]
+        argv = torchrun(
+            self.write_job(host),
+            host,
+            nnodes=len(self.trainers),
+            endpoint=self.rdzv,
+            is_host=i == 0,
+            run_id=self.run_id,
+        )
+        host.start("trainer", argv)
+
+    def all_hosts(self) -> list[Host]:
+        return [*self.shards, self.scheduler, *self.workers, *self.trainers]
+
+    def logs(self) -> str:
+        out = []
+        for host in self.all_hosts():
+            for d in host.dirs:
+                for log in sorted(d.glob("*.log")):
+                    out.append(
+                        f"--- {d.name}/{log.name}\n{log.read_text(errors='replace')[-3000:]}"
+                    )
+        return "\n".join(out)
+
+
+@pytest.fixture
+def make_cluster(
+    tmp_path: Path, kafka: KafkaForTests, s3: LocalS3, s3_prefix: str
+) -> Iterator[Callable[..., Cluster]]:
+    made: list[Cluster] = []
+
+    def make(topic: str, *, mode: str, name: str = "c") -> Cluster:
+        env = {**os.environ, **s3.env(), "STREAMREC_STORE_TOKEN": TOKEN}
+        env["OMP_NUM_THREADS"] = "1"
+        prefix = f"{s3_prefix}/{name}"
+        hosts = iter(range(2, 250))
+
+        def host(role: str) -> Host:
+            return Host(role, f"127.0.0.{next(hosts)}", tmp_path / name, env)
+
+        shards = [host(f"shard{i}") for i in range(2)]
+        scheduler = host("scheduler")
+        workers = [host(f"worker{i}") for i in range(2)]
+        trainers = [host(f"trainer{i}") for i in range(2)]
+        ports = [free_port_on(h.address) for h in shards]
+        sched_port = free_port_on(scheduler.address)
+        job = job_doc(kafka, topic, mode=mode, checkpoints=s3.url(f"{prefix}/checkpoints"))
+        job["cluster"] = {
+            "scheduler": f"tcp://{scheduler.address}:{sched_port}",
+            "store": "grpc://"
+            + ",".join(f"{h.address}:{p}" for h, p in zip(shards, ports, strict=True)),
+        }
+        rdzv = f"{trainers[0].address}:{free_port_on(trainers[0].address)}"
+        cluster = Cluster(
+            job, s3, prefix, shards, ports, scheduler, workers, trainers, rdzv, f"{s3_prefix}{name}"
+        )
+        made.append(cluster)
+        for i in range(len(shards)):
+            cluster.start_shard(i)
+        scheduler.start("scheduler", dask_scheduler(scheduler, sched_port))
+        scheduler.wait_log("scheduler", r"Scheduler at:")
+        for w in workers:
+            w.start("worker", dask_worker(w, job["cluster"]["scheduler"]))
+        for w in workers:
+            w.wait_log("worker", r"Registered to:")
+        return cluster
+
+    yield make
+    for cluster in made:
+        for host in cluster.all_hosts():
+            host.crash()
+
+
+def wait_for(
+    cluster: Cluster, what: str, ok: Callable[[JobManifest | None], bool], timeout_s: float = 240
+) -> JobManifest | None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        latest = cluster.checkpoints.latest()
+        if ok(latest):
+            return latest
+        for host in cluster.trainers:
+            proc = host.procs.get("trainer")
+            if proc is not None and proc.poll() is not None:
+                code = proc.returncode
+                pytest.fail(
+                    f"{host.name}'s torchrun exited ({code}) before {what}:\n{cluster.logs()}"
+                )
+        time.sleep(0.3)
+    pytest.fail(f"timed out waiting for {what}:\n{cluster.logs()}")
+
+
+def ends(topic: str) -> dict[str, int]:
+    return {f"{topic}/{p}": EVENTS for p in range(PARTITIONS)}
+
+
+def finish(cluster: Cluster, topic: str) -> JobManifest:
+    """Wait until the checkpoints cover the whole topic, then stop the trainers (SIGTERM).
+
+    torchrun forwards the signal to its rank, which takes a last checkpoint and
+    exits 0; torchrun itself then exits 1 ("Received 15 death signal"), as it
+    does for any signal, so its own code is not what the test checks.
+    """
+    wait_for(
+        cluster, "every offset checkpointed", lambda m: m is not None and m.positions == ends(topic)
+    )
+    for host in cluster.trainers:
+        host.stop("trainer")
+    for host in cluster.trainers:
+        out = host.log("trainer")
+        last_run = out.rsplit("store: grpc://", 1)[-1]
+        assert re.search(r"stopped by (signal|another rank)", last_run), cluster.logs()
+    final = cluster.checkpoints.latest()
+    assert final is not None
+    return final
+
+
+def assert_learned_once(cluster: Cluster, topic: str) -> None:
+    ledgers = [p for h in cluster.trainers for d in h.dirs for p in d.glob("run/learned-rank*.log")]
+    ranges = learned_ranges(*ledgers)
+    assert sorted(ranges) == sorted(ends(topic))
+    for partition, spans in ranges.items():
+        covered = np.zeros(EVENTS, dtype=np.int64)
+        for s, e in spans:
+            covered[s:e] += 1
+        assert covered.min() == 1, f"{partition}: an offset was never learned"
+        assert covered.max() == 1, f"{partition}: an offset was learned twice"
+
+
+def committed(cluster: Cluster, topic: str) -> dict[str, int | None]:
+    cfg = {k: v for k, v in cluster.job["source"].items() if k in KafkaSourceConfig.model_fields}
+    src = KafkaSource(KafkaSourceConfig(**cfg))
+    try:
+        return {p: src.committed(p) for p in ends(topic)}
+    finally:
+        src.close()
+
+
+def dense_states(book: CheckpointBook, manifest: JobManifest) -> list[dict[str, torch.Tensor]]:
+    return [r["model"] for r in book.load_dense(manifest)["ranks"]]
+
+
+def test_a_job_on_many_hosts_heals_lost_hosts_and_learns_every_offset_once(
+    make_cluster: Callable[..., Cluster], kafka: KafkaForTests, kafka_topic: Any
+) -> None:
+    rng = random.Random(7)
+    topic = kafka_topic(partitions=PARTITIONS)
+    produce_topic(kafka, topic)
+    cluster = make_cluster(topic, mode="hybrid")
+    for i in range(len(cluster.trainers)):
+        cluster.start_trainer(i)
+
+    # A trainer host dies at a random point. Torchrun on the other one ends (its rank
+    # names the lost peer); both are started again, the lost one on an empty disk.
+    first = wait_for(cluster, "a first checkpoint", lambda m: m is not None and m.step >= 5)
+    assert first is not None
+    time.sleep(rng.uniform(0, 1.5))
+    lost, survivor = cluster.trainers[1], cluster.trainers[0]
+    lost.crash()
+    assert survivor.procs["trainer"].wait(120) != 0
+    assert "another rank of the torchrun world is gone" in survivor.log("trainer")
+    lost.replace()
+    for i in range(len(cluster.trainers)):
+        cluster.start_trainer(i)
+    after = wait_for(
+        cluster,
+        "a checkpoint after the trainer hosts came back",
+        lambda m: m is not None and m.step > first.step + 5,
+    )
+    assert after is not None
+
+    # A store shard host dies; its replacement has an empty disk.
+    time.sleep(rng.uniform(0, 1.5))
+    shard_host = cluster.shards[1]
+    shard_host.crash()
+    time.sleep(rng.uniform(1, 3))
+    shard_host.replace()
+    cluster.start_shard(1)
+
+    final = finish(cluster, topic)
+    assert "rolling back to the newest checkpoint" in cluster.logs(), "the job healed the store"
+
+    assert_learned_once(cluster, topic)
+    assert final.samples == EVENTS * PARTITIONS
+    assert committed(cluster, topic) == final.positions
+    ranks = dense_states(cluster.checkpoints, final)
+    assert len(ranks) == 2
+    for k, v in ranks[0].items():
+        assert torch.equal(v, ranks[1][k]), f"the ranks' dense weights differ at {k}"
