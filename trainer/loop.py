@@ -581,8 +581,13 @@ class TrainLoop:
             t0 = time.perf_counter()
             self.dense.optimizer.step()
             self.stats.compute_s += time.perf_counter() - t0
+            # Sync mode with several ranks: the ranks' pushes are applied one rank after
+            # the other, not as they arrive. A sparse optimizer's update depends on what
+            # the row saw before (Adagrad's sum of squares), so arrival order would
+            # make the model differ from run to run.
+            in_rank_order = sync_mode and self.sync.world > 1
             if batch is not None:
-                self._learn(batch, missed, grads)
+                self._learn(batch, missed, grads, push=not in_rank_order)
                 if self.max_events is not None and self._events >= self.max_events:
                     # This rank's share is learned; the others may still have theirs.
                     exhausted, end_reason = True, "max_events"
@@ -590,12 +595,17 @@ class TrainLoop:
             self.stats.steps += 1
             # The staleness bound: the next lookup may miss at most this many pushes.
             try:
-                self.stats.push_wait_s += self.pusher.wait(queue_bound)
+                if in_rank_order:
+                    self.stats.push_wait_s += self._push_in_rank_order(
+                        grads if batch is not None else {}
+                    )
+                else:
+                    self.stats.push_wait_s += self.pusher.wait(queue_bound)
             except Exception as exc:
                 if not store_failure(exc):
                     raise
                 self._failure = exc  # every rank hears of it at the next step
-            if sync_mode:
+            if sync_mode and not in_rank_order:
                 self.sync.barrier()  # every rank's push lands before any next lookup
             if everyone.any("checkpoint"):
                 self.checkpoint()
@@ -623,8 +633,32 @@ class TrainLoop:
                 raise Rollback(msg) from exc
         self._report()
 
-    def _learn(self, batch: PreparedBatch, missed: int | None, grads: dict[str, Any]) -> None:
-        """Account for a batch whose step was taken, and hand its row gradients over."""
+    def _push_in_rank_order(self, grads: dict[str, Any]) -> float:
+        """Push this step's row gradients after every lower rank's, then wait for the
+        higher ones: every rank's push lands before any next lookup, in rank order.
+
+        A failed push is remembered (every rank hears of it at the next step), and
+        this rank still takes part in every barrier, so no rank waits forever.
+        """
+        t0 = time.perf_counter()
+        for turn in range(self.sync.world):
+            if turn == self.rank and grads and self._failure is None:
+                try:
+                    self.pusher.submit(grads)
+                    self.pusher.wait(0)
+                except Exception as exc:
+                    if not store_failure(exc):
+                        raise
+                    self._failure = exc
+            self.sync.barrier()
+        return time.perf_counter() - t0
+
+    def _learn(
+        self, batch: PreparedBatch, missed: int | None, grads: dict[str, Any], *, push: bool = True
+    ) -> None:
+        """Account for a batch whose step was taken, and hand its row gradients over
+        (unless ``push`` is false: the caller pushes them in rank order).
+        """
         self._account(batch, missed)
         self.positions[batch.partition] = batch.end
         if self._ledger is not None:
@@ -633,7 +667,7 @@ class TrainLoop:
         self._learned += len(batch)
         self._events += len(batch) + batch.bad_records
         self.stats.events += len(batch) + batch.bad_records
-        if grads:
+        if grads and push:
             try:
                 self.pusher.submit(grads)
             except Exception as exc:
