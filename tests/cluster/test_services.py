@@ -1,0 +1,101 @@
+"""A job that names its services refuses to start, in one line, when they do not fit it.
+
+Real `streamrec run` processes against real store shards (or none), as a user
+on a cluster would meet them: a wrong address, a wrong token, another job's
+store, or torchrun without the services named.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from deploy.local.kafka import free_port
+from tests.conftest import REPO_ROOT, STREAMREC, write_job_yaml
+
+
+def run(job: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*STREAMREC, "run", str(job), "--max-time", "60"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+        check=False,
+    )
+
+
+def one_line(out: subprocess.CompletedProcess[str]) -> str:
+    lines = [line for line in out.stderr.splitlines() if line.startswith("streamrec:")]
+    assert len(lines) == 1, out.stdout + out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    return lines[0]
+
+
+def job_yaml(tmp_path: Path, tables: dict[str, Any], **cluster: Any) -> Path:
+    return write_job_yaml(
+        tmp_path / "job.yaml",
+        store={"tables": tables, "row_dtype": "float32"},
+        features={"labels": ["y"], "sparse": [{"name": "u", "table": "user"}]},
+        source={"kind": "synthetic", "events": 1000},
+        cluster={"dashboard_address": ":0", **cluster},
+        run_dir=str(tmp_path / "run"),
+    )
+
+
+TABLES = {"user": {"dim": 8}}
+
+
+def test_torchrun_without_named_services_says_what_to_set(tmp_path: Path) -> None:
+    out = run(job_yaml(tmp_path, TABLES), RANK="1", WORLD_SIZE="2", LOCAL_WORLD_SIZE="1")
+    assert out.returncode == 1
+    line = one_line(out)
+    assert "started by torchrun (RANK=1, WORLD_SIZE=2)" in line
+    assert "set cluster.scheduler and cluster.store" in line
+
+
+def test_a_scheduler_that_does_not_answer_is_one_line(
+    tmp_path: Path, write_job: Callable[..., Path], token_file: Path, start_shards: Any
+) -> None:
+    [shard] = start_shards(1, write_job(), token_file)
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    job = job_yaml(
+        tmp_path,
+        {"user": {"dim": 8}, "item": {"dim": 4}},
+        scheduler=dead,
+        store=f"grpc://{shard.address}",
+        token_file=str(token_file),
+    )
+    out = run(job)
+    assert out.returncode == 1
+    assert f"cluster.scheduler {dead}: no Dask scheduler answers there" in one_line(out)
+
+
+def test_a_store_of_other_tables_or_another_token_is_refused(
+    tmp_path: Path, write_job: Callable[..., Path], token_file: Path, start_shards: Any
+) -> None:
+    shards = start_shards(2, write_job(), token_file)  # tables user (dim 8), item (dim 4)
+    store = "grpc://" + ",".join(s.address for s in shards)
+    other = job_yaml(tmp_path, {"user": {"dim": 16}}, store=store, token_file=str(token_file))
+    line = one_line(run(other))
+    assert f"cluster.store shard 0 at {shards[0].address} serves other tables" in line
+    assert "user: job 16, shard 8" in line
+    assert "item: job absent, shard 4" in line
+
+    right = job_yaml(tmp_path, {"user": {"dim": 8}, "item": {"dim": 4}}, store=store)
+    out = run(right, STREAMREC_STORE_TOKEN="not-the-token")
+    assert out.returncode == 1
+    assert "refuses the job's token" in one_line(out)
+
+    count = job_yaml(
+        tmp_path,
+        {"user": {"dim": 8}, "item": {"dim": 4}},
+        store=store,
+        store_shards=3,
+        token_file=str(token_file),
+    )
+    assert "cluster.store names 2 shard(s), cluster.store_shards says 3" in one_line(run(count))
