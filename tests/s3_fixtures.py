@@ -38,4 +38,3 @@ def s3_prefix(s3: LocalS3) -> str:
 def subprocess_env(server: LocalS3, **extra: str) -> dict[str, str]:
     """This process's environment plus the server's key and ``extra``, for a child."""
     return {**os.environ, **server.env(), **extra}
-

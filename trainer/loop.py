@@ -568,7 +568,11 @@ class TrainLoop:
                 raise Rollback(what) from self._failure
             if not everyone.any("active"):
                 if everyone.any("waiting") and not everyone.any("stop"):
-                    # Every stream is quiet for now: no step, and no spinning.
+                    # Every stream is quiet for now: no step, and no spinning. What was
+                    # learned before the quiet still gets its checkpoint when one is due
+                    # (and so its offsets committed), not only when records come again.
+                    if everyone.any("checkpoint") and self.step > self._checkpointed_step:
+                        self.checkpoint()
                     if time.monotonic() - last_report >= self.config.log_every_s:
                         self._report()
                         last_report = time.monotonic()

@@ -122,6 +122,10 @@ class ShardProcess:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 preexec_fn=_term_with_parent if die_with_parent else None,  # noqa: PLW1509
+                # A shard the job owns is stopped by the job, after the job's last
+                # checkpoint: not by the terminal's Ctrl-C, nor by a signal to the job's
+                # process group, which would stop it in the middle of that checkpoint.
+                start_new_session=die_with_parent,
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -227,6 +231,16 @@ class ShardSupervisor:
                 if code is None or self._stopped.is_set():
                     continue
                 what = f"signal {-code}" if code < 0 else f"exit code {code}"
+                if code == 0:
+                    # A clean stop (SIGTERM, Ctrl-C) is someone's decision, not a crash:
+                    # starting the shard again would fight them. The job hears of it.
+                    with self._lock:
+                        self.failed = (
+                            f"store shard {i} ({shard.address}) was stopped ({what}) while the "
+                            "job ran; its checkpoint holds what it had, start the job again"
+                        )
+                    log.error("%s", self.failed)
+                    return
                 log.warning("store shard %d (%s) died (%s); restarting it", i, shard.address, what)
                 t0 = time.monotonic()
                 try:

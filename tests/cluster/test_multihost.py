@@ -59,7 +59,7 @@ from trainer.checkpoint import CheckpointBook, JobManifest
 from trainer.ledger import learned_ranges
 
 PARTITIONS = 3
-EVENTS = 2_000  # per partition
+EVENTS = 1_600  # per partition
 BATCH = 100
 TOKEN = "cluster-test-token"
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import signal
 import subprocess
 from pathlib import Path
@@ -125,7 +126,7 @@ def test_max_time_ends_a_job_whose_broker_is_not_there(tmp_path: Path) -> None:
     It used to retry for 300 s (retry_timeout_s) and then end in a traceback.
     """
     job = no_broker_job(tmp_path)
-    out = streamrec("run", str(job), "--max-time", "10", timeout=120)
+    out = streamrec("run", str(job), "--max-time", "20", timeout=120)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "Traceback" not in out.stderr, out.stderr
     last = out.stderr.strip().splitlines()[-1]
@@ -145,7 +146,7 @@ def test_ctrl_c_ends_a_job_waiting_for_a_broker(tmp_path: Path) -> None:
     )
     try:
         # Until the job is waiting for the broker (it says so on stderr); it used to
-    # ignore Ctrl-C for minutes then (the communicate timeout below).
+        # ignore Ctrl-C for minutes then (the communicate timeout below).
         assert proc.stderr is not None
         seen = []
         for line in proc.stderr:
@@ -162,3 +163,54 @@ def test_ctrl_c_ends_a_job_waiting_for_a_broker(tmp_path: Path) -> None:
     assert proc.returncode == 1, text
     assert "Traceback" not in text, text
     assert "because the job is stopping" in err, text
+
+
+def test_ctrl_c_in_a_terminal_stops_the_shards_after_the_last_checkpoint(tmp_path: Path) -> None:
+    """Ctrl-C reaches the job's whole process group, as a terminal sends it.
+
+    The job's shards used to get it too: each stopped on its own (in the middle
+    of the job's last checkpoint), the supervisor took that for a crash and
+    started it again, and the extra checkpoints let the shard's garbage
+    collection delete the one the job's manifest names, so the next run could
+    not restore. Now the job stops its shards itself, after its last checkpoint.
+    """
+    from tests.trainer.test_job import wait_for_checkpoint
+
+    job = write_synthetic_job(
+        tmp_path,
+        store={**synthetic_store_section(dim=4), "keep_full_checkpoints": 1},
+        source={"kind": "synthetic", "seed": 3, "partitions": 2, "events": 1_000_000},
+        trainer={
+            "batch_size": 200,
+            "model": {"kind": "ffnn", "hidden": [16]},
+            "torch_threads": 1,
+            "checkpoint": {"every_steps": 5, "every_s": None},
+        },
+        cluster={"workers": 1, "store_shards": 2, "dashboard_address": ":0"},
+    )
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [*STREAMREC, "run", str(job)],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, as a shell gives a command
+    )
+    try:
+        wait_for_checkpoint(run_dir, 5, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out[-4000:]
+    assert "stopped by signal" in out
+    for log in sorted((run_dir / "store").glob("shard-*.log")):
+        assert log.read_text().count("serving") == 1, f"{log.name} was started again"
+    final = CheckpointBook(run_dir / "checkpoints").latest()
+    assert final is not None
+    again = streamrec("run", str(job), "--max-events", "400", timeout=180)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "trained 400 samples" in again.stdout

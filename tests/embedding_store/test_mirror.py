@@ -43,7 +43,9 @@ def test_a_shard_restarted_on_an_empty_disk_restores_from_the_object_store(
 ) -> None:
     url = s3.url(f"{s3_prefix}/shard-000")
     job = write_job()
-    first = ShardProcess.start(job, tmp_path / "host-a" / "shard", token_file=token_file, snapshots=url)
+    first = ShardProcess.start(
+        job, tmp_path / "host-a" / "shard", token_file=token_file, snapshots=url
+    )
     start_shards.track(first)
     ids = np.arange(1, 2001, dtype=U64)
     token = token_file.read_text().strip()

@@ -19,6 +19,8 @@ import datetime
 import multiprocessing
 import queue
 import socket
+import threading
+import time
 import traceback
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -582,3 +584,52 @@ def test_two_sync_ranks_equal_one_process_averaging_their_gradients(
         np.testing.assert_allclose(
             got[name], p.detach().numpy(), rtol=1e-5, atol=1e-6, err_msg=name
         )
+
+
+def test_a_quiet_stream_still_gets_its_due_checkpoint(tmp_path: Path) -> None:
+    """What was learned before the stream went quiet is checkpointed when `every_s` is due.
+
+    It used to wait for records to come again (or for the stop): the offsets of the
+    last steps stayed uncommitted for as long as the stream was quiet.
+    """
+    src = source()
+    planned = chunks(src, "synthetic/0", 0, 7 * BATCH)  # 7 steps: not a multiple of 5
+    cfg = config("sync", checkpoint=CheckpointConfig(every_steps=5, every_s=0.3, on_exit=False))
+    shards = shards_in(tmp_path / "store")
+    store = StoreClient.from_shards(shards)
+    book = CheckpointBook(tmp_path / "checkpoints", keep=10)
+    stop = threading.Event()
+    loop = TrainLoop(
+        cfg,
+        SPEC,
+        store,
+        DenseModel(cfg, SPEC, store.dims, torch.device("cpu")),
+        checkpointer=JobCheckpointer(book, store),
+        stop=stop,
+    )
+
+    def then_quiet() -> Iterator[PreparedBatch | None]:
+        yield from lazy_batches(src, planned, store)
+        while True:
+            yield None  # a quiet stream (StreamRunner(idle_ticks=True))
+
+    seen: list[int] = []
+    runner = threading.Thread(target=loop.run, args=(then_quiet(),), daemon=True)
+    runner.start()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        latest = book.latest()
+        if latest is not None:
+            seen.append(latest.step)
+            if latest.step == 7:
+                break
+        time.sleep(0.05)
+    stop.set()
+    runner.join(30)
+    assert seen, "no checkpoint at all"
+    assert seen[-1] == 7, f"checkpointed steps seen while quiet: {sorted(set(seen))}"
+    latest = book.latest()
+    assert latest is not None
+    assert latest.positions == {"synthetic/0": 7 * BATCH}
+    assert loop.stats.checkpoints == 2, "one at step 5, one when due while quiet; none repeated"
+    store.close()
