@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -91,16 +92,23 @@ def store_token(job: JobConfig, env: Mapping[str, str]) -> str | None:
     """The store's token: ``cluster.token_file``, else ``$STREAMREC_STORE_TOKEN``, else None."""
     path = job.cluster.token_file
     if path is not None:
-        try:
-            token = path.read_text(encoding="utf-8").strip()
-        except OSError as exc:
-            msg = f"cluster.token_file {path}: cannot read it ({exc.strerror})"
-            raise ClusterError(msg) from exc
-        if not token:
-            msg = f"cluster.token_file {path}: the file is empty"
-            raise ClusterError(msg)
-        return token
+        return read_token_file(path, "cluster.token_file")
     return env.get(TOKEN_ENV) or None
+
+
+def read_token_file(path: Path, what: str) -> str:
+    """The token in ``path`` (whitespace stripped); :class:`ClusterError` naming ``what``
+    (the option or field that named the file) when it cannot be read or is empty.
+    """
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        msg = f"{what} {path}: cannot read it ({exc.strerror})"
+        raise ClusterError(msg) from exc
+    if not token:
+        msg = f"{what} {path}: the file is empty"
+        raise ClusterError(msg)
+    return token
 
 
 def check_torchrun_job(job: JobConfig, launch: TorchrunRank) -> None:

@@ -26,15 +26,12 @@ from embedding_store.types import StoreConfig
 
 def read_token(path: Path) -> str:
     """The token in ``path`` (surrounding whitespace removed); it must not be empty."""
+    from deploy.cluster import ClusterError, read_token_file
+
     try:
-        token = path.read_text(encoding="utf-8").strip()
-    except OSError as exc:
-        msg = f"--token-file {path}: cannot read it ({exc.strerror})"
-        raise SystemExit(msg) from exc
-    if not token:
-        msg = f"--token-file {path}: the file is empty"
-        raise SystemExit(msg)
-    return token
+        return read_token_file(path, "--token-file")
+    except ClusterError as exc:
+        raise SystemExit(str(exc)) from exc
 
 
 def serve(

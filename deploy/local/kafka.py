@@ -212,7 +212,8 @@ def java_command(
     ]
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie does not; another user's does)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -232,7 +233,7 @@ def _pid_runs(pid: int, main_class: str) -> bool:
 
     Guards ``down`` against killing an unrelated process that reused a recorded pid.
     """
-    if not _pid_alive(pid):
+    if not pid_alive(pid):
         return False
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -283,10 +284,10 @@ class JavaProcess:
             return True
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if not _pid_alive(self.pid):
+            if not pid_alive(self.pid):
                 return True
             time.sleep(0.05)
-        return not _pid_alive(self.pid)
+        return not pid_alive(self.pid)
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM (the broker flushes and closes its logs cleanly), then SIGKILL."""

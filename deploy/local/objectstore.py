@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from deploy.local.kafka import free_port
+from deploy.local.kafka import free_port, pid_alive
 
 STATE_FILE = "s3.json"
 DEFAULT_BUCKET = "streamrec"
@@ -200,7 +200,7 @@ class LocalS3:
     def alive(self) -> bool:
         if self.process is not None:
             return self.process.poll() is None
-        return self.pid is not None and _pid_alive(self.pid)
+        return self.pid is not None and pid_alive(self.pid)
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout_s``; the data stays in ``work_dir``."""
@@ -213,12 +213,12 @@ class LocalS3:
                     self.process.kill()
                     self.process.wait()
             return
-        if self.pid is not None and _pid_alive(self.pid):
+        if self.pid is not None and pid_alive(self.pid):
             os.kill(self.pid, signal.SIGTERM)
             deadline = time.monotonic() + timeout_s
-            while _pid_alive(self.pid) and time.monotonic() < deadline:
+            while pid_alive(self.pid) and time.monotonic() < deadline:
                 time.sleep(0.1)
-            if _pid_alive(self.pid):
+            if pid_alive(self.pid):
                 os.kill(self.pid, signal.SIGKILL)
 
     def state(self) -> dict[str, Any]:
@@ -251,20 +251,6 @@ def _free_port_pair() -> int:
     raise ObjectStoreError(msg)
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie (exited, not yet reaped) counts as gone.
-    try:
-        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
-    except OSError:
-        return True
-
-
 def _read_state(state_dir: Path) -> dict[str, Any] | None:
     try:
         data = json.loads((state_dir / STATE_FILE).read_text())
@@ -283,7 +269,7 @@ def up(state_dir: Path, *, port: int | None = None, timeout_s: float = 60.0) -> 
 
     state_dir.mkdir(parents=True, exist_ok=True)
     old = _read_state(state_dir)
-    if old is not None and old.get("pid") and _pid_alive(int(old["pid"])):
+    if old is not None and old.get("pid") and pid_alive(int(old["pid"])):
         return {**old, "action": "running"}
     kwargs: dict[str, Any] = {}
     if old is not None:
@@ -307,7 +293,7 @@ def up(state_dir: Path, *, port: int | None = None, timeout_s: float = 60.0) -> 
 def down(state_dir: Path) -> bool:
     """Stop the object store started by :func:`up`; its data and key stay. False: none ran."""
     old = _read_state(state_dir)
-    if old is None or not old.get("pid") or not _pid_alive(int(old["pid"])):
+    if old is None or not old.get("pid") or not pid_alive(int(old["pid"])):
         return False
     s3 = LocalS3(
         work_dir=Path(old["work_dir"]),
