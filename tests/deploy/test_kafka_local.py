@@ -25,9 +25,9 @@ from deploy.local.kafka import (
     _ZK_MAIN,
     API_VERSION,
     REPO_ROOT,
-    _pid_alive,
     down,
     find_java,
+    pid_alive,
     up,
 )
 from tests.kafka_fixtures import KafkaForTests, read_partition
@@ -80,7 +80,7 @@ def test_up_records_state_and_down_stops_it(tmp_path: Path) -> None:
         assert state["bootstrap"].startswith("127.0.0.1:")
         assert state["api_version"] == list(API_VERSION)
         pids = [state["broker_pid"], state["zookeeper_pid"]]
-        assert all(_pid_alive(pid) for pid in pids)
+        assert all(pid_alive(pid) for pid in pids)
 
         # The recorded broker works: a record goes in and comes back out.
         topic = f"up-{uuid.uuid4().hex[:8]}"
@@ -93,7 +93,7 @@ def test_up_records_state_and_down_stops_it(tmp_path: Path) -> None:
     finally:
         stopped = down(tmp_path)
     assert stopped is True
-    assert not any(_pid_alive(pid) for pid in pids)
+    assert not any(pid_alive(pid) for pid in pids)
     assert down(tmp_path) is False  # nothing runs any more
     kept = json.loads(state_file.read_text())  # the address stays for the next up
     assert (kept["bootstrap"], kept["broker_pid"]) == (state["bootstrap"], None)
@@ -175,7 +175,7 @@ def _servers_of(state_dir: Path) -> dict[int, str]:
             argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
         except OSError:
             continue
-        if any(str(state_dir) in arg for arg in argv) and _pid_alive(int(proc.name)):
+        if any(str(state_dir) in arg for arg in argv) and pid_alive(int(proc.name)):
             main = next((m for m in (_BROKER_MAIN, _ZK_MAIN) if m in argv), "")
             if main:
                 found[int(proc.name)] = main
