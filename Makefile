@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: install browser lint typecheck proto proto-check test test-only demo bench-store bench-pipeline bench-e2e bench-chaos clean
+.PHONY: install browser lint typecheck proto proto-check test test-only demo s3 bench-store bench-pipeline bench-e2e bench-chaos clean
 
 install: $(STAMP)
 
@@ -47,6 +47,11 @@ test-only:
 # The embedded default: local Dask cluster, two store shards, the synthetic stream.
 demo: install
 	$(BIN)/streamrec demo $(DEMO_ARGS)
+
+# A local S3-compatible object store (SeaweedFS) for trying cluster mode; prints its
+# URL and key. `$(BIN)/streamrec s3 down` stops it.
+s3: install
+	$(BIN)/streamrec s3 up
 
 bench-pipeline: install
 	$(BIN)/python benchmarks/pipeline.py --json bench-results/pipeline.json
