@@ -113,6 +113,17 @@ def test_weight_clip_bounds_every_updated_weight() -> None:
     assert np.abs(w).max() == pytest.approx(0.25)
 
 
+@pytest.mark.parametrize("capacity", [100_000, 700_000])
+def test_a_full_table_takes_at_most_1_5x_its_weights_and_optimizer_state(capacity: int) -> None:
+    """The index is sized to the capacity, not to the next power of two (up to 2x)."""
+    t = EmbeddingTable("t", TableConfig(dim=16, capacity=capacity, initial_rows=capacity))
+    for start in range(0, capacity, 50_000):
+        t.lookup(np.arange(start, min(capacity, start + 50_000), dtype=np.uint64))
+    assert len(t) == capacity
+    minimum = capacity * (16 + 16) * 4  # float32 weights and Adagrad accumulators
+    assert t.memory_bytes <= 1.5 * minimum, t.memory_bytes / minimum
+
+
 def test_memory_is_bounded_whatever_the_number_of_distinct_ids(tmp_path: Path) -> None:
     cap = 5000
     shard = StoreShard(StoreConfig(tables={"t": {"dim": 8, "capacity": cap, "initial_rows": 64}}))
@@ -129,11 +140,11 @@ def test_memory_is_bounded_whatever_the_number_of_distinct_ids(tmp_path: Path) -
             shard.checkpoint(tmp_path, "auto")  # tombstones are bounded too
         peak = max(peak, t.memory_bytes)
         assert len(t) <= cap
-    # The bound: a hash index of at most next_pow2(cap / 0.75) buckets of 32 bytes,
-    # plus cap rows of weights, Adagrad state, step, free list and mark bytes, plus at
-    # most cap tombstones.
+    # The bound: a hash index of at most cap / 0.75 buckets of 32 bytes, plus cap
+    # rows of weights, Adagrad state, step, free list and mark bytes, plus at most
+    # cap tombstones.
     per_row = 8 * 4 + 8 * 4 + 8 + 8 + 1
-    bound = 8192 * 32 + cap * per_row + cap * 8
+    bound = 6667 * 32 + cap * per_row + cap * 8
     assert peak <= bound, (peak, bound)
     assert t.stats().evictions >= 50_000 - cap
 
