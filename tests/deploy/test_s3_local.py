@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 from pathlib import Path
 
 import pytest
@@ -11,12 +12,19 @@ from embedding_store.location import Location
 from tests.conftest import streamrec
 
 
+def s3_up(state: str) -> str:
+    """``streamrec s3 up``'s output; a failure shows what it printed."""
+    done = streamrec("s3", "up", "--state-dir", state)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
 def test_s3_up_down_up_keeps_its_address_key_and_data(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     state = str(tmp_path / "state")
     try:
-        first = streamrec("s3", "up", "--state-dir", state, check=True).stdout
+        first = s3_up(state)
         url = re.search(r"a job or shard URL:\s+(\S+)", first)
         key = re.search(r"AWS_SECRET_ACCESS_KEY=(\S+)", first)
         assert url is not None, first
@@ -27,9 +35,9 @@ def test_s3_up_down_up_keeps_its_address_key_and_data(
         where = Location.parse(url.group(1).replace("PREFIX", "try"))
         where.write_bytes("kept.txt", b"still here")
 
-        assert "already running" in streamrec("s3", "up", "--state-dir", state).stdout
+        assert "already running" in s3_up(state)
         assert "S3 stopped" in streamrec("s3", "down", "--state-dir", state).stdout
-        again = streamrec("s3", "up", "--state-dir", state, check=True).stdout
+        again = s3_up(state)
         assert "restarted with its data" in again
         assert url.group(1) in again, "the same address"
         assert key.group(1) in again, "the same key"
@@ -38,3 +46,25 @@ def test_s3_up_down_up_keeps_its_address_key_and_data(
     finally:
         streamrec("s3", "down", "--state-dir", state)
     assert "no S3 running" in streamrec("s3", "down", "--state-dir", state).stdout
+
+
+def test_weed_that_exits_on_a_taken_port_is_started_again_on_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ports are picked free, then bound by weed; one taken in between costs a retry."""
+    from deploy.local import objectstore
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks = iter([taken.getsockname()[1]])
+    real = objectstore._free_port_pair
+    monkeypatch.setattr(objectstore, "_free_port_pair", lambda: next(picks, None) or real())
+    server = objectstore.LocalS3.start(tmp_path / "s3")
+    try:
+        assert server.alive()
+        log = (tmp_path / "s3" / "weed.log").read_text(errors="replace")
+        assert str(taken.getsockname()[1]) in log, "the first weed was given the taken port"
+    finally:
+        server.stop()
+        taken.close()
