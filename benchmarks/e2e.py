@@ -310,6 +310,32 @@ def read_metrics(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
     return out
 
 
+def measured_rate(lines: dict[int, list[dict[str, Any]]]) -> tuple[float, float, int, float, int]:
+    """(samples/s, median interval samples/s, timed samples, timed seconds, all samples).
+
+    Per rank, the clock runs from its first report (the end of its first step,
+    or later: reports come every log_every_s) to its last (after the pushes
+    drained); the ranks' rates add up.
+    """
+    rate = 0.0
+    median_rate = 0.0
+    timed_samples = 0
+    timed_s = 0.0
+    total = 0
+    for rank_lines in lines.values():
+        started = [r for r in rank_lines if r["samples"] > 0]
+        first, end = started[0], rank_lines[-1]
+        dt = end["elapsed_s"] - first["elapsed_s"]
+        n = end["samples"] - first["samples"]
+        rate += n / dt if dt > 0 else 0.0
+        marks = [(r["elapsed_s"], r["samples"]) for r in started]
+        median_rate += median_interval_rate(marks, every_s=0.99) if len(marks) > 1 else 0.0
+        timed_samples += n
+        timed_s = max(timed_s, dt)
+        total += end["samples"]
+    return rate, median_rate, timed_samples, timed_s, total
+
+
 def read_for_report(run_dir: Path, label: str) -> RunData | None:
     """The run's metrics as ``streamrec report`` reads them; None (and why) if it cannot."""
     from monitoring.report import ReportError, load_run
@@ -374,24 +400,7 @@ def run_streamrec(
     if not lines or 0 not in lines:
         msg = f"{label}: the run wrote no metrics"
         raise RuntimeError(msg)
-    # Per rank: the clock runs from its first report (the end of its first step,
-    # or later: reports come every log_every_s) to its last (after the pushes drained).
-    rate = 0.0
-    median_rate = 0.0
-    timed_samples = 0
-    timed_s = 0.0
-    total = 0
-    for rank_lines in lines.values():
-        started = [r for r in rank_lines if r["samples"] > 0]
-        first, end = started[0], rank_lines[-1]
-        dt = end["elapsed_s"] - first["elapsed_s"]
-        n = end["samples"] - first["samples"]
-        rate += n / dt if dt > 0 else 0.0
-        marks = [(r["elapsed_s"], r["samples"]) for r in started]
-        median_rate += median_interval_rate(marks, every_s=0.99) if len(marks) > 1 else 0.0
-        timed_samples += n
-        timed_s = max(timed_s, dt)
-        total += end["samples"]
+    rate, median_rate, timed_samples, timed_s, total = measured_rate(lines)
     r0 = lines[0]
     first0 = next(r for r in r0 if r["samples"] > 0)
     auc = r0[-1]["metrics"]["auc"]

@@ -445,6 +445,41 @@ class SyntheticSource:
         )
         return out
 
+    def vocabulary(self, field: str, ranks: npt.ArrayLike | None = None) -> pa.StringArray:
+        """The values of ``field``'s base ids of these Zipf ranks (0: the most frequent).
+
+        Every value the stream draws for ``field`` is one of these, or (open
+        fields, ``new_id_rate > 0``) a new id born later. ``ranks`` defaults to
+        all of them, in rank order. A bulk load of a store's rows reads them here
+        (``benchmarks/scale.py``).
+
+        >>> src = SyntheticSource(SyntheticConfig(events=500, new_id_rate=0.0))
+        >>> vocab = set(src.vocabulary("C7").to_pylist())
+        >>> len(vocab) == src.config.cardinalities[6]
+        True
+        >>> set(src.read(src.plan("synthetic/0", 0, 500)).table["C7"].to_pylist()) <= vocab
+        True
+        >>> src.vocabulary("C7", [5, 0]).to_pylist() == src.vocabulary("C7")[:6].to_pylist()[5::-5]
+        True
+        """
+        if field not in SPARSE_NAMES:
+            msg = f"no sparse field {field!r} (fields: C1..C{NUM_SPARSE})"
+            raise KeyError(msg)
+        f = SPARSE_NAMES.index(field)
+        card = int(self._card[f])
+        r = np.arange(card) if ranks is None else np.asarray(ranks, dtype=np.int64).ravel()
+        lo, hi = (int(r.min()), int(r.max())) if r.shape[0] else (0, 0)
+        if lo < 0 or hi >= card:
+            msg = f"ranks: field {field} has ranks 0..{card - 1}, got {lo}..{hi}"
+            raise ValueError(msg)
+        values = _string_values(r.astype(np.int64), self._salt32[f])
+        shifts = np.arange(28, -1, -4, dtype=np.uint64)
+        chars = _HEX[((values[:, None] >> shifts) & np.uint64(0xF)).astype(np.intp)]
+        offsets = pa.py_buffer(np.arange(0, 8 * r.shape[0] + 1, 8, dtype=np.int32))
+        return pa.Array.from_buffers(
+            pa.string(), r.shape[0], [None, offsets, pa.py_buffer(np.ascontiguousarray(chars))]
+        )
+
     # --- generation -----------------------------------------------------------------
 
     def _partition_index(self, partition: str) -> int:

@@ -85,6 +85,10 @@ _ERRORS: dict[grpc.StatusCode, type[StoreError]] = {
 _KINDS = {"auto": pb.AUTO, "full": pb.FULL, "delta": pb.DELTA}
 
 
+# Ids of one table routed to shards: the ids, their order by shard, each shard's bounds.
+_Routed = tuple[U64, npt.NDArray[np.int64], npt.NDArray[np.int64]]
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How the gRPC transport retries idempotent calls."""
@@ -105,8 +109,16 @@ class ShardTransport(Protocol):
         ...
 
     def start_lookup(
-        self, ids: dict[str, U64], train: bool, step: int | None, dtype: RowDtype
-    ) -> Wait[dict[str, Rows]]: ...
+        self,
+        ids: dict[str, U64],
+        train: bool,
+        step: int | None,
+        dtype: RowDtype,
+        *,
+        create_only: bool = False,
+    ) -> Wait[dict[str, Rows]]:
+        """Rows of ``ids``; with ``create_only`` (and ``train``) none: the rows are only made."""
+        ...
 
     def start_push(
         self, grads: dict[str, tuple[U64, Rows]], request_id: str, dtype: RowDtype
@@ -156,11 +168,19 @@ class InprocTransport:
         """A shard object in this process cannot restart."""
 
     def start_lookup(
-        self, ids: dict[str, U64], train: bool, step: int | None, dtype: RowDtype
+        self,
+        ids: dict[str, U64],
+        train: bool,
+        step: int | None,
+        dtype: RowDtype,
+        *,
+        create_only: bool = False,
     ) -> Wait[dict[str, Rows]]:
         def run() -> dict[str, Rows]:
             with self.lookup_latency.time():
                 rows = self.shard.lookup(ids, train=train, step=step)
+                if create_only:
+                    return {}
                 if dtype == "float16":
                     return {k: v.astype(np.float16) for k, v in rows.items()}
                 return dict(rows)
@@ -284,13 +304,20 @@ class GrpcTransport:
             raise ShardRestarted(msg)
 
     def start_lookup(
-        self, ids: dict[str, U64], train: bool, step: int | None, dtype: RowDtype
+        self,
+        ids: dict[str, U64],
+        train: bool,
+        step: int | None,
+        dtype: RowDtype,
+        *,
+        create_only: bool = False,
     ) -> Wait[dict[str, Rows]]:
         request = pb.LookupRequest(
             tables=[pb.TableIds(table=k, ids=encode_ids(v)) for k, v in ids.items()],
             train=train,
             dtype=TO_PB[dtype],
             step=step,
+            create_only=create_only,
         )
         wait = self._start("Lookup", request)
 
@@ -529,6 +556,22 @@ class StoreClient:
             msg = f"table {name!r} is not served by this store (tables: {sorted(self.dims)})"
             raise UnknownTable(msg) from None
 
+    def _route_tables(self, ids: Mapping[str, npt.ArrayLike]) -> dict[str, _Routed]:
+        routed = {}
+        for name, table_ids in ids.items():
+            self._check_table(name)
+            routed[name] = self._route(table_ids, f"ids[{name}]")
+        return routed
+
+    def _part(self, routed: Mapping[str, _Routed], s: int) -> dict[str, U64]:
+        """Shard ``s``'s ids of each routed table."""
+        if self.num_shards == 1:
+            return {name: arr for name, (arr, _, _) in routed.items()}
+        return {
+            name: arr[order[bounds[s] : bounds[s + 1]]]
+            for name, (arr, order, bounds) in routed.items()
+        }
+
     def _route(
         self, ids: npt.ArrayLike, field: str
     ) -> tuple[U64, npt.NDArray[np.int64], npt.NDArray[np.int64]]:
@@ -550,18 +593,12 @@ class StoreClient:
         step: int | None = None,
     ) -> dict[str, Rows]:
         """Rows (``row_dtype``, shape ``[n, dim]``) for the ids of each table, in order."""
-        routed = {}
-        for name, table_ids in ids.items():
-            self._check_table(name)
-            routed[name] = self._route(table_ids, f"ids[{name}]")
+        routed = self._route_tables(ids)
         self._delay()
-        waits = []
-        for s, transport in enumerate(self._transports):
-            part = {
-                name: arr[order[bounds[s] : bounds[s + 1]]] if self.num_shards > 1 else arr
-                for name, (arr, order, bounds) in routed.items()
-            }
-            waits.append(transport.start_lookup(part, train, step, self.row_dtype))
+        waits = [
+            transport.start_lookup(self._part(routed, s), train, step, self.row_dtype)
+            for s, transport in enumerate(self._transports)
+        ]
         out = {
             name: np.empty((arr.shape[0], self.dims[name]), dtype=self.row_dtype)
             for name, (arr, _, _) in routed.items()
@@ -576,6 +613,24 @@ class StoreClient:
                 else:
                     out[name][order[bounds[s] : bounds[s + 1]]] = rows
         return out
+
+    def create_rows(self, ids: Mapping[str, npt.ArrayLike], *, step: int | None = None) -> None:
+        """Create the rows of ``ids`` (a bulk load) without reading them back.
+
+        Rows start where a training lookup would start them (deterministic from
+        the id), through the tables' admission, eviction and capacity; only the
+        reply's rows are skipped, so a load of many ids costs ids on the wire.
+        Split very large loads into calls of about a million ids.
+        """
+        routed = self._route_tables(ids)
+        waits = [
+            transport.start_lookup(
+                self._part(routed, s), True, step, self.row_dtype, create_only=True
+            )
+            for s, transport in enumerate(self._transports)
+        ]
+        for wait in waits:
+            wait()
 
     def push(
         self,

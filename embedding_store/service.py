@@ -143,6 +143,14 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
             msg = "tables: a table is named twice in one Lookup"
             raise InvalidRequest(msg)
         step = request.step if request.HasField("step") else None
+        if request.create_only:
+            if not request.train:
+                msg = "create_only: needs train=true (a bulk load creates rows)"
+                raise InvalidRequest(msg)
+            values = sum(len(v) * self.shard.table(name).dim for name, v in ids.items())
+            with self._replies.hold(values * 4):  # the rows read while they are made
+                self.shard.lookup(ids, train=True, step=step)
+            return pb.LookupResponse(dtype=request.dtype)
         # Refused before any row is made or read: a reply that cannot be sent would
         # only cost memory (and, with train=True, create rows for nothing).
         values = sum(len(v) * self.shard.table(name).dim for name, v in ids.items())

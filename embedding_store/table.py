@@ -110,9 +110,9 @@ def _home(key: np.int64, n: int) -> np.int64:
 
 
 @nb.njit(nogil=True, cache=True, inline="always")
-def _next(b: np.int64, n: int) -> np.int64:
-    b += 1
-    return 0 if b == n else b
+def _next(b: int | np.int64, n: int) -> np.int64:
+    after = np.int64(b + 1)
+    return np.int64(0) if after == n else after
 
 
 @nb.njit(nogil=True, cache=True, inline="always")

@@ -52,16 +52,18 @@ class TableGrads(_message.Message):
     def __init__(self, table: _Optional[str] = ..., ids: _Optional[bytes] = ..., grads: _Optional[bytes] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("tables", "train", "dtype", "step")
+    __slots__ = ("tables", "train", "dtype", "step", "create_only")
     TABLES_FIELD_NUMBER: _ClassVar[int]
     TRAIN_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    CREATE_ONLY_FIELD_NUMBER: _ClassVar[int]
     tables: _containers.RepeatedCompositeFieldContainer[TableIds]
     train: bool
     dtype: RowDtype
     step: int
-    def __init__(self, tables: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ..., train: _Optional[bool] = ..., dtype: _Optional[_Union[RowDtype, str]] = ..., step: _Optional[int] = ...) -> None: ...
+    create_only: bool
+    def __init__(self, tables: _Optional[_Iterable[_Union[TableIds, _Mapping]]] = ..., train: _Optional[bool] = ..., dtype: _Optional[_Union[RowDtype, str]] = ..., step: _Optional[int] = ..., create_only: _Optional[bool] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("tables", "dtype")

@@ -71,6 +71,7 @@ class EmbeddingStoreServicer:
 
     def Lookup(self, request, context):
         """Rows of the given ids; train=true creates admitted rows and marks them seen.
+        With create_only (and train), a bulk load: rows are made, none are sent back.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

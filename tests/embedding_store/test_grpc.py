@@ -67,6 +67,40 @@ def test_two_shards_match_an_in_process_store(write_job, token_file, start_shard
         assert sum(rows) == ids_r.shape[0]
 
 
+def test_create_rows_bulk_loads_the_rows_a_lookup_would_make(
+    write_job, token_file, start_shards
+) -> None:
+    job = write_job()
+    procs = start_shards(2, job, token_file)
+    token = token_file.read_text().strip()
+    cfg = load_config(job).store
+    ids = np.arange(20_000, dtype=np.uint64) * np.uint64(7919)
+    with (
+        StoreClient.connect(grpc_address(procs), token=token, config=cfg) as remote,
+        StoreClient.connect("inproc://2", config=cfg) as local,
+    ):
+        remote.create_rows({"user": ids, "item": ids[:500]})
+        assert sum(s.table("user").rows for s in remote.stats()) == ids.shape[0]
+        assert sum(s.table("item").rows for s in remote.stats()) == 500
+        want = local.lookup({"user": ids})["user"]
+        got = remote.lookup({"user": ids}, train=False)["user"]
+        np.testing.assert_array_equal(got, want)
+        # The call's reply carries no rows, and a create without train is refused.
+        channel = grpc.insecure_channel(procs[0].address)
+        stub = pb_grpc.EmbeddingStoreStub(channel)
+        meta = (("authorization", f"Bearer {token}"),)
+        one = pb.TableIds(table="user", ids=np.arange(5, dtype="<u8").tobytes())
+        reply = stub.Lookup(
+            pb.LookupRequest(tables=[one], train=True, create_only=True), metadata=meta
+        )
+        assert len(reply.tables) == 0
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Lookup(pb.LookupRequest(tables=[one], create_only=True), metadata=meta)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "create_only" in str(err.value.details())
+        channel.close()
+
+
 def test_float16_rows_on_the_wire(write_job, token_file, start_shards) -> None:
     job = write_job(row_dtype="float16")
     procs = start_shards(1, job, token_file)

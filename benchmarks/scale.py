@@ -1,0 +1,394 @@
+"""Scale: the same job with tables of 10M, 100M and 1B embedding parameters.
+
+    python benchmarks/scale.py --json bench-results/scale.json              # 1e7, 1e8, 1e9
+    python benchmarks/scale.py --sizes 1e6,1e7 --samples 100000 --json /tmp/scale.json
+
+For each size P (parameters, ``--dim`` 16 floats a row, so P / 16 rows):
+
+1. **Tables.** The synthetic Criteo-like stream's 26 fields get vocabularies in
+   Criteo's proportions that add up to P / 16 rows. Each field's table is sized to hold its rows
+   on ``--shards`` (4) store shard processes (``capacity`` = the field's share
+   of one shard plus six standard deviations of the split), rows allocated up
+   front (``initial_rows``), per-coordinate Adagrad (the default) on the rows.
+2. **Bulk load.** Every row is created before training, by ``StoreClient.
+   create_rows`` (a Lookup with ``create_only``: ids go out, no rows come
+   back), from the field's vocabulary hashed as the pipeline hashes it
+   (``SyntheticSource.vocabulary``, ``pipeline.hashing.hash_sparse``), in a
+   random order of ranks, so the rows a job uses lie all over the table's
+   memory. Timed (``load_rows_per_s``).
+   **The same job at every size:** the stream trained on draws its ids (Zipf,
+   ``new_id_rate`` 0) from the smallest size's vocabularies, the first ranks
+   of every larger one, so each batch brings the same ids and the same work,
+   and only the tables grow: at 1B most rows are cold, as in production, and
+   the ones a batch touches are scattered over 12 GiB instead of 120 MiB.
+3. **Store rows/s** (``lookup_rows_per_s``): lookup then push of the unique ids
+   of one 4096-event batch of that stream (all 26 tables in one call each),
+   from this process over gRPC to the 4 shards; rows (looked up + pushed) per
+   second, median over ``--store-batches`` batches. ``uniform_lookup_rows_per_s``
+   does the same with 65,536 ids drawn uniformly over all rows (no Zipf head
+   in the CPU caches: the worst case of a large table).
+4. **Training** (``train_samples_per_s``): ``deploy.job.run_job`` in hybrid mode
+   on the loaded shards (``cluster.store``), 2 Dask workers, 1 trainer, the
+   e2e benchmark's model and batch (FFNN 512-256, batch 4096), checkpoints
+   off, ``--samples`` events; samples/s measured as ``benchmarks/e2e.py`` does.
+5. **Memory** (``bytes_per_param``): the shard processes' resident memory (VmRSS)
+   once trained, less that of as many shard processes with empty tables (the
+   interpreter, numba, gRPC), per parameter; ``min_bytes_per_param`` is the
+   weights and the Adagrad state (8 bytes a parameter) and ``bytes_vs_min``
+   their ratio. ``table_bytes_per_param`` is what the shards' Stats report for
+   their arrays, ``rss_bytes_per_param`` the whole processes' memory.
+
+``throughput_1b_vs_10m`` is the largest size's ``train_samples_per_s`` over the
+smallest's (the target: >= 0.8), ``store_1b_vs_10m`` the same for
+``lookup_rows_per_s``. The 1B size needs about 12 GiB of memory for the shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import print_figures, write_json, write_store_job, write_token
+from e2e import make_job, measured_rate, read_metrics
+
+from connectors.synthetic import (
+    CRITEO_CARDINALITIES,
+    SPARSE_NAMES,
+    SyntheticConfig,
+    SyntheticSource,
+)
+
+TARGETS = {"throughput_1b_vs_10m": 0.8, "bytes_vs_min": 1.5}
+LOAD_CHUNK = 1 << 20
+BATCH = 4096
+PARTITIONS = 2
+
+
+def cardinalities(rows: int) -> tuple[int, ...]:
+    """Criteo's 26 field cardinalities scaled to add up to ``rows`` (each at least 1).
+
+    >>> c = cardinalities(625_000)
+    >>> sum(c), len(c), min(c) >= 1
+    (625000, 26, True)
+    """
+    total = sum(CRITEO_CARDINALITIES)
+    out = [max(1, round(c * rows / total)) for c in CRITEO_CARDINALITIES]
+    big = int(np.argmax(out))
+    out[big] += rows - sum(out)
+    return tuple(out)
+
+
+def shard_capacity(rows: int, shards: int) -> int:
+    """Rows one shard must hold of a table of ``rows`` split by a hash over ``shards``."""
+    mean = rows / shards
+    return math.ceil(mean + 6.0 * math.sqrt(mean) + 64)
+
+
+def store_section(cards: tuple[int, ...], shards: int, dim: int) -> dict[str, Any]:
+    tables = {}
+    for name, k in zip(SPARSE_NAMES, cards, strict=True):
+        cap = shard_capacity(k, shards)
+        tables[name.lower()] = {
+            "dim": dim,
+            "capacity": cap,
+            "initial_rows": cap,
+            "initializer": {"kind": "uniform", "scale": 0.01},
+            "optimizer": {"kind": "adagrad", "lr": 0.05},
+        }
+    return {"tables": tables, "row_dtype": "float16"}
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of process ``pid`` (VmRSS)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    msg = f"no VmRSS for process {pid}"
+    raise RuntimeError(msg)
+
+
+def start_shards(job: Path, root: Path, n: int, token: Path) -> list[Any]:
+    from deploy.local.shards import ShardProcess
+
+    return [ShardProcess.start(job, root / f"shard-{i}", token_file=token) for i in range(n)]
+
+
+def idle_shard_rss(tmp: Path, dim: int) -> int:
+    """The resident memory of a shard process whose tables are empty and tiny."""
+    tiny = {c.lower(): {"dim": dim, "capacity": 16, "initial_rows": 16} for c in SPARSE_NAMES}
+    job = write_store_job(tmp / "tiny.yaml", {"tables": tiny})
+    (proc,) = start_shards(job, tmp / "tiny", 1, write_token(tmp / "tiny.token"))
+    try:
+        time.sleep(1.0)
+        return rss_bytes(proc.proc.pid)
+    finally:
+        proc.kill()
+
+
+def bulk_load(client: Any, source: SyntheticSource, cards: tuple[int, ...]) -> tuple[int, float]:
+    """Create every row of every field's vocabulary, in a random order; (rows, seconds)."""
+    from pipeline.hashing import hash_sparse
+
+    rng = np.random.default_rng(1)
+    t0 = time.perf_counter()
+    rows = 0
+    for field, k in zip(SPARSE_NAMES, cards, strict=True):
+        order = rng.permutation(k)
+        for start in range(0, k, LOAD_CHUNK):
+            values = source.vocabulary(field, order[start : start + LOAD_CHUNK])
+            ids, _ = hash_sparse(field, values, "string")
+            client.create_rows({field.lower(): ids})
+            rows += ids.shape[0]
+    return rows, time.perf_counter() - t0
+
+
+def batch_ids(source: SyntheticSource, position: int) -> dict[str, np.ndarray]:
+    """The unique ids of each table in the 4096 events of partition 0 from ``position``."""
+    from pipeline.hashing import hash_sparse
+
+    table = source.records(0, position, BATCH)
+    return {f.lower(): np.unique(hash_sparse(f, table[f], "string")[0]) for f in SPARSE_NAMES}
+
+
+def store_rates(
+    client: Any,
+    stream: SyntheticSource,
+    source: SyntheticSource,
+    cards: tuple[int, ...],
+    batches: int,
+    dim: int,
+) -> dict[str, float]:
+    """Median rows/s of lookup+push of ``stream``'s batches, and of ids uniform over ``cards``."""
+    from pipeline.hashing import hash_sparse
+
+    rng = np.random.default_rng(0)
+
+    def cycle(ids: dict[str, np.ndarray]) -> tuple[float, float, int]:
+        t0 = time.perf_counter()
+        client.lookup(ids)
+        t1 = time.perf_counter()
+        grads = {
+            k: (v, rng.normal(0, 1e-3, (v.shape[0], dim)).astype(np.float32))
+            for k, v in ids.items()
+        }
+        t2 = time.perf_counter()
+        client.push(grads)
+        t3 = time.perf_counter()
+        return t1 - t0, t3 - t2, sum(v.shape[0] for v in ids.values())
+
+    drawn = [batch_ids(stream, 10_000_000 + i * BATCH) for i in range(batches + 1)]
+    cycle(drawn[0])  # warm-up: connections, first pages
+    both, look, push = [], [], []
+    for ids in drawn[1:]:
+        tl, tp, n = cycle(ids)
+        both.append(2 * n / (tl + tp))
+        look.append(n / tl)
+        push.append(n / tp)
+    # Uniform over all rows: each table's share of 65,536 ids, by its cardinality.
+    total = sum(cards)
+    uniform = []
+    for _ in range(batches):
+        ids = {}
+        for field, k in zip(SPARSE_NAMES, cards, strict=True):
+            n = max(1, round(65_536 * k / total))
+            picked = source.vocabulary(field, np.unique(rng.integers(0, k, n)))
+            ids[field.lower()] = hash_sparse(field, picked, "string")[0]
+        tl, tp, n = cycle(ids)
+        uniform.append(2 * n / (tl + tp))
+    return {
+        "lookup_rows_per_s": statistics.median(both),
+        "lookup_only_rows_per_s": statistics.median(look),
+        "push_rows_per_s": statistics.median(push),
+        "uniform_lookup_rows_per_s": statistics.median(uniform),
+        "batch_unique_ids": statistics.median(
+            sum(v.shape[0] for v in ids.values()) for ids in drawn
+        ),
+    }
+
+
+def train(
+    tmp: Path,
+    store: dict[str, Any],
+    cards: tuple[int, ...],
+    address: str,
+    token: Path,
+    samples: int,
+    seed: int,
+) -> dict[str, Any]:
+    """Hybrid training on the loaded shards; samples/s as benchmarks/e2e.py measures it."""
+    from deploy.config import JobConfig
+    from deploy.job import run_job
+
+    run_dir = tmp / "run"
+    base = make_job(
+        "hybrid",
+        samples,
+        run_dir,
+        seed=seed,
+        window=50_000,
+        latency_ms=0.0,
+        ranks=1,
+        torch_threads=None,
+    )
+    raw = base.model_dump(mode="json")
+    raw["store"] = store
+    raw["source"] = {**raw["source"], "cardinalities": list(cards), "new_id_rate": 0.0}
+    raw["cluster"] = {
+        **raw["cluster"],
+        "store": address,
+        "store_shards": address.count(",") + 1,
+        "token_file": str(token),
+    }
+    job = JobConfig.model_validate(raw)
+    t0 = time.monotonic()
+    stats, _ = run_job(job, max_events=samples)
+    rate, median_rate, _, timed_s, total = measured_rate(read_metrics(run_dir))
+    return {
+        "train_samples_per_s": rate,
+        "train_median_interval_samples_per_s": median_rate,
+        "train_samples": total,
+        "train_timed_s": round(timed_s, 1),
+        "train_job_s": round(time.monotonic() - t0, 1),
+        "stopped_by": stats.stopped_by,
+    }
+
+
+def one_size(params: int, stream_rows: int, args: argparse.Namespace) -> dict[str, Any]:
+    from embedding_store.client import StoreClient
+    from embedding_store.types import StoreConfig
+
+    rows = params // args.dim
+    cards = cardinalities(rows)
+    source = SyntheticSource(SyntheticConfig(seed=args.seed, cardinalities=cards))
+    # Ranks are the same values whatever the cardinality: the stream's ids are the
+    # first ranks of the loaded vocabularies.
+    stream_cards = tuple(min(a, b) for a, b in zip(cardinalities(stream_rows), cards, strict=True))
+    stream = SyntheticSource(
+        SyntheticConfig(seed=args.seed, cardinalities=stream_cards, new_id_rate=0.0)
+    )
+    store = store_section(cards, args.shards, args.dim)
+    print(
+        f"\n== {params:,} parameters: {rows:,} rows of dim {args.dim} on {args.shards} shards",
+        flush=True,
+    )
+    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp_s:
+        tmp = Path(tmp_s)
+        idle = idle_shard_rss(tmp, args.dim)
+        job = write_store_job(tmp / "store.yaml", store)
+        token = write_token(tmp / "token")
+        procs = start_shards(job, tmp, args.shards, token)
+        stack.callback(lambda: [p.kill() for p in procs])
+        address = "grpc://" + ",".join(p.address for p in procs)
+        client = stack.enter_context(
+            StoreClient.connect(
+                address, token=token.read_text().strip(), config=StoreConfig.model_validate(store)
+            )
+        )
+        loaded, load_s = bulk_load(client, source, cards)
+        print(
+            f"  loaded {loaded:,} rows in {load_s:.1f} s ({loaded / load_s:,.0f} rows/s)",
+            flush=True,
+        )
+        stats = client.stats()
+        present = sum(t.rows for s in stats for t in s.tables)
+        if present != rows:
+            msg = f"{present:,} rows in the store after the load, expected {rows:,}"
+            raise RuntimeError(msg)
+        rates = store_rates(client, stream, source, cards, args.store_batches, args.dim)
+        print(
+            f"  store: {rates['lookup_rows_per_s']:,.0f} rows/s lookup+push of stream batches, "
+            f"{rates['uniform_lookup_rows_per_s']:,.0f} of uniform ids",
+            flush=True,
+        )
+        trained = train(tmp, store, stream_cards, address, token, args.samples, args.seed)
+        print(
+            f"  trained {trained['train_samples']:,} samples: "
+            f"{trained['train_samples_per_s']:,.0f} samples/s",
+            flush=True,
+        )
+        rss = [rss_bytes(p.proc.pid) for p in procs]
+        table_bytes = sum(t.memory_bytes for s in client.stats() for t in s.tables)
+    minimum = 4 * (args.dim + args.dim)  # float32 weights + Adagrad accumulators, per row
+    grown = sum(rss) - args.shards * idle
+    out = {
+        "params": params,
+        "rows": rows,
+        "load_rows_per_s": loaded / load_s,
+        **rates,
+        **trained,
+        "bytes_per_param": grown / params,
+        "min_bytes_per_param": minimum / args.dim,
+        "bytes_vs_min": grown / params / (minimum / args.dim),
+        "table_bytes_per_param": table_bytes / params,
+        "rss_bytes_per_param": sum(rss) / params,
+        "idle_shard_rss_bytes": idle,
+    }
+    print(
+        f"  memory: {out['bytes_per_param']:.2f} bytes/param "
+        f"({out['bytes_vs_min']:.2f}x the minimum {out['min_bytes_per_param']:.0f})",
+        flush=True,
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, default=Path("bench-results/scale.json"))
+    parser.add_argument(
+        "--sizes",
+        default="1e7,1e8,1e9",
+        help="parameters per size, comma-separated (default 1e7,1e8,1e9)",
+    )
+    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument(
+        "--samples", type=int, default=600_000, help="events trained at each size (default 600,000)"
+    )
+    parser.add_argument("--store-batches", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    sizes = [int(float(s)) for s in args.sizes.split(",")]
+    runs = [one_size(p, min(sizes) // args.dim, args) for p in sizes]
+    keys = [
+        "params",
+        "lookup_rows_per_s",
+        "train_samples_per_s",
+        "bytes_per_param",
+        "bytes_vs_min",
+        "uniform_lookup_rows_per_s",
+        "load_rows_per_s",
+        "table_bytes_per_param",
+        "rss_bytes_per_param",
+    ]
+    figures: dict[str, Any] = {k: [r[k] for r in runs] for k in keys}
+    figures["min_bytes_per_param"] = runs[0]["min_bytes_per_param"]
+    figures["throughput_1b_vs_10m"] = (
+        runs[-1]["train_samples_per_s"] / runs[0]["train_samples_per_s"]
+    )
+    figures["store_1b_vs_10m"] = runs[-1]["lookup_rows_per_s"] / runs[0]["lookup_rows_per_s"]
+    figures["targets"] = TARGETS
+    figures["runs"] = runs
+    figures["cpus"] = os.cpu_count()
+    print()
+    print_figures(
+        {k: v for k, v in figures.items() if k not in ("runs", "targets")},
+        lambda v: ", ".join(f"{x:,.3g}" for x in v) if isinstance(v, list) else f"{v:,.3g}",
+    )
+    write_json(args.json, figures, announce=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
