@@ -169,9 +169,15 @@ class LocalS3:
             f"-s3.config={config}",
             f"-bucket={self.bucket}",
         ]
+        # weed takes AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY from its environment
+        # as an identity too, and one with our key's name would replace our secret:
+        # a shell that exported an older server's key (as `s3 up` tells users to)
+        # started a server that refused the key it printed.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
         with log_path.open("ab") as log_file:
             self.process = subprocess.Popen(
                 args,
+                env=env,
                 cwd=self.work_dir,
                 stdout=log_file,
                 stderr=subprocess.STDOUT,

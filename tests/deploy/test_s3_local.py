@@ -48,6 +48,30 @@ def test_s3_up_down_up_keeps_its_address_key_and_data(
     assert "no S3 running" in streamrec("s3", "down", "--state-dir", state).stdout
 
 
+def test_s3_up_in_a_shell_that_exported_an_older_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """weed took the shell's AWS_* key as an identity too, replacing the new secret.
+
+    `s3 up` tells users to export the key; a later `s3 up` with a new state dir
+    then waited 60 s for a server that refused the key it was about to print.
+    """
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "streamrec")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "an-older-servers-secret")
+    state = str(tmp_path / "state")
+    try:
+        out = s3_up(state)
+        key = re.search(r"AWS_SECRET_ACCESS_KEY=(\S+)", out)
+        url = re.search(r"a job or shard URL:\s+(\S+)", out)
+        assert key is not None and url is not None, out
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key.group(1))
+        where = Location.parse(url.group(1).replace("PREFIX", "k"))
+        where.write_bytes("x", b"1")
+        assert where.read_bytes("x") == b"1"
+    finally:
+        streamrec("s3", "down", "--state-dir", state)
+
+
 def test_weed_that_exits_on_a_taken_port_is_started_again_on_others(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
