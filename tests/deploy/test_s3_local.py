@@ -63,7 +63,8 @@ def test_s3_up_in_a_shell_that_exported_an_older_key(
         out = s3_up(state)
         key = re.search(r"AWS_SECRET_ACCESS_KEY=(\S+)", out)
         url = re.search(r"a job or shard URL:\s+(\S+)", out)
-        assert key is not None and url is not None, out
+        assert key is not None, out
+        assert url is not None, out
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", key.group(1))
         where = Location.parse(url.group(1).replace("PREFIX", "k"))
         where.write_bytes("x", b"1")
