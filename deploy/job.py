@@ -286,6 +286,7 @@ def run_rank(
     stop: threading.Event | None = None,
     on_progress: Callable[[Progress], None] | None = None,
     device_index: int = 0,
+    local_ranks: int = 1,
 ) -> tuple[LoopStats, JobManifest | None]:
     """Train as rank ``rank``: restore, stream, learn, checkpoint. Returns the stats.
 
@@ -313,7 +314,12 @@ def run_rank(
         import torch
 
         torch.set_num_threads(cfg.torch_threads)
-    device = pick_device(cfg.device, device_index)
+    device = pick_device(cfg.device, device_index, local_ranks)
+    if device.type == "cuda":
+        import torch
+
+        # Collectives (NCCL barrier, all_gather_object) use the current device.
+        torch.cuda.set_device(device)
     stop = stop or threading.Event()
 
     def stopping() -> bool:
@@ -584,11 +590,28 @@ def _barrier(world: int) -> None:
         dist.barrier()
 
 
-def _backend(job: JobConfig) -> str:
-    """Every rank must agree: nccl when the ranks train on GPUs, else gloo."""
-    import torch
+def _join_world(
+    job: JobConfig, init_method: str, rank: int, world: int, local_rank: int, local_world: int
+) -> None:
+    """Join the ranks' process group: NCCL, on this rank's own GPU, when ranks train on GPUs.
 
-    return "nccl" if torch.cuda.is_available() and job.trainer.device != "cpu" else "gloo"
+    Every rank of a host picks its device the same way (``pick_device``), so they
+    agree on the backend; each is pinned to its GPU before NCCL starts.
+    """
+    import torch
+    import torch.distributed as dist
+
+    device = pick_device(job.trainer.device, local_rank, local_world)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=job.trainer.collective_timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
 
 
 def _rank_main(
@@ -606,13 +629,7 @@ def _rank_main(
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    dist.init_process_group(
-        _backend(job),
-        init_method=master,
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=job.trainer.collective_timeout_s),
-    )
+    _join_world(job, master, rank, world, rank, world)
     try:
         run_rank(
             job,
@@ -623,6 +640,7 @@ def _rank_main(
             deadline=deadline,
             stop=stop,
             device_index=rank,
+            local_ranks=world,
         )
     finally:
         dist.destroy_process_group()
@@ -660,6 +678,7 @@ def run_ranks(
         job,
         services,
         world=world,
+        local_ranks=world,
         max_events=max_events,
         deadline=deadline,
         stop=stop,
@@ -688,13 +707,7 @@ def run_ranks(
                 os.kill(p.pid, signal.SIGTERM)
 
     threading.Thread(target=forward_stop, daemon=True).start()
-    dist.init_process_group(
-        _backend(job),
-        init_method=master,
-        rank=0,
-        world_size=world,
-        timeout=timedelta(seconds=job.trainer.collective_timeout_s),
-    )
+    _join_world(job, master, 0, world, 0, world)
     error: BaseException | None = None
     try:
         result = train(rank=0)
@@ -746,13 +759,7 @@ def run_torchrun_rank(
     """
     import torch.distributed as dist
 
-    dist.init_process_group(
-        _backend(job),
-        init_method="env://",
-        rank=launch.rank,
-        world_size=launch.world,
-        timeout=timedelta(seconds=job.trainer.collective_timeout_s),
-    )
+    _join_world(job, "env://", launch.rank, launch.world, launch.local_rank, launch.local_world)
     try:
         return run_rank(
             job,
@@ -764,6 +771,7 @@ def run_torchrun_rank(
             stop=stop,
             on_progress=on_progress,
             device_index=launch.local_rank,
+            local_ranks=launch.local_world,
         )
     except (RuntimeError, dist.DistError) as exc:
         if isinstance(exc, JobError) or not _collective_failure(exc):

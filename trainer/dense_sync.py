@@ -70,9 +70,12 @@ class DenseSync:
         if self.world == 1:
             return mine
         params = [p for p in self.model.parameters() if p.requires_grad]
+        # On the parameters' device: NCCL reduces CUDA tensors only, and the flags
+        # travel in the same buffer as the gradients.
         flags = torch.tensor(
             [mine.active, mine.waiting, mine.stop, mine.checkpoint, mine.samples, mine.failed],
             dtype=torch.float32,
+            device=params[0].device if params else torch.device("cpu"),
         )
         if self.mode == "allreduce":
             grads = [

@@ -89,7 +89,9 @@ def wait_for_checkpoint(run_dir: Path, step: int, proc: subprocess.Popen[bytes])
         if m is not None and m.step >= step:
             return
         if proc.poll() is not None:
-            pytest.fail(f"the job ended before checkpoint step {step}: {proc.stdout}")
+            out = proc.stdout.read() if proc.stdout is not None else b""
+            text = out.decode(errors="replace") if isinstance(out, bytes) else str(out)
+            pytest.fail(f"the job ended before checkpoint step {step}:\n{text[-4000:]}")
         time.sleep(0.01)
     pytest.fail(f"no checkpoint at step >= {step} within 180 s")
 

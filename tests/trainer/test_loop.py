@@ -633,3 +633,42 @@ def test_a_quiet_stream_still_gets_its_due_checkpoint(tmp_path: Path) -> None:
     assert latest.positions == {"synthetic/0": 7 * BATCH}
     assert loop.stats.checkpoints == 2, "one at step 5, one when due while quiet; none repeated"
     store.close()
+
+
+@pytest.mark.parametrize(
+    ("requested", "gpus", "local_ranks", "index", "want"),
+    [
+        ("auto", 0, 1, 0, "cpu"),
+        ("auto", 1, 1, 0, "cuda:0"),
+        ("auto", 1, 2, 1, "cpu"),  # two ranks cannot share one GPU under NCCL
+        ("auto", 4, 2, 1, "cuda:1"),
+        ("cpu", 4, 1, 0, "cpu"),
+        ("cuda", 2, 2, 1, "cuda:1"),
+    ],
+)
+def test_pick_device_gives_each_local_rank_its_own_gpu_or_none(
+    monkeypatch: pytest.MonkeyPatch,
+    requested: str,
+    gpus: int,
+    local_ranks: int,
+    index: int,
+    want: str,
+) -> None:
+    """A GPU machine ran 2 ranks on cuda:0 and NCCL refused ("Duplicate GPU detected")."""
+    from trainer.loop import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert str(pick_device(requested, index, local_ranks)) == want
+
+
+@pytest.mark.parametrize(("gpus", "local_ranks"), [(0, 1), (1, 2)])
+def test_pick_device_says_why_cuda_cannot_be_had(
+    monkeypatch: pytest.MonkeyPatch, gpus: int, local_ranks: int
+) -> None:
+    from trainer.loop import pick_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    with pytest.raises(RuntimeError, match="trainer.device: 'cuda'"):
+        pick_device("cuda", 0, local_ranks)
