@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
 
-.PHONY: install browser lint typecheck proto proto-check test test-only demo s3 bench-store bench-pipeline bench-e2e bench-chaos clean
+.PHONY: install browser lint typecheck proto proto-check test test-only demo s3 bench-store bench-pipeline bench-e2e bench-chaos bench-scale clean
 
 install: $(STAMP)
 
@@ -61,6 +61,9 @@ bench-e2e: install
 
 bench-chaos: install
 	$(BIN)/python benchmarks/chaos.py --json bench-results/chaos.json
+
+bench-scale: install
+	$(BIN)/python benchmarks/scale.py --json bench-results/scale.json
 
 bench-store: install
 	$(BIN)/python benchmarks/store.py --json bench-results/store.json

@@ -132,7 +132,10 @@ class TrainerConfig(_Strict):
     model: ModelConfig = Field(default_factory=FFNNConfig)
     optimizer: DenseOptimizerConfig = Field(default_factory=DenseOptimizerConfig)
     seed: int = Field(0, ge=0)
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="auto: cuda:LOCAL_RANK when every local rank has a GPU, else the CPU",
+    )
     bf16_autocast: bool = Field(False, description="CUDA only: dense forward in bfloat16")
     torch_threads: int | None = Field(None, ge=1)
     metrics_window: int = Field(100_000, ge=100, description="samples in the sliding window")
