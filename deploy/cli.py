@@ -178,6 +178,60 @@ def _s3(args: argparse.Namespace) -> int:
     return 0
 
 
+def _store_health(args: argparse.Namespace) -> int:
+    """Exit 0 when the shard at ``--address`` answers Health with SERVING (a readiness probe)."""
+    import os
+
+    import grpc
+
+    from deploy.cluster import TOKEN_ENV
+    from deploy.store_server import read_token
+    from embedding_store.proto import embedding_store_pb2 as pb
+    from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
+    from embedding_store.service import AUTH_HEADER
+
+    token = read_token(args.token_file) if args.token_file else os.environ.get(TOKEN_ENV, "")
+    metadata = ((AUTH_HEADER, f"Bearer {token.strip()}"),) if token.strip() else ()
+    with grpc.insecure_channel(args.address) as channel:
+        try:
+            reply = pb_grpc.EmbeddingStoreStub(channel).Health(
+                pb.HealthRequest(), metadata=metadata, timeout=args.timeout
+            )
+        except grpc.RpcError as exc:
+            code = exc.code().name if hasattr(exc, "code") else "ERROR"
+            detail = exc.details() if hasattr(exc, "details") else str(exc)
+            print(f"streamrec store health: {args.address}: {code}: {detail}", file=sys.stderr)
+            return 1
+    if reply.status != "SERVING":
+        print(f"streamrec store health: {args.address}: {reply.status}", file=sys.stderr)
+        return 1
+    print(f"{args.address}: SERVING {len(reply.dims)} table(s)")
+    return 0
+
+
+def _exec_stock(argv: list[str]) -> int:
+    """Replace this process with ``argv`` (signals and the exit code are the stock tool's)."""
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(argv[0], argv)
+    return 127  # pragma: no cover  (execv does not return)
+
+
+def stock_command(args: argparse.Namespace) -> list[str]:
+    """The stock command that ``streamrec dask ...`` / ``streamrec torchrun ...`` runs.
+
+    >>> stock_command(build_parser().parse_args(["dask", "worker", "--nthreads", "2"]))[1:]
+    ['-m', 'dask', 'worker', '--nthreads', '2']
+    >>> stock_command(build_parser().parse_args(["torchrun", "--nnodes", "2", "-m", "x"]))[1:4]
+    ['-m', 'torch.distributed.run', '--nnodes']
+    """
+    if args.command == "dask":
+        return [sys.executable, "-m", "dask", args.dask_command, *args.dask_args]
+    return [sys.executable, "-m", "torch.distributed.run", *args.torchrun_args]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamrec",
@@ -250,6 +304,24 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     serve.set_defaults(func=_store_serve)
+    health = store_sub.add_parser(
+        "health",
+        help="exit 0 when a shard answers its Health call (a readiness probe)",
+        description=(
+            "Ask the shard at --address for its health; exit 0 when it answers SERVING, 1 "
+            "with one line saying why otherwise (unreachable, refused token, not serving)."
+        ),
+    )
+    health.add_argument("--address", required=True, metavar="HOST:PORT", help="the shard")
+    health.add_argument(
+        "--token-file",
+        type=Path,
+        help="file holding the job's auth token (default: $STREAMREC_STORE_TOKEN)",
+    )
+    health.add_argument(
+        "--timeout", type=float, default=5.0, help="seconds to wait for the answer (default 5)"
+    )
+    health.set_defaults(func=_store_health)
 
     synth = sub.add_parser(
         "synth",
@@ -326,6 +398,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     s3.add_argument("--port", type=int, default=None, help="S3 port (default: a free one)")
     s3.set_defaults(func=_s3)
+
+    # Their arguments are the stock tool's, options included: no prefix chars of our
+    # own, so argparse hands everything after the command over untouched (and
+    # `--help` is the stock tool's).
+    dask = sub.add_parser(
+        "dask",
+        prefix_chars="\0",
+        add_help=False,
+        help="the stock `dask scheduler` / `dask worker` (one entry point for every role)",
+        description=(
+            "Run the stock Dask command with the arguments unchanged: `streamrec dask worker "
+            "tcp://sched:8786 --nthreads 2` is `dask worker tcp://sched:8786 --nthreads 2` "
+            "in streamrec's environment (the image's one entry point)."
+        ),
+    )
+    dask.add_argument("dask_command", choices=["scheduler", "worker"], metavar="scheduler|worker")
+    dask.add_argument("dask_args", nargs=argparse.REMAINDER, help="passed to dask as they are")
+    dask.set_defaults(func=lambda a: _exec_stock(stock_command(a)))
+    torchrun = sub.add_parser(
+        "torchrun",
+        prefix_chars="\0",
+        add_help=False,
+        help="the stock `torchrun` (trainer hosts: ... -m deploy.cli run job.yaml)",
+        description=(
+            "Run torchrun (torch.distributed.run) with the arguments unchanged, e.g. "
+            "`streamrec torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d "
+            "--rdzv-endpoint trainer-0:29400 --rdzv-id ctr -m deploy.cli run job.yaml`."
+        ),
+    )
+    torchrun.add_argument(
+        "torchrun_args", nargs=argparse.REMAINDER, help="passed to torchrun as they are"
+    )
+    torchrun.set_defaults(func=lambda a: _exec_stock(stock_command(a)))
 
     from deploy.train_cli import add_commands
     from monitoring.report import add_report_command
