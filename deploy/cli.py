@@ -194,9 +194,8 @@ def _store_health(args: argparse.Namespace) -> int:
     metadata = ((AUTH_HEADER, f"Bearer {token.strip()}"),) if token.strip() else ()
     with grpc.insecure_channel(args.address) as channel:
         try:
-            reply = pb_grpc.EmbeddingStoreStub(channel).Health(
-                pb.HealthRequest(), metadata=metadata, timeout=args.timeout
-            )
+            stub = pb_grpc.EmbeddingStoreStub(channel)  # type: ignore[no-untyped-call]
+            reply = stub.Health(pb.HealthRequest(), metadata=metadata, timeout=args.timeout)
         except grpc.RpcError as exc:
             code = exc.code().name if hasattr(exc, "code") else "ERROR"
             detail = exc.details() if hasattr(exc, "details") else str(exc)
