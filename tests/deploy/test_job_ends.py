@@ -126,7 +126,7 @@ def test_max_time_ends_a_job_whose_broker_is_not_there(tmp_path: Path) -> None:
     It used to retry for 300 s (retry_timeout_s) and then end in a traceback.
     """
     job = no_broker_job(tmp_path)
-    out = streamrec("run", str(job), "--max-time", "20", timeout=120)
+    out = streamrec("run", str(job), "--max-time", "10", timeout=120)
     assert out.returncode == 1, out.stdout + out.stderr
     assert "Traceback" not in out.stderr, out.stderr
     last = out.stderr.strip().splitlines()[-1]
