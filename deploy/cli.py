@@ -178,6 +178,28 @@ def _s3(args: argparse.Namespace) -> int:
     return 0
 
 
+def _store_reshard(args: argparse.Namespace) -> int:
+    from deploy.config import ConfigError, load_config
+    from deploy.reshard import ReshardError, reshard
+    from trainer.checkpoint import JobCheckpointError
+
+    try:
+        job = load_config(args.config)
+        manifest, shards = reshard(
+            job, args.sources, args.targets, work_dir=args.work_dir, log=print
+        )
+    except (ConfigError, ReshardError, JobCheckpointError) as exc:
+        print(f"streamrec store reshard: {exc}", file=sys.stderr)
+        return 1
+    rows = sum(s.rows for s in shards)
+    print(
+        f"job checkpoint step {manifest.step} ({manifest.path}) now names {len(shards)} "
+        f"shards holding {rows:,} rows; start the job with cluster.store_shards: "
+        f"{len(shards)} (or those shards in cluster.store, in this order)"
+    )
+    return 0
+
+
 def _store_health(args: argparse.Namespace) -> int:
     """Exit 0 when the shard at ``--address`` answers Health with SERVING (a readiness probe)."""
     import os
@@ -303,6 +325,38 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     serve.set_defaults(func=_store_serve)
+    resh = store_sub.add_parser(
+        "reshard",
+        help="lay the job's newest checkpoint out on another number of shards",
+        description=(
+            "Split the rows of the job's newest checkpoint (trainer.checkpoint.dir) among "
+            "the shards named by --to, each written as a full checkpoint where that shard "
+            "restores from (its --data-dir, or its --snapshots URL), and write the job "
+            "manifest again naming them. Stop the job first; then start it with the new "
+            "number of shards: it resumes where it stopped."
+        ),
+    )
+    resh.add_argument("--config", type=Path, required=True, help="the job YAML")
+    resh.add_argument(
+        "--from",
+        dest="sources",
+        nargs="+",
+        required=True,
+        metavar="DIR_OR_URL",
+        help="every old shard's checkpoint folder (data dir or snapshot URL), in shard order",
+    )
+    resh.add_argument(
+        "--to",
+        dest="targets",
+        nargs="+",
+        required=True,
+        metavar="DIR_OR_URL",
+        help="every new shard's folder (data dir or snapshot URL), in the new shard order",
+    )
+    resh.add_argument(
+        "--work-dir", type=Path, default=None, help="scratch space (default: the system's temp)"
+    )
+    resh.set_defaults(func=_store_reshard)
     health = store_sub.add_parser(
         "health",
         help="exit 0 when a shard answers its Health call (a readiness probe)",

@@ -22,7 +22,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -330,23 +330,43 @@ class StoreShard:
             ):
                 # Asked for a checkpoint this disk never held (the shard moved hosts).
                 snapshot_mirror.fetch_chain(self.mirror, source, upto_seq)
-            chains = [
-                persistence.plan_restore(d, upto_seq) for d in persistence.source_dirs(source)
-            ]
-            for chain in chains:
-                persistence.verify(chain)
-            fresh = {name: EmbeddingTable(name, cfg) for name, cfg in self.config.tables.items()}
-            for chain in chains:
-                for manifest in chain:
-                    self._apply_manifest(manifest, fresh, shard_index, num_shards)
-            self._tables = fresh
-            # The next checkpoint must be full: these rows were never written by this shard.
-            self._chain = None
-            return RestoreResult(
-                manifests=tuple(str(m.path) for chain in chains for m in chain),
-                rows=sum(len(t) for t in fresh.values()),
-                rows_by_table={name: len(t) for name, t in fresh.items()},
-            )
+            sources = [(d, upto_seq) for d in persistence.source_dirs(source)]
+            return self._restore_chains(sources, shard_index, num_shards)
+
+    def restore_sources(
+        self, sources: Sequence[tuple[Path, int | None]], *, shard_index: int, num_shards: int
+    ) -> RestoreResult:
+        """Restore from the checkpoints of several shards, each up to its own seq.
+
+        ``sources`` are (directory, seq) pairs, one per shard of the checkpoint
+        (a job manifest names each shard's seq); only the ids this shard owns
+        among ``num_shards`` are kept. This is how a checkpoint of N shards is
+        laid out again on M (``streamrec store reshard``).
+        """
+        if not 0 <= shard_index < num_shards:
+            msg = f"shard_index must be in [0, {num_shards}), got {shard_index}"
+            raise InvalidRequest(msg)
+        with self._checkpoint_lock:
+            return self._restore_chains(sources, shard_index, num_shards)
+
+    def _restore_chains(
+        self, sources: Sequence[tuple[Path, int | None]], shard_index: int, num_shards: int
+    ) -> RestoreResult:
+        chains = [persistence.plan_restore(d, seq) for d, seq in sources]
+        for chain in chains:
+            persistence.verify(chain)
+        fresh = {name: EmbeddingTable(name, cfg) for name, cfg in self.config.tables.items()}
+        for chain in chains:
+            for manifest in chain:
+                self._apply_manifest(manifest, fresh, shard_index, num_shards)
+        self._tables = fresh
+        # The next checkpoint must be full: these rows were never written by this shard.
+        self._chain = None
+        return RestoreResult(
+            manifests=tuple(str(m.path) for chain in chains for m in chain),
+            rows=sum(len(t) for t in fresh.values()),
+            rows_by_table={name: len(t) for name, t in fresh.items()},
+        )
 
     @staticmethod
     def _apply_manifest(
