@@ -670,5 +670,5 @@ def test_pick_device_says_why_cuda_cannot_be_had(
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
-    with pytest.raises(RuntimeError, match="trainer.device: 'cuda'"):
+    with pytest.raises(RuntimeError, match=r"trainer\.device: 'cuda'"):
         pick_device("cuda", 0, local_ranks)
