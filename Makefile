@@ -7,7 +7,10 @@ STAMP := $(VENV)/.installed
 # torch is installed first and pinned so that pip resolves the CPU wheel and the
 # rest of the dependencies see it satisfied (an unpinned torch pulls CUDA wheels).
 TORCH_SPEC ?= torch==2.13.0
-PYTEST_ARGS ?=
+# Two test processes, each taking whole files (a file's tests share its fixtures and
+# run in order): most tests wait on real processes, so two cores run two files at
+# once (9.5 minutes instead of 15). `make test PYTEST_ARGS=` runs them one by one.
+PYTEST_ARGS ?= -n 2 --dist loadfile
 DEMO_ARGS ?=
 
 .PHONY: install browser lint typecheck proto proto-check test test-only demo s3 bench-store bench-pipeline bench-e2e bench-chaos bench-scale clean
