@@ -17,6 +17,9 @@ store.tables.user.dim
 
 from __future__ import annotations
 
+import difflib
+import types
+import typing
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -125,8 +128,86 @@ def load_config(path: Path | str) -> JobConfig:
     try:
         return JobConfig.model_validate(raw)
     except ValidationError as exc:
-        lines = [f"{p}: invalid job config"]
-        for err in exc.errors():
-            where = ".".join(str(x) for x in err["loc"])
-            lines.append(f"  {where}: {err['msg']} (got {err.get('input')!r})")
-        raise ConfigError("\n".join(lines)) from exc
+        raise ConfigError(explain(exc, f"{p}: invalid job config")) from exc
+
+
+def explain(exc: ValidationError, title: str) -> str:
+    """One line per error: the field's path, what is wrong, the value (short), a suggestion.
+
+    >>> try:
+    ...     JobConfig.model_validate({"store": {"tables": {"u": {"dim": 4}}}, "trainr": {}})
+    ... except ValidationError as e:
+    ...     print(explain(e, "job.yaml: invalid job config"))
+    job.yaml: invalid job config
+      trainr: unknown key (did you mean `trainer`?)
+    """
+    lines = [title]
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        where = ".".join(str(x) for x in loc)
+        if err["type"] == "extra_forbidden":
+            known = _fields_at(JobConfig, loc[:-1])
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+            hint = f" (did you mean `{close[0]}`?)" if close else ""
+            if not close and known:
+                hint = f" (known here: {', '.join(sorted(known))})"
+            lines.append(f"  {where}: unknown key{hint}")
+            continue
+        lines.append(f"  {where}: {err['msg']} (got {_short(err.get('input'))})")
+    return "\n".join(lines)
+
+
+def _short(value: object, limit: int = 80) -> str:
+    """The value as the user wrote it, cut short: a whole section is not worth a screen."""
+    if isinstance(value, dict):
+        return f"a mapping with keys {sorted(map(str, value))[:8]}"
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _fields_at(model: object, loc: tuple[int | str, ...]) -> list[str]:
+    """The keys the schema accepts at ``loc`` (walking models, unions, dicts and lists)."""
+    node: object = model
+    for part in loc:
+        node = _step(node, part)
+        if node is None:
+            return []
+    node = _unwrap(node)
+    if isinstance(node, type) and issubclass(node, BaseModel):
+        return list(node.model_fields)
+    return []
+
+
+def _unwrap(tp: object) -> object:
+    while typing.get_origin(tp) is Annotated:
+        tp = typing.get_args(tp)[0]
+    return tp
+
+
+def _step(node: object, part: int | str) -> object:
+    node = _unwrap(node)
+    origin = typing.get_origin(node)
+    if origin in (typing.Union, types.UnionType):
+        for option in typing.get_args(node):
+            member = _unwrap(option)
+            if typing.get_origin(member) in (typing.Union, types.UnionType):
+                found = _step(member, part)  # `X | None` around a discriminated union
+                if found is not None:
+                    return found
+                continue
+            if not (isinstance(member, type) and issubclass(member, BaseModel)):
+                continue
+            kind = member.model_fields.get("kind")
+            if kind is not None and kind.default == part:
+                return member  # a discriminated union's tag
+            if part in member.model_fields:
+                return _step(member, part)
+        return None
+    if origin is dict:
+        return typing.get_args(node)[1]
+    if origin is list or origin is tuple:
+        return typing.get_args(node)[0]
+    if isinstance(node, type) and issubclass(node, BaseModel):
+        field = node.model_fields.get(str(part))
+        return field.annotation if field is not None else None
+    return None

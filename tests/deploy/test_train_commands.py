@@ -207,7 +207,19 @@ def test_run_rejects_a_misspelled_key_naming_it(tmp_path: Path) -> None:
     job.write_text(yaml.safe_dump(raw))
     out = streamrec("run", str(job))
     assert out.returncode == 2
-    assert "trainer.stalenes" in out.stderr
+    assert "trainer.stalenes: unknown key (did you mean `staleness`?)" in out.stderr
+
+
+def test_a_misspelled_section_is_named_not_printed(tmp_path: Path) -> None:
+    """A misspelled top-level section used to print the whole section as a Python dict."""
+    job = job_file(tmp_path, {"kind": "synthetic", "events": 10})
+    raw = yaml.safe_load(job.read_text())
+    raw["featurs"] = raw.pop("features")
+    job.write_text(yaml.safe_dump(raw))
+    out = streamrec("run", str(job))
+    assert out.returncode != 0
+    assert "featurs: unknown key (did you mean `features`?)" in out.stderr
+    assert "'labels'" not in out.stderr, out.stderr  # the section's content is not dumped
 
 
 def test_demo_trains_and_says_what_to_run_next(tmp_path: Path) -> None:
