@@ -127,6 +127,25 @@ def _install_stop() -> threading.Event:
     return stop
 
 
+def _say_resume(job: JobConfig) -> None:
+    """Say where the job resumes: the newest checkpoint it is about to restore."""
+    from deploy.job import checkpoint_location
+    from embedding_store.errors import CheckpointError
+    from trainer.checkpoint import CheckpointBook, JobCheckpointError
+
+    try:
+        manifest = CheckpointBook(checkpoint_location(job)).latest()
+    except (OSError, CheckpointError, JobCheckpointError):
+        return  # the job itself says what is wrong with its checkpoints
+    if manifest is None:
+        return
+    offsets = ", ".join(f"{p}={n:,}" for p, n in sorted(manifest.positions.items()))
+    print(
+        f"resuming from checkpoint step {manifest.step} ({manifest.samples:,} samples learned), "
+        f"offsets {offsets or 'none'}"
+    )
+
+
 def _train(
     job: JobConfig,
     *,
@@ -151,6 +170,7 @@ def _train(
         for i, url in enumerate(services.store_metrics):
             print(f"store shard {i} metrics: {url}")
 
+    _say_resume(job)
     started = time.monotonic()
     try:
         stats, manifest = run_job(
@@ -183,11 +203,18 @@ def _train(
         f"push queue {stats.push_wait_s:.1f}s, rank sync {stats.sync_s:.1f}s, "
         f"{stats.checkpoints} checkpoints"
     )
-    final_auc = line.last.metrics.auc if line.last is not None else None
+    final = line.last.metrics if line.last is not None else None
     best = line.last.best_auc if line.last is not None else None
-    if final_auc is not None:
+    if final is not None and final.auc is not None:
         best_text = f" (the stream's best achievable: {best:.4f})" if best is not None else ""
-        print(f"progressive AUC {final_auc:.4f}{best_text}")
+        print(f"progressive AUC {final.auc:.4f}{best_text}")
+    if final is not None and final.logloss is not None:
+        calibration = (
+            f", calibration {final.calibration:.3f} (mean prediction / label rate)"
+            if final.calibration is not None
+            else ""
+        )
+        print(f"progressive logloss {final.logloss:.4f}{calibration}")
     if stats.bad_records:
         print(f"{stats.bad_records} bad records dead-lettered (see {job.run_dir})")
     if stats.recoveries:

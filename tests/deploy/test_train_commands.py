@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,12 @@ def test_run_from_kafka_commits_what_it_learned_and_resumes_there(
     ]
     assert len(dead) == 3
     assert "trained" in second.stdout
+    assert "resuming" not in first.stdout
+    offsets = f"{topic}/0={m1.positions[f'{topic}/0']:,}, {topic}/1={m1.positions[f'{topic}/1']:,}"
+    assert f"resuming from checkpoint step {m1.step} " in second.stdout, second.stdout
+    assert f"offsets {offsets}" in second.stdout, second.stdout
+    # The summary shows logloss and calibration next to the AUC.
+    assert re.search(r"progressive logloss \d\.\d{4}, calibration \d+\.\d{3}", second.stdout)
 
 
 def test_two_ranks_train_their_own_partitions_and_resume_exactly_once(
