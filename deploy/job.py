@@ -216,7 +216,7 @@ def start_services(
     Services the job names (``cluster.scheduler``, ``cluster.store``) are checked
     first: a wrong address, token or table schema is a :class:`JobError`.
     """
-    from distributed import LocalCluster
+    from distributed import Client, LocalCluster
 
     from deploy.local.shards import ShardProcess, ShardSupervisor
 
@@ -267,9 +267,29 @@ def start_services(
             dashboard_address=job.cluster.dashboard_address,
         )
     )
+    # Before the page's address is printed: it used to answer 404 for seconds, until
+    # the first rank registered the plugin.
+    with Client(cluster, timeout=30) as client:
+        install_page(client)
     return Services(
         cluster.scheduler_address, cluster.dashboard_link, store, token, store_metrics, supervisor
     )
+
+
+def install_page(client: Any) -> None:
+    """Serve the "streamrec" dashboard page and metrics from the client's scheduler.
+
+    Idempotent (the first registration stays). A scheduler that cannot load the
+    plugin (an external one without streamrec installed) costs a warning, not the job.
+    """
+    try:
+        client.register_plugin(StreamrecPlugin())
+    except Exception as exc:
+        log.warning(
+            "the Dask scheduler could not load the streamrec plugin (%s): no /streamrec "
+            "page and no streamrec_ metrics; install streamrec where it runs",
+            exc,
+        )
 
 
 # --- one rank -----------------------------------------------------------------------
@@ -355,14 +375,7 @@ def run_rank(
         best_auc = None
         if rank == 0 and isinstance(source, SyntheticSource):
             best_auc = source.best_auc(n_samples=100_000)
-        try:
-            dask.register_plugin(StreamrecPlugin())  # idempotent: the first rank's stays
-        except Exception as exc:  # an external scheduler without streamrec installed
-            log.warning(
-                "the Dask scheduler could not load the streamrec plugin (%s): no /streamrec "
-                "page and no streamrec_ metrics; install streamrec where it runs",
-                exc,
-            )
+        install_page(dask)
         # Its own source object: Kafka clients are not thread-safe, and the reporter
         # asks for the partitions' ends from its own thread.
         ends_source = build_source(job)

@@ -263,3 +263,39 @@ def test_the_page_shows_live_values_in_a_real_browser(job: RunningJob, tmp_path:
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     finally:
         browser.quit()
+
+
+def test_the_page_answers_as_soon_as_its_address_is_printed(tmp_path: Path) -> None:
+    """The page used to answer 404 for 4-5 s after `training page: URL` was printed."""
+    path = write_synthetic_job(
+        tmp_path,
+        store=synthetic_store_section(dim=4),
+        source={"kind": "synthetic", "seed": 1, "partitions": 1, "events": 100_000},
+        trainer={"batch_size": 500, "model": {"kind": "ffnn", "hidden": [8]}},
+        cluster={"workers": 1, "store_shards": 1, "dashboard_address": "127.0.0.1:0"},
+    )
+    proc = subprocess.Popen(
+        [*STREAMREC, "run", str(path), "--max-events", "2000"],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        page = None
+        for line in proc.stdout:
+            m = re.match(r"training page: (http://\S+/streamrec)", line)
+            if m:
+                page = m.group(1)
+                break
+        assert page is not None, "the job printed no page address"
+        with urllib.request.urlopen(page, timeout=10) as reply:  # at once, no retry
+            assert reply.status == 200
+            assert b"streamrec" in reply.read()
+        proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
