@@ -126,7 +126,7 @@ class SyntheticConfig(BaseModel):
     chunk_size: int = Field(
         65536, ge=1, le=1 << 22, description="most records per planned chunk (and per write)"
     )
-    base_ctr: float = Field(0.2, ge=0.01, le=0.5, description="mean click rate at position 0")
+    base_ctr: float = Field(0.2, ge=0.001, le=0.5, description="mean click rate at position 0")
     signal: float = Field(1.0, ge=0.0, le=10.0, description="scale of the hidden logits")
     drift_rate: float = Field(
         0.1, ge=0.0, description="rotation of the hidden weights, radians per million events"

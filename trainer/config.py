@@ -73,6 +73,10 @@ class DCNv2Config(_Strict):
 
 ModelConfig = Annotated[FFNNConfig | DLRMConfig | DCNv2Config, Field(discriminator="kind")]
 
+# A label's rate as a prior for its head's output bias: a probability strictly inside (0, 1).
+Rate = Annotated[float, Field(gt=0.0, lt=1.0)]
+LabelPrior = Literal["first_batch"] | Rate | dict[str, Rate] | None
+
 
 class DenseOptimizerConfig(_Strict):
     """The optimizer of the dense network (torch.optim), the same on every rank."""
@@ -139,6 +143,17 @@ class TrainerConfig(_Strict):
     bf16_autocast: bool = Field(False, description="CUDA only: dense forward in bfloat16")
     torch_threads: int | None = Field(None, ge=1)
     metrics_window: int = Field(100_000, ge=100, description="samples in the sliding window")
+    label_prior: LabelPrior = Field(
+        "first_batch",
+        description=(
+            "the starting output bias of each label's head, logit(rate), so a fresh model "
+            "predicts the label rate instead of about 0.5: 'first_batch' takes each label's "
+            "rate in the first batch (summed over ranks, clipped to [1e-4, 1 - 1e-4]); a "
+            "float in (0, 1) is the rate of every label; a mapping label -> rate names each "
+            "label; null keeps torch's default init. Not applied to a job resumed from a "
+            "checkpoint taken after step 0 (its dense state is restored)"
+        ),
+    )
     log_every_s: float = Field(2.0, gt=0)
     collective_timeout_s: float = Field(
         600.0,

@@ -114,6 +114,20 @@ class DenseSync:
                 dist.all_reduce(buf)
                 p.copy_((buf / self.world).to(p.dtype))
 
+    def sum(self, values: list[float]) -> list[float]:
+        """Each of ``values`` summed over the ranks (every rank calls it, with as many)."""
+        if self.world == 1:
+            return list(values)
+        params = list(self.model.parameters())
+        # On the parameters' device: NCCL reduces CUDA tensors only.
+        buf = torch.tensor(
+            values,
+            dtype=torch.float64,
+            device=params[0].device if params else torch.device("cpu"),
+        )
+        dist.all_reduce(buf)
+        return [float(x) for x in buf.cpu()]
+
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier()

@@ -34,11 +34,11 @@ from embedding_store.errors import StoreUnavailable
 from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch
 from trainer.checkpoint import CheckpointBook, JobCheckpointError, JobManifest
-from trainer.config import DenseOptimizerConfig, TrainerConfig
+from trainer.config import DenseOptimizerConfig, LabelPrior, TrainerConfig
 from trainer.dense_sync import Control, DenseSync
 from trainer.ledger import Ledger
 from trainer.metrics import MetricsSnapshot, ProgressiveMetrics
-from trainer.models import build_model, field_dims, loss_fn
+from trainer.models import build_model, field_dims, loss_fn, rate_logits
 from trainer.pooling import pool, row_grads, to_tensors
 from trainer.pusher import Pusher, PushFailed
 
@@ -122,8 +122,38 @@ def pick_device(requested: str, index: int = 0, local_ranks: int = 1) -> torch.d
     return torch.device("cuda", index % gpus)
 
 
+def configured_rates(prior: LabelPrior, labels: list[str]) -> list[float] | None:
+    """The label rates a configured ``label_prior`` gives, one per label; None when the
+    prior is ``None`` or ``"first_batch"`` (the loop measures that one).
+
+    >>> configured_rates(0.01, ["click", "buy"]), configured_rates({"y": 0.2}, ["y"])
+    ([0.01, 0.01], [0.2])
+    >>> configured_rates({"click": 0.1}, ["click", "buy"])
+    Traceback (most recent call last):
+    ...
+    ValueError: trainer.label_prior names no rate for label(s) ['buy'] and one for no label []
+    """
+    if prior is None or prior == "first_batch":
+        return None
+    if isinstance(prior, dict):
+        missing = [name for name in labels if name not in prior]
+        unknown = sorted(set(prior) - set(labels))
+        if missing or unknown:
+            msg = (
+                f"trainer.label_prior names no rate for label(s) {missing} and one for no "
+                f"label {unknown}"
+            )
+            raise ValueError(msg)
+        return [prior[name] for name in labels]
+    return [float(prior)] * len(labels)
+
+
 class DenseModel:
-    """The dense network of one rank and its optimizer, built from the job."""
+    """The dense network of one rank and its optimizer, built from the job.
+
+    A ``label_prior`` given as rates sets the output biases here, the same on every
+    rank; ``"first_batch"`` is left to the loop, which sees the first batch.
+    """
 
     def __init__(
         self, config: TrainerConfig, spec: FeatureSpec, dims: dict[str, int], device: torch.device
@@ -136,6 +166,9 @@ class DenseModel:
             num_tasks=len(spec.labels),
             field_names=[f.name for f in spec.sparse],  # errors name the fields
         ).to(device)
+        rates = configured_rates(config.label_prior, list(spec.labels))
+        if rates is not None:
+            self.module.set_output_bias(rate_logits(rates))
         self.optimizer = build_optimizer(self.module, config.optimizer)
 
     def state(self) -> dict[str, Any]:
@@ -399,6 +432,9 @@ class TrainLoop:
         self._losses: list[float] = []
         self._last_checkpoint_t = time.monotonic()
         self._checkpointed_step = start_step  # a restored job holds this step already
+        # A checkpoint after step 0 holds a trained bias; one at step 0 holds the seeded
+        # init, so measuring the same first batch again gives an uninterrupted run's start.
+        self._prior_pending = config.label_prior == "first_batch" and start_step == 0
         self._log: TextIO | None = None
         # One line per learned chunk, and a rollback line per restore: the audit
         # trail that shows each offset was learned once, across restarts.
@@ -553,6 +589,8 @@ class TrainLoop:
                 elif self._failure is None:
                     batch = cast(PreparedBatch | None, item)
                     quiet = batch is None
+            if self._prior_pending:
+                self._first_batch_prior(batch)
             grads: dict[str, Any] = {}
             missed = (
                 self.pusher.missed_since(batch.looked_up_at)
@@ -650,6 +688,33 @@ class TrainLoop:
                 msg = f"the last pushes were lost: {exc}"
                 raise Rollback(msg) from exc
         self._report()
+
+    def _first_batch_prior(self, batch: PreparedBatch | None) -> None:
+        """Set each head's output bias to logit(its label's rate in the first batch).
+
+        Every rank calls this at the same step until it succeeds: the rates are
+        summed over the ranks' first batches, so every rank sets the same bias. A
+        step at which no rank has a batch (quiet streams) leaves it to the next.
+        """
+        tasks = len(self.spec.labels)
+        mine = [0.0] * (tasks + 1)
+        if batch is not None and len(batch):
+            positives = np.asarray(batch.labels, dtype=np.float64).sum(axis=0)
+            mine = [*(float(x) for x in positives), float(len(batch))]
+        total = self.sync.sum(mine)
+        if total[-1] <= 0:
+            return
+        # Add-one-half smoothing (Krichevsky-Trofimov): a rare label whose first batch
+        # holds no positive starts near 1/(2n), not at the clip, far below its rate.
+        rates = [(x + 0.5) / (total[-1] + 1.0) for x in total[:-1]]
+        self.dense.module.set_output_bias(rate_logits(rates))
+        self._prior_pending = False
+        log.info(
+            "rank %d: output biases set to the first batch's label rates %s (%d samples)",
+            self.rank,
+            {name: round(r, 6) for name, r in zip(self.spec.labels, rates, strict=True)},
+            int(total[-1]),
+        )
 
     def _push_in_rank_order(self, grads: dict[str, Any]) -> float:
         """Push this step's row gradients after every lower rank's, then wait for the

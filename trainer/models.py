@@ -41,7 +41,12 @@ __all__ = [
     "build_model",
     "field_dims",
     "loss_fn",
+    "rate_logits",
 ]
+
+# A label rate is clipped this far from 0 and 1 before its logit becomes an output bias:
+# a first batch without a positive must not start the head at -inf.
+RATE_CLIP = 1e-4
 
 
 def _activation(name: Activation) -> nn.Module:
@@ -68,12 +73,30 @@ def _mlp(width_in: int, widths: Sequence[int], activation: Activation) -> nn.Seq
 
 
 class _DenseNet(nn.Module):
-    """A model's input widths, which every ``forward`` checks first."""
+    """A model's input widths, which every ``forward`` checks first, and its logit layer."""
+
+    head: nn.Linear  # the last layer: one logit per task
 
     def __init__(self, num_dense: int, field_dims: Sequence[int]) -> None:
         super().__init__()
         self.num_dense = num_dense
         self.field_dims = list(field_dims)
+
+    def set_output_bias(self, logits: Tensor) -> None:
+        """Set the bias of the logit layer to ``logits`` (``[num_tasks]``), in place.
+
+        With the weights near zero at init, a task's mean prediction starts near
+        ``sigmoid(logit)``: ``rate_logits(rates)`` starts every task at its label rate.
+        """
+        bias = self.head.bias
+        if logits.shape != bias.shape:
+            msg = f"output bias of shape {tuple(bias.shape)}, got logits {tuple(logits.shape)}"
+            raise ValueError(msg)
+        if not bool(torch.isfinite(logits).all()):
+            msg = f"output bias logits must be finite, got {logits.tolist()}"
+            raise ValueError(msg)
+        with torch.no_grad():
+            bias.copy_(logits.to(dtype=bias.dtype, device=bias.device))
 
     def _check_inputs(self, dense: Tensor, sparse: Sequence[Tensor]) -> None:
         dims = [s.shape[1] for s in sparse]
@@ -200,7 +223,7 @@ def build_model(
     field_dims: Sequence[int],
     num_tasks: int,
     field_names: Sequence[str] | None = None,
-) -> nn.Module:
+) -> FFNN | DLRM | DCNv2:
     """The dense model ``config`` describes, for these input widths and ``num_tasks`` logits.
 
     ``field_names`` (one per entry of ``field_dims``) only make error messages
@@ -260,6 +283,16 @@ def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
         msg = f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} differ in shape"
         raise ValueError(msg)
     return nn.functional.binary_cross_entropy_with_logits(logits, labels)
+
+
+def rate_logits(rates: Sequence[float] | Tensor) -> Tensor:
+    """``logit(rate)`` of each label rate, the rate clipped to ``[RATE_CLIP, 1 - RATE_CLIP]``.
+
+    >>> rate_logits([0.5, 0.0, 0.005]).tolist()  # doctest: +ELLIPSIS
+    [0.0, -9.21..., -5.29...]
+    """
+    p = torch.as_tensor(rates, dtype=torch.float64).clamp(RATE_CLIP, 1.0 - RATE_CLIP)
+    return torch.log(p) - torch.log1p(-p)
 
 
 def field_dims(spec: FeatureSpec, dims: Mapping[str, int]) -> list[int]:

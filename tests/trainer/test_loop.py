@@ -136,6 +136,7 @@ def config(mode: str, **kw: Any) -> TrainerConfig:
         "device": "cpu",
         "log_every_s": 3600.0,
         "checkpoint": NO_CHECKPOINTS,
+        "label_prior": None,  # the oracles start from torch's init
     }
     return TrainerConfig(**{**base, **kw})
 
