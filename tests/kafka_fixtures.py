@@ -13,6 +13,11 @@ against a Kafka that already runs instead, set
 - ``STREAMREC_KAFKA_ZOOKEEPER``: its ZooKeeper ``host:port``, needed to create
   topics on brokers older than 0.10.1 (newer ones use the admin API).
 
+The tests' Kafka distribution is fetched into the checkout's ``.cache/kafka``
+(git-ignored; ``$STREAMREC_CACHE_DIR`` set for the session, subprocesses
+included, unless it is set already), not the user's cache that ``streamrec
+kafka up`` uses; every broker's state lives in a pytest or system temporary folder.
+
 The environment is read when the fixture runs, never at import.
 """
 
@@ -23,6 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,6 +36,8 @@ import pytest
 from connectors.kafka import KafkaSource, KafkaSourceConfig, resolve_api_version
 from deploy.local.kafka import (
     API_VERSION,
+    CACHE_ENV,
+    REPO_ROOT,
     LocalKafka,
     create_topic,
     topic_command,
@@ -110,8 +118,24 @@ class KafkaForTests:
         wait_for_partitions(self.bootstrap, name, partitions, api_version=self.api_version)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kafka_cache_in_checkout() -> Iterator[Path]:
+    """``$STREAMREC_CACHE_DIR`` (default ``<repo>/.cache``) for the session; yields the Kafka cache.
+
+    Every LocalKafka and ``streamrec kafka`` the tests start then takes the
+    distribution from ``<repo>/.cache/kafka``, fetched once per checkout.
+    """
+    root = os.environ.get(CACHE_ENV)
+    if root:
+        yield Path(root) / "kafka"
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_ENV, str(REPO_ROOT / ".cache"))
+        yield REPO_ROOT / ".cache" / "kafka"
+
+
 @pytest.fixture(scope="session")
-def kafka() -> Iterator[KafkaForTests]:
+def kafka(kafka_cache_in_checkout: Path) -> Iterator[KafkaForTests]:
     """One Kafka for the session: a LocalKafka, or ``$STREAMREC_KAFKA_BOOTSTRAP``."""
     bootstrap = os.environ.get("STREAMREC_KAFKA_BOOTSTRAP")
     if bootstrap:
@@ -144,7 +168,7 @@ def kafka_topic(kafka: KafkaForTests) -> Callable[..., str]:
 
 
 @pytest.fixture(scope="module")
-def restartable() -> Iterator[LocalKafka]:
+def restartable(kafka_cache_in_checkout: Path) -> Iterator[LocalKafka]:
     """A broker of its own: restarting the session's broker would disturb other tests."""
     local = LocalKafka.start()
     try:

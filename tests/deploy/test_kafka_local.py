@@ -156,8 +156,19 @@ def test_missing_npm_says_to_install_it(tmp_path: Path) -> None:
 
 
 def _kafka_cli(state_dir: Path, command: str) -> subprocess.CompletedProcess[str]:
+    # A new Kafka on any free port: `kafka up` would take 9092, the port a developer's own uses.
+    port = ["--port", "0"] if command == "up" else []
     return subprocess.run(
-        [sys.executable, "-m", "deploy.cli", "kafka", command, "--state-dir", str(state_dir)],
+        [
+            sys.executable,
+            "-m",
+            "deploy.cli",
+            "kafka",
+            command,
+            "--state-dir",
+            str(state_dir),
+            *port,
+        ],
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
