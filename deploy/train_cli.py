@@ -245,12 +245,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
         max_events=None,
         max_time_s=args.max_time,
         total=args.events,
-        next_steps=(
-            f"next: `streamrec report {args.run_dir}` plots this run's loss, AUC, "
-            "throughput and staleness; `streamrec run examples/kafka.yaml` trains from "
-            "Kafka, `streamrec backfill examples/backfill.yaml --from data/*.parquet` from "
-            "history (see the README)"
-        ),
+        next_steps=demo_next_steps(args.run_dir),
+    )
+
+
+def demo_next_steps(run_dir: Path) -> str:
+    """What the demo says to run next: each line works as printed (tests run them)."""
+    return (
+        f"next: `streamrec report {run_dir}` plots this run's loss, AUC, "
+        "throughput and staleness.\n"
+        "from Kafka: `streamrec kafka up`, then `streamrec produce --to "
+        "kafka://127.0.0.1:9092/events --events 200000`, then `streamrec run "
+        "examples/kafka.yaml --max-events 200000`.\n"
+        "from history: `streamrec synth --to runs/data/history.parquet --events 1000000`, "
+        "then `streamrec backfill examples/backfill.yaml --from "
+        "runs/data/history.parquet`.\n"
+        'your own records: see the README\'s "Your own data".'
     )
 
 
