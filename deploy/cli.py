@@ -12,6 +12,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from deploy.status_line import StatusLine, progress_bar
+
 
 def _store_serve(args: argparse.Namespace) -> int:
     # Imported here, not above: `--help` must not pay for the job config's imports.
@@ -109,43 +111,26 @@ def _parse_kafka_url(url: str) -> tuple[str, str]:
     return servers, topic
 
 
-class _SendProgress:
-    """A progress bar rewritten in place on a terminal; a plain line every few seconds otherwise."""
+class _SendProgress(StatusLine):
+    """Records sent out of ``total``, with a bar and the rate."""
 
     def __init__(self, out: Any, total: int, *, every_s: float = 5.0) -> None:
         import time
 
-        self.out = out
+        super().__init__(out, every_s=every_s)
         self.total = total
-        self.tty = bool(getattr(out, "isatty", lambda: False)())
-        self.every_s = every_s
         self.started = time.monotonic()
-        self._last = self.started
+        self._last = self.started  # a plain line after every_s, not at once
 
     def text(self, done: int) -> str:
         import time
 
         rate = done / max(1e-9, time.monotonic() - self.started)
         share = min(1.0, done / self.total) if self.total else 1.0
-        bar = "#" * int(share * 20)
-        return f"[{bar:<20}] {share:>4.0%}  {done:,}/{self.total:,} records  {rate:,.0f}/s"
+        return f"{progress_bar(share)}  {done:,}/{self.total:,} records  {rate:,.0f}/s"
 
     def __call__(self, done: int) -> None:
-        import time
-
-        now = time.monotonic()
-        if self.tty:
-            self.out.write("\r" + self.text(done) + "\033[K")
-            self.out.flush()
-        elif now - self._last >= self.every_s:
-            self.out.write(self.text(done) + "\n")
-            self.out.flush()
-            self._last = now
-
-    def done(self) -> None:
-        if self.tty:
-            self.out.write("\n")
-            self.out.flush()
+        self.show(self.text(done))
 
 
 def _paced(items: Iterator[Any], rate: int) -> Iterator[Any]:

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from deploy.status_line import StatusLine, progress_bar
+
 if TYPE_CHECKING:
     # Imported in the commands: deploy.config pulls in every source's config (numba,
     # kafka-python), which `streamrec --help` must not wait for.
@@ -59,8 +61,8 @@ def demo_job(
     )
 
 
-class ProgressLine:
-    """Rewrites one status line on a terminal, prints a line every few seconds otherwise."""
+class ProgressLine(StatusLine):
+    """A training job's status line: step, samples, rate, AUC, loss, staleness."""
 
     def __init__(
         self,
@@ -70,21 +72,16 @@ class ProgressLine:
         total: int | None = None,
         every_s: float = 5.0,
     ) -> None:
-        self.out = out
+        super().__init__(out, every_s=every_s)
         self.best_auc = best_auc
         self.total = total
-        self.tty = out.isatty()
-        self.every_s = every_s
-        self._last = 0.0
         self.last: Any = None
 
     def text(self, p: Any) -> str:
         """One progress line for ``p`` (a ``trainer.loop.Progress``)."""
         parts = [f"step {p.step:>6}", f"{p.samples:>10,} samples", f"{p.samples_per_s:>8,.0f}/s"]
         if self.total:
-            share = min(1.0, p.samples_total / self.total)
-            bar = "#" * int(share * 20)
-            parts.insert(0, f"[{bar:<20}] {share:>4.0%}")
+            parts.insert(0, progress_bar(p.samples_total / self.total))
         auc = p.metrics.auc
         parts.append(f"AUC {auc:.4f}" if auc is not None else "AUC -")
         best = self.best_auc if self.best_auc is not None else getattr(p, "best_auc", None)
@@ -98,19 +95,7 @@ class ProgressLine:
 
     def __call__(self, p: Any) -> None:
         self.last = p  # the loop's final report ends every run: the summary reads it
-        now = time.monotonic()
-        if self.tty:
-            self.out.write("\r" + self.text(p) + "\033[K")
-            self.out.flush()
-        elif now - self._last >= self.every_s:
-            self.out.write(self.text(p) + "\n")
-            self.out.flush()
-            self._last = now
-
-    def done(self) -> None:
-        if self.tty:
-            self.out.write("\n")
-            self.out.flush()
+        self.show(self.text(p))
 
 
 def _install_stop() -> threading.Event:
