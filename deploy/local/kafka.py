@@ -1043,7 +1043,9 @@ def make_topic(
     )
 
 
-def _read_state(state_dir: Path) -> dict[str, Any] | None:
+def recorded_state(state_dir: Path) -> dict[str, Any] | None:
+    """What :func:`up` recorded in ``<state_dir>/kafka.json`` (``bootstrap``, ``zookeeper``,
+    pids, ...), or None when nothing was; :class:`KafkaSetupError` if it is unreadable."""
     path = state_dir / STATE_FILE
     if not path.exists():
         return None
@@ -1091,12 +1093,6 @@ def _port(address: object) -> int | None:
     return None
 
 
-def recorded_state(state_dir: Path) -> dict[str, Any] | None:
-    """What :func:`up` recorded in ``<state_dir>/kafka.json`` (``bootstrap``, ``zookeeper``,
-    pids, ...), or None when nothing was; :class:`KafkaSetupError` if it is unreadable."""
-    return _read_state(state_dir)
-
-
 def up(
     state_dir: Path,
     *,
@@ -1132,7 +1128,7 @@ def _up(
 ) -> dict[str, Any]:
     from embedding_store.persistence import write_file_atomic  # numpy, pyarrow: only here
 
-    old = _read_state(state_dir)
+    old = recorded_state(state_dir)
     zk_port = _port(old.get("zookeeper")) if old else None
     broker_port = _port(old.get("bootstrap")) if old else None
     if old is not None and zk_port is not None and broker_port is not None:
@@ -1190,10 +1186,10 @@ def down(state_dir: Path, *, timeout_s: float = 30.0) -> bool:
     """
     from embedding_store.persistence import write_file_atomic
 
-    if _read_state(state_dir) is None:  # (no lock file made where nothing was)
+    if recorded_state(state_dir) is None:  # (no lock file made where nothing was)
         return False
     with _state_lock(state_dir):
-        state = _read_state(state_dir)
+        state = recorded_state(state_dir)
         if state is None:
             return False
         broker = _recorded(state, "broker_pid", _BROKER_MAIN)
