@@ -238,21 +238,33 @@ def test_the_page_shows_live_values_in_a_real_browser(job: RunningJob, tmp_path:
         browser.find_element(By.CSS_SELECTOR, 'a[href="streamrec"]').click()
         WebDriverWait(browser, 30).until(lambda b: b.current_url.endswith("/streamrec"))
 
+        # The page rebuilds its charts and tables every second: read them in the page,
+        # in one script call, so an element replaced between a lookup and a read
+        # (StaleElementReferenceException) cannot happen.
         def live(chart: str) -> bool:
-            last = browser.find_element(By.ID, chart).get_attribute("data-last") or ""
+            last = browser.execute_script(
+                "const e = document.getElementById(arguments[0]);"
+                "return e ? e.getAttribute('data-last') : null;",
+                chart,
+            )
             return bool(last) and float(last) > 0
 
         WebDriverWait(browser, 90).until(
             lambda b: live("chart-throughput") and live("chart-auc") and live("chart-loss")
         )
         WebDriverWait(browser, 30).until(lambda b: live("chart-staleness"))
-        assert float(browser.find_element(By.ID, "samples-total").text.replace(",", "")) > 0
+        total = browser.execute_script(
+            "return document.getElementById('samples-total').textContent;"
+        )
+        assert float(total.strip().replace(",", "")) > 0
 
         def column(table: str, index: int) -> list[str]:
-            cells = browser.find_elements(
-                By.CSS_SELECTOR, f"#{table} tbody tr td:nth-child({index})"
+            texts = browser.execute_script(
+                "return Array.from(document.querySelectorAll(arguments[0]))"
+                ".map(c => c.textContent.trim());",
+                f"#{table} tbody tr td:nth-child({index})",
             )
-            return sorted(c.text for c in cells)
+            return sorted(texts)
 
         WebDriverWait(browser, 30).until(lambda b: len(column("shards", 2)) == 2)
         assert column("shards", 2) == sorted(shard_addresses(job))
