@@ -7,6 +7,10 @@ STAMP := $(VENV)/.installed
 # torch is installed first and pinned so that pip resolves the CPU wheel and the
 # rest of the dependencies see it satisfied (an unpinned torch pulls CUDA wheels).
 TORCH_SPEC ?= torch==2.13.0
+# The peers benchmarks/e2e.py measures against: TorchRec on FBGEMM's CPU kernels. They are
+# installed without their declared dependencies (torchrec asks for the CUDA fbgemm-gpu);
+# the `peers` extra holds the ones they do need. The 1.9 releases fail to load on torch 2.13.
+PEERS_SPEC ?= torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0
 # Two test processes, each taking whole files (a file's tests share its fixtures and
 # run in order): most tests wait on real processes, so two cores run two files at
 # once (9.5 minutes instead of 15). `make test PYTEST_ARGS=` runs them one by one.
@@ -20,7 +24,8 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[test,dev]"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[test,dev,peers]"
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps $(PEERS_SPEC)
 	touch $(STAMP)
 
 # The dashboard tests drive Debian's Chromium headless; installed once (needs root,

@@ -9,16 +9,26 @@ and the same model (embeddings of dim 16, the FFNN 512-256-1 over them, batch
 
 - ``baseline``: one process, plain PyTorch: per field an ``nn.EmbeddingBag``
   (``sparse=True``) over the field's hashed ids mod a fixed size (the store's
-  total capacity for the table), ``torch.optim.Adagrad`` on those, ``Adam`` on
-  the dense net; the batches are decoded and hashed before the clock starts;
+  total capacity for the table), ``torch.optim.Adagrad`` (element-wise: plain
+  PyTorch has no row-wise one) on those, ``Adam`` on the dense net; the batches
+  are decoded and hashed before the clock starts;
+- ``torchrec``: the same in TorchRec 1.8, a ``FusedEmbeddingBagCollection``
+  (FBGEMM's batched CPU kernels, row-wise Adagrad fused into the backward
+  pass); skipped, saying so, where torchrec is not installed (``make install``
+  installs it);
 - ``sync``, ``hybrid``, ``async``: ``deploy.job.run_job`` as ``streamrec demo``
-  runs it (2 local store shard processes, a ``LocalCluster`` of 2 Dask workers
-  that read, decode, hash and look up, checkpoints off), with 1 trainer rank
-  for sync and hybrid and ``--async-ranks`` (2) for async: with one rank async
-  would be hybrid without the dense allreduce, which one rank does not do either;
+  runs it (2 local store shard processes with row-wise Adagrad, a
+  ``LocalCluster`` of 2 Dask workers that read, decode, hash and look up,
+  checkpoints off, ``trainer.torch_threads`` unset: the job picks them), with 1
+  trainer rank for sync and hybrid and ``--async-ranks`` (2) for async: with
+  one rank async would be hybrid without the dense allreduce, which one rank
+  does not do either;
 - ``sync`` and ``hybrid`` again with ``--store-latency-ms`` (default 2) added to
   every store call of the workers and of the trainer (``cluster.store_latency_ms``),
-  standing for a cross-rack round trip.
+  standing for a cross-rack round trip: with the default model (keys
+  ``*_at_2ms``) and with a small one, MLP 64-32 (``*_small_at_2ms``), whose
+  step is short next to the store's round trips: where the paper's hybrid
+  mode earns its speed-up.
 
 Throughput (``*_samples_per_s``) is samples per second from the trainer's first
 progress report (the end of the first step that ends at least ``log_every_s`` =
@@ -75,13 +85,20 @@ PARTITIONS = 2
 DIM = 16
 HIDDEN = [512, 256]
 DENSE_LR = 1e-3
-MODES = ("baseline", "sync", "hybrid", "async")
+SMALL_HIDDEN = [64, 32]  # the small-model scenario: a short step against store round trips
+ROW_LR = 0.05  # Adagrad on the rows, as the synthetic tables have it
+ROW_EPS = 1e-8  # FBGEMM's default; the store's row-wise Adagrad is given the same
+INIT_SCALE = 0.01  # rows start uniform in [-0.01, 0.01], as the synthetic tables do
+MODES = ("baseline", "torchrec", "sync", "hybrid", "async")
+IN_PROCESS = ("baseline", "torchrec")
 
 TARGETS = {
-    "hybrid_vs_baseline": 0.7,
+    "hybrid_vs_baseline": 1.0,
+    "hybrid_vs_torchrec": 1.0,
     "hybrid_vs_sync": 1.5,
     "auc_gap": 0.001,  # at most
     "hybrid_vs_sync_at_2ms": 2.0,
+    "hybrid_vs_sync_small_at_2ms": 2.0,
 }
 
 
@@ -164,62 +181,42 @@ def baseline_batches(samples: int, seed: int, sizes: list[int]) -> list[tuple[An
     return out
 
 
-def run_baseline(samples: int, seed: int, window: int, log: bool) -> Run:
+@dataclass
+class InProcessModel:
+    """A single-process trainer of the whole model: ``step`` trains one batch.
+
+    ``step(idx, dense, labels)`` returns the logits (before the update) and
+    charges its time to ``timers`` (forward, backward, dense step, sparse step).
+    """
+
+    step: Any
+    timers: dict[str, float]
+
+
+def build_plain(sizes: list[int], seed: int) -> InProcessModel:
+    """Plain PyTorch: an ``nn.EmbeddingBag(sparse=True)`` per field, torch's Adagrad on them."""
     import torch
     from torch import nn
 
-    from trainer.metrics import ProgressiveMetrics
-    from trainer.models import FFNNConfig, build_model, loss_fn
-
-    tables = synthetic_store_tables(dim=DIM)
-    # Each field hashes into as many rows as the store may hold for its table (per
-    # shard capacity x shards); the rows start and learn as the store's do.
-    sizes = [tables[s.table].capacity * PARTITIONS for s in SPEC.sparse]
-    t_gen = time.perf_counter()
-    batches = baseline_batches(samples, seed, sizes)
-    gen_s = time.perf_counter() - t_gen
-    if log:
-        print(f"  baseline: {len(batches)} batches decoded and hashed in {gen_s:.1f}s (untimed)")
+    from trainer.models import loss_fn
 
     # torch's sparse Adagrad says, once, that it skips sparse invariant checks.
     warnings.filterwarnings("ignore", message="Sparse invariant checks")
     torch.manual_seed(seed)
     bags = nn.ModuleList(nn.EmbeddingBag(n, DIM, mode="sum", sparse=True) for n in sizes)
-    for f, bag in enumerate(bags):
-        init = tables[SPEC.sparse[f].table].initializer
-        scale = float(getattr(init, "scale", 0.01))
-        nn.init.uniform_(bag.weight, -scale, scale)
-    dense = build_model(
-        FFNNConfig(hidden=HIDDEN),
-        num_dense=len(SPEC.dense),
-        field_dims=[DIM] * len(sizes),
-        num_tasks=1,
-    )
-    row_lr = float(getattr(tables[SPEC.sparse[0].table].optimizer, "lr", 0.05))
-    sparse_opt = torch.optim.Adagrad(list(bags.parameters()), lr=row_lr)
+    for bag in bags:
+        nn.init.uniform_(bag.weight, -INIT_SCALE, INIT_SCALE)
+    dense = dense_net(len(sizes))
+    sparse_opt = torch.optim.Adagrad(list(bags.parameters()), lr=ROW_LR)
     dense_opt = torch.optim.Adam(dense.parameters(), lr=DENSE_LR)
-    metrics = ProgressiveMetrics(window=window)
+    timers = dict.fromkeys(("forward_s", "backward_s", "dense_step_s", "sparse_step_s"), 0.0)
 
-    compute = {"forward_s": 0.0, "backward_s": 0.0, "dense_step_s": 0.0, "sparse_step_s": 0.0}
-    t_start = time.perf_counter()
-    t0 = t_start
-    timed_from = 0
-    trained = 0
-    marks: list[tuple[float, int]] = []
-    for i, (idx, x, y) in enumerate(batches):
-        if i == 1:  # the first step (allocations, lazy init) is start-up, as for streamrec
-            t0 = time.perf_counter()
-            timed_from = trained
-            for k in compute:
-                compute[k] = 0.0
+    def step(idx: Any, x: Any, y: Any) -> Any:
         ta = time.perf_counter()
-        b = y.shape[0]
-        offsets = torch.arange(b)
+        offsets = torch.arange(y.shape[0])
         pooled = [bag(idx[f], offsets) for f, bag in enumerate(bags)]
         logits = dense(x, pooled)
         loss = loss_fn(logits, y)
-        with torch.no_grad():
-            metrics.update(y.numpy(), torch.sigmoid(logits).numpy())
         tb = time.perf_counter()
         dense_opt.zero_grad(set_to_none=True)
         sparse_opt.zero_grad(set_to_none=True)
@@ -229,20 +226,138 @@ def run_baseline(samples: int, seed: int, window: int, log: bool) -> Run:
         td = time.perf_counter()
         sparse_opt.step()
         te = time.perf_counter()
-        compute["forward_s"] += tb - ta
-        compute["backward_s"] += tc - tb
-        compute["dense_step_s"] += td - tc
-        compute["sparse_step_s"] += te - td
-        trained += b
+        timers["forward_s"] += tb - ta
+        timers["backward_s"] += tc - tb
+        timers["dense_step_s"] += td - tc
+        timers["sparse_step_s"] += te - td
+        return logits
+
+    return InProcessModel(step, timers)
+
+
+def torchrec_missing() -> str | None:
+    """Why the TorchRec baseline cannot run here, or None when it can."""
+    try:
+        import fbgemm_gpu  # noqa: F401
+        import torchrec  # noqa: F401
+    except Exception as exc:  # ImportError, or a library that fails to load
+        return (
+            f"torchrec is not usable here ({type(exc).__name__}: {exc}); "
+            "`make install` installs it, or by hand: pip install -e '.[peers]' && "
+            "pip install --no-deps torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0"
+        )
+    return None
+
+
+def build_torchrec(sizes: list[int], seed: int) -> InProcessModel:
+    """TorchRec 1.8: a ``FusedEmbeddingBagCollection`` (FBGEMM's batched CPU kernels).
+
+    One table per field, row-wise Adagrad fused into the backward pass (as
+    TorchRec trains its tables), the same dense network and Adam.
+    """
+    import torch
+    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+    from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+    from torchrec.optim import RowWiseAdagrad
+
+    from trainer.models import loss_fn
+
+    torch.manual_seed(seed)
+    names = [s.name for s in SPEC.sparse]
+    ebc = FusedEmbeddingBagCollection(
+        tables=[
+            EmbeddingBagConfig(
+                name=f"t_{name}",
+                embedding_dim=DIM,
+                num_embeddings=n,
+                feature_names=[name],
+                weight_init_min=-INIT_SCALE,
+                weight_init_max=INIT_SCALE,
+            )
+            for name, n in zip(names, sizes, strict=True)
+        ],
+        optimizer_type=RowWiseAdagrad,
+        optimizer_kwargs={"lr": ROW_LR, "eps": ROW_EPS},
+    )
+    dense = dense_net(len(sizes))
+    dense_opt = torch.optim.Adam(dense.parameters(), lr=DENSE_LR)
+    timers = dict.fromkeys(("forward_s", "backward_s", "dense_step_s"), 0.0)
+
+    def step(idx: Any, x: Any, y: Any) -> Any:
+        ta = time.perf_counter()
+        b = y.shape[0]
+        kjt = KeyedJaggedTensor(
+            keys=names,
+            values=idx.reshape(-1),
+            lengths=torch.ones(len(names) * b, dtype=torch.int64),
+        )
+        pooled = ebc(kjt).values()  # [B, F * DIM]
+        logits = dense(x, list(pooled.split(DIM, dim=1)))
+        loss = loss_fn(logits, y)
+        tb = time.perf_counter()
+        dense_opt.zero_grad(set_to_none=True)
+        loss.backward()  # the rows are updated in here
+        tc = time.perf_counter()
+        dense_opt.step()
+        td = time.perf_counter()
+        timers["forward_s"] += tb - ta
+        timers["backward_s"] += tc - tb
+        timers["dense_step_s"] += td - tc
+        return logits
+
+    return InProcessModel(step, timers)
+
+
+def dense_net(fields: int) -> Any:
+    from trainer.models import FFNNConfig, build_model
+
+    return build_model(
+        FFNNConfig(hidden=HIDDEN), num_dense=len(SPEC.dense), field_dims=[DIM] * fields, num_tasks=1
+    )
+
+
+def run_in_process(mode: str, samples: int, seed: int, window: int, log: bool) -> Run:
+    """Train ``mode`` (``baseline`` or ``torchrec``) in this process on pre-hashed batches."""
+    import torch
+
+    from trainer.metrics import ProgressiveMetrics
+
+    tables = synthetic_store_tables(dim=DIM)
+    # Each field hashes into as many rows as the store may hold for its table (per
+    # shard capacity x shards); the rows start and learn as the store's do.
+    sizes = [tables[s.table].capacity * PARTITIONS for s in SPEC.sparse]
+    t_gen = time.perf_counter()
+    batches = baseline_batches(samples, seed, sizes)
+    gen_s = time.perf_counter() - t_gen
+    if log:
+        print(f"  {mode}: {len(batches)} batches decoded and hashed in {gen_s:.1f}s (untimed)")
+    model = build_torchrec(sizes, seed) if mode == "torchrec" else build_plain(sizes, seed)
+    metrics = ProgressiveMetrics(window=window)
+    t_start = time.perf_counter()
+    t0 = t_start
+    timed_from = 0
+    trained = 0
+    marks: list[tuple[float, int]] = []
+    for i, (idx, x, y) in enumerate(batches):
+        if i == 1:  # the first step (allocations, lazy init) is start-up, as for streamrec
+            t0 = time.perf_counter()
+            timed_from = trained
+            for k in model.timers:
+                model.timers[k] = 0.0
+        logits = model.step(idx, x, y)
+        with torch.no_grad():
+            metrics.update(y.numpy(), torch.sigmoid(logits).numpy())
+        te = time.perf_counter()
+        trained += y.shape[0]
         if i >= 1:
             if not marks:
-                marks.append((t0, trained - b))
+                marks.append((t0, trained - y.shape[0]))
             marks.append((te, trained))
     end = time.perf_counter()
     snap = metrics.snapshot()
     timed = trained - timed_from
     return Run(
-        mode="baseline",
+        mode=mode,
         samples_per_s=timed / (end - t0),
         median_rate=median_interval_rate(marks) if len(marks) > 1 else 0.0,
         auc=snap.auc,
@@ -250,7 +365,7 @@ def run_baseline(samples: int, seed: int, window: int, log: bool) -> Run:
         timed_samples=timed,
         timed_s=end - t0,
         startup_s=t0 - t_start,
-        breakdown={k: round(v, 2) for k, v in compute.items()},
+        breakdown={k: round(v, 2) for k, v in model.timers.items()},
         extra={"decode_hash_untimed_s": round(gen_s, 1), "hash_sizes": sizes},
     )
 
@@ -268,6 +383,7 @@ def make_job(
     latency_ms: float,
     ranks: int,
     torch_threads: int | None,
+    hidden: list[int],
 ) -> Any:
     from deploy.config import JobConfig
     from deploy.train_cli import demo_job
@@ -283,13 +399,16 @@ def make_job(
         "log_every_s": 1.0,
         "torch_threads": torch_threads,
         "checkpoint": {"enabled": False, "on_exit": False},
-        "model": {"kind": "ffnn", "hidden": HIDDEN},
+        "model": {"kind": "ffnn", "hidden": hidden},
         "optimizer": {"kind": "adam", "lr": DENSE_LR},
     }
     if mode == "sync":
         trainer["staleness"] = 0
         trainer.pop("push_queue", None)
     raw["trainer"] = trainer
+    # Row-wise Adagrad on the rows, as TorchRec's fused tables are trained here.
+    for table in raw["store"]["tables"].values():
+        table["optimizer"] = {"kind": "adagrad", "lr": ROW_LR, "eps": ROW_EPS, "rowwise": True}
     raw["source"] = {**raw["source"], "deadletter": "none"}
     raw["cluster"] = {
         **raw["cluster"],
@@ -356,13 +475,15 @@ def run_streamrec(
     latency_ms: float,
     ranks: int,
     torch_threads: int | None,
+    hidden: list[int],
     keep_dir: Path | None,
     log: bool,
     report: bool = False,
 ) -> Run:
     from deploy.job import run_job
 
-    label = mode if not latency_ms else f"{mode}@{latency_ms:g}ms"
+    label = mode if hidden == HIDDEN else f"{mode}-mlp{'-'.join(map(str, hidden))}"
+    label += f"@{latency_ms:g}ms" if latency_ms else ""
     with tempfile.TemporaryDirectory(prefix=f"bench-e2e-{mode}-") as tmp:
         run_dir = (keep_dir / label) if keep_dir is not None else Path(tmp)
         if keep_dir is not None and run_dir.exists():
@@ -376,6 +497,7 @@ def run_streamrec(
             latency_ms=latency_ms,
             ranks=ranks,
             torch_threads=torch_threads,
+            hidden=hidden,
         )
         last = [0.0]
 
@@ -455,6 +577,17 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="samples of the runs with added store latency (default: --samples)",
     )
+    parser.add_argument(
+        "--small-samples",
+        type=int,
+        default=None,
+        help="samples of the small-model runs with added latency (default: --latency-samples)",
+    )
+    parser.add_argument(
+        "--skip-small",
+        action="store_true",
+        help="leave out the small-model (MLP 64-32) sync/hybrid pair with added latency",
+    )
     parser.add_argument("--window", type=int, default=100_000, help="progressive AUC window")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -481,6 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     step = BATCH * PARTITIONS
     samples = -(-args.samples // step) * step
     lat_samples = -(-(args.latency_samples or args.samples) // step) * step
+    small_samples = -(-(args.small_samples or lat_samples) // step) * step
     log = not args.quiet
     results: dict[str, Any] = {
         "samples": samples,
@@ -491,30 +625,41 @@ def main(argv: list[str] | None = None) -> int:
         "async_ranks": args.async_ranks,
         "store_latency_ms": args.store_latency_ms,
         "latency_samples": lat_samples,
+        "small_samples": small_samples,
+        "small_hidden": SMALL_HIDDEN,
         "load_before": load(),
     }
     lat = args.store_latency_ms
     lat_key = f"{lat:g}ms"
-    plan: list[tuple[str, str, int, float, int]] = []  # key, mode, samples, latency, ranks
+    # key, mode, samples, latency, ranks, hidden layers
+    plan: list[tuple[str, str, int, float, int, list[int]]] = []
+    missing = torchrec_missing() if "torchrec" in args.modes else None
+    if missing:
+        print(f"torchrec: skipped: {missing}", flush=True)
+        results["torchrec_skipped"] = missing
     for mode in args.modes:
-        plan.append((mode, mode, samples, 0.0, args.async_ranks if mode == "async" else 1))
+        if mode == "torchrec" and missing:
+            continue
+        plan.append((mode, mode, samples, 0.0, args.async_ranks if mode == "async" else 1, HIDDEN))
     if lat > 0:
-        plan += [
-            (f"{mode}_at_{lat_key}", mode, lat_samples, lat, 1)
-            for mode in ("sync", "hybrid")
-            if mode in args.modes
-        ]
+        pairs = [m for m in ("sync", "hybrid") if m in args.modes]
+        plan += [(f"{m}_at_{lat_key}", m, lat_samples, lat, 1, HIDDEN) for m in pairs]
+        if not args.skip_small:
+            plan += [
+                (f"{m}_small_at_{lat_key}", m, small_samples, lat, 1, SMALL_HIDDEN) for m in pairs
+            ]
     runs: dict[str, Run] = {}
     errors: dict[str, str] = {}
     t_all = time.monotonic()
-    for key, mode, n, latency_ms, ranks in plan:
+    for key, mode, n, latency_ms, ranks, hidden in plan:
         before = load()
         if log:
             added = f", {latency_ms:g} ms per store call" if latency_ms else ""
+            added += f", MLP {'-'.join(map(str, hidden))}" if hidden != HIDDEN else ""
             print(f"{key}: {n:,} samples{added} (load {before})", flush=True)
         try:
-            if mode == "baseline":
-                run = run_baseline(n, args.seed, args.window, log)
+            if mode in IN_PROCESS:
+                run = run_in_process(mode, n, args.seed, args.window, log)
             else:
                 run = run_streamrec(
                     mode,
@@ -524,6 +669,7 @@ def main(argv: list[str] | None = None) -> int:
                     latency_ms=latency_ms,
                     ranks=ranks,
                     torch_threads=args.torch_threads,
+                    hidden=hidden,
                     keep_dir=args.keep_runs,
                     log=log,
                     report=bool(args.report),
@@ -604,12 +750,15 @@ def summarize(
     rate = {k: r.samples_per_s for k, r in runs.items()}
     auc = {k: r.auc for k, r in runs.items()}
     results["hybrid_vs_baseline"] = ratio(rate.get("hybrid"), rate.get("baseline"))
+    results["hybrid_vs_torchrec"] = ratio(rate.get("hybrid"), rate.get("torchrec"))
+    results["torchrec_vs_baseline"] = ratio(rate.get("torchrec"), rate.get("baseline"))
     results["hybrid_vs_sync"] = ratio(rate.get("hybrid"), rate.get("sync"))
     h_auc, s_auc = auc.get("hybrid"), auc.get("sync")
     results["auc_gap"] = abs(h_auc - s_auc) if h_auc is not None and s_auc is not None else None
-    results[f"hybrid_vs_sync_at_{lat_key}"] = ratio(
-        rate.get(f"hybrid_at_{lat_key}"), rate.get(f"sync_at_{lat_key}")
-    )
+    for kind in ("", "small_"):
+        results[f"hybrid_vs_sync_{kind}at_{lat_key}"] = ratio(
+            rate.get(f"hybrid_{kind}at_{lat_key}"), rate.get(f"sync_{kind}at_{lat_key}")
+        )
     targets = {}
     for key, bound in TARGETS.items():
         value = results.get(key)

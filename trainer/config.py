@@ -141,7 +141,14 @@ class TrainerConfig(_Strict):
         description="auto: cuda:LOCAL_RANK when every local rank has a GPU, else the CPU",
     )
     bf16_autocast: bool = Field(False, description="CUDA only: dense forward in bfloat16")
-    torch_threads: int | None = Field(None, ge=1)
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "intra-op threads of each rank; unset: the cores left by the Dask workers and "
+            "store shards this job starts on the same host, shared between its local ranks"
+        ),
+    )
     metrics_window: int = Field(100_000, ge=100, description="samples in the sliding window")
     label_prior: LabelPrior = Field(
         "first_batch",

@@ -59,6 +59,7 @@ class TableTensors:
     offsets: Tensor  # [B * F + 1] int64
     fields: tuple[str, ...]
     pooling: tuple[str, ...]  # "sum" or "mean" per field
+    one_per_bag: bool = False  # every bag holds exactly one id (pooling is a gather)
 
 
 @dataclass
@@ -129,12 +130,15 @@ def to_tensors(
             )
             raise ValueError(msg)
         rows = _to_device(tb.rows, dev, non_blocking, pin).to(torch.float32)
+        bags = tb.offsets.shape[0] - 1
         tables[name] = TableTensors(
             rows=rows.requires_grad_(True),
             inverse=_to_device(tb.inverse, dev, non_blocking, pin).to(torch.int64),
             offsets=_to_device(tb.offsets, dev, non_blocking, pin).to(torch.int64),
             fields=fields,
             pooling=pooling,
+            # Decided on the host, from the arrays at hand: no device sync in pool().
+            one_per_bag=bool(tb.inverse.shape[0] == bags > 0 and np.all(np.diff(tb.offsets) == 1)),
         )
     return BatchTensors(
         labels=_to_device(batch.labels, dev, non_blocking, pin).to(torch.float32),
@@ -151,6 +155,7 @@ def pool_table(
     batch_size: int,
     *,
     sparse: bool = False,
+    one_per_bag: bool = False,
 ) -> Tensor:
     """Pool sample-major bags of ``weight`` rows: ``[batch_size, len(pooling), dim]``.
 
@@ -159,6 +164,10 @@ def pool_table(
     entries. One ``embedding_bag`` sums every bag; mean fields are then divided
     by their bag lengths (an empty bag stays 0). ``sparse=True`` gives
     ``weight`` a sparse gradient (a full table, as ``nn.EmbeddingBag`` has).
+    ``one_per_bag=True`` says every bag holds exactly one id (``offsets`` is
+    ``0, 1, ..., B * F``), as with one categorical value per field: sum and
+    mean are then a plain gather, whose backward is one scatter-add instead of
+    ``embedding_bag``'s sort and segment reduction.
 
     >>> w = torch.tensor([[1.0], [10.0]])
     >>> pool_table(w, torch.tensor([0, 1, 1]), torch.tensor([0, 2, 3]), ["sum", "mean"], 1)
@@ -177,6 +186,8 @@ def pool_table(
             msg = f"unknown pooling {mode!r}: use one of {POOLING_MODES}"
             raise ValueError(msg)
     dim = weight.shape[1]
+    if one_per_bag and not sparse:
+        return weight.index_select(0, indices).view(batch_size, num_fields, dim)
     if indices.shape[0] == 0:
         # embedding_bag rejects an empty weight; with no ids every bag is empty anyway.
         return weight.new_zeros((batch_size, num_fields, dim))
@@ -197,7 +208,9 @@ def pool(bt: BatchTensors, spec: FeatureSpec) -> list[Tensor]:
     """One pooled ``[B, dim]`` tensor per sparse field, in ``spec.sparse`` order."""
     pooled: dict[str, Tensor] = {}
     for t in bt.tables.values():
-        out = pool_table(t.rows, t.inverse, t.offsets, t.pooling, bt.batch_size)
+        out = pool_table(
+            t.rows, t.inverse, t.offsets, t.pooling, bt.batch_size, one_per_bag=t.one_per_bag
+        )
         for f, field in enumerate(t.fields):
             pooled[field] = out[:, f]
     missing = [s.name for s in spec.sparse if s.name not in pooled]

@@ -64,6 +64,7 @@ def random_batch(
     seed: int,
     *,
     max_len: int = 4,
+    min_len: int = 0,
     vocab: int = 6,
     row_dtype: type[np.floating] = np.float32,
 ) -> PreparedBatch:
@@ -73,7 +74,7 @@ def random_batch(
     tables: dict[str, TableBatch] = {}
     for name, fields in spec.tables().items():
         bags = [
-            rng.integers(0, vocab, size=int(rng.integers(0, max_len + 1))).tolist()
+            rng.integers(0, vocab, size=int(rng.integers(min_len, max_len + 1))).tolist()
             for _ in range(batch_size * len(fields))
         ]
         first: dict[int, int] = {}
@@ -182,6 +183,36 @@ def test_row_grads_match_autograd_through_explicit_gather(batch_size: int, seed:
         assert got[name].dtype == np.float32
         assert got[name].shape == (tb.unique_ids.shape[0], MIXED.dims[name])
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@settings(max_examples=25, deadline=None)
+@given(batch_size=st.integers(1, 10), seed=st.integers(0, 2**32 - 1))
+def test_one_id_per_bag_pools_and_differentiates_as_the_general_path(
+    batch_size: int, seed: int
+) -> None:
+    # One categorical value per field takes the gather path (no embedding_bag).
+    spec = MIXED.spec()
+    batch = random_batch(MIXED, batch_size, seed, min_len=1, max_len=1)
+    bt = to_tensors(batch, spec)
+    assert all(t.one_per_bag for t in bt.tables.values())
+    gen = torch.Generator().manual_seed(seed)
+    upstream = [
+        torch.randn(batch_size, MIXED.dims[s.table], generator=gen, dtype=torch.float32)
+        for s in spec.sparse
+    ]
+    pooled = pool(bt, spec)
+    for g, w in zip(pooled, naive_pool(batch, spec), strict=True):
+        np.testing.assert_allclose(g.detach().numpy(), w, rtol=1e-5, atol=1e-6)
+    loss = sum(((p * u).sum() for p, u in zip(pooled, upstream, strict=True)), torch.zeros(()))
+    torch.autograd.backward(loss)
+    want = gather_grads(batch, spec, upstream)
+    for name, got in row_grads(bt).items():
+        np.testing.assert_allclose(got, want[name], rtol=1e-5, atol=1e-6, err_msg=name)
+    # A bag of two ids (and so an empty one) anywhere takes the general path.
+    multi = random_batch(MIXED, batch_size, seed, min_len=0, max_len=2)
+    flags = {n: t.one_per_bag for n, t in to_tensors(multi, spec).tables.items()}
+    for name, tb in multi.tables.items():
+        assert flags[name] == bool(np.all(np.diff(tb.offsets) == 1)), name
 
 
 def test_known_values_sum_mean_empty_and_repeats() -> None:
