@@ -296,8 +296,9 @@ class JsonLinesCodec:
     and the reading goes on after it (a failure that names no row halves the
     segment); records that do not start with ``{`` and end with ``}`` go to step
     2 directly (Arrow's reader crashes on a first value of ``null``). It reads
-    about 350k Criteo-like records a second on one core where the scanner
-    reads about 550k; it is the reference the tests hold the scanner to. Arrow
+    Criteo-like records at about 0.57x the scanner's rate on one core (0.2x
+    with 1% bad records; the table in the module docstring); it is the
+    reference the tests hold the scanner to. Arrow
     also takes the non-standard ``Inf``, ``-Inf`` and ``-NaN``, which
     ``json.loads`` and so the default engine do not (``not_json``).
 
