@@ -8,11 +8,17 @@
 - ``pandas_baseline_events_per_s``: the same decode and hashing written the
   obvious way with pandas (``read_json(lines=True)``, a Python hash per value,
   ``factorize``), on the same payloads;
+- ``kafka_read_events_per_s``: the read path alone: every chunk (20,000 records)
+  of the runner's topic read by ``KafkaSource.read`` in one thread, no decoding,
+  with the default raw reader; ``kafka_read_kafka_python_events_per_s`` the same
+  with ``reader: kafka-python``, measured alternately in the same run;
 - ``runner_events_per_s``: a Kafka topic (2 partitions) → ``StreamRunner`` with
   2 Dask worker processes → ``PreparedBatch`` with rows looked up in 2 store
-  shard processes, end to end (wall time from the first submit to the last batch).
+  shard processes, end to end (wall time from the first batch to the last);
+  with ``--compare-readers`` also ``runner_kafka_python_events_per_s``, the same
+  runner reading with kafka-python.
 
-Figures are medians over ``--repeats`` runs (the runner figure is one run).
+Figures are medians over ``--repeats`` runs (the runner figures are one run each).
 """
 
 from __future__ import annotations
@@ -89,14 +95,57 @@ def pandas_baseline(data: list[bytes]) -> int:
     return int(labels.shape[0] + dense.shape[0] * 0 + len(tables) * 0)
 
 
-def bench_runner(events: int, tmp: Path) -> dict[str, float]:
-    """Kafka (2 partitions) → 2 Dask workers → 2 store shards, end to end."""
-    from distributed import Client, LocalCluster
+def _source(bootstrap: str, topic: str, group: str, reader: str) -> Any:
+    from connectors.kafka import KafkaSource, KafkaSourceConfig
 
-    from connectors.kafka import KafkaSource, KafkaSourceConfig, produce
+    return KafkaSource(
+        KafkaSourceConfig(
+            bootstrap_servers=bootstrap,
+            topics=[topic],
+            group_id=group,
+            auto_offset_reset="earliest",
+            api_version=(0, 9),
+            max_records=20_000,
+            reader=reader,  # type: ignore[arg-type]
+        )
+    )
+
+
+def bench_kafka_read(bootstrap: str, topic: str, repeats: int) -> dict[str, float]:
+    """``KafkaSource.read`` alone over the topic's chunks: raw and kafka-python, alternately."""
+    sources = {r: _source(bootstrap, topic, f"read-{r}", r) for r in ("raw", "kafka-python")}
+    planner = sources["raw"]
+    chunks = []
+    for p in planner.partitions():
+        position = 0
+        while (chunk := planner.plan(p, position, 20_000)) is not None:
+            chunks.append(chunk)
+            position = chunk.end
+    rates: dict[str, list[float]] = {r: [] for r in sources}
+    for _ in range(max(1, repeats)):
+        for reader, source in sources.items():
+            t0 = time.perf_counter()
+            n = sum(len(source.read(c)) for c in chunks)
+            rates[reader].append(n / (time.perf_counter() - t0))
+    for source in sources.values():
+        source.close()
+    raw = float(np.median(rates["raw"]))
+    slow = float(np.median(rates["kafka-python"]))
+    return {
+        "kafka_read_events_per_s": raw,
+        "kafka_read_kafka_python_events_per_s": slow,
+        "kafka_read_raw_vs_kafka_python": raw / slow,
+        "kafka_read_events": sum(len(c) for c in chunks),
+    }
+
+
+def bench_runner(
+    events: int, tmp: Path, readers: tuple[str, ...] = ("raw",), read_repeats: int = 3
+) -> dict[str, float]:
+    """Kafka (2 partitions) → 2 Dask workers → 2 store shards, end to end, per reader."""
+    from connectors.kafka import produce
     from deploy.local.kafka import LocalKafka
     from pipeline.prepare import StoreAddress
-    from pipeline.runner import StreamRunner
 
     job = write_store_job(tmp / "job.yaml", synthetic_store_section(dim=16))
     token = write_token(tmp / "token")
@@ -109,55 +158,63 @@ def bench_runner(events: int, tmp: Path) -> dict[str, float]:
             half = len(data) // 2
             produce(kafka.bootstrap, topic, data[:half], api_version=(0, 9), partition=0)
             produce(kafka.bootstrap, topic, data[half:], api_version=(0, 9), partition=1)
-            source = KafkaSource(
-                KafkaSourceConfig(
-                    bootstrap_servers=kafka.bootstrap,
-                    topics=[topic],
-                    group_id="bench",
-                    auto_offset_reset="earliest",
-                    api_version=(0, 9),
-                    max_records=20_000,
-                )
-            )
+            del data
+            results = bench_kafka_read(kafka.bootstrap, topic, read_repeats)
             store = StoreAddress(address, token=token.read_text())
-            with (
-                LocalCluster(
-                    n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
-                ) as lc,
-                Client(lc) as client,
-            ):
-                runner = StreamRunner(
-                    client,
-                    source,
-                    SPEC,
-                    store,
-                    staleness=4,
-                    codec=make_codec("json"),
-                    max_records=20_000,
-                )
-                # Steady state: the clock starts when the first batch arrives, so worker
-                # start-up (imports, loading cached numba kernels) is reported apart.
-                t_start = time.perf_counter()
-                seen = 0
-                first_s = 0.0
-                t0 = t_start
-                for batch in runner:
-                    if not first_s:
-                        first_s = time.perf_counter() - t_start
-                        t0 = time.perf_counter()
-                        continue
-                    seen += len(batch) + batch.bad_records
-                    if seen >= events:
-                        break
-                elapsed = time.perf_counter() - t0
-                runner.close()
-            return {
-                "runner_events_per_s": seen / elapsed,
-                "runner_events": seen,
-                "runner_first_batch_s": first_s,
-            }
+            for reader in readers:
+                source = _source(kafka.bootstrap, topic, f"bench-{reader}", reader)
+                figures = _run(source, store, events)
+                if reader != "raw":
+                    prefix = f"runner_{reader.replace('-', '_')}"
+                    figures = {k.replace("runner", prefix, 1): v for k, v in figures.items()}
+                results.update(figures)
+            return results
     finally:
         kafka.stop()
+
+
+def _run(source: Any, store: Any, events: int) -> dict[str, float]:
+    from distributed import Client, LocalCluster
+
+    from pipeline.runner import StreamRunner
+
+    with (
+        LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+        ) as lc,
+        Client(lc) as client,
+    ):
+        runner = StreamRunner(
+            client,
+            source,
+            SPEC,
+            store,
+            staleness=4,
+            codec=make_codec("json"),
+            max_records=20_000,
+        )
+        # Steady state: the clock starts when the first batch arrives, so worker
+        # start-up (imports, loading cached numba kernels) is reported apart.
+        t_start = time.perf_counter()
+        seen = 0
+        first_s = 0.0
+        t0 = t_start
+        for batch in runner:
+            if not first_s:
+                first_s = time.perf_counter() - t_start
+                t0 = time.perf_counter()
+                continue
+            seen += len(batch) + batch.bad_records
+            if seen >= events:
+                break
+        elapsed = time.perf_counter() - t0
+        runner.close()
+    source.close()
+    return {
+        "runner_events_per_s": seen / elapsed,
+        "runner_events": seen,
+        "runner_first_batch_s": first_s,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runner-events", type=int, default=400_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-runner", action="store_true")
+    parser.add_argument(
+        "--compare-readers",
+        action="store_true",
+        help="run the runner a second time with reader: kafka-python",
+    )
     args = parser.parse_args(argv)
 
     data = payloads(args.events)
@@ -182,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if not args.skip_runner:
         with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
-            results.update(bench_runner(args.runner_events, Path(tmp)))
+            readers = ("raw", "kafka-python") if args.compare_readers else ("raw",)
+            results.update(bench_runner(args.runner_events, Path(tmp), readers, args.repeats))
 
     print_figures(results, lambda v: f"{v:,.2f}" if isinstance(v, float) else f"{v}")
     if args.json:

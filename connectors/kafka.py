@@ -3,11 +3,16 @@
 The driver *plans*: it lists partitions (``"topic/partition"``), asks where each
 starts (the consumer group's committed offset, else ``auto_offset_reset``) and
 cuts chunks ``[position, min(position + max_records, log end))``. A Dask worker
-*reads* a chunk with an assigned consumer (no group membership, no auto-commit):
-it seeks to ``start`` and polls until its position reaches ``end``, so a chunk
-read twice, or chunks read in any order, yield exactly the same records. Offsets
-reach the group only through :meth:`KafkaSource.commit`, which the checkpoint
-coordinator calls once a checkpoint naming them is durable.
+*reads* a chunk from ``start`` until its position reaches ``end``, keeping only
+offsets inside the chunk, so a chunk read twice, or chunks read in any order,
+yield exactly the same records. By default (``reader: raw``) it sends Kafka's
+Fetch request to the partition's leader itself and parses the answer in one
+compiled pass (:mod:`connectors.kafka_fetch`: no Python object per record);
+``reader: kafka-python``, and whatever the raw reader does not handle
+(compressed message sets, TLS/SASL, brokers 0.11+), uses an assigned
+kafka-python consumer (no group membership, no auto-commit). Offsets reach the
+group only through :meth:`KafkaSource.commit`, which the checkpoint coordinator
+calls once a checkpoint naming them is durable.
 
 A broker that goes away (restart, network) delays planning and reading: every
 call retries with backoff for up to ``retry_timeout_s`` and then raises
@@ -32,11 +37,13 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from connectors import kafka_fetch
 from connectors.types import Chunk, RawChunk, Source
 
 log = logging.getLogger(__name__)
@@ -61,6 +68,14 @@ _WARN_EVERY_S = 30.0
 # A chunk read that gets nothing for this long drops its consumer and opens a new one
 # (fresh connections and metadata after a broker restart).
 _READ_STALL_S = 5.0
+# The raw reader's fetch sizes: sized to the records a chunk still wants, within these
+# bounds (a larger fetch saves round trips; a smaller one reads less past the chunk).
+_RAW_FETCH_MIN_BYTES = 64 << 10
+_RAW_FETCH_MAX_BYTES = 16 << 20
+# A single message may be this large at most (fetches double up to it to take one whole).
+_RAW_FETCH_LIMIT_BYTES = 1 << 30
+# kafka-python's default fetch_max_wait_ms: how long the broker may hold a fetch.
+_FETCH_MAX_WAIT_MS = 500
 # How long a topic never seen by this source may be missing before it is an error.
 _UNKNOWN_TOPIC_GRACE_S = 10.0
 
@@ -366,6 +381,9 @@ class KafkaSourceConfig(BaseModel):
     ``sasl_plain_username``, ...) or tuning (``fetch_max_bytes``). Unknown keys are
     rejected, as are keys the fields below already set. Keep them picklable
     (file paths rather than an ``ssl_context``): the source travels to workers.
+    The raw reader (``reader: raw``) honours the consumer's fetch tuning too:
+    ``max_partition_fetch_bytes`` (a fixed fetch size instead of one sized to the
+    chunk), ``fetch_min_bytes``, ``fetch_max_wait_ms`` and ``check_crcs``.
 
     >>> try:
     ...     KafkaSourceConfig(bootstrap_servers="k:9092", topics=["t"], group_id="g", max_record=5)
@@ -387,6 +405,16 @@ class KafkaSourceConfig(BaseModel):
     max_records: int = Field(10_000, gt=0, description="records per chunk at most")
     poll_timeout_ms: int = Field(1000, gt=0, description="one poll of a chunk read")
     retry_timeout_s: float = Field(300.0, gt=0, description="how long to wait out a broker")
+    reader: Literal["raw", "kafka-python"] = Field(
+        "raw",
+        description=(
+            "how workers read chunks: 'raw' sends Kafka's Fetch request itself and parses "
+            "the message set in one compiled pass (connectors.kafka_fetch; several times "
+            "faster), for brokers before 0.11 over PLAINTEXT; compressed message sets, "
+            "TLS/SASL, proxies and newer brokers are read with kafka-python all the same. "
+            "'kafka-python': always a KafkaConsumer (one Python object per record)"
+        ),
+    )
     client_options: dict[str, Any] = Field(default_factory=dict)
 
     @field_validator("bootstrap_servers", mode="before")
@@ -443,6 +471,13 @@ class KafkaSource:
         self._clients: dict[tuple[str, int, str], Any] = {}
         self._known: dict[str, list[int]] = {}  # partitions seen per topic; never shrink
         self._should_stop: Callable[[], bool] | None = None  # stays on this side of a pickle
+        # The raw reader's: partition leaders, connections per (thread, host, port), the
+        # partitions kafka-python reads instead (compressed), and the bytes a record takes
+        # in the log (sizes the next fetch to the chunk).
+        self._leaders: dict[tuple[str, int], tuple[str, int]] = {}
+        self._conns: dict[tuple[int, str, int], kafka_fetch.BrokerConnection] = {}
+        self._not_raw: set[str] = set()
+        self._record_bytes = 1024.0
 
     def stop_waiting_when(self, should_stop: Callable[[], bool] | None) -> None:
         """Make every wait for the broker give up (KafkaUnavailable) once ``should_stop()``.
@@ -526,8 +561,13 @@ class KafkaSource:
         with self._lock:
             clients = list(self._clients.values())
             self._clients.clear()
+            conns = list(self._conns.values())
+            self._conns.clear()
+            self._leaders.clear()
         for client in clients:
             _close_quietly(client)
+        for conn in conns:
+            conn.close()
 
     def _retry(self, what: str, fn: Callable[[], T], role: Literal["meta", "read"]) -> T:
         return retrying(
@@ -687,72 +727,64 @@ class KafkaSource:
 
         Offsets missing from the log (compacted away, or deleted by retention
         before the read) are simply absent. Runs on a worker: it needs nothing
-        from the driver but the chunk.
+        from the driver but the chunk. ``reader`` in the config picks how (the
+        records are the same either way); a raw read that meets a compressed
+        message set reads the rest of the chunk with kafka-python.
         """
-        from kafka import TopicPartition
         from kafka.errors import OffsetOutOfRangeError
 
         if chunk.source != self.name:
             msg = f"KafkaSource cannot read a chunk of source {chunk.source!r}"
             raise ValueError(msg)
-        tp = TopicPartition(*split_partition(chunk.partition))
-        offsets: list[int] = []
+        topic, number = split_partition(chunk.partition)
+        reads: _Reads = (
+            _RawReads(self, topic, number)
+            if self._raw_applies(chunk.partition)
+            else _ConsumerReads(self, topic, number)
+        )
+        offsets: list[npt.NDArray[np.int64]] = []
         payloads: list[bytes] = []
         position = chunk.start  # the next offset wanted; survives reconnects
-        client: Any = None
         last_progress = time.monotonic()
         # The budget runs from the first failure since the last progress.
         backoff = _Backoff(self.config.retry_timeout_s, should_stop=self._should_stop)
 
         def fail(exc: BaseException) -> None:
-            nonlocal client, last_progress
+            nonlocal last_progress
             give_up = (
                 f"reading {chunk.partition} [{chunk.start}, {chunk.end}): Kafka at "
                 f"{self.config.bootstrap_servers} still failing after "
                 f"{self.config.retry_timeout_s:g}s ({exc!r}); check that the broker runs"
             )
             # Fresh connections and metadata on the next attempt.
-            drop = None if client is None else lambda: self._drop("read")
-            backoff.wait(f"reading {chunk.name}", exc, give_up, drop)
-            client = None
+            backoff.wait(f"reading {chunk.name}", exc, give_up, reads.reset)
             last_progress = time.monotonic()
 
         while position < chunk.end:
             try:
-                if client is None:
-                    client = self._client("read")
-                    client.assign([tp])
-                    client.seek(tp, position)
-                batch = client.poll(
-                    timeout_ms=self.config.poll_timeout_ms,
-                    max_records=max(1, min(chunk.end - position, 10_000)),
-                )
-                moved = False
-                for record in batch.get(tp, []):
-                    if record.offset < position:
-                        continue  # a stale fetch: already taken
-                    if record.offset >= chunk.end:
-                        break
-                    offsets.append(record.offset)
-                    payloads.append(record.value if record.value is not None else b"")
-                    position = record.offset + 1
-                    moved = True
-                # The consumer's position also moves past offsets compaction removed.
-                consumer_at = client.position(tp, timeout_ms=REQUEST_TIMEOUT_MS)
-                if consumer_at is not None and consumer_at > position:
-                    position = min(int(consumer_at), chunk.end)
-                    moved = True
-                if moved:
+                got, values, after = reads.step(position, chunk.end)
+                if reads.hand_over:
+                    # Compressed (or unknown) message sets: kafka-python reads them.
+                    log.info("%s: reading on with kafka-python from offset %d", chunk.name, after)
+                    with self._lock:
+                        self._not_raw.add(chunk.partition)
+                    reads = _ConsumerReads(self, topic, number)
+                if len(got):
+                    offsets.append(np.asarray(got, dtype=np.int64))
+                    payloads += values
+                if after > position:
+                    position = after
                     last_progress = time.monotonic()
                     backoff.reset()
+                elif reads.hand_over or reads.retry_now:
+                    continue
                 elif time.monotonic() - last_progress > _READ_STALL_S:
                     # The records exist (the plan saw them): a broker away or recovering.
                     msg = f"no records of {chunk.partition} for {_READ_STALL_S:g}s"
                     raise _Transient(msg)
             except OffsetOutOfRangeError as exc:
-                # The next attempt seeks afresh; _offset may replace this thread's client.
-                self._drop("read")
-                client = None
+                # The next attempt starts afresh; _offset may replace this thread's client.
+                reads.reset()
                 beginning = self._offset(chunk.partition, "beginning", "read")
                 if position < beginning:
                     log.warning(
@@ -769,13 +801,257 @@ class KafkaSource:
                     raise
                 fail(exc)
 
-        if client is not None:
-            client.unsubscribe()  # no prefetching past the chunk; the client stays cached
+        reads.finish()
         return RawChunk(
             chunk=chunk,
-            positions=np.asarray(offsets, dtype=np.int64),
+            positions=np.concatenate(offsets) if offsets else np.empty(0, dtype=np.int64),
             payloads=payloads,
         )
+
+    # -- the raw reader (worker) ----------------------------------------------------------
+
+    def _raw_applies(self, partition: str) -> bool:
+        """Whether ``reader: raw`` reads ``partition`` here (else kafka-python does)."""
+        if self.config.reader != "raw":
+            return False
+        options = self.config.client_options
+        if options.get("security_protocol", "PLAINTEXT") != "PLAINTEXT" or any(
+            options.get(k) for k in ("proxy_url", "socks5_proxy")
+        ):
+            return False  # TLS, SASL and proxies: kafka-python's connections
+        with self._lock:
+            if partition in self._not_raw:
+                return False
+        return self.api_version() < (0, 11)  # message format v2 is kafka-python's
+
+    def _request_timeout_s(self) -> float:
+        """How long the raw reader waits for an answer: as kafka-python would, plus the
+        time the broker may hold a fetch on purpose."""
+        options = self.config.client_options
+        ms = options.get(
+            "request_timeout_ms", max(REQUEST_TIMEOUT_MS, 2 * self.config.poll_timeout_ms)
+        )
+        return float(ms + options.get("fetch_max_wait_ms", _FETCH_MAX_WAIT_MS)) / 1000
+
+    def _leader(self, topic: str, partition: int) -> tuple[str, int]:
+        """``(host, port)`` of the partition's leader: cached, else a Metadata request."""
+        from kafka.errors import LeaderNotAvailableError, UnknownTopicOrPartitionError, for_code
+
+        key = (topic, partition)
+        with self._lock:
+            known = self._leaders.get(key)
+        if known is not None:
+            return known
+        last: OSError | None = None
+        for host, port in bootstrap_hosts(self.config.bootstrap_servers):
+            try:
+                conn = kafka_fetch.BrokerConnection(host, port, self._request_timeout_s())
+            except OSError as exc:
+                last = exc
+                continue
+            try:
+                body = conn.request(lambda cid: kafka_fetch.encode_metadata_request(cid, [topic]))
+            finally:
+                conn.close()
+            topics, leaders = kafka_fetch.decode_metadata_response(body)
+            if topics.get(topic, 0):
+                raise for_code(topics[topic])(f"metadata of topic {topic}")
+            leader = leaders.get(key)
+            if leader is None:
+                raise UnknownTopicOrPartitionError(f"{topic}/{partition}")
+            if leader.host is None:
+                code = leader.error_code or LeaderNotAvailableError.errno
+                raise for_code(code)(f"the leader of {topic}/{partition}")
+            found = (leader.host, leader.port)
+            with self._lock:
+                self._leaders[key] = found
+            return found
+        msg = f"no bootstrap server of {self.config.bootstrap_servers} accepts connections"
+        raise _Transient(msg) from last
+
+    def _connection(self, host: str, port: int) -> kafka_fetch.BrokerConnection:
+        """This thread's connection to a broker (a fresh one after :meth:`_forget`)."""
+        key = (threading.get_ident(), host, port)
+        with self._lock:
+            conn = self._conns.get(key)
+        if conn is None:
+            conn = kafka_fetch.BrokerConnection(host, port, self._request_timeout_s())
+            with self._lock:
+                self._conns[key] = conn
+        return conn
+
+    def _forget(self, topic: str, partition: int) -> None:
+        """Drop the partition's leader and this thread's connection to it."""
+        with self._lock:
+            leader = self._leaders.pop((topic, partition), None)
+            conn = (
+                None if leader is None else self._conns.pop((threading.get_ident(), *leader), None)
+            )
+        if conn is not None:
+            conn.close()
+
+
+class _Reads(Protocol):
+    """One way of reading a partition's records: a step at a time from a position.
+
+    ``step(position, end)`` returns the offsets and values of ``[position, end)`` it
+    got and where the next step starts (past offsets compaction removed, too).
+    ``hand_over`` says the rest of the chunk needs kafka-python; ``retry_now`` that
+    the step made no progress but knows what to change (no stall). ``reset`` drops
+    connections after an error; ``finish`` ends the chunk.
+    """
+
+    hand_over: bool
+    retry_now: bool
+
+    def step(
+        self, position: int, end: int
+    ) -> tuple[Sequence[int] | npt.NDArray[np.int64], list[bytes], int]: ...
+
+    def reset(self) -> None: ...
+
+    def finish(self) -> None: ...
+
+
+class _ConsumerReads:
+    """kafka-python's assigned consumer: seek once, then poll."""
+
+    hand_over = False
+    retry_now = False
+
+    def __init__(self, source: KafkaSource, topic: str, partition: int) -> None:
+        from kafka import TopicPartition
+
+        self.source = source
+        self.tp = TopicPartition(topic, partition)
+        self.client: Any = None
+
+    def step(
+        self, position: int, end: int
+    ) -> tuple[Sequence[int] | npt.NDArray[np.int64], list[bytes], int]:
+        tp = self.tp
+        if self.client is None:
+            self.client = self.source._client("read")
+            self.client.assign([tp])
+            self.client.seek(tp, position)
+        client = self.client
+        batch = client.poll(
+            timeout_ms=self.source.config.poll_timeout_ms,
+            max_records=max(1, min(end - position, 10_000)),
+        )
+        offsets: list[int] = []
+        payloads: list[bytes] = []
+        for record in batch.get(tp, []):
+            if record.offset < position:
+                continue  # a stale fetch: already taken
+            if record.offset >= end:
+                break
+            offsets.append(record.offset)
+            payloads.append(record.value if record.value is not None else b"")
+            position = record.offset + 1
+        # The consumer's position also moves past offsets compaction removed.
+        consumer_at = client.position(tp, timeout_ms=REQUEST_TIMEOUT_MS)
+        if consumer_at is not None and consumer_at > position:
+            position = min(int(consumer_at), end)
+        return offsets, payloads, position
+
+    def reset(self) -> None:
+        if self.client is not None:
+            self.source._drop("read")
+            self.client = None
+
+    def finish(self) -> None:
+        if self.client is not None:
+            self.client.unsubscribe()  # no prefetching past the chunk; the client stays cached
+
+
+class _RawReads:
+    """Fetch requests of our own to the leader, parsed by :mod:`connectors.kafka_fetch`."""
+
+    def __init__(self, source: KafkaSource, topic: str, partition: int) -> None:
+        options = source.config.client_options
+        self.source, self.topic, self.partition = source, topic, partition
+        self.version = kafka_fetch.fetch_version(source.api_version())
+        self.fixed_bytes: int | None = options.get("max_partition_fetch_bytes")
+        self.min_bytes = int(options.get("fetch_min_bytes", 1))
+        self.max_wait_ms = int(options.get("fetch_max_wait_ms", _FETCH_MAX_WAIT_MS))
+        self.check_crcs = bool(options.get("check_crcs", True))
+        self.grow = 1  # doubles while one message is larger than a whole fetch
+        self.hand_over = False
+        self.retry_now = False
+
+    def fetch_bytes(self, records: int) -> int:
+        """How much to ask for: ``records`` at the size seen so far, or the configured size."""
+        if self.fixed_bytes is not None:
+            want = self.fixed_bytes
+        else:
+            want = int(self.source._record_bytes * records * 1.05) + 4096
+            want = min(max(want, _RAW_FETCH_MIN_BYTES), _RAW_FETCH_MAX_BYTES)
+        return min(want * self.grow, _RAW_FETCH_LIMIT_BYTES)
+
+    def step(
+        self, position: int, end: int
+    ) -> tuple[Sequence[int] | npt.NDArray[np.int64], list[bytes], int]:
+        from kafka.errors import CorruptRecordError, for_code
+
+        self.retry_now = False
+        conn = self.source._connection(*self.source._leader(self.topic, self.partition))
+        max_bytes = self.fetch_bytes(end - position)
+        body = conn.request(
+            lambda cid: kafka_fetch.encode_fetch_request(
+                cid,
+                self.topic,
+                self.partition,
+                position,
+                max_bytes=max_bytes,
+                max_wait_ms=self.max_wait_ms,
+                min_bytes=self.min_bytes,
+                version=self.version,
+            )
+        )
+        answer = [
+            p
+            for p in kafka_fetch.decode_fetch_response(body, self.version)
+            if (p.topic, p.partition) == (self.topic, self.partition)
+        ]
+        if len(answer) != 1:
+            msg = f"a Fetch answer for {self.topic}/{self.partition} holds {len(answer)} answers"
+            raise kafka_fetch.ProtocolError(msg)
+        part = answer[0]
+        if part.error_code:
+            # NOT_LEADER, UNKNOWN_TOPIC_OR_PARTITION, ... are retriable (reset() forgets the
+            # leader); OFFSET_OUT_OF_RANGE goes to read()'s own handling.
+            raise for_code(part.error_code)(f"fetching {self.topic}/{self.partition} @{position}")
+        found = kafka_fetch.parse_message_set(
+            body, part.set_start, part.set_end, from_offset=position, to_offset=end
+        )
+        if self.check_crcs and len(found) and (bad := found.bad_crcs(body)):
+            raise CorruptRecordError(f"{self.topic}/{self.partition}: offsets {bad[:5]} fail CRC")
+        after = int(found.offsets[-1]) + 1 if len(found) else position
+        if len(found):
+            spent = found.stop - part.set_start
+            self.source._record_bytes = spent / len(found)
+        if found.status == "past":
+            after = end  # the next record is past the chunk (compaction may leave gaps)
+        elif found.status in ("compressed", "corrupt"):
+            self.hand_over = True
+        elif found.status == "truncated" and not len(found) and found.stop == part.set_start:
+            # Not one whole message fits: ask for more at once (kafka-python 0.9 would fail).
+            if max_bytes >= _RAW_FETCH_LIMIT_BYTES:
+                msg = (
+                    f"a message of {self.topic}/{self.partition} at offset {position} is over "
+                    f"{max_bytes:,} bytes"
+                )
+                raise ValueError(msg)
+            self.grow *= 2
+            self.retry_now = True
+        return found.offsets, found.payloads(body), after
+
+    def reset(self) -> None:
+        self.source._forget(self.topic, self.partition)
+
+    def finish(self) -> None:
+        pass
 
 
 def _close_quietly(consumer: Any) -> None:

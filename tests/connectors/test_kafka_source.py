@@ -515,9 +515,13 @@ class Reader(threading.Thread):
             self.error = exc
 
 
-@pytest.mark.parametrize("kill", [False, True], ids=["stop", "kill-9"])
+@pytest.mark.parametrize(
+    ("kill", "reader"),
+    [(False, "raw"), (True, "raw"), (False, "kafka-python")],
+    ids=["stop", "kill-9", "stop-kafka-python"],
+)
 def test_broker_restart_mid_read_delays_but_loses_nothing(
-    restartable: LocalKafka, sources: Callable[..., KafkaSource], kill: bool
+    restartable: LocalKafka, sources: Callable[..., KafkaSource], kill: bool, reader: str
 ) -> None:
     topic = f"restart-{uuid.uuid4().hex[:8]}"
     restartable.create_topic(topic, 2)
@@ -527,6 +531,7 @@ def test_broker_restart_mid_read_delays_but_loses_nothing(
         topic,
         max_records=100,
         client_options=SLOW_READS,  # reading takes a few seconds
+        reader=reader,
     )
     group_partition = f"{topic}/0"
     chunks = [c for p in source.partitions() for c in plan_all(source, p, 0, 100)]

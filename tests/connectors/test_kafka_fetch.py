@@ -1,0 +1,335 @@
+"""The raw Kafka reader: the message-set parser on hand-built bytes, then against a real broker.
+
+The parser's oracle is kafka-python's own message builder (``LegacyRecordBatchBuilder``);
+the raw reader's is the kafka-python reader (``reader: kafka-python``) over the same chunks.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import struct
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from connectors import kafka_fetch as kf
+from connectors.kafka import KafkaSource, KafkaSourceConfig, produce
+from connectors.types import Chunk, RawChunk
+from deploy.local.kafka import API_VERSION
+from tests.connectors.contract import plan_all
+from tests.kafka_fixtures import KafkaForTests, make_kafka_source
+
+# -- the parser, on bytes (no broker) --------------------------------------------------------
+
+
+def kafka_python_messages(
+    records: list[tuple[int, bytes | None, bytes | None]], magic: int, codec: int = 0
+) -> bytes:
+    """A message set as kafka-python's producer builds it: (offset, key, value) each."""
+    from kafka.record.legacy_records import LegacyRecordBatchBuilder
+
+    builder = LegacyRecordBatchBuilder(magic, codec, batch_size=1 << 24)
+    for offset, key, value in records:
+        builder.append(offset, timestamp=1_700_000_000_000 if magic else None, key=key, value=value)
+    return bytes(builder.build())
+
+
+def parse_all(data: bytes, **kw: int) -> kf.MessageSet:
+    return kf.parse_message_set(data, from_offset=kw.get("lo", 0), to_offset=kw.get("hi", 1 << 62))
+
+
+@pytest.mark.parametrize("magic", [0, 1])
+def test_parses_what_kafka_python_builds_keys_nulls_and_empty_values(magic: int) -> None:
+    records = [
+        (0, None, b'{"a": 1}'),
+        (1, b"key", b""),  # an empty value
+        (2, b"k", None),  # a null value reads as b""
+        (3, b"", bytes(range(256)) * 40),  # binary, 10 KB
+    ]
+    data = kafka_python_messages(records, magic)
+    ms = parse_all(data)
+    assert ms.status == "end"
+    assert ms.stop == len(data)
+    assert ms.offsets.tolist() == [0, 1, 2, 3]
+    assert ms.payloads(data) == [b'{"a": 1}', b"", b"", bytes(range(256)) * 40]
+    assert ms.bad_crcs(data) == []
+    # Our own encoder writes the same bytes kafka-python does.
+    ours = b"".join(
+        kf.encode_message(o, v, key=k, magic=magic, timestamp=1_700_000_000_000)
+        for o, k, v in records
+    )
+    assert ours == data
+
+
+def test_a_partial_message_at_the_end_is_left_out_at_every_cut() -> None:
+    values = [b"a" * 5, b"", b"ccc", b"d" * 40]
+    entries = [
+        kf.encode_message(10 + i, v, key=b"k" if i % 2 else None) for i, v in enumerate(values)
+    ]
+    data = b"".join(entries)
+    bounds = [sum(len(e) for e in entries[:i]) for i in range(len(entries) + 1)]
+    for cut in range(len(data) + 1):
+        whole = max(i for i, b in enumerate(bounds) if b <= cut)
+        ms = parse_all(data[:cut])
+        assert ms.offsets.tolist() == [10 + i for i in range(whole)], cut
+        assert ms.payloads(data) == values[:whole]
+        assert ms.stop == bounds[whole]
+        assert ms.status == ("end" if cut == bounds[whole] else "truncated")
+
+
+def test_offsets_outside_the_wanted_range_are_skipped_or_stop_the_parse() -> None:
+    data = kafka_python_messages([(o, None, str(o).encode()) for o in (5, 6, 9, 12)], magic=1)
+    ms = parse_all(data, lo=6, hi=12)
+    assert ms.offsets.tolist() == [6, 9]  # a gap (compaction) stays a gap
+    assert ms.status == "past"
+    assert data[ms.stop : ms.stop + 8] == struct.pack(">q", 12)
+    # Parsing from the middle of a buffer: only data[start:end] counts.
+    first = len(kf.encode_message(5, b"5", magic=1, timestamp=1_700_000_000_000))
+    ms = kf.parse_message_set(data, first, from_offset=0, to_offset=100)
+    assert ms.offsets.tolist() == [6, 9, 12]
+
+
+def test_a_compressed_wrapper_stops_the_parse_unless_all_of_it_is_below_the_range() -> None:
+    plain = kafka_python_messages([(0, None, b"p0"), (1, None, b"p1")], magic=0)
+    gz = kafka_python_messages([(2, None, b"g2"), (3, None, b"g3")], magic=0, codec=1)
+    tail = kf.encode_message(4, b"p4")
+    data = plain + gz + tail
+    ms = parse_all(data)
+    assert ms.offsets.tolist() == [0, 1]
+    assert (ms.status, ms.stop) == ("compressed", len(plain))
+    # The wrapper carries its last inner offset (3): from 4 on it is skipped.
+    ms = parse_all(data, lo=4)
+    assert (ms.offsets.tolist(), ms.status) == ([4], "end")
+
+
+def test_bytes_that_are_no_message_are_reported_corrupt_and_crcs_are_checked() -> None:
+    good = kf.encode_message(0, b"fine")
+    bad_magic = bytearray(kf.encode_message(1, b"x"))
+    bad_magic[12 + 4] = 7
+    ms = parse_all(good + bytes(bad_magic))
+    assert (ms.offsets.tolist(), ms.status, ms.stop) == ([0], "corrupt", len(good))
+    too_small = struct.pack(">qi", 1, 3) + b"abc"
+    assert parse_all(good + too_small).status == "corrupt"
+    flipped = bytearray(good + kf.encode_message(1, b"value"))
+    flipped[-1] ^= 0xFF
+    ms = parse_all(bytes(flipped))
+    assert ms.offsets.tolist() == [0, 1]
+    assert ms.bad_crcs(flipped) == [1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.one_of(st.none(), st.binary(max_size=20)),
+            st.one_of(st.none(), st.binary(max_size=300)),
+            st.sampled_from([0, 1]),
+            st.integers(1, 3),  # offset step: 1, or a gap
+        ),
+        max_size=30,
+    ),
+    st.data(),
+)
+def test_any_message_set_and_any_prefix_of_it_parse_to_a_prefix(
+    messages: list[tuple[bytes | None, bytes | None, int, int]], data: st.DataObject
+) -> None:
+    offsets, entries, offset = [], [], 0
+    for key, value, magic, step in messages:
+        offset += step
+        offsets.append(offset)
+        entries.append(kf.encode_message(offset, value, key=key, magic=magic, timestamp=offset))
+    buf = b"".join(entries)
+    cut = data.draw(st.integers(0, len(buf)))
+    ms = parse_all(buf[:cut])
+    n = len(ms)
+    assert sum(len(e) for e in entries[:n]) == ms.stop <= cut
+    assert ms.offsets.tolist() == offsets[:n]
+    assert ms.payloads(buf) == [v or b"" for _, v, _, _ in messages[:n]]
+    assert ms.status == ("end" if ms.stop == cut else "truncated")
+
+
+def test_responses_that_end_early_are_protocol_errors() -> None:
+    body = struct.pack(">ii", 7, 0) + struct.pack(">ih", 1, 1) + b"t"
+    body += struct.pack(">iihqi", 1, 0, 0, 10, 30) + b"abc"  # says 30 bytes, has 3
+    with pytest.raises(kf.ProtocolError, match="runs past its end"):
+        kf.decode_fetch_response(body, 1)
+    with pytest.raises(kf.ProtocolError, match="ends early"):
+        kf.decode_metadata_response(struct.pack(">ii", 1, 2))
+    assert isinstance(kf.ProtocolError("x"), OSError)  # transient to the reader
+
+
+def test_the_reader_setting_is_validated_and_defaults_to_raw() -> None:
+    base = {"bootstrap_servers": "127.0.0.1:9092", "topics": ["t"], "group_id": "g"}
+    assert KafkaSourceConfig(**base).reader == "raw"
+    assert KafkaSourceConfig(**base, reader="kafka-python").reader == "kafka-python"
+    with pytest.raises(ValidationError, match="reader"):
+        KafkaSourceConfig(**base, reader="fast")
+
+
+# -- against the broker -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def sources() -> Iterator[Callable[..., KafkaSource]]:
+    made: list[KafkaSource] = []
+
+    def make(bootstrap: str, topic: str, **overrides: Any) -> KafkaSource:
+        source = make_kafka_source(bootstrap, topic, **overrides)
+        made.append(source)
+        return source
+
+    yield make
+    for source in made:
+        source.close()
+
+
+def read_all(source: KafkaSource, chunks: list[Chunk]) -> list[tuple[int, bytes]]:
+    out: list[tuple[int, bytes]] = []
+    for raw in (source.read(c) for c in chunks):
+        assert raw.payloads is not None
+        assert all(type(p) is bytes for p in raw.payloads)
+        assert len(raw.payloads) == len(raw)
+        out += zip(raw.positions.tolist(), raw.payloads, strict=True)
+    return out
+
+
+def used_raw(source: KafkaSource) -> bool:
+    return bool(source._conns)
+
+
+def test_records_round_trip_byte_exact_with_both_readers(
+    kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
+) -> None:
+    topic = kafka_topic()
+    rng = random.Random(3)
+    values = [
+        b"",
+        b"{}",
+        bytes(range(256)),
+        *(rng.randbytes(rng.randrange(0, 3000)) for _ in range(200)),
+        b"x" * 900_000,  # near the 0.9 broker's message.max.bytes (1,000,012)
+        b"after the large one",
+    ]
+    keys = [None if i % 3 else f"key-{i}".encode() for i in range(len(values))]
+    produce(kafka.bootstrap, topic, values, api_version=API_VERSION, partition=0, keys=keys)
+    raw = sources(kafka.bootstrap, topic, max_records=37)
+    slow = sources(kafka.bootstrap, topic, max_records=37, reader="kafka-python")
+    chunks = plan_all(raw, f"{topic}/0", 0, 37)
+    expected = list(enumerate(values))
+    assert read_all(raw, chunks) == expected
+    assert used_raw(raw)
+    assert read_all(slow, chunks) == expected
+    assert not used_raw(slow)
+    # One chunk spanning everything, and resuming at an arbitrary offset.
+    assert read_all(raw, [Chunk("kafka", f"{topic}/0", 0, len(values))]) == expected
+    assert read_all(raw, [Chunk("kafka", f"{topic}/0", 117, 190)]) == expected[117:190]
+
+
+def test_a_chunk_spans_many_small_fetches_and_a_record_larger_than_one(
+    kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
+) -> None:
+    topic = kafka_topic()
+    values = [f"{i:04d}".encode() * 40 for i in range(120)]  # 160 B each
+    values[50] = b"L" * 5000  # bigger than one whole fetch: the reader asks for more
+    produce(kafka.bootstrap, topic, values, api_version=API_VERSION, partition=0)
+    source = sources(kafka.bootstrap, topic, client_options={"max_partition_fetch_bytes": 1024})
+    partition = f"{topic}/0"
+    assert read_all(source, [Chunk("kafka", partition, 0, 120)]) == list(enumerate(values))
+    got = read_all(source, [Chunk("kafka", partition, 45, 61), Chunk("kafka", partition, 61, 62)])
+    assert got == list(enumerate(values))[45:62]
+
+
+def test_a_compressed_topic_reads_the_same_through_kafka_python(
+    kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
+) -> None:
+    topic = kafka_topic()
+    plain = [f"plain-{i}".encode() for i in range(30)]
+    packed = [f"gzip-{i}".encode() * 10 for i in range(50)]
+    produce(kafka.bootstrap, topic, plain, api_version=API_VERSION, partition=0)
+    produce(
+        kafka.bootstrap,
+        topic,
+        packed,
+        api_version=API_VERSION,
+        partition=0,
+        client_options={"compression_type": "gzip", "batch_size": 256},
+    )
+    source = sources(kafka.bootstrap, topic)
+    partition = f"{topic}/0"
+    # The raw reader takes the plain records, then hands the compressed ones over.
+    chunks = [Chunk("kafka", partition, 0, 40), Chunk("kafka", partition, 40, 80)]
+    assert read_all(source, chunks) == list(enumerate(plain + packed))
+    assert partition in source._not_raw
+    # A chunk starting inside a compressed message set gets only its own offsets.
+    assert read_all(source, [Chunk("kafka", partition, 33, 35)]) == [
+        (33, packed[3]),
+        (34, packed[4]),
+    ]
+
+
+class NotLeaderBroker(threading.Thread):
+    """A fake broker that answers every Fetch with NOT_LEADER_FOR_PARTITION (6)."""
+
+    def __init__(self, topic: str, partition: int) -> None:
+        super().__init__(daemon=True)
+        self.topic, self.partition = topic, partition
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.fetches = 0
+
+    def run(self) -> None:
+        conn, _ = self.server.accept()
+        with conn:
+            while size_bytes := conn.recv(4, socket.MSG_WAITALL):
+                request = conn.recv(struct.unpack(">i", size_bytes)[0], socket.MSG_WAITALL)
+                api_key, version, correlation = struct.unpack_from(">hhi", request)
+                assert api_key == kf.FETCH_API_KEY
+                self.fetches += 1
+                topic = self.topic.encode()
+                body = struct.pack(">i", correlation) + (struct.pack(">i", 0) if version else b"")
+                body += struct.pack(">ih", 1, len(topic)) + topic
+                body += struct.pack(">iihqi", 1, self.partition, 6, -1, 0)
+                conn.sendall(struct.pack(">i", len(body)) + body)
+
+
+def test_a_leader_that_moved_is_looked_up_again(
+    kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
+) -> None:
+    topic = kafka_topic()
+    values = [f"v{i}".encode() for i in range(20)]
+    produce(kafka.bootstrap, topic, values, api_version=API_VERSION, partition=0)
+    source = sources(kafka.bootstrap, topic)
+    stale = NotLeaderBroker(topic, 0)
+    stale.start()
+    # As if the metadata named a broker that has since lost the leadership.
+    source._leaders[(topic, 0)] = ("127.0.0.1", stale.port)
+    got = read_all(source, [Chunk("kafka", f"{topic}/0", 0, 20)])
+    assert got == list(enumerate(values))
+    assert stale.fetches == 1
+    assert source._leaders[(topic, 0)] != ("127.0.0.1", stale.port)
+
+
+def test_raw_chunks_decode_like_kafka_python_chunks(
+    kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
+) -> None:
+    from connectors.codecs import make_codec
+    from connectors.synthetic import SyntheticConfig, iter_json_lines, synthetic_feature_spec
+
+    topic = kafka_topic()
+    values = list(iter_json_lines(SyntheticConfig(seed=5), 500))
+    produce(kafka.bootstrap, topic, values, api_version=API_VERSION, partition=0)
+    chunk = Chunk("kafka", f"{topic}/0", 0, 500)
+    spec = synthetic_feature_spec()
+    tables = []
+    for reader in ("raw", "kafka-python"):
+        raw: RawChunk = sources(kafka.bootstrap, topic, reader=reader).read(chunk)
+        table, bad = make_codec("json").decode(raw, spec)
+        assert bad == []
+        tables.append(table)
+    assert tables[0].equals(tables[1])
