@@ -15,8 +15,16 @@ Figures (rows per second, the median over ``--repeats`` batches):
   in this process (training lookups, Adagrad pushes);
 - ``grpc_*_rows_per_s``: the same calls through ``StoreClient`` to one, then two,
   shard processes on loopback (keys ``grpc_lookup_rows_per_s``,
-  ``grpc_push_rows_per_s``, and ``..._2_shards``);
-- ``inproc_lookup_vs_limit``: the ratio of the in-process lookup to the gather.
+  ``grpc_push_rows_per_s``, and ``..._2_shards``); Lookup and Push travel as raw
+  frames (``embedding_store.wire``), float16 rows and float32 gradients;
+- ``inproc_lookup_vs_limit``: the ratio of the in-process lookup to the gather;
+- ``grpc_vs_inproc_lookup`` / ``grpc_vs_inproc_push``: one shard over gRPC against
+  the same table in this process (what the network and the two processes cost).
+
+The in-process lookup returns float32 rows, the gRPC one float16 rows (the store's
+``row_dtype``): each as its caller gets them. The machine is shared by both ends
+of the gRPC figures (client and shard process), so on a 2-core machine they also
+measure the two competing for the cores.
 """
 
 from __future__ import annotations
@@ -202,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
                 suffix = "" if n == 1 else "_2_shards"
                 results[f"grpc_lookup_rows_per_s{suffix}"] = lookup
                 results[f"grpc_push_rows_per_s{suffix}"] = push
+        results["grpc_vs_inproc_lookup"] = float(results["grpc_lookup_rows_per_s"]) / float(
+            results["inproc_lookup_rows_per_s"]
+        )
+        results["grpc_vs_inproc_push"] = float(results["grpc_push_rows_per_s"]) / float(
+            results["inproc_push_rows_per_s"]
+        )
 
     print_figures(results, shown)
     if args.json:

@@ -65,7 +65,18 @@ from embedding_store.types import (
     StoreConfig,
     TableStats,
 )
-from embedding_store.wire import FROM_PB, TO_PB, decode_matrix, encode_ids, encode_matrix
+from embedding_store.wire import (
+    FROM_PB,
+    LOOKUP_FRAME_METHOD,
+    PUSH_FRAME_METHOD,
+    TO_PB,
+    decode_matrix,
+    decode_rows,
+    encode_ids,
+    encode_lookup,
+    encode_matrix,
+    encode_push,
+)
 
 T = TypeVar("T")
 U64 = npt.NDArray[np.uint64]
@@ -85,6 +96,10 @@ _ERRORS: dict[grpc.StatusCode, type[StoreError]] = {
 _KINDS = {"auto": pb.AUTO, "full": pb.FULL, "delta": pb.DELTA}
 
 
+class _NoFrames(StoreError):
+    """The shard does not serve frames (UNIMPLEMENTED): one older than them."""
+
+
 # Ids of one table routed to shards: the ids, their order by shard, each shard's bounds.
 _Routed = tuple[U64, npt.NDArray[np.int64], npt.NDArray[np.int64]]
 
@@ -100,7 +115,13 @@ class RetryPolicy:
 
 
 class ShardTransport(Protocol):
-    """How a client talks to one shard. ``start_*`` send now; the returned callable waits."""
+    """How a client talks to one shard. ``start_*`` send now; the returned callable waits.
+
+    With ``deferred`` the call may instead be made by the returned callable, on the
+    caller's thread: the client defers one shard's call, which it waits for first,
+    and so spares a thread hand-off (on loopback, a blocking gRPC call takes about
+    1 ms less than the same call through a future).
+    """
 
     address: str
 
@@ -116,12 +137,18 @@ class ShardTransport(Protocol):
         dtype: RowDtype,
         *,
         create_only: bool = False,
+        deferred: bool = False,
     ) -> Wait[dict[str, Rows]]:
         """Rows of ``ids``; with ``create_only`` (and ``train``) none: the rows are only made."""
         ...
 
     def start_push(
-        self, grads: dict[str, tuple[U64, Rows]], request_id: str, dtype: RowDtype
+        self,
+        grads: dict[str, tuple[U64, Rows]],
+        request_id: str,
+        dtype: RowDtype,
+        *,
+        deferred: bool = False,
     ) -> Wait[PushResult]: ...
 
     def checkpoint(
@@ -155,7 +182,9 @@ class InprocTransport:
         self.lookup_latency = LatencyHistogram()
         self.push_latency = LatencyHistogram()
 
-    def _start(self, fn: Callable[[], T]) -> Wait[T]:
+    def _start(self, fn: Callable[[], T], deferred: bool) -> Wait[T]:
+        if deferred:
+            return fn
         if self._pool is None:
             value = fn()
             return lambda: value
@@ -175,20 +204,23 @@ class InprocTransport:
         dtype: RowDtype,
         *,
         create_only: bool = False,
+        deferred: bool = False,
     ) -> Wait[dict[str, Rows]]:
         def run() -> dict[str, Rows]:
             with self.lookup_latency.time():
-                rows = self.shard.lookup(ids, train=train, step=step)
-                if create_only:
-                    return {}
-                if dtype == "float16":
-                    return {k: v.astype(np.float16) for k, v in rows.items()}
-                return dict(rows)
+                # Float16 rows are rounded as they are copied out of the table.
+                rows = self.shard.lookup(ids, train=train, step=step, dtype=dtype)
+                return {} if create_only else rows
 
-        return self._start(run)
+        return self._start(run, deferred)
 
     def start_push(
-        self, grads: dict[str, tuple[U64, Rows]], request_id: str, dtype: RowDtype
+        self,
+        grads: dict[str, tuple[U64, Rows]],
+        request_id: str,
+        dtype: RowDtype,
+        *,
+        deferred: bool = False,
     ) -> Wait[PushResult]:
         def run() -> PushResult:
             with self.push_latency.time():
@@ -200,7 +232,7 @@ class InprocTransport:
                 }
                 return self.shard.push(cast, request_id=request_id)
 
-        return self._start(run)
+        return self._start(run, deferred)
 
     def checkpoint(
         self, directory: str, kind: CheckpointKind, metadata: dict[str, Any]
@@ -255,10 +287,20 @@ class GrpcTransport:
             ],
         )
         self._stub = pb_grpc.EmbeddingStoreStub(self._channel)  # type: ignore[no-untyped-call]
+        # Lookup and Push as raw frames (bytes each way, see ``wire``); False once a
+        # shard older than frames answered UNIMPLEMENTED: then the protobuf methods.
+        self._frames = True
+        self._lookup_frame = self._channel.unary_unary(LOOKUP_FRAME_METHOD, None, None)
+        self._push_frame = self._channel.unary_unary(PUSH_FRAME_METHOD, None, None)
 
-    def _call(self, method: str, request: Any, first: Any = None) -> Any:
-        """Call ``method`` with retries; ``first`` is an already started future."""
-        fn = getattr(self._stub, method)
+    def _call(self, method: str, request: Any, first: Any = None, fn: Any = None) -> Any:
+        """Call ``method`` with retries; ``first`` is an already started future.
+
+        ``fn``: the callable to use instead of the stub's ``method`` (a frame method,
+        which a shard older than frames answers with UNIMPLEMENTED: ``_NoFrames``).
+        """
+        frame = fn is not None
+        fn = fn or getattr(self._stub, method)
         delay = self._retry.initial_backoff_s
         error: StoreError | None = None
         for attempt in range(self._retry.attempts):
@@ -267,6 +309,9 @@ class GrpcTransport:
                     return first.result()
                 return fn(request, metadata=self._metadata, timeout=self._retry.timeout_s)
             except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED and frame:
+                    error = _NoFrames(f"{method} frames on shard {self.address}: UNIMPLEMENTED")
+                    break
                 if exc.code() not in _RETRYABLE or attempt == self._retry.attempts - 1:
                     error = _map_rpc_error(exc, self.address, method)
                     break
@@ -279,11 +324,16 @@ class GrpcTransport:
             raise AssertionError("unreachable")
         raise error
 
-    def _start(self, method: str, request: Any) -> Wait[Any]:
-        future = getattr(self._stub, method).future(
+    def _start(
+        self, method: str, request: Any, fn: Any = None, *, deferred: bool = False
+    ) -> Wait[Any]:
+        frame = fn
+        if deferred:
+            return lambda: self._call(method, request, fn=frame)
+        future = (fn or getattr(self._stub, method)).future(
             request, metadata=self._metadata, timeout=self._retry.timeout_s
         )
-        return lambda: self._call(method, request, first=future)
+        return lambda: self._call(method, request, first=future, fn=frame)
 
     def describe(self) -> tuple[dict[str, int], RowDtype]:
         r = self._call("Health", pb.HealthRequest())
@@ -311,7 +361,29 @@ class GrpcTransport:
         dtype: RowDtype,
         *,
         create_only: bool = False,
+        deferred: bool = False,
     ) -> Wait[dict[str, Rows]]:
+        if self._frames:
+            payload = encode_lookup(
+                ids, train=train, dtype=dtype, step=step, create_only=create_only
+            )
+            wait_frame = self._start("Lookup", payload, self._lookup_frame, deferred=deferred)
+
+            def rows() -> dict[str, Rows]:
+                try:
+                    data = wait_frame()
+                except _NoFrames:
+                    self._frames = False
+                    return self.start_lookup(
+                        ids, train, step, dtype, create_only=create_only, deferred=True
+                    )()
+                try:
+                    return decode_rows(data, dtype)
+                except InvalidRequest as exc:
+                    msg = f"Lookup reply from shard {self.address}: {exc}"
+                    raise InvalidRequest(msg) from None
+
+            return rows
         request = pb.LookupRequest(
             tables=[pb.TableIds(table=k, ids=encode_ids(v)) for k, v in ids.items()],
             train=train,
@@ -319,7 +391,7 @@ class GrpcTransport:
             step=step,
             create_only=create_only,
         )
-        wait = self._start("Lookup", request)
+        wait = self._start("Lookup", request, deferred=deferred)
 
         def result() -> dict[str, Rows]:
             resp = wait()
@@ -331,8 +403,26 @@ class GrpcTransport:
         return result
 
     def start_push(
-        self, grads: dict[str, tuple[U64, Rows]], request_id: str, dtype: RowDtype
+        self,
+        grads: dict[str, tuple[U64, Rows]],
+        request_id: str,
+        dtype: RowDtype,
+        *,
+        deferred: bool = False,
     ) -> Wait[PushResult]:
+        if self._frames:
+            payload = encode_push(grads, request_id=request_id, dtype=dtype)
+            wait_frame = self._start("Push", payload, self._push_frame, deferred=deferred)
+
+            def applied() -> PushResult:
+                try:
+                    data = wait_frame()
+                except _NoFrames:
+                    self._frames = False
+                    return self.start_push(grads, request_id, dtype, deferred=True)()
+                return self._push_result(pb.PushResponse.FromString(data))
+
+            return applied
         request = pb.PushRequest(
             request_id=request_id,
             tables=[
@@ -341,19 +431,17 @@ class GrpcTransport:
             ],
             dtype=TO_PB[dtype],
         )
-        wait = self._start("Push", request)
+        wait = self._start("Push", request, deferred=deferred)
+        return lambda: self._push_result(wait())
 
-        def result() -> PushResult:
-            r = wait()
-            self._check_incarnation(r.incarnation, "push")
-            return PushResult(
-                applied=r.applied,
-                dropped_not_admitted=r.dropped_not_admitted,
-                rejected_nonfinite=r.rejected_nonfinite,
-                duplicate_request=r.duplicate_request,
-            )
-
-        return result
+    def _push_result(self, r: pb.PushResponse) -> PushResult:
+        self._check_incarnation(r.incarnation, "push")
+        return PushResult(
+            applied=r.applied,
+            dropped_not_admitted=r.dropped_not_admitted,
+            rejected_nonfinite=r.rejected_nonfinite,
+            duplicate_request=r.duplicate_request,
+        )
 
     def checkpoint(
         self, directory: str, kind: CheckpointKind, metadata: dict[str, Any]
@@ -595,8 +683,11 @@ class StoreClient:
         """Rows (``row_dtype``, shape ``[n, dim]``) for the ids of each table, in order."""
         routed = self._route_tables(ids)
         self._delay()
+        # Shard 0's call is made by its wait, the first, on this thread (see ShardTransport).
         waits = [
-            transport.start_lookup(self._part(routed, s), train, step, self.row_dtype)
+            transport.start_lookup(
+                self._part(routed, s), train, step, self.row_dtype, deferred=s == 0
+            )
             for s, transport in enumerate(self._transports)
         ]
         out = {
@@ -625,7 +716,7 @@ class StoreClient:
         routed = self._route_tables(ids)
         waits = [
             transport.start_lookup(
-                self._part(routed, s), True, step, self.row_dtype, create_only=True
+                self._part(routed, s), True, step, self.row_dtype, create_only=True, deferred=s == 0
             )
             for s, transport in enumerate(self._transports)
         ]
@@ -650,7 +741,7 @@ class StoreClient:
                 raise InvalidRequest(msg)
             routed[name] = (arr, g_arr, order, bounds)
         self._delay()
-        waits = []
+        waits: list[Wait[PushResult]] = []
         for s, transport in enumerate(self._transports):
             part = {}
             for name, (arr, g_arr, order, bounds) in routed.items():
@@ -661,7 +752,7 @@ class StoreClient:
                 if sel.shape[0]:
                     part[name] = (arr[sel], g_arr[sel])
             if part:
-                waits.append(transport.start_push(part, rid, self.grad_dtype))
+                waits.append(transport.start_push(part, rid, self.grad_dtype, deferred=not waits))
         total = PushResult()
         for wait in waits:
             total = total + wait()

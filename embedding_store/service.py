@@ -13,6 +13,13 @@ message over the size cap   ``RESOURCE_EXHAUSTED`` (by gRPC itself)
 The servicer times every Lookup and Push it handles (from entry until the
 response message is built, failed calls included) into two histograms of its
 own; Stats returns them with the shard's counters.
+
+Lookup and Push are served twice: as the protobuf methods of the ``.proto``
+(any gRPC client), and as raw frames (``wire.FRAME_SERVICE``, what
+``StoreClient`` sends) on a generic handler with no (de)serialiser, so a
+frame's bytes reach the handler as they came off the wire and the reply's
+rows are written by the lookup straight into the bytes sent back. Both go
+through the same checks, error codes, token, size limits and timers.
 """
 
 from __future__ import annotations
@@ -37,13 +44,24 @@ from embedding_store.proto import embedding_store_pb2 as pb
 from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
 from embedding_store.shard import StoreShard
 from embedding_store.types import CheckpointResult, LatencySnapshot, ShardStats
-from embedding_store.wire import TO_PB, decode_ids, decode_matrix, encode_matrix, row_dtype
+from embedding_store.wire import (
+    FRAME_SERVICE,
+    TO_PB,
+    decode_ids,
+    decode_lookup,
+    decode_matrix,
+    decode_push,
+    encode_matrix,
+    row_dtype,
+    rows_frame,
+)
 
 AUTH_HEADER = "authorization"
 _KINDS = {pb.AUTO: "auto", pb.FULL: "full", pb.DELTA: "delta"}
 # Lookup replies being built at once may hold this many times max_message_bytes.
 _INFLIGHT_REPLIES = 4
-# Bytes a looked-up row takes while its reply is built: float32 rows, then the wire copy.
+# Bytes a looked-up row takes while its reply is built: float32 rows, then the wire copy
+# (a frame holds less: its rows once in the dtype sent, and the bytes sent).
 _WORK_BYTES_PER_VALUE = 4 + 4
 
 
@@ -143,16 +161,39 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
             msg = "tables: a table is named twice in one Lookup"
             raise InvalidRequest(msg)
         step = request.step if request.HasField("step") else None
-        if request.create_only:
-            if not request.train:
-                msg = "create_only: needs train=true (a bulk load creates rows)"
-                raise InvalidRequest(msg)
-            values = sum(len(v) * self.shard.table(name).dim for name, v in ids.items())
-            with self._replies.hold(values * 4):  # the rows read while they are made
-                self.shard.lookup(ids, train=True, step=step)
+        if self._create_only(ids, request.create_only, request.train, step):
             return pb.LookupResponse(dtype=request.dtype)
-        # Refused before any row is made or read: a reply that cannot be sent would
-        # only cost memory (and, with train=True, create rows for nothing).
+        values = self._check_reply_size(ids, dtype)
+        with self._replies.hold(values * _WORK_BYTES_PER_VALUE):
+            rows = self.shard.lookup(ids, train=request.train, step=step)
+            return pb.LookupResponse(
+                tables=[
+                    pb.TableRows(table=name, dim=r.shape[1], rows=encode_matrix(r, dtype))
+                    for name, r in rows.items()
+                ],
+                dtype=request.dtype,
+            )
+
+    def _create_only(
+        self, ids: dict[str, Any], create_only: bool, train: bool, step: int | None
+    ) -> bool:
+        """Make the rows of a bulk load (``create_only``) and say so; False for a plain lookup."""
+        if not create_only:
+            return False
+        if not train:
+            msg = "create_only: needs train=true (a bulk load creates rows)"
+            raise InvalidRequest(msg)
+        values = sum(len(v) * self.shard.table(name).dim for name, v in ids.items())
+        with self._replies.hold(values * 4):  # the rows read while they are made
+            self.shard.lookup(ids, train=True, step=step)
+        return True
+
+    def _check_reply_size(self, ids: dict[str, Any], dtype: str) -> int:
+        """The values the reply will hold; MessageTooLarge when it could not be sent.
+
+        Refused before any row is made or read: a reply that cannot be sent would
+        only cost memory (and, with train=True, create rows for nothing).
+        """
         values = sum(len(v) * self.shard.table(name).dim for name, v in ids.items())
         reply = values * (2 if dtype == "float16" else 4)
         limit = self.shard.config.max_message_bytes
@@ -163,20 +204,24 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
                 f"max_message_bytes {limit:,}; split the ids into several calls"
             )
             raise MessageTooLarge(msg)
-        with self._replies.hold(values * _WORK_BYTES_PER_VALUE):
-            return self._lookup_rows(ids, request, step, dtype)
+        return values
 
-    def _lookup_rows(
-        self, ids: dict[str, Any], request: pb.LookupRequest, step: int | None, dtype: Any
-    ) -> pb.LookupResponse:
-        rows = self.shard.lookup(ids, train=request.train, step=step)
-        return pb.LookupResponse(
-            tables=[
-                pb.TableRows(table=name, dim=r.shape[1], rows=encode_matrix(r, dtype))
-                for name, r in rows.items()
-            ],
-            dtype=request.dtype,
-        )
+    @_errors_to_status
+    def LookupFrame(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """Lookup with a raw frame each way (see ``wire``): the rows are copied once."""
+        with self.lookup_latency.time():
+            frame = decode_lookup(request)
+            if self._create_only(frame.ids, frame.create_only, frame.train, frame.step):
+                return bytes(rows_frame({}, frame.dtype)[0])
+            values = self._check_reply_size(frame.ids, frame.dtype)
+            item = 2 if frame.dtype == "float16" else 4
+            with self._replies.hold(values * 2 * item):
+                dims = {name: self.shard.table(name).dim for name in frame.ids}
+                buf, views = rows_frame(
+                    {name: (len(v), dims[name]) for name, v in frame.ids.items()}, frame.dtype
+                )
+                self.shard.lookup(frame.ids, train=frame.train, step=frame.step, out=views)
+                return bytes(buf)
 
     @_errors_to_status
     def Push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushResponse:
@@ -200,13 +245,44 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
         if len(grads) != len(request.tables):
             msg = "tables: a table is named twice in one Push"
             raise InvalidRequest(msg)
-        result = self.shard.push(grads, request_id=request.request_id or None)
+        return self._apply_push(grads, request.request_id)
+
+    def _apply_push(self, grads: dict[str, Any], request_id: str) -> pb.PushResponse:
+        result = self.shard.push(grads, request_id=request_id or None)
         return pb.PushResponse(
             applied=result.applied,
             dropped_not_admitted=result.dropped_not_admitted,
             rejected_nonfinite=result.rejected_nonfinite,
             duplicate_request=result.duplicate_request,
             incarnation=self.shard.incarnation,
+        )
+
+    @_errors_to_status
+    def PushFrame(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """Push with a raw frame (see ``wire``); the reply is a serialised PushResponse."""
+        with self.push_latency.time():
+            frame = decode_push(request)
+            grads = {}
+            for name, (ids, g) in frame.grads.items():
+                dim = self.shard.table(name).dim
+                if g.shape[1] != dim:
+                    msg = (
+                        f"tables[{name}].grads: rows of dim {g.shape[1]}, the table's dim is {dim}"
+                    )
+                    raise InvalidRequest(msg)
+                # float32 gradients are used as they came (a view of the request's bytes).
+                grads[name] = (ids, g if g.dtype == np.float32 else g.astype(np.float32))
+            reply: bytes = self._apply_push(grads, frame.request_id).SerializeToString()
+            return reply
+
+    def frame_handler(self) -> grpc.GenericRpcHandler[bytes, bytes]:
+        """The generic handler of ``wire.FRAME_SERVICE``: bytes in, bytes out."""
+        return grpc.method_handlers_generic_handler(
+            FRAME_SERVICE,
+            {
+                "Lookup": grpc.unary_unary_rpc_method_handler(self.LookupFrame),
+                "Push": grpc.unary_unary_rpc_method_handler(self.PushFrame),
+            },
         )
 
     def _confined(self, directory: str) -> Path | None:
@@ -358,6 +434,7 @@ def make_server(
         ],
     )
     pb_grpc.add_EmbeddingStoreServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
+    server.add_generic_rpc_handlers((servicer.frame_handler(),))
     bound = server.add_insecure_port(f"{host}:{port}")
     if bound == 0:
         msg = f"could not listen on {host}:{port} (port in use?)"

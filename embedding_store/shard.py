@@ -41,6 +41,7 @@ from embedding_store.types import (
     CheckpointResult,
     PushResult,
     RestoreResult,
+    RowDtype,
     ShardStats,
     StoreConfig,
 )
@@ -129,13 +130,27 @@ class StoreShard:
         *,
         train: bool = True,
         step: int | None = None,
-    ) -> dict[str, F32]:
-        """Rows for the ids of each named table (see ``EmbeddingTable.lookup``)."""
+        dtype: RowDtype = "float32",
+        out: Mapping[str, npt.NDArray[np.floating]] | None = None,
+    ) -> dict[str, npt.NDArray[np.floating]]:
+        """Rows for the ids of each named table (see ``EmbeddingTable.lookup``).
+
+        Rows come in ``dtype`` (float16 is rounded as the rows are copied, with
+        no float32 copy between); ``out`` names arrays to write some tables' rows
+        into (a reply buffer), which then decide the dtype.
+        """
         if step is not None and not 0 <= step < MAX_STEP:
             msg = f"step: must be in [0, 2**40), got {step}"
             raise InvalidRequest(msg)
         tables = [(name, self.table(name)) for name in requests]
-        return {name: t.lookup(requests[name], train=train, step=step) for name, t in tables}
+        out = out or {}
+        result = {}
+        for name, t in tables:
+            dest = out.get(name)
+            if dest is None and dtype != "float32":
+                dest = np.empty((np.shape(requests[name])[0], t.dim), dtype=dtype)
+            result[name] = t.lookup(requests[name], train=train, step=step, out=dest)
+        return result
 
     def push(
         self,

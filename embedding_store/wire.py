@@ -10,9 +10,40 @@
 Traceback (most recent call last):
 ...
 embedding_store.errors.InvalidRequest: rows: 7 bytes is not a whole number of float16 rows ...
+
+Lookup and Push also travel as *frames*: one raw message each way on gRPC's
+generic handlers (``FRAME_SERVICE``), with no protobuf around the payload. A
+2 MiB reply built as a protobuf field cost more than the lookup itself (the
+message is built, then serialised, then parsed: three copies of every row);
+a frame is a small fixed header, the table names, and the arrays back to
+back, so the server writes rows straight into the reply and the client reads
+them with ``np.frombuffer``. Layout, all little-endian::
+
+    head   magic 4s | version B | dtype B | flags B | pad x | step q | tables I | extra I
+    table  count Q | dim I | name length H | name (UTF-8)   (once per table)
+    extra  the push's request id (UTF-8); empty otherwise
+    pad    zeros up to a multiple of 8 bytes
+    body   per table, each section padded to 8 bytes:
+           lookup request: ids (uint64); reply: rows (dtype, row-major);
+           push request: ids (uint64), then gradients (dtype, row-major)
+
+A push's reply is the protobuf ``PushResponse`` (a few counters).
+
+>>> frame = decode_lookup(encode_lookup({"user": np.array([3, 4], np.uint64)}, train=True,
+...                                     step=7, dtype="float16"))
+>>> frame.ids["user"].tolist(), frame.train, frame.step, frame.dtype, frame.create_only
+([3, 4], True, 7, 'float16', False)
+>>> buf, views = rows_frame({"user": (2, 3)}, "float16")
+>>> views["user"][:] = 1.5
+>>> decode_rows(bytes(buf), "float16")["user"].tolist()
+[[1.5, 1.5, 1.5], [1.5, 1.5, 1.5]]
 """
 
 from __future__ import annotations
+
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -67,3 +98,280 @@ def row_dtype(value: int, field: str = "dtype") -> RowDtype:
     except KeyError:
         msg = f"{field}: unknown row dtype {value} (expected FLOAT16=0 or FLOAT32=1)"
         raise InvalidRequest(msg) from None
+
+
+# --- frames -------------------------------------------------------------------------
+
+FRAME_SERVICE = "streamrec.embedding_store.v1.EmbeddingStoreFrames"
+LOOKUP_FRAME_METHOD = f"/{FRAME_SERVICE}/Lookup"
+PUSH_FRAME_METHOD = f"/{FRAME_SERVICE}/Push"
+
+FRAME_VERSION = 1
+LOOKUP_MAGIC = b"SRLQ"
+ROWS_MAGIC = b"SRLR"
+PUSH_MAGIC = b"SRPQ"
+_HEAD = struct.Struct("<4sBBBxqII")
+_TABLE = struct.Struct("<QIH")
+_TRAIN, _CREATE_ONLY, _HAS_STEP = 1, 2, 4
+_DTYPE_CODES: dict[str, int] = {"float16": 0, "float32": 1}
+_CODE_DTYPES: dict[int, RowDtype] = {0: "float16", 1: "float32"}
+# Bounds a hostile header cannot pass (a frame is capped by max_message_bytes anyway).
+_MAX_TABLES = 1 << 16
+
+
+@dataclass(frozen=True)
+class LookupFrame:
+    """A decoded Lookup frame; ``ids`` are read-only views of the received bytes."""
+
+    ids: dict[str, npt.NDArray[np.uint64]]
+    train: bool
+    dtype: RowDtype
+    step: int | None
+    create_only: bool
+
+
+@dataclass(frozen=True)
+class PushFrame:
+    """A decoded Push frame; ids and gradients are read-only views of the received bytes."""
+
+    request_id: str
+    dtype: RowDtype
+    grads: dict[str, tuple[npt.NDArray[np.uint64], npt.NDArray[np.floating]]]
+
+
+def _pad8(n: int) -> int:
+    return -n % 8
+
+
+def _head(
+    magic: bytes,
+    dtype: RowDtype,
+    flags: int,
+    step: int,
+    tables: list[tuple[str, int, int]],
+    extra: bytes = b"",
+) -> bytes:
+    """The head, table entries and extra of a frame, padded to 8 bytes."""
+    parts = [
+        _HEAD.pack(magic, FRAME_VERSION, _DTYPE_CODES[dtype], flags, step, len(tables), len(extra))
+    ]
+    for name, count, dim in tables:
+        encoded = name.encode()
+        parts.append(_TABLE.pack(count, dim, len(encoded)))
+        parts.append(encoded)
+    parts.append(extra)
+    size = sum(len(p) for p in parts)
+    parts.append(bytes(_pad8(size)))
+    return b"".join(parts)
+
+
+def _section(arr: npt.NDArray[np.generic]) -> list[memoryview | bytes]:
+    """An array's bytes and the zeros that pad them to 8 (no copy of the array)."""
+    view = arr.data.cast("B")
+    pad = _pad8(view.nbytes)
+    return [view, bytes(pad)] if pad else [view]
+
+
+class _Head:
+    """A parsed frame head: every bound checked, so a hostile frame is an InvalidRequest."""
+
+    def __init__(self, data: bytes | memoryview, magic: bytes, what: str) -> None:
+        self.what = what
+        if len(data) < _HEAD.size:
+            msg = f"{what}: {len(data)} bytes is shorter than a frame head ({_HEAD.size} bytes)"
+            raise InvalidRequest(msg)
+        got, version, code, self.flags, self.step, n_tables, n_extra = _HEAD.unpack_from(data)
+        if got != magic:
+            msg = f"{what}: not a {magic!r} frame (starts with {bytes(got)!r})"
+            raise InvalidRequest(msg)
+        if version != FRAME_VERSION:
+            msg = f"{what}: frame version {version}, this side speaks {FRAME_VERSION}"
+            raise InvalidRequest(msg)
+        if code not in _CODE_DTYPES:
+            msg = f"{what}: unknown row dtype {code} (expected 0 float16 or 1 float32)"
+            raise InvalidRequest(msg)
+        self.dtype: RowDtype = _CODE_DTYPES[code]
+        if n_tables > _MAX_TABLES:
+            msg = f"{what}: {n_tables} tables in one frame (at most {_MAX_TABLES})"
+            raise InvalidRequest(msg)
+        self.data = data
+        pos = _HEAD.size
+        self.tables: list[tuple[str, int, int]] = []
+        for _ in range(n_tables):
+            if pos + _TABLE.size > len(data):
+                msg = f"{what}: the frame ends inside its table list"
+                raise InvalidRequest(msg)
+            count, dim, n_name = _TABLE.unpack_from(data, pos)
+            pos += _TABLE.size
+            raw = bytes(data[pos : pos + n_name])
+            pos += n_name
+            if len(raw) != n_name:
+                msg = f"{what}: the frame ends inside a table name"
+                raise InvalidRequest(msg)
+            try:
+                name = raw.decode()
+            except UnicodeDecodeError:
+                msg = f"{what}: a table name is not UTF-8 ({raw[:40]!r})"
+                raise InvalidRequest(msg) from None
+            if any(name == t[0] for t in self.tables):
+                msg = f"{what}: table {name!r} is named twice in one frame"
+                raise InvalidRequest(msg)
+            self.tables.append((name, count, dim))
+        raw_extra = bytes(data[pos : pos + n_extra])
+        if len(raw_extra) != n_extra:
+            msg = f"{what}: the frame ends inside its header"
+            raise InvalidRequest(msg)
+        try:
+            self.extra = raw_extra.decode()
+        except UnicodeDecodeError:
+            msg = f"{what}: the request id is not UTF-8"
+            raise InvalidRequest(msg) from None
+        self.pos = pos + n_extra + _pad8(pos + n_extra)
+
+    def array(self, dtype: np.dtype[np.generic], count: int, field: str) -> npt.NDArray[np.generic]:
+        """The next section: ``count`` items of ``dtype`` (a read-only view), then padding."""
+        size = count * dtype.itemsize
+        if self.pos + size > len(self.data):
+            msg = (
+                f"{self.what}: {field} needs {size:,} bytes, the frame has "
+                f"{max(0, len(self.data) - self.pos):,} left"
+            )
+            raise InvalidRequest(msg)
+        arr = np.frombuffer(self.data, dtype=dtype, count=count, offset=self.pos)
+        self.pos += size + _pad8(size)
+        return arr
+
+    def finish(self) -> None:
+        """Refuse a frame whose length is not exactly its sections (built by other rules)."""
+        if len(self.data) != self.pos:
+            msg = (
+                f"{self.what}: the frame is {len(self.data):,} bytes, its header describes "
+                f"{self.pos:,}"
+            )
+            raise InvalidRequest(msg)
+
+
+def encode_lookup(
+    ids: Mapping[str, npt.NDArray[np.uint64]],
+    *,
+    train: bool,
+    dtype: RowDtype,
+    step: int | None = None,
+    create_only: bool = False,
+) -> bytes:
+    """A Lookup frame: the ids of each table (one copy of them, into the frame)."""
+    if step is not None and not -(1 << 63) <= step < 1 << 63:
+        msg = f"step: {step} does not fit in an int64"
+        raise InvalidRequest(msg)
+    flags = (_TRAIN if train else 0) | (_CREATE_ONLY if create_only else 0)
+    flags |= _HAS_STEP if step is not None else 0
+    arrays = {k: np.ascontiguousarray(v, dtype=_LE_U64) for k, v in ids.items()}
+    parts: list[memoryview | bytes] = [
+        _head(LOOKUP_MAGIC, dtype, flags, step or 0, [(k, len(v), 0) for k, v in arrays.items()])
+    ]
+    for v in arrays.values():
+        parts.extend(_section(v))
+    return b"".join(parts)
+
+
+def decode_lookup(data: bytes | memoryview) -> LookupFrame:
+    """A Lookup frame back to its fields; the ids are zero-copy views of ``data``."""
+    head = _Head(data, LOOKUP_MAGIC, "Lookup frame")
+    if head.flags & ~(_TRAIN | _CREATE_ONLY | _HAS_STEP):
+        msg = f"Lookup frame: unknown flags {head.flags:#x}"
+        raise InvalidRequest(msg)
+    ids = {
+        name: head.array(_LE_U64, count, f"tables[{name}].ids").astype(np.uint64, copy=False)
+        for name, count, _ in head.tables
+    }
+    head.finish()
+    return LookupFrame(
+        ids=ids,
+        train=bool(head.flags & _TRAIN),
+        dtype=head.dtype,
+        step=head.step if head.flags & _HAS_STEP else None,
+        create_only=bool(head.flags & _CREATE_ONLY),
+    )
+
+
+def rows_frame(
+    tables: Mapping[str, tuple[int, int]], dtype: RowDtype
+) -> tuple[bytearray, dict[str, npt.NDArray[np.floating]]]:
+    """A Lookup reply frame for ``{table: (rows, dim)}``, and a writable view of each table's rows.
+
+    The server looks the rows up straight into the views, then sends ``bytes(buf)``:
+    the rows are copied once, from the table into the frame.
+    """
+    head = _head(ROWS_MAGIC, dtype, 0, 0, [(k, n, d) for k, (n, d) in tables.items()])
+    item = _DTYPES[dtype].itemsize
+    sizes = [n * d * item for n, d in tables.values()]
+    buf = bytearray(len(head) + sum(s + _pad8(s) for s in sizes))
+    buf[: len(head)] = head
+    views = {}
+    pos = len(head)
+    for (name, (n, d)), size in zip(tables.items(), sizes, strict=True):
+        views[name] = np.frombuffer(buf, dtype=_DTYPES[dtype], count=n * d, offset=pos).reshape(
+            n, d
+        )
+        pos += size + _pad8(size)
+    return buf, views
+
+
+def decode_rows(data: bytes | memoryview, dtype: RowDtype) -> dict[str, npt.NDArray[np.floating]]:
+    """A Lookup reply frame back to ``{table: rows}`` (read-only views of ``data``)."""
+    head = _Head(data, ROWS_MAGIC, "Lookup reply frame")
+    if head.dtype != dtype:
+        msg = f"Lookup reply frame: rows in {head.dtype}, {dtype} were asked for"
+        raise InvalidRequest(msg)
+    rows = {
+        name: head.array(_DTYPES[dtype], count * dim, f"tables[{name}].rows").reshape(count, dim)
+        for name, count, dim in head.tables
+    }
+    head.finish()
+    return rows  # type: ignore[return-value]
+
+
+def encode_push(
+    grads: Mapping[str, tuple[npt.NDArray[np.uint64], npt.NDArray[np.floating]]],
+    *,
+    request_id: str,
+    dtype: RowDtype,
+) -> bytes:
+    """A Push frame: each table's ids, then its gradients rounded to ``dtype``."""
+    arrays = {
+        k: (np.ascontiguousarray(i, dtype=_LE_U64), np.ascontiguousarray(g, dtype=_DTYPES[dtype]))
+        for k, (i, g) in grads.items()
+    }
+    for k, (i, g) in arrays.items():
+        if g.ndim != 2 or g.shape[0] != i.shape[0]:
+            msg = f"grads[{k}]: shape {g.shape} for {i.shape[0]} ids"
+            raise InvalidRequest(msg)
+    parts: list[memoryview | bytes] = [
+        _head(
+            PUSH_MAGIC,
+            dtype,
+            0,
+            0,
+            [(k, len(i), g.shape[1]) for k, (i, g) in arrays.items()],
+            request_id.encode(),
+        )
+    ]
+    for i, g in arrays.values():
+        parts.extend(_section(i))
+        parts.extend(_section(g))
+    return b"".join(parts)
+
+
+def decode_push(data: bytes | memoryview) -> PushFrame:
+    """A Push frame back to its fields; ids and gradients are zero-copy views of ``data``."""
+    head = _Head(data, PUSH_MAGIC, "Push frame")
+    if head.flags:
+        msg = f"Push frame: unknown flags {head.flags:#x}"
+        raise InvalidRequest(msg)
+    grads = {}
+    for name, count, dim in head.tables:
+        ids = head.array(_LE_U64, count, f"tables[{name}].ids").astype(np.uint64, copy=False)
+        g = head.array(_DTYPES[head.dtype], count * dim, f"tables[{name}].grads")
+        grads[name] = (ids, g.reshape(count, dim))
+    head.finish()
+    return PushFrame(request_id=head.extra, dtype=head.dtype, grads=grads)  # type: ignore[arg-type]
