@@ -16,10 +16,14 @@ Figures (rows per second, the median over ``--repeats`` batches):
 - ``grpc_*_rows_per_s``: the same calls through ``StoreClient`` to one, then two,
   shard processes on loopback (keys ``grpc_lookup_rows_per_s``,
   ``grpc_push_rows_per_s``, and ``..._2_shards``); Lookup and Push travel as raw
-  frames (``embedding_store.wire``), float16 rows and float32 gradients;
+  frames (``embedding_store.wire``), float16 rows and float32 gradients, through
+  a shared-memory area, as a client on the shards' host does by default;
+- ``grpc_network_*_rows_per_s``: one shard again with ``shared_memory=False``,
+  every byte through the loopback socket (a client on another host);
 - ``inproc_lookup_vs_limit``: the ratio of the in-process lookup to the gather;
 - ``grpc_vs_inproc_lookup`` / ``grpc_vs_inproc_push``: one shard over gRPC against
-  the same table in this process (what the network and the two processes cost).
+  the same table in this process (what gRPC and the two processes cost), and
+  ``grpc_network_vs_inproc_*`` the same without the shared area.
 
 The in-process lookup returns float32 rows, the gRPC one float16 rows (the store's
 ``row_dtype``): each as its caller gets them. The machine is shared by both ends
@@ -122,14 +126,19 @@ def bench_grpc(
     grads: np.ndarray,
     repeats: int,
     tmp: Path,
+    *,
+    shared_memory: bool = True,
 ) -> tuple[float, float]:
     job = write_store_job(tmp / f"job-{n_shards}.yaml", store_config(distinct, n_shards))
     token_file = tmp / "token"
-    dirs = [tmp / f"grpc{n_shards}-{i}" for i in range(n_shards)]
+    dirs = [tmp / f"grpc{n_shards}-{i}-{shared_memory}" for i in range(n_shards)]
     with (
         store_shards(job, dirs, token_file) as address,
         StoreClient.connect(
-            address, token=token_file.read_text().strip(), max_message_bytes=256 << 20
+            address,
+            token=token_file.read_text().strip(),
+            max_message_bytes=256 << 20,
+            shared_memory=shared_memory,
         ) as client,
     ):
         fill(lambda ids: client.lookup({"emb": ids}), distinct)
@@ -210,12 +219,21 @@ def main(argv: list[str] | None = None) -> int:
                 suffix = "" if n == 1 else "_2_shards"
                 results[f"grpc_lookup_rows_per_s{suffix}"] = lookup
                 results[f"grpc_push_rows_per_s{suffix}"] = push
+            lookup, push = bench_grpc(
+                1, args.distinct, batches, grads, args.repeats, tmp_path, shared_memory=False
+            )
+            results["grpc_network_lookup_rows_per_s"] = lookup
+            results["grpc_network_push_rows_per_s"] = push
         results["grpc_vs_inproc_lookup"] = float(results["grpc_lookup_rows_per_s"]) / float(
             results["inproc_lookup_rows_per_s"]
         )
         results["grpc_vs_inproc_push"] = float(results["grpc_push_rows_per_s"]) / float(
             results["inproc_push_rows_per_s"]
         )
+        for kind in ("lookup", "push"):
+            results[f"grpc_network_vs_inproc_{kind}"] = float(
+                results[f"grpc_network_{kind}_rows_per_s"]
+            ) / float(results[f"inproc_{kind}_rows_per_s"])
 
     print_figures(results, shown)
     if args.json:

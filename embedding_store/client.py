@@ -24,8 +24,14 @@ lost reply is never applied twice.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import itertools
 import json
+import mmap
+import os
+import struct
+import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -66,16 +72,24 @@ from embedding_store.types import (
     TableStats,
 )
 from embedding_store.wire import (
+    AREA_HEADER,
+    ATTACH_METHOD,
+    DETACH_METHOD,
     FROM_PB,
     LOOKUP_FRAME_METHOD,
     PUSH_FRAME_METHOD,
+    SHARED_LOOKUP_METHOD,
+    SHARED_PUSH_METHOD,
     TO_PB,
+    SharedCall,
     decode_matrix,
     decode_rows,
     encode_ids,
     encode_lookup,
     encode_matrix,
     encode_push,
+    encode_shared,
+    rows_frame_size,
 )
 
 T = TypeVar("T")
@@ -263,6 +277,51 @@ def _map_rpc_error(exc: grpc.RpcError, address: str, method: str) -> StoreError:
     return cls(f"{method} on shard {address}: {code.name}: {exc.details()}")
 
 
+SHM_DIR = "/dev/shm"
+# The smallest shared area made (it grows, by powers of two, to what a call needs).
+_MIN_AREA = 4 << 20
+
+
+def _align64(n: int) -> int:
+    return (n + 63) & ~63
+
+
+class _SharedArea:
+    """A file in ``/dev/shm`` mapped by this client and, once attached, by a shard.
+
+    Its pages are reserved when it is made (``posix_fallocate``): a full
+    ``/dev/shm`` fails here, with an OSError, and not later with a SIGBUS in the
+    shard. One call uses it at a time (``lock``); a call that finds it busy goes
+    over the network.
+    """
+
+    def __init__(self, directory: str, size: int) -> None:
+        self.session = os.urandom(16)
+        self.nonce = os.urandom(16)
+        self.size = size
+        self.lock = threading.Lock()
+        self.path = os.path.join(directory, SharedCall(self.session).name)
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+            self.map = mmap.mmap(fd, size)
+        except BaseException:
+            self.unlink()
+            raise
+        finally:
+            os.close(fd)
+        self.map[:16] = self.nonce
+
+    def unlink(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+
+    def close(self) -> None:
+        self.unlink()
+        with contextlib.suppress(BufferError):  # a view still alive: unmapped when it dies
+            self.map.close()
+
+
 class GrpcTransport:
     """A shard process over gRPC, with the job's token and a retry policy."""
 
@@ -273,7 +332,11 @@ class GrpcTransport:
         token: str | None,
         max_message_bytes: int,
         retry: RetryPolicy,
+        shared_memory: bool = True,
     ) -> None:
+        """``shared_memory``: pass the frames through a shared-memory area when the
+        shard turns out to be on this host (see ``_SharedArea``); only the small
+        call messages then go over gRPC."""
         self.address = address
         self._retry = retry
         self._metadata = ((AUTH_HEADER, f"Bearer {token}"),) if token is not None else ()
@@ -292,6 +355,14 @@ class GrpcTransport:
         self._frames = True
         self._lookup_frame = self._channel.unary_unary(LOOKUP_FRAME_METHOD, None, None)
         self._push_frame = self._channel.unary_unary(PUSH_FRAME_METHOD, None, None)
+        self._lookup_shared = self._channel.unary_unary(SHARED_LOOKUP_METHOD, None, None)
+        self._push_shared = self._channel.unary_unary(SHARED_PUSH_METHOD, None, None)
+        # The shared area with the shard; False once it proved elsewhere (or refused).
+        self._shared_ok = shared_memory and os.path.isdir(SHM_DIR)
+        self._area: _SharedArea | None = None
+        self._area_guard = threading.Lock()
+        self._area_limit = AREA_HEADER + 2 * max_message_bytes
+        self._dims: dict[str, int] = {}
 
     def _call(self, method: str, request: Any, first: Any = None, fn: Any = None) -> Any:
         """Call ``method`` with retries; ``first`` is an already started future.
@@ -339,7 +410,112 @@ class GrpcTransport:
         r = self._call("Health", pb.HealthRequest())
         if not self.incarnation:
             self.incarnation = r.incarnation
+        self._dims = dict(r.dims)
         return dict(r.dims), FROM_PB.get(r.row_dtype, "float16")
+
+    # --- the shared area ----------------------------------------------------------
+
+    def _take_area(self, need: int) -> _SharedArea | None:
+        """The shared area, locked for one call of ``need`` bytes; None: use the network."""
+        if not self._shared_ok or need > self._area_limit:
+            return None
+        with self._area_guard:
+            area = self._area
+            if area is not None and area.size >= need:
+                return area if area.lock.acquire(blocking=False) else None
+            if area is not None:  # too small: make a bigger one once it is free
+                if not area.lock.acquire(blocking=False):
+                    return None
+                self._area = None
+                self._detach(area)
+            size = AREA_HEADER + max(_MIN_AREA, 1 << (need - AREA_HEADER - 1).bit_length())
+            area = self._attach(min(size, self._area_limit))
+            if area is not None:
+                area.lock.acquire()
+                self._area = area
+            return area
+
+    def _attach(self, size: int) -> _SharedArea | None:
+        try:
+            area = _SharedArea(SHM_DIR, size)
+        except OSError as exc:
+            # A full /dev/shm (a container's 64 MiB) refuses this size only.
+            if exc.errno != errno.ENOSPC:
+                self._shared_ok = False
+            return None
+        call = SharedCall(area.session, area.nonce, reply_capacity=size)
+        attach = self._channel.unary_unary(ATTACH_METHOD, None, None)
+        try:
+            self._call("Attach", encode_shared(call), fn=attach)
+        except (InvalidRequest, _NoFrames) as exc:
+            # Another host (the shard found no such file), or a shard without areas;
+            # an area over the shard's size limit only means this call's is too big.
+            if "out of range" not in str(exc):
+                self._shared_ok = False
+            area.close()
+            return None
+        except StoreError:
+            area.close()
+            return None
+        finally:
+            area.unlink()  # both have it mapped: nothing is left behind if either dies
+        return area
+
+    def _detach(self, area: _SharedArea) -> None:
+        """Tell the shard to unmap ``area`` (best effort) and unmap it here."""
+        detach = self._channel.unary_unary(DETACH_METHOD, None, None)
+        with contextlib.suppress(grpc.RpcError):
+            detach(encode_shared(SharedCall(area.session)), metadata=self._metadata, timeout=5)
+        area.close()
+
+    def _forget(self, area: _SharedArea) -> None:
+        """Stop using ``area`` (the shard no longer knows it); the next call attaches anew."""
+        with self._area_guard:
+            if self._area is area:
+                self._area = None
+        area.close()
+
+    def _shared(
+        self,
+        method: str,
+        fn: Any,
+        area: _SharedArea,
+        payload: bytes,
+        deferred: bool,
+        network: Callable[[], T],
+        read: Callable[[bytes, _SharedArea, int], T],
+    ) -> Wait[T]:
+        """Call ``method`` with ``payload`` written into ``area`` (locked by the caller).
+
+        ``read(reply, area, reply_offset)`` makes the result while the area is still
+        held; when the shard no longer knows the area (it restarted), ``network()``.
+        """
+        start = AREA_HEADER
+        area.map[start : start + len(payload)] = payload
+        reply_at = start + _align64(len(payload))
+        call = SharedCall(
+            area.session,
+            request_offset=start,
+            request_length=len(payload),
+            reply_offset=reply_at,
+            reply_capacity=area.size - reply_at,
+        )
+        wait = self._start(method, encode_shared(call), fn, deferred=deferred)
+
+        def result() -> T:
+            try:
+                try:
+                    reply = wait()
+                except (InvalidRequest, _NoFrames) as exc:
+                    if isinstance(exc, InvalidRequest) and "shared area:" not in str(exc):
+                        raise
+                    self._forget(area)
+                    return network()
+                return read(reply, area, reply_at)
+            finally:
+                area.lock.release()
+
+        return result
 
     def accept_restart(self) -> None:
         """Take the shard's current process as the one to train against from now on."""
@@ -367,6 +543,30 @@ class GrpcTransport:
             payload = encode_lookup(
                 ids, train=train, dtype=dtype, step=step, create_only=create_only
             )
+            area = None
+            if not create_only and all(k in self._dims for k in ids):
+                shapes = {k: (len(v), self._dims[k]) for k, v in ids.items()}
+                need = _align64(len(payload)) + rows_frame_size(shapes, dtype)
+                area = self._take_area(AREA_HEADER + need)
+            if area is not None:
+
+                def network() -> dict[str, Rows]:
+                    return self.start_lookup(ids, train, step, dtype, deferred=True)()
+
+                def read(reply: bytes, area: _SharedArea, at: int) -> dict[str, Rows]:
+                    (n,) = struct.unpack("<Q", reply)
+                    if at + n > area.size:
+                        msg = f"Lookup reply from shard {self.address}: {n} bytes at {at}"
+                        raise InvalidRequest(msg)
+                    # Copies: the area is reused by the next call.
+                    return {
+                        k: np.array(v)
+                        for k, v in decode_rows(memoryview(area.map)[at : at + n], dtype).items()
+                    }
+
+                return self._shared(
+                    "LookupShared", self._lookup_shared, area, payload, deferred, network, read
+                )
             wait_frame = self._start("Lookup", payload, self._lookup_frame, deferred=deferred)
 
             def rows() -> dict[str, Rows]:
@@ -412,6 +612,18 @@ class GrpcTransport:
     ) -> Wait[PushResult]:
         if self._frames:
             payload = encode_push(grads, request_id=request_id, dtype=dtype)
+            area = self._take_area(AREA_HEADER + _align64(len(payload)))
+            if area is not None:
+
+                def network() -> PushResult:
+                    return self.start_push(grads, request_id, dtype, deferred=True)()
+
+                def read(reply: bytes, area: _SharedArea, at: int) -> PushResult:
+                    return self._push_result(pb.PushResponse.FromString(reply))
+
+                return self._shared(
+                    "PushShared", self._push_shared, area, payload, deferred, network, read
+                )
             wait_frame = self._start("Push", payload, self._push_frame, deferred=deferred)
 
             def applied() -> PushResult:
@@ -498,6 +710,10 @@ class GrpcTransport:
         )
 
     def close(self) -> None:
+        with self._area_guard:
+            area, self._area = self._area, None
+        if area is not None:
+            self._detach(area)
         self._channel.close()
 
 
@@ -564,11 +780,15 @@ class StoreClient:
         retry: RetryPolicy | None = None,
         max_message_bytes: int | None = None,
         latency_s: float = 0.0,
+        shared_memory: bool = True,
     ) -> StoreClient:
         """A client for ``inproc://[N]`` (needs ``config``) or ``grpc://h:p[,h:p...]``.
 
         Rows come back in ``row_dtype``, by default the store's configured one.
-        ``latency_s`` (a benchmarking aid) is added to every call.
+        ``latency_s`` (a benchmarking aid) is added to every call. With
+        ``shared_memory`` the rows, ids and gradients of a shard on this host pass
+        through shared memory instead of the socket (found out, and fallen back
+        from, by itself); False keeps every byte on the network.
         """
         if address.startswith("inproc://"):
             if config is None:
@@ -589,7 +809,13 @@ class StoreClient:
                 raise ValueError(msg)
             limit = max_message_bytes or (config.max_message_bytes if config else 64 << 20)
             transports = [
-                GrpcTransport(h, token=token, max_message_bytes=limit, retry=retry or RetryPolicy())
+                GrpcTransport(
+                    h,
+                    token=token,
+                    max_message_bytes=limit,
+                    retry=retry or RetryPolicy(),
+                    shared_memory=shared_memory,
+                )
                 for h in hosts
             ]
             try:

@@ -19,7 +19,9 @@ Lookup and Push are served twice: as the protobuf methods of the ``.proto``
 ``StoreClient`` sends) on a generic handler with no (de)serialiser, so a
 frame's bytes reach the handler as they came off the wire and the reply's
 rows are written by the lookup straight into the bytes sent back. Both go
-through the same checks, error codes, token, size limits and timers.
+through the same checks, error codes, token, size limits and timers. A client
+on the shard's host passes the same frames through a shared area instead
+(``SharedAreas``, methods ``LookupShared`` and ``PushShared``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,12 @@ import contextlib
 import functools
 import hmac
 import json
+import mmap
+import os
+import stat
+import struct
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import replace
@@ -45,15 +52,22 @@ from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
 from embedding_store.shard import StoreShard
 from embedding_store.types import CheckpointResult, LatencySnapshot, ShardStats
 from embedding_store.wire import (
+    AREA_HEADER,
     FRAME_SERVICE,
     TO_PB,
+    SharedCall,
     decode_ids,
     decode_lookup,
     decode_matrix,
     decode_push,
+    decode_shared,
     encode_matrix,
     row_dtype,
     rows_frame,
+    rows_frame_size,
+)
+from embedding_store.wire import (
+    LookupFrame as DecodedLookup,
 )
 
 AUTH_HEADER = "authorization"
@@ -130,6 +144,84 @@ def latency_to_pb(snap: LatencySnapshot) -> pb.LatencyHistogram:
     )
 
 
+SHM_DIR = "/dev/shm"
+# Areas a shard keeps mapped at once; the least recently attached goes first.
+_MAX_AREAS = 64
+
+
+class SharedAreas:
+    """The shared-memory areas that clients on this host attached (see ``wire.SharedCall``).
+
+    A client creates a file in ``/dev/shm``, writes a random nonce at its start
+    and asks the shard to attach it: the shard maps it only when it finds the
+    file, of the size said, holding that nonce, which proves both share the host
+    (a shard elsewhere finds no such file, and the client keeps to the network).
+    The client then unlinks the file, so nothing is left behind if either dies;
+    the mapping lives until the client detaches, or the area is the oldest of
+    ``_MAX_AREAS``. Every failure is an InvalidRequest starting "shared area:".
+    """
+
+    def __init__(self, directory: str = SHM_DIR, limit: int = _MAX_AREAS) -> None:
+        self.directory = directory
+        self.limit = limit
+        self._maps: OrderedDict[bytes, mmap.mmap] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def attach(self, call: SharedCall, max_size: int) -> None:
+        size = call.reply_capacity
+        if not AREA_HEADER < size <= max_size:
+            msg = f"shared area: size {size:,} out of range ({AREA_HEADER}, {max_size:,}]"
+            raise InvalidRequest(msg)
+        try:
+            fd = os.open(os.path.join(self.directory, call.name), os.O_RDWR | os.O_NOFOLLOW)
+        except OSError as exc:
+            msg = f"shared area: {call.name} cannot be opened here ({exc.strerror})"
+            raise InvalidRequest(msg) from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size != size:
+                msg = f"shared area: {call.name} is not a file of {size:,} bytes"
+                raise InvalidRequest(msg)
+            area = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        if area[:16] != call.nonce:
+            area.close()
+            msg = f"shared area: {call.name} does not hold the nonce sent"
+            raise InvalidRequest(msg)
+        with self._lock:
+            self._maps[call.session] = area
+            while len(self._maps) > self.limit:
+                self._close(self._maps.popitem(last=False)[1])
+
+    def get(self, session: bytes) -> mmap.mmap:
+        with self._lock:
+            area = self._maps.get(session)
+        if area is None:
+            msg = "shared area: unknown session (detached, evicted, or the shard restarted)"
+            raise InvalidRequest(msg)
+        return area
+
+    def detach(self, session: bytes) -> None:
+        with self._lock:
+            area = self._maps.pop(session, None)
+        if area is not None:
+            self._close(area)
+
+    @staticmethod
+    def _close(area: mmap.mmap) -> None:
+        with contextlib.suppress(BufferError):  # a call still reads it: unmapped when done
+            area.close()
+
+
+def _region(area: mmap.mmap, offset: int, length: int, what: str) -> memoryview:
+    """``[offset, offset + length)`` of an area, refused when it is not inside it."""
+    if not AREA_HEADER <= offset <= offset + length <= len(area):
+        msg = f"shared area: {what} [{offset}, +{length}) is outside the area of {len(area):,}"
+        raise InvalidRequest(msg)
+    return memoryview(area)[offset : offset + length]
+
+
 class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
     """Serves one ``StoreShard`` over gRPC, timing its Lookup and Push calls."""
 
@@ -140,6 +232,7 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
         self.lookup_latency = LatencyHistogram()
         self.push_latency = LatencyHistogram()
         self._replies = _ByteBudget(_INFLIGHT_REPLIES * shard.config.max_message_bytes)
+        self.areas = SharedAreas()
 
     def stats(self) -> ShardStats:
         """The shard's counters with this server's call latencies (what Stats returns)."""
@@ -210,18 +303,48 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
     def LookupFrame(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         """Lookup with a raw frame each way (see ``wire``): the rows are copied once."""
         with self.lookup_latency.time():
-            frame = decode_lookup(request)
-            if self._create_only(frame.ids, frame.create_only, frame.train, frame.step):
-                return bytes(rows_frame({}, frame.dtype)[0])
-            values = self._check_reply_size(frame.ids, frame.dtype)
-            item = 2 if frame.dtype == "float16" else 4
-            with self._replies.hold(values * 2 * item):
-                dims = {name: self.shard.table(name).dim for name in frame.ids}
-                buf, views = rows_frame(
-                    {name: (len(v), dims[name]) for name, v in frame.ids.items()}, frame.dtype
-                )
-                self.shard.lookup(frame.ids, train=frame.train, step=frame.step, out=views)
-                return bytes(buf)
+            return bytes(self._lookup_frame(decode_lookup(request), None))
+
+    def _lookup_frame(
+        self, frame: DecodedLookup, into: Callable[[int], memoryview] | None
+    ) -> bytearray | memoryview:
+        """The reply frame of ``frame``, built in ``into(size)`` (default a new bytearray)."""
+        if self._create_only(frame.ids, frame.create_only, frame.train, frame.step):
+            empty = None if into is None else into(rows_frame_size({}, frame.dtype))
+            return rows_frame({}, frame.dtype, empty)[0]
+        values = self._check_reply_size(frame.ids, frame.dtype)
+        item = 2 if frame.dtype == "float16" else 4
+        with self._replies.hold(values * 2 * item):
+            dims = {name: self.shard.table(name).dim for name in frame.ids}
+            shapes = {name: (len(v), dims[name]) for name, v in frame.ids.items()}
+            buf, views = rows_frame(
+                shapes,
+                frame.dtype,
+                None if into is None else into(rows_frame_size(shapes, frame.dtype)),
+            )
+            self.shard.lookup(frame.ids, train=frame.train, step=frame.step, out=views)
+            return buf
+
+    @_errors_to_status
+    def LookupShared(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """Lookup with both frames in a shared area; the message carries 8 bytes back."""
+        with self.lookup_latency.time():
+            call = decode_shared(request)
+            area = self.areas.get(call.session)
+            frame = decode_lookup(
+                _region(area, call.request_offset, call.request_length, "the request")
+            )
+
+            def into(size: int) -> memoryview:
+                if size > call.reply_capacity:
+                    msg = (
+                        f"shared area: a reply of {size:,} bytes, the client left room "
+                        f"for {call.reply_capacity:,}"
+                    )
+                    raise InvalidRequest(msg)
+                return _region(area, call.reply_offset, size, "the reply")
+
+            return struct.pack("<Q", len(self._lookup_frame(frame, into)))
 
     @_errors_to_status
     def Push(self, request: pb.PushRequest, context: grpc.ServicerContext) -> pb.PushResponse:
@@ -261,19 +384,43 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
     def PushFrame(self, request: bytes, context: grpc.ServicerContext) -> bytes:
         """Push with a raw frame (see ``wire``); the reply is a serialised PushResponse."""
         with self.push_latency.time():
-            frame = decode_push(request)
-            grads = {}
-            for name, (ids, g) in frame.grads.items():
-                dim = self.shard.table(name).dim
-                if g.shape[1] != dim:
-                    msg = (
-                        f"tables[{name}].grads: rows of dim {g.shape[1]}, the table's dim is {dim}"
-                    )
-                    raise InvalidRequest(msg)
-                # float32 gradients are used as they came (a view of the request's bytes).
-                grads[name] = (ids, g if g.dtype == np.float32 else g.astype(np.float32))
-            reply: bytes = self._apply_push(grads, frame.request_id).SerializeToString()
-            return reply
+            return self._push_frame(request)
+
+    @_errors_to_status
+    def PushShared(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """Push with its frame in a shared area; the reply is a serialised PushResponse."""
+        with self.push_latency.time():
+            call = decode_shared(request)
+            area = self.areas.get(call.session)
+            return self._push_frame(
+                _region(area, call.request_offset, call.request_length, "the request")
+            )
+
+    def _push_frame(self, request: bytes | memoryview) -> bytes:
+        frame = decode_push(request)
+        grads = {}
+        for name, (ids, g) in frame.grads.items():
+            dim = self.shard.table(name).dim
+            if g.shape[1] != dim:
+                msg = f"tables[{name}].grads: rows of dim {g.shape[1]}, the table's dim is {dim}"
+                raise InvalidRequest(msg)
+            # float32 gradients are used as they came (a view of the request's bytes).
+            grads[name] = (ids, g if g.dtype == np.float32 else g.astype(np.float32))
+        reply: bytes = self._apply_push(grads, frame.request_id).SerializeToString()
+        return reply
+
+    @_errors_to_status
+    def Attach(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """Map a client's shared area (see ``SharedAreas``); an empty reply."""
+        limit = 2 * self.shard.config.max_message_bytes + AREA_HEADER
+        self.areas.attach(decode_shared(request), limit)
+        return b""
+
+    @_errors_to_status
+    def Detach(self, request: bytes, context: grpc.ServicerContext) -> bytes:
+        """Unmap a client's shared area (a client closing); an empty reply."""
+        self.areas.detach(decode_shared(request).session)
+        return b""
 
     def frame_handler(self) -> grpc.GenericRpcHandler[bytes, bytes]:
         """The generic handler of ``wire.FRAME_SERVICE``: bytes in, bytes out."""
@@ -282,6 +429,10 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
             {
                 "Lookup": grpc.unary_unary_rpc_method_handler(self.LookupFrame),
                 "Push": grpc.unary_unary_rpc_method_handler(self.PushFrame),
+                "LookupShared": grpc.unary_unary_rpc_method_handler(self.LookupShared),
+                "PushShared": grpc.unary_unary_rpc_method_handler(self.PushShared),
+                "Attach": grpc.unary_unary_rpc_method_handler(self.Attach),
+                "Detach": grpc.unary_unary_rpc_method_handler(self.Detach),
             },
         )
 

@@ -337,3 +337,138 @@ def test_a_shard_without_frames_is_served_by_the_protobuf_methods() -> None:
             )
     finally:
         server.stop(None)
+
+
+# --- shared areas ---------------------------------------------------------------------
+
+
+def test_shared_call_messages_round_trip_and_refuse_garbage() -> None:
+    from embedding_store.wire import SharedCall, decode_shared, encode_shared
+
+    call = SharedCall(b"s" * 16, b"n" * 16, 64, 100, 192, 4096)
+    assert decode_shared(encode_shared(call)) == call
+    assert call.name == "streamrec-" + (b"s" * 16).hex()
+    for bad in (b"", encode_shared(call)[:-1], b"XXXX" + encode_shared(call)[4:]):
+        with pytest.raises(InvalidRequest, match="shared area:"):
+            decode_shared(bad)
+
+
+def test_a_shard_maps_only_an_area_it_finds_with_the_nonce(tmp_path: Path) -> None:
+    import os
+
+    from embedding_store.service import SharedAreas, _region
+    from embedding_store.wire import SharedCall
+
+    areas = SharedAreas(str(tmp_path), limit=2)
+    call = SharedCall(os.urandom(16), os.urandom(16), reply_capacity=4096)
+    with pytest.raises(InvalidRequest, match="cannot be opened here"):
+        areas.attach(call, 1 << 20)  # another host: no such file
+    (tmp_path / call.name).write_bytes(call.nonce + bytes(4096 - 16))
+    with pytest.raises(InvalidRequest, match="out of range"):
+        areas.attach(call, 1024)
+    with pytest.raises(InvalidRequest, match="not a file of 8,192 bytes"):
+        areas.attach(SharedCall(call.session, call.nonce, reply_capacity=8192), 1 << 20)
+    with pytest.raises(InvalidRequest, match="does not hold the nonce"):
+        areas.attach(SharedCall(call.session, bytes(16), reply_capacity=4096), 1 << 20)
+    areas.attach(call, 1 << 20)
+    area = areas.get(call.session)
+    assert len(_region(area, 64, 100, "x")) == 100
+    for offset, length in [(0, 10), (64, 4096), (4000, 97), (-1, 5)]:
+        with pytest.raises(InvalidRequest, match="outside the area"):
+            _region(area, offset, length, "x")
+    # The oldest of more than `limit` areas is unmapped; a detached one is unknown.
+    others = []
+    for _ in range(2):
+        other = SharedCall(os.urandom(16), os.urandom(16), reply_capacity=4096)
+        (tmp_path / other.name).write_bytes(other.nonce + bytes(4096 - 16))
+        areas.attach(other, 1 << 20)
+        others.append(other)
+    with pytest.raises(InvalidRequest, match="unknown session"):
+        areas.get(call.session)
+    areas.detach(others[0].session)
+    with pytest.raises(InvalidRequest, match="unknown session"):
+        areas.get(others[0].session)
+    assert areas.get(others[1].session)
+
+
+def _shm_files() -> set[str]:
+    import os
+
+    return {n for n in os.listdir("/dev/shm") if n.startswith("streamrec-")}
+
+
+@pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm on this system")
+def test_a_shard_on_this_host_is_served_through_a_shared_area(
+    write_job: Callable[..., Path], token_file: Path, start_shards: Any
+) -> None:
+    import threading
+
+    job = write_job(row_dtype="float16")
+    procs = start_shards(2, job, token_file)
+    cfg = load_config(job).store
+    token = token_file.read_text().strip()
+    before = _shm_files()
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 2**63, 20_000, dtype=np.int64).astype(U64)
+    with (
+        StoreClient.connect(grpc_address(procs), token=token, config=cfg) as shared,
+        StoreClient.connect(
+            grpc_address(procs), token=token, config=cfg, shared_memory=False
+        ) as network,
+        StoreClient.connect("inproc://2", config=cfg) as local,
+    ):
+        for step in range(3):
+            g = rng.normal(size=(20_000, 8)).astype(np.float32)
+            got = shared.lookup({"user": ids, "item": ids[:99]}, step=step)
+            want = local.lookup({"user": ids, "item": ids[:99]}, step=step)
+            for name in want:
+                np.testing.assert_array_equal(got[name], want[name])
+                assert got[name].flags.writeable
+            assert shared.push({"user": (ids, g)}) == local.push({"user": (ids, g)})
+        transports = shared._transports  # type: ignore[attr-defined]
+        assert all(t._area is not None for t in transports), "the shared areas were not used"
+        assert not any(t._area is not None for t in network._transports)  # type: ignore[attr-defined]
+        # Every file was unlinked once both sides had it mapped.
+        assert _shm_files() == before
+        np.testing.assert_array_equal(
+            network.lookup({"user": ids}, train=False)["user"],
+            local.lookup({"user": ids}, train=False)["user"],
+        )
+        # The shard forgets the area (as after a restart): the call is made again
+        # with a new area.
+        from embedding_store.wire import DETACH_METHOD, SharedCall, encode_shared
+
+        old = transports[0]._area
+        code, _ = _raw(procs[0], token_file, DETACH_METHOD, encode_shared(SharedCall(old.session)))
+        assert code == grpc.StatusCode.OK
+        np.testing.assert_array_equal(
+            shared.lookup({"user": ids}, train=False)["user"],
+            local.lookup({"user": ids}, train=False)["user"],
+        )
+        assert transports[0]._area not in (None, old)
+        # Calls from several threads at once: one holds the area, the others go
+        # over the network; all get their own rows.
+        errors: list[BaseException] = []
+        want_rows = local.lookup({"user": ids}, train=False)["user"]
+
+        def reader(k: int) -> None:
+            try:
+                for _ in range(5):
+                    sel = ids[k::4]
+                    got = shared.lookup({"user": sel}, train=False)["user"]
+                    np.testing.assert_array_equal(got, want_rows[k::4])
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        # A reply bigger than the area makes a bigger one.
+        small = transports[0]._area.size
+        big = np.arange(400_000, dtype=U64)
+        shared.lookup({"user": big}, train=False)
+        assert transports[0]._area.size > small
+    assert _shm_files() == before
