@@ -34,6 +34,9 @@ def test_every_trainer_of_the_benchmark_trains_and_reports(tmp_path: Path) -> No
             "hybrid",
             "--store-latency-ms",
             "2",
+            # Reports (and so the clocks) every 0.2 s: a short run still has several.
+            "--log-every-s",
+            "0.2",
             "--report",
             "",
             "--json",
