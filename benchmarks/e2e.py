@@ -196,7 +196,7 @@ class InProcessModel:
     timers: dict[str, float]
 
 
-def build_plain(sizes: list[int], seed: int) -> InProcessModel:
+def build_plain(sizes: list[int], seed: int, bf16: bool = False) -> InProcessModel:
     """Plain PyTorch: an ``nn.EmbeddingBag(sparse=True)`` per field, torch's Adagrad on them."""
     import torch
     from torch import nn
@@ -218,7 +218,8 @@ def build_plain(sizes: list[int], seed: int) -> InProcessModel:
         ta = time.perf_counter()
         offsets = torch.arange(y.shape[0])
         pooled = [bag(idx[f], offsets) for f, bag in enumerate(bags)]
-        logits = dense(x, pooled)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = dense(x, pooled).float()
         loss = loss_fn(logits, y)
         tb = time.perf_counter()
         dense_opt.zero_grad(set_to_none=True)
@@ -252,7 +253,7 @@ def torchrec_missing() -> str | None:
     return None
 
 
-def build_torchrec(sizes: list[int], seed: int) -> InProcessModel:
+def build_torchrec(sizes: list[int], seed: int, bf16: bool = False) -> InProcessModel:
     """TorchRec 1.8: a ``FusedEmbeddingBagCollection`` (FBGEMM's batched CPU kernels).
 
     One table per field, row-wise Adagrad fused into the backward pass (as
@@ -295,7 +296,8 @@ def build_torchrec(sizes: list[int], seed: int) -> InProcessModel:
             lengths=torch.ones(len(names) * b, dtype=torch.int64),
         )
         pooled = ebc(kjt).values()  # [B, F * DIM]
-        logits = dense(x, list(pooled.split(DIM, dim=1)))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = dense(x, list(pooled.split(DIM, dim=1))).float()
         loss = loss_fn(logits, y)
         tb = time.perf_counter()
         dense_opt.zero_grad(set_to_none=True)
@@ -320,7 +322,13 @@ def dense_net(fields: int) -> Any:
 
 
 def run_in_process(
-    mode: str, samples: int, seed: int, window: int, log: bool, warmup_s: float = 1.0
+    mode: str,
+    samples: int,
+    seed: int,
+    window: int,
+    log: bool,
+    warmup_s: float = 1.0,
+    bf16: bool = False,
 ) -> Run:
     """Train ``mode`` (``baseline`` or ``torchrec``) in this process on pre-hashed batches."""
     import torch
@@ -336,7 +344,8 @@ def run_in_process(
     gen_s = time.perf_counter() - t_gen
     if log:
         print(f"  {mode}: {len(batches)} batches decoded and hashed in {gen_s:.1f}s (untimed)")
-    model = build_torchrec(sizes, seed) if mode == "torchrec" else build_plain(sizes, seed)
+    build = build_torchrec if mode == "torchrec" else build_plain
+    model = build(sizes, seed, bf16)
     metrics = ProgressiveMetrics(window=window)
     t_start = time.perf_counter()
     t0 = 0.0  # when the clock started; 0 until then
@@ -391,6 +400,7 @@ def make_job(
     torch_threads: int | None,
     hidden: list[int],
     log_every_s: float = 1.0,
+    bf16: bool = False,
 ) -> Any:
     from deploy.config import JobConfig
     from deploy.train_cli import demo_job
@@ -404,6 +414,7 @@ def make_job(
         "batch_size": BATCH,
         "metrics_window": window,
         "log_every_s": log_every_s,
+        "bf16_autocast": bf16,
         "torch_threads": torch_threads,
         "checkpoint": {"enabled": False, "on_exit": False},
         "model": {"kind": "ffnn", "hidden": hidden},
@@ -485,6 +496,7 @@ def run_streamrec(
     hidden: list[int],
     keep_dir: Path | None,
     log_every_s: float = 1.0,
+    bf16: bool = False,
     log: bool,
     report: bool = False,
 ) -> Run:
@@ -507,6 +519,7 @@ def run_streamrec(
             torch_threads=torch_threads,
             hidden=hidden,
             log_every_s=log_every_s,
+            bf16=bf16,
         )
         last = [0.0]
 
@@ -614,6 +627,11 @@ def main(argv: list[str] | None = None) -> int:
         default=1.0,
         help="trainer.log_every_s of the streamrec runs; every clock starts this far in",
     )
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="every trainer's dense network in bfloat16 autocast (trainer.bf16_autocast)",
+    )
     parser.add_argument("--torch-threads", type=int, default=None, help="trainer.torch_threads")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--keep-runs", type=Path, default=None, help="keep run dirs here")
@@ -638,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
         "cpus": os.cpu_count(),
         "async_ranks": args.async_ranks,
+        "bf16": args.bf16,
         "store_latency_ms": args.store_latency_ms,
         "latency_samples": lat_samples,
         "small_samples": small_samples,
@@ -674,7 +693,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{key}: {n:,} samples{added} (load {before})", flush=True)
         try:
             if mode in IN_PROCESS:
-                run = run_in_process(mode, n, args.seed, args.window, log, args.log_every_s)
+                run = run_in_process(
+                    mode, n, args.seed, args.window, log, args.log_every_s, args.bf16
+                )
             else:
                 run = run_streamrec(
                     mode,
@@ -687,6 +708,7 @@ def main(argv: list[str] | None = None) -> int:
                     hidden=hidden,
                     keep_dir=args.keep_runs,
                     log_every_s=args.log_every_s,
+                    bf16=args.bf16,
                     log=log,
                     report=bool(args.report),
                 )

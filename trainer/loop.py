@@ -449,7 +449,7 @@ class TrainLoop:
         with torch.autocast(
             device_type=self.device.type,
             dtype=torch.bfloat16,
-            enabled=cuda and self.config.bf16_autocast,
+            enabled=self.config.bf16_autocast,
         ):
             logits = self.dense.module(bt.dense, pool(bt, self.spec))
         logits = logits.float()

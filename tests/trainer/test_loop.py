@@ -261,6 +261,21 @@ def test_hybrid_loop_with_stale_lookups_differs_from_the_reference(
     store.close()
 
 
+def test_bf16_autocast_on_the_cpu_trains_close_to_float32(
+    reference: tuple[list[float], ReferenceModel],
+) -> None:
+    # trainer.bf16_autocast now applies on a CPU too: the dense matmuls in bfloat16,
+    # the loss, the pushed row gradients and the dense weights float32.
+    planned = chunks(source(), "synthetic/0", 0, STEPS * BATCH)
+    loop, store, _, _ = loop_run("sync", planned, bf16_autocast=True)
+    ref_losses, _ = reference
+    got = np.array(loop._losses)
+    assert not np.allclose(got, ref_losses, rtol=1e-6, atol=0.0)  # it did run in bfloat16
+    np.testing.assert_allclose(got, ref_losses, rtol=2e-2)
+    assert all(p.dtype == torch.float32 for p in loop.dense.module.parameters())
+    store.close()
+
+
 # --- 2. checkpoint, crash, restore_job, resume ------------------------------------------
 
 
