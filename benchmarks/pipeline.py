@@ -16,7 +16,11 @@
   2 Dask worker processes → ``PreparedBatch`` with rows looked up in 2 store
   shard processes, end to end (wall time from the first batch to the last);
   with ``--compare-readers`` also ``runner_kafka_python_events_per_s``, the same
-  runner reading with kafka-python.
+  runner reading with kafka-python;
+- ``hybrid_samples_per_s``: the hybrid trainer of ``benchmarks/e2e.py`` (its
+  default model, ``--hybrid-samples`` samples) run after the runner, and
+  ``runner_vs_hybrid`` the ratio (the target: 3, so that the pipeline never
+  limits a trainer).
 
 Figures are medians over ``--repeats`` runs (the runner figures are one run each).
 """
@@ -217,6 +221,25 @@ def _run(source: Any, store: Any, events: int) -> dict[str, float]:
     }
 
 
+def hybrid_rate(samples: int) -> float:
+    """The hybrid trainer's samples/s on this machine: benchmarks/e2e.py's hybrid run."""
+    from e2e import HIDDEN, run_streamrec
+
+    run = run_streamrec(
+        "hybrid",
+        samples,
+        seed=0,
+        window=100_000,
+        latency_ms=0.0,
+        ranks=1,
+        torch_threads=None,
+        hidden=HIDDEN,
+        keep_dir=None,
+        log=False,
+    )
+    return run.samples_per_s
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
@@ -228,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
         "--compare-readers",
         action="store_true",
         help="run the runner a second time with reader: kafka-python",
+    )
+    parser.add_argument(
+        "--hybrid-samples",
+        type=int,
+        default=400_000,
+        help="samples of the hybrid training run the runner is compared with (0: skip it)",
     )
     args = parser.parse_args(argv)
 
@@ -246,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
             readers = ("raw", "kafka-python") if args.compare_readers else ("raw",)
             results.update(bench_runner(args.runner_events, Path(tmp), readers, args.repeats))
+        if args.hybrid_samples:
+            hybrid = hybrid_rate(args.hybrid_samples)
+            results["hybrid_samples_per_s"] = hybrid
+            results["runner_vs_hybrid"] = float(results["runner_events_per_s"]) / hybrid
 
     print_figures(results, lambda v: f"{v:,.2f}" if isinstance(v, float) else f"{v}")
     if args.json:
