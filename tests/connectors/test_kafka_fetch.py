@@ -10,8 +10,7 @@ import random
 import socket
 import struct
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -23,7 +22,7 @@ from connectors.kafka import KafkaSource, KafkaSourceConfig, produce
 from connectors.types import Chunk, RawChunk
 from deploy.local.kafka import API_VERSION
 from tests.connectors.contract import plan_all
-from tests.kafka_fixtures import KafkaForTests, make_kafka_source
+from tests.kafka_fixtures import KafkaForTests
 
 # -- the parser, on bytes (no broker) --------------------------------------------------------
 
@@ -173,20 +172,6 @@ def test_the_reader_setting_is_validated_and_defaults_to_raw() -> None:
 
 
 # -- against the broker -----------------------------------------------------------------------
-
-
-@pytest.fixture
-def sources() -> Iterator[Callable[..., KafkaSource]]:
-    made: list[KafkaSource] = []
-
-    def make(bootstrap: str, topic: str, **overrides: Any) -> KafkaSource:
-        source = make_kafka_source(bootstrap, topic, **overrides)
-        made.append(source)
-        return source
-
-    yield make
-    for source in made:
-        source.close()
 
 
 def read_all(source: KafkaSource, chunks: list[Chunk]) -> list[tuple[int, bytes]]:

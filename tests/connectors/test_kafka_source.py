@@ -9,7 +9,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,21 +34,6 @@ from tests.connectors.contract import plan_all
 from tests.kafka_fixtures import SLOW_READS, KafkaForTests, make_kafka_source
 
 # -- helpers ----------------------------------------------------------------------------
-
-
-@pytest.fixture
-def sources() -> Iterator[Callable[..., KafkaSource]]:
-    """A factory of sources that are all closed at teardown."""
-    made: list[KafkaSource] = []
-
-    def make(bootstrap: str, topic: str, **overrides: Any) -> KafkaSource:
-        source = make_kafka_source(bootstrap, topic, **overrides)
-        made.append(source)
-        return source
-
-    yield make
-    for source in made:
-        source.close()
 
 
 def fill(
