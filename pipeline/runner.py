@@ -31,6 +31,7 @@ source) also ends when ``stop_when()`` says so.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import contextlib
 import time
 import uuid
@@ -113,8 +114,13 @@ class StreamRunner:
         self._planned: dict[str, int] = {}
         self._done: dict[str, int] = {}
         # The batches not yet yielded, every partition's, in submission order (the
-        # order they are yielded in), with the positions each chunk spans.
-        self._submitted: deque[tuple[Future[Prepared], int]] = deque()
+        # order they are yielded in), with the positions each chunk spans and the
+        # fetch of the task's result.
+        self._submitted: deque[tuple[Future[Prepared], int, cf.Future[Prepared]]] = deque()
+        # Fetches each task's result as soon as it is computed, while the consumer
+        # trains: a Dask result stays on its worker until asked for, and asking only
+        # when the batch is due put a transfer (~2 MB) on every step's critical path.
+        self._fetcher: cf.ThreadPoolExecutor | None = None
         self._order: list[str] = []
         self._next_partition = 0
         self._closed = False
@@ -151,7 +157,7 @@ class StreamRunner:
         if self.max_events is None:
             return None
         read = self.stats.records + self.stats.bad_records
-        return self.max_events - read - sum(span for _, span in self._submitted)
+        return self.max_events - read - sum(span for _, span, _ in self._submitted)
 
     # --- submission -----------------------------------------------------------------
 
@@ -187,7 +193,11 @@ class StreamRunner:
                 continue
             stalled = 0
             self._planned[p] = chunk.end
-            self._submitted.append((self._submit(chunk), chunk.end - chunk.start))
+            future = self._submit(chunk)
+            if self._fetcher is None:
+                self._fetcher = cf.ThreadPoolExecutor(1, thread_name_prefix="streamrec-fetch")
+            fetch = self._fetcher.submit(future.result)
+            self._submitted.append((future, chunk.end - chunk.start, fetch))
 
     def _finished(self) -> bool:
         if self._inflight_count():
@@ -229,7 +239,7 @@ class StreamRunner:
                 self._refresh_partitions()
                 continue
             t0 = time.perf_counter()
-            future = self._submitted[0][0]
+            future, _, fetch = self._submitted[0]
             # In slices: a task stuck on a source that went away must not hold a stop up.
             while not future.done():
                 if self._stopping():
@@ -237,7 +247,7 @@ class StreamRunner:
                 with contextlib.suppress(TimeoutError):
                     wait([future], timeout=self.poll_interval_s)
             self.stats.wait_s += time.perf_counter() - t0
-            batch, bad = future.result()
+            batch, bad = fetch.result()
             self._submitted.popleft()
             future.release()
             self._record(batch, bad)
@@ -267,5 +277,8 @@ class StreamRunner:
         """Cancel what is in flight; the positions stay those of the batches yielded."""
         self._closed = True
         if self._submitted:
-            self.client.cancel([f for f, _ in self._submitted])
+            self.client.cancel([f for f, _, _ in self._submitted])
         self._submitted.clear()
+        if self._fetcher is not None:
+            # Its fetches end with the cancelled tasks; nothing waits for them.
+            self._fetcher.shutdown(wait=False, cancel_futures=True)

@@ -5,13 +5,14 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from distributed import Client
+from distributed import Client, wait
 
 from connectors.parquet import ParquetSource
 from connectors.synthetic import (
@@ -92,6 +93,26 @@ def test_at_most_staleness_batches_in_flight(cluster: Client, staleness: int) ->
         assert runner._inflight_count() <= staleness
         seen += 1
     assert seen == 20
+
+
+def test_results_are_fetched_while_the_consumer_holds_a_batch(cluster: Client) -> None:
+    # A Dask result stays on its worker until asked for: the runner asks as soon as a
+    # task is done, so the batches after the one being trained on are already here.
+    source = SyntheticSource(SyntheticConfig(seed=4, partitions=2, events=2000))
+    runner = StreamRunner(cluster, source, SPEC, None, staleness=3, max_records=200)
+    batches = iter(runner)
+    next(batches)
+    ahead = list(runner._submitted)
+    assert len(ahead) == 3
+    wait([f for f, _, _ in ahead], timeout=30)  # computed (wait moves no data)
+    deadline = time.monotonic() + 10
+    while not all(fetch.done() for _, _, fetch in ahead) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # Here without the consumer asking for them.
+    assert all(fetch.done() for _, _, fetch in ahead)
+    assert [len(fetch.result()[0]) for _, _, fetch in ahead] == [200, 200, 200]
+    assert sum(1 for _ in batches) == 19
+    runner.close()
 
 
 def test_resume_from_positions_continues_without_overlap(cluster: Client, tmp_path: Path) -> None:
