@@ -304,8 +304,9 @@ def auto_torch_threads(
     and looking up; two local store shards take about one. What is left is
     shared between the host's ranks, at least one thread each. Giving a rank
     every core instead makes each parallel matmul wait for whichever of its
-    threads was pre-empted by the pipeline: on 2 cores, that ran the hybrid
-    trainer about 3x slower than one thread did.
+    threads was pre-empted: on 2 cores with other work running, that ran the
+    hybrid trainer about 3x slower than one thread did (on a quiet machine the
+    two tie).
 
     >>> auto_torch_threads(2, local_worker_threads=2, local_shards=2)  # the demo on 2 cores
     1
