@@ -835,7 +835,12 @@ class KafkaSource:
 
     def _leader(self, topic: str, partition: int) -> tuple[str, int]:
         """``(host, port)`` of the partition's leader: cached, else a Metadata request."""
-        from kafka.errors import LeaderNotAvailableError, UnknownTopicOrPartitionError, for_code
+        from kafka.errors import (
+            LeaderNotAvailableError,
+            UnknownError,
+            UnknownTopicOrPartitionError,
+            for_code,
+        )
 
         key = (topic, partition)
         with self._lock:
@@ -855,7 +860,14 @@ class KafkaSource:
                 conn.close()
             topics, leaders = kafka_fetch.decode_metadata_response(body)
             if topics.get(topic, 0):
-                raise for_code(topics[topic])(f"metadata of topic {topic}")
+                error = for_code(topics[topic])
+                what = f"metadata of topic {topic}: {error.__name__} (code {topics[topic]})"
+                if error.retriable or error is UnknownError:
+                    # A broker back from a kill -9 answers UNKNOWN (-1) or leader errors
+                    # for a while: the retry and its deadline decide, as for a broker
+                    # that does not answer at all.
+                    raise _Transient(what)
+                raise error(what)
             leader = leaders.get(key)
             if leader is None:
                 raise UnknownTopicOrPartitionError(f"{topic}/{partition}")

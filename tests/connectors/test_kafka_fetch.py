@@ -11,6 +11,7 @@ import socket
 import struct
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -298,6 +299,34 @@ def test_a_leader_that_moved_is_looked_up_again(
     assert got == list(enumerate(values))
     assert stale.fetches == 1
     assert source._leaders[(topic, 0)] != ("127.0.0.1", stale.port)
+
+
+def test_a_topic_error_in_the_leader_lookup_is_retried(
+    kafka: KafkaForTests,
+    kafka_topic: Callable[..., str],
+    sources: Callable[..., KafkaSource],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A broker back from a kill -9 answered the topic's metadata with UNKNOWN (-1):
+    # that ended a CI run's read with UnknownError instead of a retry.
+    topic = kafka_topic()
+    values = [f"v{i}".encode() for i in range(20)]
+    produce(kafka.bootstrap, topic, values, api_version=API_VERSION, partition=0)
+    real = kf.decode_metadata_response
+    answers = []
+
+    def restarting(body: bytes) -> Any:
+        topics, leaders = real(body)
+        answers.append(len(answers))
+        if len(answers) == 1:
+            return {topic: -1}, {}
+        return topics, leaders
+
+    monkeypatch.setattr(kf, "decode_metadata_response", restarting)
+    source = sources(kafka.bootstrap, topic)
+    got = read_all(source, [Chunk("kafka", f"{topic}/0", 0, 20)])
+    assert got == list(enumerate(values))
+    assert len(answers) >= 2
 
 
 def test_raw_chunks_decode_like_kafka_python_chunks(
