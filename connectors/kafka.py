@@ -862,10 +862,10 @@ class KafkaSource:
             if topics.get(topic, 0):
                 error = for_code(topics[topic])
                 what = f"metadata of topic {topic}: {error.__name__} (code {topics[topic]})"
-                if error is UnknownError:
-                    # A broker back from a kill -9 answers UNKNOWN (-1) for a while: the
-                    # retry and its deadline decide, as they do for the retriable errors
-                    # (_is_transient) and for a broker that does not answer at all.
+                if error.retriable or error is UnknownError:
+                    # A broker back from a kill -9 answers UNKNOWN (-1) or leader errors
+                    # for a while: the retry and its deadline decide, as for a broker
+                    # that does not answer at all.
                     raise _Transient(what)
                 raise error(what)
             leader = leaders.get(key)
