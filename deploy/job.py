@@ -335,6 +335,24 @@ def torch_threads_for(job: JobConfig, local_ranks: int) -> int:
     )
 
 
+def step_threads_for(job: JobConfig, local_ranks: int, device_type: str) -> int:
+    """``trainer.step_threads``, or 2 where a CPU trainer shares its host's cores with
+    the job's local workers and shards and gets one intra-op thread from them.
+
+    Split over 2 threads (:class:`trainer.split_step.SplitStep`), a step uses the
+    second core whenever the workers and shards leave it idle, and none of it
+    spinning when they do not.
+    """
+    cfg = job.trainer
+    if cfg.step_threads is not None:
+        return cfg.step_threads
+    if device_type != "cpu" or cfg.torch_threads is not None:
+        return 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    per_rank = (cpus or 1) // max(1, local_ranks)
+    return 2 if per_rank >= 2 and torch_threads_for(job, local_ranks) == 1 else 1
+
+
 def run_rank(
     job: JobConfig,
     services: Services,
@@ -372,8 +390,10 @@ def run_rank(
     cfg = job.trainer
     import torch
 
-    torch.set_num_threads(torch_threads_for(job, local_ranks))
     device = pick_device(cfg.device, device_index, local_ranks)
+    step_threads = step_threads_for(job, local_ranks, device.type)
+    # A split step's threads each run torch's ops on one intra-op thread.
+    torch.set_num_threads(1 if step_threads > 1 else torch_threads_for(job, local_ranks))
     if device.type == "cuda":
         import torch
 
@@ -516,6 +536,7 @@ def run_rank(
                 # A job always has a checkpoint to roll back to.
                 initial_checkpoint=book is not None and manifest is None,
                 stats=stats,
+                step_threads=step_threads,
             )
             runner = StreamRunner(
                 dask,

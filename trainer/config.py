@@ -156,6 +156,18 @@ class TrainerConfig(_Strict):
             "store shards this job starts on the same host, shared between its local ranks"
         ),
     )
+    step_threads: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "on a CPU, threads each step's batch is split over (in chunks they take in "
+            "turn, each thread running torch's ops on one intra-op thread): the trainer "
+            "keeps both cores busy where other processes pre-empt it, which torch's "
+            "intra-op threads do not; unset: 2 where the job's own workers and store "
+            "shards share the host's cores and leave one intra-op thread (torch_threads "
+            "unset), else 1 (no split)"
+        ),
+    )
     metrics_window: int = Field(100_000, ge=100, description="samples in the sliding window")
     label_prior: LabelPrior = Field(
         "first_batch",

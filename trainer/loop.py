@@ -41,6 +41,7 @@ from trainer.metrics import MetricsSnapshot, ProgressiveMetrics
 from trainer.models import build_model, field_dims, loss_fn, rate_logits
 from trainer.pooling import pool, row_grads, to_tensors
 from trainer.pusher import Pusher, PushFailed
+from trainer.split_step import SplitStep
 
 log = logging.getLogger(__name__)
 
@@ -380,6 +381,7 @@ class TrainLoop:
         before_checkpoint: Callable[[], None] | None = None,
         initial_checkpoint: bool = False,
         stats: LoopStats | None = None,
+        step_threads: int | None = None,
     ) -> None:
         """``max_events``: this rank learns at most this many records (dead-lettered
         ones included) and then ends its stream (``stopped_by`` "max_events").
@@ -391,7 +393,10 @@ class TrainLoop:
         letters, so that no committed offset covers a record not yet durable).
         ``initial_checkpoint``: take one before the first step, so that a job
         always has a checkpoint to roll back to. ``stats``: carry on counting
-        into these (a job that recovered keeps one summary).
+        into these (a job that recovered keeps one summary). ``step_threads``: on a
+        CPU, the threads each step's batch is split over (:class:`SplitStep`); 1
+        runs the whole batch on torch's intra-op threads; None: the config's
+        ``step_threads``, else 1 (the job resolves its default for the host).
         """
         self.config = config
         self.best_auc = best_auc
@@ -436,6 +441,8 @@ class TrainLoop:
         # init, so measuring the same first batch again gives an uninterrupted run's start.
         self._prior_pending = config.label_prior == "first_batch" and start_step == 0
         self._log: TextIO | None = None
+        threads = step_threads if step_threads is not None else config.step_threads or 1
+        self._split = SplitStep(threads) if threads > 1 and self.device.type == "cpu" else None
         # One line per learned chunk, and a rollback line per restore: the audit
         # trail that shows each offset was learned once, across restarts.
         self._ledger: Ledger | None = None
@@ -446,19 +453,31 @@ class TrainLoop:
         """Score the batch, then the gradients of its loss (the caller zeroed the dense ones)."""
         cuda = self.device.type == "cuda"
         bt = to_tensors(batch, self.spec, device=self.device, non_blocking=cuda, pin_memory=cuda)
-        with torch.autocast(
-            device_type=self.device.type,
-            dtype=torch.bfloat16,
-            enabled=self.config.bf16_autocast,
-        ):
-            logits = self.dense.module(bt.dense, pool(bt, self.spec))
-        logits = logits.float()
-        loss = loss_fn(logits, bt.labels)
+        if self._split is not None:
+            # The backward is done in there, before the batch's metrics: the logits are
+            # the same either way (scored before the step that learns from them).
+            logits, loss = self._split.forward_backward(
+                self.dense.module,
+                bt.dense,
+                pool(bt, self.spec),
+                bt.labels,
+                bf16=self.config.bf16_autocast,
+            )
+        else:
+            with torch.autocast(
+                device_type=self.device.type,
+                dtype=torch.bfloat16,
+                enabled=self.config.bf16_autocast,
+            ):
+                logits = self.dense.module(bt.dense, pool(bt, self.spec))
+            logits = logits.float()
+            loss = loss_fn(logits, bt.labels)
         with torch.no_grad():
             probs = torch.sigmoid(logits).cpu().numpy()
         # Progressive validation: this batch was scored before it is learned.
         self.metrics.update(batch.labels, probs)
-        loss.backward()
+        if self._split is None:
+            loss.backward()
         self._losses.append(float(loss.detach()))
         if len(self._losses) > 2 * _RECENT_LOSSES_KEPT:
             # A continuous job runs for weeks: keep the recent losses, not all of them.
@@ -551,6 +570,8 @@ class TrainLoop:
             raise
         finally:
             self.pusher.close()
+            if self._split is not None:
+                self._split.close()
             if self._log is not None:
                 self._log.close()
             if self._ledger is not None:

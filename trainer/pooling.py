@@ -211,8 +211,10 @@ def pool(bt: BatchTensors, spec: FeatureSpec) -> list[Tensor]:
         out = pool_table(
             t.rows, t.inverse, t.offsets, t.pooling, bt.batch_size, one_per_bag=t.one_per_bag
         )
-        for f, field in enumerate(t.fields):
-            pooled[field] = out[:, f]
+        # One unbind, not a select per field: each select's backward would write a
+        # zero [B, F, dim] gradient of its own, F of them to add up per table.
+        for field, column in zip(t.fields, out.unbind(1), strict=True):
+            pooled[field] = column
     missing = [s.name for s in spec.sparse if s.name not in pooled]
     if missing:
         msg = f"sparse fields {missing} are in no table of the batch tensors"
