@@ -82,6 +82,13 @@ class ClusterConfig(_Strict):
     workers: int = Field(2, ge=1, description="local Dask worker processes")
     threads_per_worker: int = Field(1, ge=1)
     dashboard_address: str = Field(":8787", description="local scheduler's dashboard")
+    scheduler_process: bool = Field(
+        True,
+        description=(
+            "the local Dask scheduler in a process of its own, so its work never takes "
+            "the trainer's GIL; false: in the trainer's process (LocalCluster)"
+        ),
+    )
     store: str | None = Field(None, description="grpc://host:port,... of running shards")
     store_shards: int = Field(2, ge=1, le=1024, description="local shard processes")
     token_file: Path | None = Field(

@@ -216,8 +216,9 @@ def start_services(
     Services the job names (``cluster.scheduler``, ``cluster.store``) are checked
     first: a wrong address, token or table schema is a :class:`JobError`.
     """
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
+    from deploy.local.dask_cluster import local_dask_cluster
     from deploy.local.shards import ShardProcess, ShardSupervisor
 
     run_dir = job.run_dir
@@ -260,11 +261,12 @@ def start_services(
     if job.cluster.scheduler is not None:
         return Services(job.cluster.scheduler, None, store, token, store_metrics, supervisor)
     cluster = stack.enter_context(
-        LocalCluster(
-            n_workers=job.cluster.workers,
+        local_dask_cluster(
+            workers=job.cluster.workers,
             threads_per_worker=job.cluster.threads_per_worker,
-            processes=True,
             dashboard_address=job.cluster.dashboard_address,
+            log_path=run_dir / "dask-scheduler.log",
+            scheduler_process=job.cluster.scheduler_process,
         )
     )
     # Before the page's address is printed: it used to answer 404 for seconds, until
@@ -335,9 +337,19 @@ def torch_threads_for(job: JobConfig, local_ranks: int) -> int:
     )
 
 
-def step_threads_for(job: JobConfig, local_ranks: int, device_type: str) -> int:
+# A split step pays a thread hand-off and a forward and backward call per chunk: worth
+# it for a step of about 20 ms or more on one core (dense weights x batch size, each
+# weight one multiply-add per sample), not for a small network's few ms.
+SPLIT_MIN_WORK = 1 << 29
+
+
+def step_threads_for(
+    job: JobConfig, local_ranks: int, device_type: str, dense_params: int | None = None
+) -> int:
     """``trainer.step_threads``, or 2 where a CPU trainer shares its host's cores with
-    the job's local workers and shards and gets one intra-op thread from them.
+    the job's local workers and shards, gets one intra-op thread from them, and
+    has a step long enough to split (``dense_params`` x batch size >=
+    ``SPLIT_MIN_WORK``; None: not known, count it long enough).
 
     Split over 2 threads (:class:`trainer.split_step.SplitStep`), a step uses the
     second core whenever the workers and shards leave it idle, and none of it
@@ -347,6 +359,8 @@ def step_threads_for(job: JobConfig, local_ranks: int, device_type: str) -> int:
     if cfg.step_threads is not None:
         return cfg.step_threads
     if device_type != "cpu" or cfg.torch_threads is not None:
+        return 1
+    if dense_params is not None and dense_params * cfg.batch_size < SPLIT_MIN_WORK:
         return 1
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     per_rank = (cpus or 1) // max(1, local_ranks)
@@ -391,9 +405,6 @@ def run_rank(
     import torch
 
     device = pick_device(cfg.device, device_index, local_ranks)
-    step_threads = step_threads_for(job, local_ranks, device.type)
-    # A split step's threads each run torch's ops on one intra-op thread.
-    torch.set_num_threads(1 if step_threads > 1 else torch_threads_for(job, local_ranks))
     if device.type == "cuda":
         import torch
 
@@ -415,6 +426,11 @@ def run_rank(
         )
         dask = stack.enter_context(Client(services.scheduler))
         dense = DenseModel(cfg, spec, store.dims, device)
+        step_threads = step_threads_for(
+            job, local_ranks, device.type, sum(p.numel() for p in dense.module.parameters())
+        )
+        # A split step's threads each run torch's ops on one intra-op thread.
+        torch.set_num_threads(1 if step_threads > 1 else torch_threads_for(job, local_ranks))
         book = None
         if cfg.checkpoint.enabled:
             book = CheckpointBook(checkpoint_location(job), keep=cfg.checkpoint.keep)

@@ -146,21 +146,25 @@ def test_bad_thread_or_chunk_counts_are_refused() -> None:
 def test_the_job_splits_the_step_where_it_shares_two_cores(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from deploy.job import step_threads_for
+    from deploy.job import SPLIT_MIN_WORK, step_threads_for
     from deploy.train_cli import demo_job
 
     job = demo_job(tmp_path, events=1000, partitions=2, seed=0, dim=4)
     raw = job.model_dump(mode="json")
 
-    def with_(cpus: int, **trainer: Any) -> int:
+    def with_(cpus: int, params: int | None = None, **trainer: Any) -> int:
         monkeypatch.setattr("os.sched_getaffinity", lambda _pid: set(range(cpus)))
         cfg = type(job).model_validate({**raw, "trainer": {**raw["trainer"], **trainer}})
-        return step_threads_for(cfg, local_ranks=1, device_type="cpu")
+        return step_threads_for(cfg, local_ranks=1, device_type="cpu", dense_params=params)
 
     assert with_(2) == 2  # the demo on 2 cores: its workers and shards leave 1 thread
     assert with_(1) == 1
     assert with_(16) == 1  # 13 intra-op threads left: torch's own threads do
     assert with_(2, torch_threads=1) == 1  # threads set by hand: no split unless asked
     assert with_(2, step_threads=3) == 3
+    batch = job.trainer.batch_size
+    assert with_(2, params=SPLIT_MIN_WORK // batch) == 2  # a step long enough to split
+    assert with_(2, params=SPLIT_MIN_WORK // batch - 1) == 1  # too short: the split costs
+    assert with_(2, params=1, step_threads=2) == 2  # asked for
     cfg = type(job).model_validate(raw)
     assert step_threads_for(cfg, local_ranks=1, device_type="cuda") == 1
