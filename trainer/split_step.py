@@ -105,21 +105,23 @@ class SplitStep:
         n = max(1, min(self.chunks, batch))
         bounds = [batch * i // n for i in range(n + 1)]
         spans = list(pairwise(bounds))
-        # The chunks' inputs are leaves of their own; what made ``sparse`` is
-        # back-propagated once, with the chunks' input gradients put together.
-        cut = [s.detach() for s in sparse]
+        # The sparse inputs side by side, so that each chunk has one leaf (a slice of
+        # them) and what made them is back-propagated once, with one gradient put
+        # together from the chunks': a few large ops, not a few per field and chunk.
+        widths = [int(s.shape[1]) for s in sparse]
+        joined = torch.cat(list(sparse), dim=1) if sparse else dense.new_zeros((batch, 0))
+        learn_inputs = joined.requires_grad
+        cut = joined.detach()
         params = [p for p in module.parameters() if p.requires_grad]
         device_type = dense.device.type
 
         def chunk(lo: int, hi: int) -> tuple[Tensor, Tensor, tuple[Tensor | None, ...]]:
-            inputs = [
-                c[lo:hi].requires_grad_(s.requires_grad) for c, s in zip(cut, sparse, strict=True)
-            ]
+            x = cut[lo:hi].requires_grad_(learn_inputs)
             with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=bf16):
-                out = module(dense[lo:hi], inputs)
+                out = module(dense[lo:hi], list(torch.split(x, widths, dim=1)))
             logits = out.float()
             loss = loss_fn(logits, labels[lo:hi]) * ((hi - lo) / batch)
-            wrt = params + [x for x in inputs if x.requires_grad]
+            wrt = [*params, x] if learn_inputs else params
             grads = torch.autograd.grad(loss, wrt, allow_unused=True)
             return logits.detach(), loss.detach(), grads
 
@@ -129,22 +131,19 @@ class SplitStep:
             for _, _, grads in parts:  # in chunk order: the same sum whichever thread ran which
                 g = grads[i]
                 if g is not None:
-                    total = g if total is None else total + g
+                    # The chunks' gradients are fresh tensors, ours to add into.
+                    total = g if total is None else total.add_(g)
             if total is not None:
                 p.grad = total if p.grad is None else p.grad + total
-        wanted = [s for s in sparse if s.requires_grad]
-        if wanted:
+        if learn_inputs:
             k = len(params)
-            input_grads = [
-                torch.cat(
-                    [
-                        _or_zeros(grads[k + j], hi - lo, s)
-                        for (_, _, grads), (lo, hi) in zip(parts, spans, strict=True)
-                    ]
-                )
-                for j, s in enumerate(wanted)
-            ]
-            torch.autograd.backward(wanted, input_grads)
+            input_grad = torch.cat(
+                [
+                    _or_zeros(grads[k], hi - lo, joined)
+                    for (_, _, grads), (lo, hi) in zip(parts, spans, strict=True)
+                ]
+            )
+            torch.autograd.backward([joined], [input_grad])
         logits = torch.cat([logits for logits, _, _ in parts])
         loss = torch.stack([loss for _, loss, _ in parts]).sum()
         return logits, loss
