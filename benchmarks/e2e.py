@@ -18,8 +18,10 @@ and the same model (embeddings of dim 16, the FFNN 512-256-1 over them, batch
   installs it);
 - ``sync``, ``hybrid``, ``async``: ``deploy.job.run_job`` as ``streamrec demo``
   runs it (2 local store shard processes with row-wise Adagrad, a
-  ``LocalCluster`` of 2 Dask workers that read, decode, hash and look up,
-  checkpoints off, ``trainer.torch_threads`` unset: the job picks them), with 1
+  local Dask cluster of 2 workers that read, decode, hash and look up, its
+  scheduler in a process of its own, checkpoints off, ``trainer.torch_threads``
+  and ``step_threads`` unset: the job picks them; on 2 cores the default model's
+  step is split over 2 threads, the small model's runs on one), with 1
   trainer rank for sync and hybrid and ``--async-ranks`` (2) for async: with
   one rank async would be hybrid without the dense allreduce, which one rank
   does not do either;

@@ -20,8 +20,10 @@ nothing new (a quiet Kafka partition) instead of waiting: a trainer rank in a
 group must keep taking part in the per-step collective while its partitions
 are quiet, or the other ranks would wait for it.
 
-A task that fails, or whose worker dies, is retried (its chunk is re-read from
-the source), so a lost worker costs a retry, never a record.
+Each task prefers the next of the cluster's workers in turn (any other may
+take it), so every worker reads, decodes and looks up. A task that fails, or
+whose worker dies, is retried (its chunk is re-read from the source), so a
+lost worker costs a retry, never a record.
 
 ``max_events`` bounds the records this run reads: chunks are planned so that
 the records yielded never exceed it (a chunk is cut short at the budget), and
@@ -125,6 +127,9 @@ class StreamRunner:
         self._next_partition = 0
         self._closed = False
         self._token = uuid.uuid4().hex[:8]
+        # The workers tasks are spread over, round-robin (refreshed with the partitions).
+        self._workers: list[str] = []
+        self._next_worker = int(self._token, 16)  # ranks sharing a cluster start apart
         if store is not None:
             client.register_plugin(StoreClientPlugin(store), name=StoreClientPlugin.name)
 
@@ -146,6 +151,10 @@ class StreamRunner:
                 self._done[p] = start
                 self._order.append(p)
 
+    def _refresh_workers(self) -> None:
+        with contextlib.suppress(Exception):  # a lost scheduler fails the tasks, not this
+            self._workers = sorted(self.client.scheduler_info().get("workers", {}))
+
     def _inflight_count(self) -> int:
         return len(self._submitted)
 
@@ -165,6 +174,14 @@ class StreamRunner:
         # Unique per runner and range: a key reused after a cancel (a resumed runner
         # planning a different range from the same start) would return the old task.
         key = f"prepare-{chunk.name}-{chunk.start}-{chunk.end}-{self._token}"
+        # Each task prefers the next worker in turn (any other may take it, a lost one's
+        # too). Left to choose, the scheduler gave one of 2 idle workers 98% of the
+        # tasks, so a job's pipeline ran on one worker whatever cluster.workers said.
+        placement: dict[str, object] = {}
+        if self._workers:
+            worker = self._workers[self._next_worker % len(self._workers)]
+            self._next_worker += 1
+            placement = {"workers": [worker], "allow_other_workers": True}
         return self.client.submit(
             prepare,
             chunk,
@@ -175,6 +192,7 @@ class StreamRunner:
             key=key,
             retries=self.retries,
             pure=False,
+            **placement,
         )
 
     def _top_up(self, limit: int) -> None:
@@ -214,6 +232,7 @@ class StreamRunner:
 
     def __iter__(self) -> Iterator[PreparedBatch | None]:
         self._refresh_partitions()
+        self._refresh_workers()
         # While the consumer trains on a batch, ``staleness`` more are in flight, so
         # a lookup misses the pushes of at most ``staleness`` earlier batches.
         limit = self.staleness + 1
@@ -222,6 +241,7 @@ class StreamRunner:
         while not self._closed:
             if time.monotonic() - last_refresh > 5.0:
                 self._refresh_partitions()
+                self._refresh_workers()
                 last_refresh = time.monotonic()
             asked = bool(self._inflight_count()) or time.monotonic() >= quiet_until
             if asked:

@@ -115,6 +115,20 @@ def test_results_are_fetched_while_the_consumer_holds_a_batch(cluster: Client) -
     runner.close()
 
 
+def test_tasks_are_spread_over_the_workers() -> None:
+    # Left to choose, the scheduler gave one of two idle workers nearly every task: a
+    # job's pipeline ran on one worker whatever cluster.workers said.
+    with dask_cluster() as client:
+        source = SyntheticSource(SyntheticConfig(seed=4, partitions=2, events=20_000))
+        runner = StreamRunner(client, source, SPEC, None, staleness=3, max_records=200)
+        for _ in runner:
+            time.sleep(0.005)  # a consumer's step, so that tasks finish between asks
+        runner.close()
+        done = client.run(lambda dask_worker: dask_worker.state.executed_count)
+    assert sum(done.values()) >= 100
+    assert min(done.values()) >= 0.45 * sum(done.values()), done
+
+
 def test_resume_from_positions_continues_without_overlap(cluster: Client, tmp_path: Path) -> None:
     path = tmp_path / "history.parquet"
     write_parquet(path, SyntheticConfig(seed=5), events=4000, row_group_size=500)
