@@ -75,21 +75,38 @@ class BatchTensors:
         return int(self.labels.shape[0])
 
 
+_NUMPY_DTYPES: dict[torch.dtype, type[np.generic]] = {
+    torch.float32: np.float32,
+    torch.int64: np.int64,
+}
+
+
 def _to_device(
-    array: npt.NDArray[np.generic], device: torch.device, non_blocking: bool, pin: bool
+    array: npt.NDArray[np.generic],
+    device: torch.device,
+    non_blocking: bool,
+    pin: bool,
+    dtype: torch.dtype,
 ) -> Tensor:
+    if device.type == "cpu":
+        want = _NUMPY_DTYPES[dtype]
+        if array.dtype != want:
+            # Widened in one pass into a new array (float16 rows, int32 indices).
+            return torch.from_numpy(np.ascontiguousarray(array, dtype=want))
+        if not array.flags.writeable:
+            # Arrays unpickled from a Dask message or decoded from a gRPC reply are
+            # read-only views; torch.from_numpy would share (and warn about) them.
+            array = array.copy()
+        return torch.from_numpy(np.ascontiguousarray(array))
     if not array.flags.writeable:
-        # Arrays unpickled from a Dask message or decoded from a gRPC reply are
-        # read-only views; torch.from_numpy would share (and warn about) them.
         array = array.copy()
     t = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type == "cpu":
-        return t
     if pin:
         # A copy from pageable memory is synchronous whatever non_blocking says;
         # from pinned memory it overlaps with compute already queued.
         t = t.pin_memory()
-    return t.to(device, non_blocking=non_blocking)
+    # Narrow types travel narrow and are widened on the device.
+    return t.to(device, non_blocking=non_blocking).to(dtype)
 
 
 def to_tensors(
@@ -129,20 +146,20 @@ def to_tensors(
                 f"{tb.unique_ids.shape[0]} unique ids"
             )
             raise ValueError(msg)
-        rows = _to_device(tb.rows, dev, non_blocking, pin).to(torch.float32)
+        rows = _to_device(tb.rows, dev, non_blocking, pin, torch.float32)
         bags = tb.offsets.shape[0] - 1
         tables[name] = TableTensors(
             rows=rows.requires_grad_(True),
-            inverse=_to_device(tb.inverse, dev, non_blocking, pin).to(torch.int64),
-            offsets=_to_device(tb.offsets, dev, non_blocking, pin).to(torch.int64),
+            inverse=_to_device(tb.inverse, dev, non_blocking, pin, torch.int64),
+            offsets=_to_device(tb.offsets, dev, non_blocking, pin, torch.int64),
             fields=fields,
             pooling=pooling,
             # Decided on the host, from the arrays at hand: no device sync in pool().
             one_per_bag=bool(tb.inverse.shape[0] == bags > 0 and np.all(np.diff(tb.offsets) == 1)),
         )
     return BatchTensors(
-        labels=_to_device(batch.labels, dev, non_blocking, pin).to(torch.float32),
-        dense=_to_device(batch.dense, dev, non_blocking, pin).to(torch.float32),
+        labels=_to_device(batch.labels, dev, non_blocking, pin, torch.float32),
+        dense=_to_device(batch.dense, dev, non_blocking, pin, torch.float32),
         tables=tables,
     )
 
