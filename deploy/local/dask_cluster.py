@@ -23,7 +23,6 @@ a log file.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import json
 import logging
 import signal
@@ -38,18 +37,15 @@ from distributed.deploy.subprocess import SubprocessScheduler
 from distributed.utils import Deadline
 from distributed.worker_memory import parse_memory_limit
 
+from deploy.local.shards import signal_when_parent_dies
+
 log = logging.getLogger(__name__)
 
 __all__ = ["SchedulerProcess", "local_dask_cluster"]
 
 
 def _kill_with_parent() -> None:
-    # Linux prctl(PR_SET_PDEATHSIG, SIGKILL); elsewhere the scheduler may outlive us.
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    signal_when_parent_dies(signal.SIGKILL)
 
 
 class SchedulerProcess(SubprocessScheduler):

@@ -26,13 +26,20 @@ _SERVING = re.compile(r"serving .* on (?P<host>[\w.:-]+):(?P<port>\d+) ")
 _METRICS = re.compile(r"metrics on http://\S+:(?P<port>\d+)/metrics")
 
 
-def _term_with_parent() -> None:
-    # Linux prctl(PR_SET_PDEATHSIG, SIGTERM); elsewhere the shard outlives us.
+def signal_when_parent_dies(sig: int) -> None:
+    """In a child, before exec: have the kernel send ``sig`` when the thread that
+    started it ends (Linux ``prctl(PR_SET_PDEATHSIG)``; elsewhere nothing: the
+    child may outlive its parent)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)
+        libc.prctl(1, sig)
     except (OSError, AttributeError):
         pass
+
+
+def _term_with_parent() -> None:
+    # SIGTERM: the shard checkpoints and exits.
+    signal_when_parent_dies(signal.SIGTERM)
 
 
 @dataclass
