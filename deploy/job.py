@@ -321,14 +321,19 @@ def auto_torch_threads(
     return max(1, left // max(1, local_ranks))
 
 
+def _host_cpus() -> int:
+    """The cores this process may run on (its affinity, where the OS tells it)."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return cpus or 1
+
+
 def torch_threads_for(job: JobConfig, local_ranks: int) -> int:
     """``trainer.torch_threads``, or the :func:`auto_torch_threads` of this host's parts."""
     if job.trainer.torch_threads is not None:
         return job.trainer.torch_threads
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cluster = job.cluster
     return auto_torch_threads(
-        cpus or 1,
+        _host_cpus(),
         local_ranks=local_ranks,
         local_worker_threads=(
             cluster.workers * cluster.threads_per_worker if cluster.scheduler is None else 0
@@ -362,8 +367,7 @@ def step_threads_for(
         return 1
     if dense_params is not None and dense_params * cfg.batch_size < SPLIT_MIN_WORK:
         return 1
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    per_rank = (cpus or 1) // max(1, local_ranks)
+    per_rank = _host_cpus() // max(1, local_ranks)
     return 2 if per_rank >= 2 and torch_threads_for(job, local_ranks) == 1 else 1
 
 

@@ -454,8 +454,6 @@ class TrainLoop:
         cuda = self.device.type == "cuda"
         bt = to_tensors(batch, self.spec, device=self.device, non_blocking=cuda, pin_memory=cuda)
         if self._split is not None:
-            # The backward is done in there, before the batch's metrics: the logits are
-            # the same either way (scored before the step that learns from them).
             logits, loss = self._split.forward_backward(
                 self.dense.module,
                 bt.dense,
@@ -472,12 +470,12 @@ class TrainLoop:
                 logits = self.dense.module(bt.dense, pool(bt, self.spec))
             logits = logits.float()
             loss = loss_fn(logits, bt.labels)
+            loss.backward()
         with torch.no_grad():
             probs = torch.sigmoid(logits).cpu().numpy()
-        # Progressive validation: this batch was scored before it is learned.
+        # Progressive validation: this batch was scored before it is learned (the
+        # logits are the model's before this step; the backward only made gradients).
         self.metrics.update(batch.labels, probs)
-        if self._split is None:
-            loss.backward()
         self._losses.append(float(loss.detach()))
         if len(self._losses) > 2 * _RECENT_LOSSES_KEPT:
             # A continuous job runs for weeks: keep the recent losses, not all of them.
