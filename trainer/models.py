@@ -72,7 +72,7 @@ def _mlp(width_in: int, widths: Sequence[int], activation: Activation) -> nn.Seq
     return nn.Sequential(*layers)
 
 
-class _DenseNet(nn.Module):
+class DenseNet(nn.Module):
     """A model's input widths, which every ``forward`` checks first, and its logit layer."""
 
     head: nn.Linear  # the last layer: one logit per task
@@ -98,7 +98,8 @@ class _DenseNet(nn.Module):
         with torch.no_grad():
             bias.copy_(logits.to(dtype=bias.dtype, device=bias.device))
 
-    def _check_inputs(self, dense: Tensor, sparse: Sequence[Tensor]) -> None:
+    def forward(self, dense: Tensor, sparse: Sequence[Tensor]) -> Tensor:
+        """Logits ``[B, tasks]`` of dense features ``[B, D]`` and pooled fields ``[B, dim_f]``."""
         dims = [s.shape[1] for s in sparse]
         if dense.shape[1] != self.num_dense or dims != self.field_dims:
             msg = (
@@ -106,9 +107,29 @@ class _DenseNet(nn.Module):
                 f"{self.field_dims}, got {dense.shape[1]} and {dims}"
             )
             raise ValueError(msg)
+        joined = torch.cat(list(sparse), dim=1) if sparse else dense.new_zeros((dense.shape[0], 0))
+        return self.forward_joined(dense, joined)
+
+    def forward_joined(self, dense: Tensor, joined: Tensor) -> Tensor:
+        """``forward`` with the pooled fields side by side: ``[B, sum(field_dims)]``.
+
+        The trainer's CPU path pools every field into one such matrix
+        (``trainer.joined_fields``), which spares a join and its backward.
+        """
+        if dense.shape[1] != self.num_dense or joined.shape[1] != sum(self.field_dims):
+            msg = (
+                f"expected {self.num_dense} dense features and {sum(self.field_dims)} "
+                f"columns of sparse fields (dims {self.field_dims}), "
+                f"got {dense.shape[1]} and {joined.shape[1]}"
+            )
+            raise ValueError(msg)
+        return self._logits(dense, joined)
+
+    def _logits(self, dense: Tensor, joined: Tensor) -> Tensor:
+        raise NotImplementedError
 
 
-class FFNN(_DenseNet):
+class FFNN(DenseNet):
     """MLP over ``concat(dense, *sparse)`` then a linear head, one logit per task."""
 
     def __init__(
@@ -119,14 +140,13 @@ class FFNN(_DenseNet):
         width = config.hidden[-1] if config.hidden else num_dense + sum(field_dims)
         self.head = nn.Linear(width, num_tasks)
 
-    def forward(self, dense: Tensor, sparse: list[Tensor]) -> Tensor:
-        self._check_inputs(dense, sparse)
-        x: Tensor = self.mlp(torch.cat([dense, *sparse], dim=1))
+    def _logits(self, dense: Tensor, joined: Tensor) -> Tensor:
+        x: Tensor = self.mlp(torch.cat([dense, joined], dim=1))
         out: Tensor = self.head(x)
         return out
 
 
-class DLRM(_DenseNet):
+class DLRM(DenseNet):
     """Dot interaction of [bottom_mlp(dense), *sparse] (upper triangle), then the top MLP.
 
     Without dense features there is no bottom MLP and only the sparse fields
@@ -153,15 +173,14 @@ class DLRM(_DenseNet):
         self.top = _mlp(width_in, config.top, "relu")
         self.head = nn.Linear(config.top[-1] if config.top else width_in, num_tasks)
 
-    def forward(self, dense: Tensor, sparse: list[Tensor]) -> Tensor:
-        self._check_inputs(dense, sparse)
-        vectors = list(sparse)
+    def _logits(self, dense: Tensor, joined: Tensor) -> Tensor:
+        stacked = joined.view(joined.shape[0], len(self.field_dims), self.field_dims[0])
         parts: list[Tensor] = []
         if self.bottom is not None:
             bottom_out: Tensor = self.bottom(dense)
-            vectors.insert(0, bottom_out)
+            stacked = torch.cat([bottom_out.unsqueeze(1), stacked], dim=1)
             parts.append(bottom_out)
-        stacked = torch.stack(vectors, dim=1)  # [B, n, dim]
+        # stacked: [B, n, dim]
         gram = torch.bmm(stacked, stacked.transpose(1, 2))  # [B, n, n]
         parts.append(gram[:, self.pair_i, self.pair_j])
         x: Tensor = self.top(torch.cat(parts, dim=1))
@@ -185,7 +204,7 @@ class CrossLayer(nn.Module):
         return x0 * projected + x
 
 
-class DCNv2(_DenseNet):
+class DCNv2(DenseNet):
     """Cross network and deep MLP over ``concat(dense, *sparse)``, stacked or in parallel."""
 
     def __init__(
@@ -201,9 +220,8 @@ class DCNv2(_DenseNet):
         deep_out = config.deep[-1] if config.deep else width
         self.head = nn.Linear(deep_out + width if self.parallel else deep_out, num_tasks)
 
-    def forward(self, dense: Tensor, sparse: list[Tensor]) -> Tensor:
-        self._check_inputs(dense, sparse)
-        x0 = torch.cat([dense, *sparse], dim=1)
+    def _logits(self, dense: Tensor, joined: Tensor) -> Tensor:
+        x0 = torch.cat([dense, joined], dim=1)
         x = x0
         for layer in self.cross:
             x = layer(x0, x)

@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from pipeline.spec import FeatureSpec
-from pipeline.types import PreparedBatch
+from pipeline.types import PreparedBatch, TableBatch
 
 POOLING_MODES = ("sum", "mean")
 
@@ -109,6 +109,45 @@ def _to_device(
     return t.to(device, non_blocking=non_blocking).to(dtype)
 
 
+def checked_table(
+    batch: PreparedBatch, spec: FeatureSpec, name: str, fields: tuple[str, ...]
+) -> tuple[TableBatch, tuple[str, ...]]:
+    """``batch``'s table ``name``, checked against the spec's ``fields``, and its pooling.
+
+    The table must be there, with the spec's fields in its order, their pooling
+    (where the batch says), and looked-up rows, one per unique id.
+    """
+    tb = batch.tables.get(name)
+    if tb is None:
+        msg = f"batch has no table {name!r} (it has {sorted(batch.tables)}); the spec needs it"
+        raise ValueError(msg)
+    if tb.fields != fields:
+        msg = f"table {name!r}: batch fields {tb.fields} differ from the spec's {fields}"
+        raise ValueError(msg)
+    pooling = tuple(spec.field(f).pooling for f in fields)
+    if tb.pooling and tb.pooling != pooling:
+        msg = f"table {name!r}: batch pooling {tb.pooling} differs from the spec's {pooling}"
+        raise ValueError(msg)
+    if tb.rows is None:
+        msg = f"table {name!r} has no rows: look the batch up in the store first"
+        raise ValueError(msg)
+    if tb.rows.ndim != 2 or tb.rows.shape[0] != tb.unique_ids.shape[0]:
+        msg = (
+            f"table {name!r}: rows of shape {tb.rows.shape} for {tb.unique_ids.shape[0]} unique ids"
+        )
+        raise ValueError(msg)
+    return tb, pooling
+
+
+def host_tensor(array: npt.NDArray[np.generic], dtype: torch.dtype = torch.float32) -> Tensor:
+    """``array`` as a CPU tensor of ``dtype`` that owns (or may write) its memory.
+
+    >>> host_tensor(np.array([1, 2], np.int32), torch.int64).tolist()
+    [1, 2]
+    """
+    return _to_device(array, torch.device("cpu"), False, False, dtype)
+
+
 def to_tensors(
     batch: PreparedBatch,
     spec: FeatureSpec,
@@ -126,26 +165,8 @@ def to_tensors(
     pin = pin_memory and dev.type == "cuda"
     tables: dict[str, TableTensors] = {}
     for name, fields in spec.tables().items():
-        tb = batch.tables.get(name)
-        if tb is None:
-            msg = f"batch has no table {name!r} (it has {sorted(batch.tables)}); the spec needs it"
-            raise ValueError(msg)
-        if tb.fields != fields:
-            msg = f"table {name!r}: batch fields {tb.fields} differ from the spec's {fields}"
-            raise ValueError(msg)
-        pooling = tuple(spec.field(f).pooling for f in fields)
-        if tb.pooling and tb.pooling != pooling:
-            msg = f"table {name!r}: batch pooling {tb.pooling} differs from the spec's {pooling}"
-            raise ValueError(msg)
-        if tb.rows is None:
-            msg = f"table {name!r} has no rows: look the batch up in the store first"
-            raise ValueError(msg)
-        if tb.rows.ndim != 2 or tb.rows.shape[0] != tb.unique_ids.shape[0]:
-            msg = (
-                f"table {name!r}: rows of shape {tb.rows.shape} for "
-                f"{tb.unique_ids.shape[0]} unique ids"
-            )
-            raise ValueError(msg)
+        tb, pooling = checked_table(batch, spec, name, fields)
+        assert tb.rows is not None  # checked
         rows = _to_device(tb.rows, dev, non_blocking, pin, torch.float32)
         bags = tb.offsets.shape[0] - 1
         tables[name] = TableTensors(

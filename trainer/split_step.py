@@ -25,7 +25,7 @@ sums over the batch are taken in another order).
 >>> dense, labels = torch.randn(6, 2), torch.ones(6, 1)
 >>> rows = torch.randn(6, 4, requires_grad=True)
 >>> with SplitStep(threads=2, chunks=3) as split:
-...     logits, loss = split.forward_backward(model, dense, [rows * 2], labels)
+...     logits, loss = split.forward_backward(model, dense, rows * 2, labels)
 >>> logits.shape, loss.shape
 (torch.Size([6, 1]), torch.Size([]))
 >>> split_grad = rows.grad.clone()
@@ -38,7 +38,6 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from itertools import pairwise
 from types import TracebackType
@@ -46,7 +45,7 @@ from types import TracebackType
 import torch
 from torch import Tensor
 
-from trainer.models import loss_fn
+from trainer.models import DenseNet, loss_fn
 
 __all__ = ["SplitStep"]
 
@@ -86,18 +85,20 @@ class SplitStep:
 
     def forward_backward(
         self,
-        module: torch.nn.Module,
+        module: DenseNet,
         dense: Tensor,
-        sparse: Sequence[Tensor],
+        joined: Tensor,
         labels: Tensor,
         *,
         bf16: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """The batch's logits (float32, detached) and mean loss (detached).
 
-        Adds the loss's gradients to the module's parameters' ``.grad`` and
-        back-propagates those of the ``sparse`` inputs through whatever made
-        them (pooling, down to the rows), as ``loss.backward()`` would.
+        ``joined`` holds the pooled sparse fields side by side (the input of
+        the module's ``forward_joined``). Adds the loss's gradients to the
+        module's parameters' ``.grad`` and back-propagates that of ``joined``
+        through whatever made it (pooling, down to the rows) once, put together
+        from the chunks', as ``loss.backward()`` would.
         ``bf16``: the module's forward under bfloat16 autocast (each thread
         enters it: autocast is per thread).
         """
@@ -105,11 +106,8 @@ class SplitStep:
         n = max(1, min(self.chunks, batch))
         bounds = [batch * i // n for i in range(n + 1)]
         spans = list(pairwise(bounds))
-        # The sparse inputs side by side, so that each chunk has one leaf (a slice of
-        # them) and what made them is back-propagated once, with one gradient put
-        # together from the chunks': a few large ops, not a few per field and chunk.
-        widths = [int(s.shape[1]) for s in sparse]
-        joined = torch.cat(list(sparse), dim=1) if sparse else dense.new_zeros((batch, 0))
+        # Each chunk has one leaf, a slice of the joined fields, and what made them is
+        # back-propagated once: a few large ops, not a few per field and chunk.
         learn_inputs = joined.requires_grad
         cut = joined.detach()
         params = [p for p in module.parameters() if p.requires_grad]
@@ -118,7 +116,7 @@ class SplitStep:
         def chunk(lo: int, hi: int) -> tuple[Tensor, Tensor, tuple[Tensor | None, ...]]:
             x = cut[lo:hi].requires_grad_(learn_inputs)
             with torch.autocast(device_type=device_type, dtype=torch.bfloat16, enabled=bf16):
-                out = module(dense[lo:hi], list(torch.split(x, widths, dim=1)))
+                out = module.forward_joined(dense[lo:hi], x)
             logits = out.float()
             loss = loss_fn(logits, labels[lo:hi]) * ((hi - lo) / batch)
             wrt = [*params, x] if learn_inputs else params

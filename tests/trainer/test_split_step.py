@@ -12,8 +12,9 @@ import torch
 from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch, TableBatch
 from trainer.config import DCNv2Config, DLRMConfig, FFNNConfig
+from trainer.joined_fields import JoinedFields
 from trainer.models import build_model, loss_fn
-from trainer.pooling import pool, row_grads, to_tensors
+from trainer.pooling import host_tensor, pool, row_grads, to_tensors
 from trainer.split_step import SplitStep
 
 # Two fields share table "t" (one of them mean-pooled lists), one has table "u".
@@ -71,19 +72,28 @@ MODELS: dict[str, Any] = {
 def step(
     kind: str, b: PreparedBatch, split: SplitStep | None, bf16: bool = False
 ) -> tuple[torch.Tensor, float, dict[str, torch.Tensor], dict[str, np.ndarray]]:
-    """(logits, loss, dense grads, row grads) of one step from the seed-0 model."""
+    """(logits, loss, dense grads, row grads) of one step from the seed-0 model.
+
+    Unsplit, the general path (a leaf per table, torch's pooling); split, the
+    trainer's CPU path (the fields joined by ``JoinedFields``).
+    """
     torch.manual_seed(0)
     model = build_model(MODELS[kind], num_dense=2, field_dims=[DIM] * 3, num_tasks=1)
-    bt = to_tensors(b, SPEC)
     if split is None:
+        bt = to_tensors(b, SPEC)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = model(bt.dense, pool(bt, SPEC)).float()
         loss = loss_fn(logits, bt.labels)
         loss.backward()
+        rows = row_grads(bt)
     else:
-        logits, loss = split.forward_backward(model, bt.dense, pool(bt, SPEC), bt.labels, bf16=bf16)
+        joined = JoinedFields(b, SPEC)
+        logits, loss = split.forward_backward(
+            model, host_tensor(b.dense), joined.tensor(), host_tensor(b.labels), bf16=bf16
+        )
+        rows = joined.row_grads()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return logits.detach(), float(loss.detach()), grads, row_grads(bt)
+    return logits.detach(), float(loss.detach()), grads, rows
 
 
 @pytest.mark.parametrize("kind", sorted(MODELS))
@@ -120,7 +130,7 @@ def test_split_step_adds_to_gradients_already_there() -> None:
     head.grad = torch.ones_like(head)
     bt = to_tensors(b, SPEC)
     with SplitStep(2) as split:
-        split.forward_backward(model, bt.dense, pool(bt, SPEC), bt.labels)
+        split.forward_backward(model, bt.dense, torch.cat(pool(bt, SPEC), dim=1), bt.labels)
     _, _, grads, _ = step("ffnn", b, None)
     torch.testing.assert_close(head.grad, grads["head.weight"] + 1.0, rtol=1e-5, atol=1e-6)
 
