@@ -230,6 +230,7 @@ class JoinedFields:
             offsets = np.ascontiguousarray(tb.offsets, dtype=np.int32)
             self._tables.append((name, tb.rows, inverse, offsets, cols, mean))
         self._grads: dict[str, npt.NDArray[np.float32]] | None = None
+        self._every_grad: npt.NDArray[np.float32] | None = None  # the one-id path's
         self._one_id = self._one_id_index(
             spec, {name: tb.fields for name, (tb, _) in checked.items()}
         )
@@ -277,8 +278,9 @@ class JoinedFields:
     def scatter(self, grad: Tensor) -> None:
         """Add ``grad`` (``[B, width]``, the joined tensor's) into the rows' gradients."""
         g = grad.detach().to(device="cpu", dtype=torch.float32).numpy()
-        grads = self._grads if self._grads is not None else self._zeros()
+        grads = self._grads if self._grads is not None else self._fresh_grads()
         if self._one_id is not None:
+            assert self._every_grad is not None  # made with the grads
             _scatter_one_id(g, self._one_id, self._every_grad)
         else:
             for name, _, inverse, offsets, cols, mean in self._tables:
@@ -287,15 +289,16 @@ class JoinedFields:
 
     def row_grads(self) -> dict[str, npt.NDArray[np.float32]]:
         """Each table's gradient per unique id (``[U, dim]`` float32), zeros where none flowed."""
-        return self._grads if self._grads is not None else self._zeros()
+        return self._grads if self._grads is not None else self._fresh_grads()
 
-    def _zeros(self) -> dict[str, npt.NDArray[np.float32]]:
+    def _fresh_grads(self) -> dict[str, npt.NDArray[np.float32]]:
+        """Zero gradients per table; on the one-id path views of one array, which
+        ``_every_grad`` then holds (the scatter adds into it by global row)."""
         if self._one_id is None:
             return {
                 name: np.zeros(rows.shape, dtype=np.float32)
                 for name, rows, _, _, _, _ in self._tables
             }
-        # Every table's gradient is a view of one array, as the fast path's rows are.
         total = sum(int(rows.shape[0]) for _, rows, _, _, _, _ in self._tables)
         dim = int(self._tables[0][1].shape[1]) if self._tables else 0
         self._every_grad = np.zeros((total, dim), dtype=np.float32)
