@@ -186,7 +186,7 @@ def _run(source: Any, store: Any, events: int) -> dict[str, float]:
         LocalCluster(
             n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
         ) as lc,
-        Client(lc) as client,
+        Client(lc, direct_to_workers=True) as client,  # as the job's trainer fetches
     ):
         runner = StreamRunner(
             client,

@@ -89,6 +89,13 @@ class ClusterConfig(_Strict):
             "the trainer's GIL; false: in the trainer's process (LocalCluster)"
         ),
     )
+    direct_to_workers: bool = Field(
+        True,
+        description=(
+            "the trainer fetches prepared batches straight from the Dask workers; false: "
+            "through the scheduler, which pickles every batch again (in-band, protocol 4)"
+        ),
+    )
     store: str | None = Field(None, description="grpc://host:port,... of running shards")
     store_shards: int = Field(2, ge=1, le=1024, description="local shard processes")
     token_file: Path | None = Field(

@@ -50,7 +50,7 @@ from deploy.cluster import (
     environment,
     store_token,
 )
-from deploy.config import JobConfig, KafkaJobSource, ParquetJobSource
+from deploy.config import ClusterConfig, JobConfig, KafkaJobSource, ParquetJobSource
 from deploy.local.kafka import free_port
 from embedding_store.client import StoreClient
 from embedding_store.errors import StoreUnavailable
@@ -72,6 +72,8 @@ from trainer.loop import (
 )
 
 if TYPE_CHECKING:
+    from distributed import Client
+
     from deploy.local.shards import ShardSupervisor
 
 log = logging.getLogger(__name__)
@@ -278,6 +280,19 @@ def start_services(
     )
 
 
+def batch_client(cluster: ClusterConfig, scheduler: str) -> Client:
+    """The trainer's Dask client: it fetches each prepared batch from the worker that made it.
+
+    Through the scheduler (``cluster.direct_to_workers: false``) every batch, about
+    2 MB, is pickled in-band (the scheduler's comms speak pickle protocol 4) and
+    relayed once more: about 5% of a small model's rate on 2 cores. A worker the
+    trainer cannot reach still answers through the scheduler (Dask falls back).
+    """
+    from distributed import Client
+
+    return Client(scheduler, direct_to_workers=cluster.direct_to_workers)
+
+
 def install_page(client: Any) -> None:
     """Serve the "streamrec" dashboard page and metrics from the client's scheduler.
 
@@ -390,8 +405,6 @@ def run_rank(
     rolls back to the newest job checkpoint and goes on (``trainer.recovery``).
     ``deadline`` is a ``time.monotonic()`` value (``--max-time``).
     """
-    from distributed import Client
-
     from pipeline.runner import StreamRunner
 
     if job.features is None:
@@ -428,7 +441,7 @@ def run_rank(
         store = stack.enter_context(
             StoreClient.connect(services.store, token=services.token, latency_s=latency_s)
         )
-        dask = stack.enter_context(Client(services.scheduler))
+        dask = stack.enter_context(batch_client(job.cluster, services.scheduler))
         dense = DenseModel(cfg, spec, store.dims, device)
         step_threads = step_threads_for(
             job, local_ranks, device.type, sum(p.numel() for p in dense.module.parameters())
