@@ -16,6 +16,14 @@ and the same model (embeddings of dim 16, the FFNN 512-256-1 over them, batch
   (FBGEMM's batched CPU kernels, row-wise Adagrad fused into the backward
   pass); skipped, saying so, where torchrec is not installed (``make install``
   installs it);
+- ``step``: streamrec's trainer alone on the baseline's footing: one process,
+  the same batches decoded and hashed before the clock starts, the job's loop
+  (``trainer.loop.TrainLoop``, ``staleness: 0``) over the store's own code in
+  this process (2 ``inproc://`` shards with row-wise Adagrad): each batch is
+  looked up just before its step and its gradients pushed after it, inside the
+  clock; no Dask, no gRPC, no other process on the cores. What the trainer
+  costs against the peers' steps, apart from the pipeline and the store
+  processes that share the same cores in the job modes;
 - ``sync``, ``hybrid``, ``async``: ``deploy.job.run_job`` as ``streamrec demo``
   runs it (2 local store shard processes with row-wise Adagrad, a
   local Dask cluster of 2 workers that read, decode, hash and look up, its
@@ -94,8 +102,8 @@ SMALL_HIDDEN = [64, 32]  # the small-model scenario: a short step against store 
 ROW_LR = 0.05  # Adagrad on the rows, as the synthetic tables have it
 ROW_EPS = 1e-8  # FBGEMM's default; the store's row-wise Adagrad is given the same
 INIT_SCALE = 0.01  # rows start uniform in [-0.01, 0.01], as the synthetic tables do
-MODES = ("baseline", "torchrec", "sync", "hybrid", "async")
-IN_PROCESS = ("baseline", "torchrec")
+MODES = ("baseline", "torchrec", "step", "sync", "hybrid", "async")
+IN_PROCESS = ("baseline", "torchrec", "step")
 
 # Issue 14's targets. The default model's hybrid_vs_sync and hybrid_vs_sync_at_2ms are
 # written too, as figures: on 2 cores its ~100 ms CPU step dwarfs the store's round trips.
@@ -384,6 +392,96 @@ def run_in_process(
         startup_s=t0 - t_start,
         breakdown={k: round(v, 2) for k, v in model.timers.items()},
         extra={"decode_hash_untimed_s": round(gen_s, 1), "hash_sizes": sizes},
+    )
+
+
+def run_step_in_process(
+    samples: int, seed: int, window: int, log: bool, warmup_s: float = 1.0, bf16: bool = False
+) -> Run:
+    """streamrec's trainer alone: the job's loop over in-process shards, pre-hashed batches."""
+    import torch
+
+    from embedding_store.client import StoreClient
+    from pipeline.prepare import prepare
+    from pipeline.types import PreparedBatch
+    from trainer.loop import DenseModel, Progress, TrainLoop
+
+    per_partition = samples // PARTITIONS
+    source = SyntheticSource(
+        SyntheticConfig(seed=seed, partitions=PARTITIONS, events=per_partition)
+    )
+    t_gen = time.perf_counter()
+    prepared: list[PreparedBatch] = []
+    for start in range(0, per_partition, BATCH):
+        for name in source.partitions():
+            chunk = source.plan(name, start, BATCH)
+            assert chunk is not None
+            batch, bad = prepare(chunk, source, SPEC, None, lookup=False)
+            assert not bad, f"{len(bad)} bad synthetic records"
+            prepared.append(batch)
+    gen_s = time.perf_counter() - t_gen
+    if log:
+        print(f"  step: {len(prepared)} batches decoded and hashed in {gen_s:.1f}s (untimed)")
+    with tempfile.TemporaryDirectory(prefix="bench-e2e-step-") as tmp:
+        job = make_job(
+            "sync",
+            samples,
+            Path(tmp),
+            seed=seed,
+            window=window,
+            latency_ms=0.0,
+            ranks=1,
+            torch_threads=None,
+            hidden=HIDDEN,
+            log_every_s=warmup_s,
+            bf16=bf16,
+        )
+    # The job's store section (row-wise Adagrad), its 2 shards in this process.
+    store = StoreClient.connect(f"inproc://{job.cluster.store_shards}", config=job.store)
+    # Alone on its host the job's rule gives the step every core on torch's
+    # intra-op threads and no split, as the baseline runs.
+    torch.set_num_threads(os.cpu_count() or 1)
+    dense = DenseModel(job.trainer, SPEC, store.dims, torch.device("cpu"))
+    reports: list[Progress] = []
+    loop = TrainLoop(job.trainer, SPEC, store, dense, on_progress=reports.append, step_threads=1)
+
+    def looked_up() -> Any:
+        for batch in prepared:  # staleness 0: the loop pushed the last batch before asking
+            rows = store.lookup({k: t.unique_ids for k, t in batch.tables.items()}, train=True)
+            for k, t in batch.tables.items():
+                t.rows = rows[k]
+            yield batch
+
+    t_call = time.perf_counter()
+    try:
+        stats = loop.run(looked_up())
+    finally:
+        store.close()
+    timed = [r for r in reports if r.samples > 0]
+    if len(timed) < 2:
+        msg = "step: too few progress reports to time (give it more --samples)"
+        raise RuntimeError(msg)
+    first, last = timed[0], timed[-1]
+    marks = [(r.elapsed_s, r.samples) for r in timed]
+    return Run(
+        mode="step",
+        samples_per_s=(last.samples - first.samples) / (last.elapsed_s - first.elapsed_s),
+        median_rate=median_interval_rate(marks),
+        auc=last.metrics.auc,
+        samples=last.samples,
+        timed_samples=last.samples - first.samples,
+        timed_s=last.elapsed_s - first.elapsed_s,
+        startup_s=first.elapsed_s,
+        breakdown={
+            "loop_wait_s": round(stats.wait_s, 2),
+            "loop_compute_s": round(stats.compute_s, 2),
+            "loop_push_wait_s": round(stats.push_wait_s, 2),
+        },
+        extra={
+            "decode_hash_untimed_s": round(gen_s, 1),
+            "job_call_s": round(time.perf_counter() - t_call, 1),
+            "steps": stats.steps,
+        },
     )
 
 
@@ -694,7 +792,11 @@ def main(argv: list[str] | None = None) -> int:
             added += f", MLP {'-'.join(map(str, hidden))}" if hidden != HIDDEN else ""
             print(f"{key}: {n:,} samples{added} (load {before})", flush=True)
         try:
-            if mode in IN_PROCESS:
+            if mode == "step":
+                run = run_step_in_process(
+                    n, args.seed, args.window, log, args.log_every_s, args.bf16
+                )
+            elif mode in IN_PROCESS:
                 run = run_in_process(
                     mode, n, args.seed, args.window, log, args.log_every_s, args.bf16
                 )
@@ -793,6 +895,10 @@ def summarize(
     results["hybrid_vs_torchrec"] = ratio(rate.get("hybrid"), rate.get("torchrec"))
     results["torchrec_vs_baseline"] = ratio(rate.get("torchrec"), rate.get("baseline"))
     results["hybrid_vs_sync"] = ratio(rate.get("hybrid"), rate.get("sync"))
+    # The trainer alone against the peers' steps, and what the job's other parts cost it.
+    results["step_vs_baseline"] = ratio(rate.get("step"), rate.get("baseline"))
+    results["step_vs_torchrec"] = ratio(rate.get("step"), rate.get("torchrec"))
+    results["hybrid_vs_step"] = ratio(rate.get("hybrid"), rate.get("step"))
     h_auc, s_auc = auc.get("hybrid"), auc.get("sync")
     results["auc_gap"] = abs(h_auc - s_auc) if h_auc is not None and s_auc is not None else None
     for kind in ("", "small_"):

@@ -1,7 +1,8 @@
 """The end-to-end benchmark's short run: every trainer it compares, on a few batches.
 
 ``benchmarks/e2e.py`` trains the same stream with plain PyTorch, TorchRec
-(FBGEMM's fused row-wise Adagrad) and streamrec's modes; its full run is the
+(FBGEMM's fused row-wise Adagrad), streamrec's trainer alone in one process
+and streamrec's modes; its full run is the
 benchmark. This runs the same script on 8 batches per mode so that none of
 the paths it measures rots: each must train, score the stream better than
 chance and write its figures. No figure is compared with a speed here.
@@ -30,6 +31,7 @@ def test_every_trainer_of_the_benchmark_trains_and_reports(tmp_path: Path) -> No
             "--modes",
             "baseline",
             "torchrec",
+            "step",
             "sync",
             "hybrid",
             "--store-latency-ms",
@@ -52,7 +54,7 @@ def test_every_trainer_of_the_benchmark_trains_and_reports(tmp_path: Path) -> No
     figures = json.loads(out.read_text())
     assert figures["errors"] == {}
     assert "torchrec_skipped" not in figures, figures.get("torchrec_skipped")
-    keys = ["baseline", "torchrec", "sync", "hybrid", "sync_at_2ms", "hybrid_at_2ms"]
+    keys = ["baseline", "torchrec", "step", "sync", "hybrid", "sync_at_2ms", "hybrid_at_2ms"]
     keys += ["sync_small_at_2ms", "hybrid_small_at_2ms"]
     for key in keys:
         assert figures[f"{key}_samples_per_s"] > 0, key
@@ -61,9 +63,12 @@ def test_every_trainer_of_the_benchmark_trains_and_reports(tmp_path: Path) -> No
         floor = 0.505 if key in ("baseline", "torchrec") else 0.6
         assert figures[f"{key}_auc"] > floor, (key, figures[f"{key}_auc"])
     assert figures["runs"]["hybrid_small_at_2ms"]["samples"] == 32768
-    for ratio in ("hybrid_vs_torchrec", "hybrid_vs_baseline", "hybrid_vs_sync_small_at_2ms"):
+    ratios = ("hybrid_vs_torchrec", "hybrid_vs_baseline", "hybrid_vs_sync_small_at_2ms")
+    for ratio in (*ratios, "step_vs_baseline", "step_vs_torchrec", "hybrid_vs_step"):
         assert (figures[ratio] or 0) > 0, ratio
     assert set(figures["targets"]) >= {"hybrid_vs_torchrec", "hybrid_vs_sync_small_at_2ms"}
     # The TorchRec baseline really ran FBGEMM's fused optimizer: no sparse step of its own.
     assert "sparse_step_s" not in figures["runs"]["torchrec"]["breakdown"]
     assert figures["runs"]["baseline"]["breakdown"]["sparse_step_s"] > 0
+    # The trainer alone trained every batch of the stream, in the job's loop.
+    assert figures["runs"]["step"]["steps"] == 32768 // 4096
