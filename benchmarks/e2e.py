@@ -91,6 +91,7 @@ from connectors.synthetic import (
 
 if TYPE_CHECKING:
     from monitoring.report import RunData
+    from pipeline.types import PreparedBatch
 
 SPEC = synthetic_feature_spec()
 BATCH = 4096
@@ -154,22 +155,19 @@ def median_interval_rate(marks: list[tuple[float, int]], every_s: float = 1.0) -
 # --- the plain PyTorch baseline --------------------------------------------------------
 
 
-def baseline_batches(samples: int, seed: int, sizes: list[int]) -> list[tuple[Any, Any, Any]]:
-    """(field indices [F, B], dense [B, 13], labels [B, 1]) per batch, as torch tensors.
+def hashed_batches(samples: int, seed: int) -> list[PreparedBatch]:
+    """The batches the streamrec runs train on, read, validated and hashed, not looked up.
 
-    The chunks are those the streamrec runs train on (partition 0 and 1 taken in
-    turn), read, validated and hashed by the pipeline's own code (``prepare``
-    without the store lookup); each field's ids are then taken mod its size.
+    The chunks of partitions 0 and 1 taken in turn, prepared by the pipeline's own
+    code (``prepare`` without the store lookup): the in-process trainers' input,
+    made before their clock starts.
     """
-    import torch
-
     from pipeline.prepare import prepare
 
     per_partition = samples // PARTITIONS
     source = SyntheticSource(
         SyntheticConfig(seed=seed, partitions=PARTITIONS, events=per_partition)
     )
-    mods = np.array(sizes, dtype=np.uint64)
     out = []
     for start in range(0, per_partition, BATCH):
         for name in source.partitions():
@@ -177,20 +175,34 @@ def baseline_batches(samples: int, seed: int, sizes: list[int]) -> list[tuple[An
             assert chunk is not None
             batch, bad = prepare(chunk, source, SPEC, None, lookup=False)
             assert not bad, f"{len(bad)} bad synthetic records"
-            b = len(batch)
-            idx = np.empty((len(SPEC.sparse), b), dtype=np.int64)
-            for f, s in enumerate(SPEC.sparse):
-                tb = batch.tables[s.table]
-                assert tb.offsets.shape[0] == b + 1, "one bag per sample"
-                assert int(tb.offsets[-1]) == b, "one id per bag"
-                idx[f] = (tb.unique_ids[tb.inverse] % mods[f]).astype(np.int64)
-            out.append(
-                (
-                    torch.from_numpy(idx),
-                    torch.from_numpy(np.ascontiguousarray(batch.dense)),
-                    torch.from_numpy(np.ascontiguousarray(batch.labels)),
-                )
+            out.append(batch)
+    return out
+
+
+def baseline_batches(samples: int, seed: int, sizes: list[int]) -> list[tuple[Any, Any, Any]]:
+    """(field indices [F, B], dense [B, 13], labels [B, 1]) per batch, as torch tensors.
+
+    The :func:`hashed_batches`, each field's ids taken mod its size.
+    """
+    import torch
+
+    mods = np.array(sizes, dtype=np.uint64)
+    out = []
+    for batch in hashed_batches(samples, seed):
+        b = len(batch)
+        idx = np.empty((len(SPEC.sparse), b), dtype=np.int64)
+        for f, s in enumerate(SPEC.sparse):
+            tb = batch.tables[s.table]
+            assert tb.offsets.shape[0] == b + 1, "one bag per sample"
+            assert int(tb.offsets[-1]) == b, "one id per bag"
+            idx[f] = (tb.unique_ids[tb.inverse] % mods[f]).astype(np.int64)
+        out.append(
+            (
+                torch.from_numpy(idx),
+                torch.from_numpy(np.ascontiguousarray(batch.dense)),
+                torch.from_numpy(np.ascontiguousarray(batch.labels)),
             )
+        )
     return out
 
 
@@ -402,23 +414,10 @@ def run_step_in_process(
     import torch
 
     from embedding_store.client import StoreClient
-    from pipeline.prepare import prepare
-    from pipeline.types import PreparedBatch
     from trainer.loop import DenseModel, Progress, TrainLoop
 
-    per_partition = samples // PARTITIONS
-    source = SyntheticSource(
-        SyntheticConfig(seed=seed, partitions=PARTITIONS, events=per_partition)
-    )
     t_gen = time.perf_counter()
-    prepared: list[PreparedBatch] = []
-    for start in range(0, per_partition, BATCH):
-        for name in source.partitions():
-            chunk = source.plan(name, start, BATCH)
-            assert chunk is not None
-            batch, bad = prepare(chunk, source, SPEC, None, lookup=False)
-            assert not bad, f"{len(bad)} bad synthetic records"
-            prepared.append(batch)
+    prepared = hashed_batches(samples, seed)
     gen_s = time.perf_counter() - t_gen
     if log:
         print(f"  step: {len(prepared)} batches decoded and hashed in {gen_s:.1f}s (untimed)")
