@@ -13,7 +13,8 @@ supervisor: it brings it back on the same port after ``--outage-s``). The job
 is never restarted by hand. A killed trainer rank ends a job (with the command
 to resume, see tests/trainer/test_job_faults.py), so it is not a victim here.
 
-At the end the producer stops, the job catches up with the topic's end, gets
+At the end (after ``--minutes``, or once the last of ``--kills`` has recovered:
+the producer writes on until then) the producer stops, the job catches up with the topic's end, gets
 Ctrl-C (SIGINT: last checkpoint, offsets committed) and the offsets are
 counted from the ledger (``learned-rank0.log``, rollbacks applied) and the
 consumer group: each offset of the topic must be learned exactly once.
@@ -270,7 +271,14 @@ def main(argv: list[str] | None = None) -> int:
         bag: list[str] = []
         until = time.monotonic() + args.minutes * 60
         next_kill = time.monotonic() + args.kill_every_s
-        while time.monotonic() < until and (args.kills is None or len(kills) < args.kills):
+        # After the last kill too, the producer writes on until the job has recovered
+        # from it: stopped at once, a job that had learned every record so far had
+        # nothing left to learn, and its last recovery went uncounted.
+        while time.monotonic() < until and (
+            args.kills is None
+            or len(kills) < args.kills
+            or any(k.recovery_s is None for k in kills)
+        ):
             if job_proc.poll() is not None:
                 break  # the job died: a failure the figures show (manual_restarts stays 0)
             now = time.monotonic()
@@ -284,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
                     k.recovery_s = now - started - k.at_s
                     print(f"  {k.kind} kill at {k.at_s:.0f}s: recovered in {k.recovery_s:.1f}s")
             # One component down at a time: the next kill waits for the last recovery.
-            if now >= next_kill and not pending:
+            more = args.kills is None or len(kills) < args.kills
+            if now >= next_kill and not pending and more:
                 bag = bag or random.sample(KINDS, len(KINDS))
                 kill = Kill(bag.pop(), time.monotonic() - started, 0, learned)
                 kill.rollbacks_at_kill = rollback_count(run_dir)
