@@ -313,12 +313,17 @@ def test_a_job_on_many_hosts_heals_lost_hosts_and_learns_every_offset_once(
     assert survivor.procs["trainer"].wait(120) != 0
     assert "another rank of the torchrun world is gone" in survivor.log("trainer")
     lost.replace()
+    # The new lives resume from the newest checkpoint; only they write past it. (Waiting
+    # for first.step + 5 was met by a checkpoint of the first lives: the shard host
+    # then died while the trainers were still starting, and they refused to start.)
+    resumed = cluster.checkpoints.latest()
+    assert resumed is not None
     for i in range(len(cluster.trainers)):
         cluster.start_trainer(i)
     after = wait_for(
         cluster,
         "a checkpoint after the trainer hosts came back",
-        lambda m: m is not None and m.step > first.step + 5,
+        lambda m: m is not None and m.step > resumed.step + 5,
     )
     assert after is not None
 
