@@ -414,7 +414,7 @@ def run_step_in_process(
     import torch
 
     from embedding_store.client import StoreClient
-    from trainer.loop import DenseModel, Progress, TrainLoop
+    from trainer.loop import DenseModel, TrainLoop
 
     t_gen = time.perf_counter()
     prepared = hashed_batches(samples, seed)
@@ -422,10 +422,11 @@ def run_step_in_process(
     if log:
         print(f"  step: {len(prepared)} batches decoded and hashed in {gen_s:.1f}s (untimed)")
     with tempfile.TemporaryDirectory(prefix="bench-e2e-step-") as tmp:
+        run_dir = Path(tmp)
         job = make_job(
             "sync",
             samples,
-            Path(tmp),
+            run_dir,
             seed=seed,
             window=window,
             latency_ms=0.0,
@@ -435,42 +436,42 @@ def run_step_in_process(
             log_every_s=warmup_s,
             bf16=bf16,
         )
-    # The job's store section (row-wise Adagrad), its 2 shards in this process.
-    store = StoreClient.connect(f"inproc://{job.cluster.store_shards}", config=job.store)
-    # Alone on its host the job's rule gives the step every core on torch's
-    # intra-op threads and no split, as the baseline runs.
-    torch.set_num_threads(os.cpu_count() or 1)
-    dense = DenseModel(job.trainer, SPEC, store.dims, torch.device("cpu"))
-    reports: list[Progress] = []
-    loop = TrainLoop(job.trainer, SPEC, store, dense, on_progress=reports.append, step_threads=1)
+        # The job's store section (row-wise Adagrad), its 2 shards in this process.
+        store = StoreClient.connect(f"inproc://{job.cluster.store_shards}", config=job.store)
+        # Alone on its host the job's rule gives the step every core on torch's
+        # intra-op threads and no split, as the baseline runs.
+        torch.set_num_threads(os.cpu_count() or 1)
+        dense = DenseModel(job.trainer, SPEC, store.dims, torch.device("cpu"))
+        # Its metrics file, as a job's rank writes it: timed by the job modes' clock.
+        loop = TrainLoop(job.trainer, SPEC, store, dense, run_dir=run_dir, step_threads=1)
 
-    def looked_up() -> Any:
-        for batch in prepared:  # staleness 0: the loop pushed the last batch before asking
-            rows = store.lookup({k: t.unique_ids for k, t in batch.tables.items()}, train=True)
-            for k, t in batch.tables.items():
-                t.rows = rows[k]
-            yield batch
+        def looked_up() -> Any:
+            for batch in prepared:  # staleness 0: the loop pushed the last batch before asking
+                rows = store.lookup({k: t.unique_ids for k, t in batch.tables.items()}, train=True)
+                for k, t in batch.tables.items():
+                    t.rows = rows[k]
+                yield batch
 
-    t_call = time.perf_counter()
-    try:
-        stats = loop.run(looked_up())
-    finally:
-        store.close()
-    timed = [r for r in reports if r.samples > 0]
-    if len(timed) < 2:
-        msg = "step: too few progress reports to time (give it more --samples)"
+        t_call = time.perf_counter()
+        try:
+            stats = loop.run(looked_up())
+        finally:
+            store.close()
+        lines = read_metrics(run_dir)
+    if 0 not in lines:
+        msg = "step: the loop wrote no metrics"
         raise RuntimeError(msg)
-    first, last = timed[0], timed[-1]
-    marks = [(r.elapsed_s, r.samples) for r in timed]
+    rate, median_rate, timed_samples, timed_s, total = measured_rate(lines)
+    first = next(r for r in lines[0] if r["samples"] > 0)
     return Run(
         mode="step",
-        samples_per_s=(last.samples - first.samples) / (last.elapsed_s - first.elapsed_s),
-        median_rate=median_interval_rate(marks),
-        auc=last.metrics.auc,
-        samples=last.samples,
-        timed_samples=last.samples - first.samples,
-        timed_s=last.elapsed_s - first.elapsed_s,
-        startup_s=first.elapsed_s,
+        samples_per_s=rate,
+        median_rate=median_rate,
+        auc=lines[0][-1]["metrics"]["auc"],
+        samples=total,
+        timed_samples=timed_samples,
+        timed_s=timed_s,
+        startup_s=first["elapsed_s"],
         breakdown={
             "loop_wait_s": round(stats.wait_s, 2),
             "loop_compute_s": round(stats.compute_s, 2),
