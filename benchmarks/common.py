@@ -142,12 +142,72 @@ def print_figures(
         print(f"{k:<{width}}{sep}{show(v)}")
 
 
+def machine_info() -> dict[str, Any]:
+    """The machine a benchmark ran on: its figures compare only with ones from the same.
+
+    The same ratios differ by machine (TorchRec's FBGEMM kernels gain most
+    where AVX-512 is), so every JSON names the CPU model, the vector
+    extensions torch's kernels and FBGEMM pick from, the cores and the
+    versions of the libraries whose kernels do the work.
+
+    >>> info = machine_info()
+    >>> sorted(info) == sorted(["cpu_model", "cores", "cpu_flags", "torch_cpu_capability",
+    ...     "torch", "numba", "numpy", "python", "platform"])
+    True
+    """
+    import os
+    import platform
+
+    model = ""
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not model:
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+              "amx_bf16", "amx_tile", "asimd", "sve")
+    info: dict[str, Any] = {
+        "cpu_model": model or platform.processor(),
+        "cores": os.cpu_count(),
+        # FBGEMM dispatches on these flags (AVX2, AVX-512, VNNI); torch's ATen on the capability.
+        "cpu_flags": [f for f in wanted if f in flags],
+        "torch_cpu_capability": None,
+        "torch": None,
+        "numba": None,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    except ImportError:
+        pass
+    try:
+        import numba
+
+        info["numba"] = numba.__version__
+    except ImportError:
+        pass
+    return info
+
+
 def write_json(path: Path, figures: Mapping[str, Any], *, announce: bool = False) -> None:
-    """Write ``figures`` as indented JSON to ``path``, creating its folder.
+    """Write ``figures`` as indented JSON to ``path``, creating its folder, with the
+    machine they were measured on under ``"machine"`` (see :func:`machine_info`).
 
     With ``announce``, print ``wrote PATH`` after.
     """
     path.parent.mkdir(parents=True, exist_ok=True)
+    figures = {**figures, "machine": machine_info()}
     path.write_text(json.dumps(figures, indent=2) + "\n")
     if announce:
         print(f"wrote {path}")
