@@ -170,8 +170,19 @@ def machine_info() -> dict[str, Any]:
                     flags = set(value.split())
     except OSError:
         pass
-    wanted = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
-              "amx_bf16", "amx_tile", "asimd", "sve")
+    wanted = (
+        "avx2",
+        "fma",
+        "avx512f",
+        "avx512bw",
+        "avx512vl",
+        "avx512_vnni",
+        "avx512_bf16",
+        "amx_bf16",
+        "amx_tile",
+        "asimd",
+        "sve",
+    )
     info: dict[str, Any] = {
         "cpu_model": model or platform.processor(),
         "cores": os.cpu_count(),
