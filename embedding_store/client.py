@@ -162,8 +162,11 @@ class ShardTransport(Protocol):
         request_id: str,
         dtype: RowDtype,
         *,
+        return_rows: RowDtype | None = None,
         deferred: bool = False,
-    ) -> Wait[PushResult]: ...
+    ) -> Wait[PushResult]:
+        """Apply ``grads``; with ``return_rows`` the result carries the pushed rows after it."""
+        ...
 
     def checkpoint(
         self, directory: str, kind: CheckpointKind, metadata: dict[str, Any]
@@ -234,6 +237,7 @@ class InprocTransport:
         request_id: str,
         dtype: RowDtype,
         *,
+        return_rows: RowDtype | None = None,
         deferred: bool = False,
     ) -> Wait[PushResult]:
         def run() -> PushResult:
@@ -244,7 +248,13 @@ class InprocTransport:
                     k: (i, np.asarray(g).astype(dtype).astype(np.float32))
                     for k, (i, g) in grads.items()
                 }
-                return self.shard.push(cast, request_id=request_id)
+                result = self.shard.push(cast, request_id=request_id)
+                if return_rows is None:
+                    return result
+                rows = self.shard.lookup(
+                    {k: i for k, (i, _) in grads.items()}, train=False, dtype=return_rows
+                )
+                return replace(result, rows=rows)
 
         return self._start(run, deferred)
 
@@ -608,18 +618,23 @@ class GrpcTransport:
         request_id: str,
         dtype: RowDtype,
         *,
+        return_rows: RowDtype | None = None,
         deferred: bool = False,
     ) -> Wait[PushResult]:
         if self._frames:
-            payload = encode_push(grads, request_id=request_id, dtype=dtype)
+            payload = encode_push(
+                grads, request_id=request_id, dtype=dtype, return_rows=return_rows
+            )
             area = self._take_area(AREA_HEADER + _align64(len(payload)))
             if area is not None:
 
                 def network() -> PushResult:
-                    return self.start_push(grads, request_id, dtype, deferred=True)()
+                    return self.start_push(
+                        grads, request_id, dtype, return_rows=return_rows, deferred=True
+                    )()
 
                 def read(reply: bytes, area: _SharedArea, at: int) -> PushResult:
-                    return self._push_result(pb.PushResponse.FromString(reply))
+                    return self._push_result(pb.PushResponse.FromString(reply), return_rows)
 
                 return self._shared(
                     "PushShared", self._push_shared, area, payload, deferred, network, read
@@ -631,8 +646,10 @@ class GrpcTransport:
                     data = wait_frame()
                 except _NoFrames:
                     self._frames = False
-                    return self.start_push(grads, request_id, dtype, deferred=True)()
-                return self._push_result(pb.PushResponse.FromString(data))
+                    return self.start_push(
+                        grads, request_id, dtype, return_rows=return_rows, deferred=True
+                    )()
+                return self._push_result(pb.PushResponse.FromString(data), return_rows)
 
             return applied
         request = pb.PushRequest(
@@ -642,17 +659,26 @@ class GrpcTransport:
                 for k, (i, g) in grads.items()
             ],
             dtype=TO_PB[dtype],
+            return_rows=None if return_rows is None else TO_PB[return_rows],
         )
         wait = self._start("Push", request, deferred=deferred)
-        return lambda: self._push_result(wait())
+        return lambda: self._push_result(wait(), return_rows)
 
-    def _push_result(self, r: pb.PushResponse) -> PushResult:
+    def _push_result(self, r: pb.PushResponse, return_rows: RowDtype | None) -> PushResult:
         self._check_incarnation(r.incarnation, "push")
+        rows = None
+        if return_rows is not None:
+            try:
+                rows = decode_rows(r.rows, return_rows)
+            except InvalidRequest as exc:
+                msg = f"Push reply from shard {self.address}: {exc}"
+                raise InvalidRequest(msg) from None
         return PushResult(
             applied=r.applied,
             dropped_not_admitted=r.dropped_not_admitted,
             rejected_nonfinite=r.rejected_nonfinite,
             duplicate_request=r.duplicate_request,
+            rows=rows,
         )
 
     def checkpoint(
@@ -954,8 +980,25 @@ class StoreClient:
         grads: Mapping[str, tuple[npt.ArrayLike, npt.ArrayLike]],
         *,
         request_id: str | None = None,
+        return_rows: bool = False,
     ) -> PushResult:
-        """Apply row gradients (``[n, dim]`` per table); safe to retry with the same id."""
+        """Apply row gradients (``[n, dim]`` per table); safe to retry with the same id.
+
+        ``return_rows``: the result's ``rows`` holds each table's pushed rows as the
+        store holds them after the push (``row_dtype``, in the order of the ids):
+        what a lookup right after it would read, without another round trip.
+
+        >>> from embedding_store.types import StoreConfig
+        >>> store = StoreClient.connect("inproc://2", config=StoreConfig(
+        ...     tables={"t": {"dim": 2, "optimizer": {"kind": "sgd", "lr": 0.5}}}))
+        >>> ids = np.array([4, 9], dtype=np.uint64)
+        >>> before = store.lookup({"t": ids})["t"]
+        >>> result = store.push({"t": (ids, np.ones((2, 2)))}, return_rows=True)
+        >>> bool(np.allclose(result.rows["t"], before - 0.5, atol=1e-3))
+        True
+        >>> bool((result.rows["t"] == store.lookup({"t": ids}, train=False)["t"]).all())
+        True
+        """
         rid = request_id or f"{self._client_id}-{next(self._push_seq)}"
         routed = {}
         for name, (table_ids, g) in grads.items():
@@ -967,7 +1010,8 @@ class StoreClient:
                 raise InvalidRequest(msg)
             routed[name] = (arr, g_arr, order, bounds)
         self._delay()
-        waits: list[Wait[PushResult]] = []
+        rows_dtype = self.row_dtype if return_rows else None
+        waits: list[tuple[int, Wait[PushResult]]] = []
         for s, transport in enumerate(self._transports):
             part = {}
             for name, (arr, g_arr, order, bounds) in routed.items():
@@ -978,11 +1022,31 @@ class StoreClient:
                 if sel.shape[0]:
                     part[name] = (arr[sel], g_arr[sel])
             if part:
-                waits.append(transport.start_push(part, rid, self.grad_dtype, deferred=not waits))
+                wait = transport.start_push(
+                    part, rid, self.grad_dtype, return_rows=rows_dtype, deferred=not waits
+                )
+                waits.append((s, wait))
         total = PushResult()
-        for wait in waits:
-            total = total + wait()
-        return total
+        rows = (
+            {
+                name: np.empty((arr.shape[0], self.dims[name]), dtype=self.row_dtype)
+                for name, (arr, _, _, _) in routed.items()
+            }
+            if return_rows
+            else None
+        )
+        for s, wait in waits:
+            result = wait()
+            total = total + result
+            if rows is None or result.rows is None:
+                continue
+            for name, part_rows in result.rows.items():
+                if self.num_shards == 1:
+                    rows[name] = part_rows
+                else:
+                    _, _, order, bounds = routed[name]
+                    rows[name][order[bounds[s] : bounds[s + 1]]] = part_rows
+        return replace(total, rows=rows) if rows is not None else total
 
     def _each(self, fn: Callable[[int, ShardTransport], T]) -> list[T]:
         self._delay()

@@ -50,7 +50,7 @@ from embedding_store.latency import LatencyHistogram
 from embedding_store.proto import embedding_store_pb2 as pb
 from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
 from embedding_store.shard import StoreShard
-from embedding_store.types import CheckpointResult, LatencySnapshot, ShardStats
+from embedding_store.types import CheckpointResult, LatencySnapshot, RowDtype, ShardStats
 from embedding_store.wire import (
     AREA_HEADER,
     FRAME_SERVICE,
@@ -281,7 +281,7 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
             self.shard.lookup(ids, train=True, step=step)
         return True
 
-    def _check_reply_size(self, ids: dict[str, Any], dtype: str) -> int:
+    def _check_reply_size(self, ids: dict[str, Any], dtype: str, what: str = "Lookup") -> int:
         """The values the reply will hold; MessageTooLarge when it could not be sent.
 
         Refused before any row is made or read: a reply that cannot be sent would
@@ -293,7 +293,7 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
         if reply > limit:
             n = sum(len(v) for v in ids.values())
             msg = (
-                f"Lookup: the reply for {n} ids would be {reply:,} bytes, over "
+                f"{what}: the reply for {n} ids would be {reply:,} bytes, over "
                 f"max_message_bytes {limit:,}; split the ids into several calls"
             )
             raise MessageTooLarge(msg)
@@ -368,16 +368,38 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
         if len(grads) != len(request.tables):
             msg = "tables: a table is named twice in one Push"
             raise InvalidRequest(msg)
-        return self._apply_push(grads, request.request_id)
+        return_rows = (
+            row_dtype(request.return_rows, "return_rows")
+            if request.HasField("return_rows")
+            else None
+        )
+        return self._apply_push(grads, request.request_id, return_rows)
 
-    def _apply_push(self, grads: dict[str, Any], request_id: str) -> pb.PushResponse:
+    def _apply_push(
+        self, grads: dict[str, Any], request_id: str, return_rows: RowDtype | None = None
+    ) -> pb.PushResponse:
+        ids = {name: i for name, (i, _) in grads.items()}
+        values = 0 if return_rows is None else self._check_reply_size(ids, return_rows, "Push")
         result = self.shard.push(grads, request_id=request_id or None)
+        rows = b""
+        if return_rows is not None:
+            # Read after the push, so the trainer gets what its next lookup would:
+            # the rows with this push (and any that landed before it) applied.
+            item = 2 if return_rows == "float16" else 4
+            with self._replies.hold(values * item):
+                dims = {name: self.shard.table(name).dim for name in ids}
+                buf, views = rows_frame(
+                    {name: (len(v), dims[name]) for name, v in ids.items()}, return_rows
+                )
+                self.shard.lookup(ids, train=False, out=views)
+                rows = bytes(buf)
         return pb.PushResponse(
             applied=result.applied,
             dropped_not_admitted=result.dropped_not_admitted,
             rejected_nonfinite=result.rejected_nonfinite,
             duplicate_request=result.duplicate_request,
             incarnation=self.shard.incarnation,
+            rows=rows,
         )
 
     @_errors_to_status
@@ -406,7 +428,9 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
                 raise InvalidRequest(msg)
             # float32 gradients are used as they came (a view of the request's bytes).
             grads[name] = (ids, g if g.dtype == np.float32 else g.astype(np.float32))
-        reply: bytes = self._apply_push(grads, frame.request_id).SerializeToString()
+        reply: bytes = self._apply_push(
+            grads, frame.request_id, frame.return_rows
+        ).SerializeToString()
         return reply
 
     @_errors_to_status

@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
+import numpy as np
+import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 TABLE_NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
@@ -219,12 +221,19 @@ class StoreConfig(_Strict):
 
 @dataclass(frozen=True)
 class PushResult:
-    """What one push did, summed over the tables it named."""
+    """What one push did, summed over the tables it named.
+
+    ``rows``: when the push asked for them, each table's pushed rows as the
+    store holds them after the push, in the order of the pushed ids.
+    """
 
     applied: int = 0
     dropped_not_admitted: int = 0
     rejected_nonfinite: int = 0
     duplicate_request: bool = False
+    rows: dict[str, npt.NDArray[np.floating]] | None = field(
+        default=None, compare=False, repr=False
+    )
 
     def __add__(self, other: PushResult) -> PushResult:
         return PushResult(

@@ -27,7 +27,11 @@ them with ``np.frombuffer``. Layout, all little-endian::
            lookup request: ids (uint64); reply: rows (dtype, row-major);
            push request: ids (uint64), then gradients (dtype, row-major)
 
-A push's reply is the protobuf ``PushResponse`` (a few counters).
+A push's reply is the protobuf ``PushResponse`` (a few counters). A push may
+ask for the rows it changed back (flags ``1`` float16, ``2`` float32): then the
+response's ``rows`` holds a Lookup reply frame of exactly the pushed ids, as the
+shard holds them after the push, which is how a trainer reads its own pushes
+fresh without another round trip.
 
 For a shard on the client's host the same frames go through a shared-memory
 area instead (``SharedCall``): the client writes the request frame into a
@@ -121,6 +125,13 @@ PUSH_MAGIC = b"SRPQ"
 _HEAD = struct.Struct("<4sBBBxqII")
 _TABLE = struct.Struct("<QIH")
 _TRAIN, _CREATE_ONLY, _HAS_STEP = 1, 2, 4
+# Push frame flags: the reply carries the pushed rows, in float16 or float32.
+_ROWS_F16, _ROWS_F32 = 1, 2
+_RETURN_ROWS_FLAGS: dict[RowDtype | None, int] = {
+    None: 0,
+    "float16": _ROWS_F16,
+    "float32": _ROWS_F32,
+}
 _DTYPE_CODES: dict[str, int] = {"float16": 0, "float32": 1}
 _CODE_DTYPES: dict[int, RowDtype] = {0: "float16", 1: "float32"}
 # Bounds a hostile header cannot pass (a frame is capped by max_message_bytes anyway).
@@ -145,6 +156,7 @@ class PushFrame:
     request_id: str
     dtype: RowDtype
     grads: dict[str, tuple[npt.NDArray[np.uint64], npt.NDArray[np.floating]]]
+    return_rows: RowDtype | None = None
 
 
 def _pad8(n: int) -> int:
@@ -357,8 +369,18 @@ def encode_push(
     *,
     request_id: str,
     dtype: RowDtype,
+    return_rows: RowDtype | None = None,
 ) -> bytes:
-    """A Push frame: each table's ids, then its gradients rounded to ``dtype``."""
+    """A Push frame: each table's ids, then its gradients rounded to ``dtype``.
+
+    ``return_rows``: ask for the pushed rows back, in that dtype.
+
+    >>> ids, g = np.array([5], np.uint64), np.ones((1, 2), np.float32)
+    >>> frame = decode_push(encode_push({"t": (ids, g)}, request_id="r", dtype="float32",
+    ...                                 return_rows="float16"))
+    >>> frame.request_id, frame.return_rows, frame.grads["t"][1].tolist()
+    ('r', 'float16', [[1.0, 1.0]])
+    """
     arrays = {
         k: (np.ascontiguousarray(i, dtype=_LE_U64), np.ascontiguousarray(g, dtype=_DTYPES[dtype]))
         for k, (i, g) in grads.items()
@@ -371,7 +393,7 @@ def encode_push(
         _head(
             PUSH_MAGIC,
             dtype,
-            0,
+            _RETURN_ROWS_FLAGS[return_rows],
             0,
             [(k, len(i), g.shape[1]) for k, (i, g) in arrays.items()],
             request_id.encode(),
@@ -386,7 +408,7 @@ def encode_push(
 def decode_push(data: bytes | memoryview) -> PushFrame:
     """A Push frame back to its fields; ids and gradients are zero-copy views of ``data``."""
     head = _Head(data, PUSH_MAGIC, "Push frame")
-    if head.flags:
+    if head.flags not in (0, _ROWS_F16, _ROWS_F32):
         msg = f"Push frame: unknown flags {head.flags:#x}"
         raise InvalidRequest(msg)
     grads = {}
@@ -395,7 +417,15 @@ def decode_push(data: bytes | memoryview) -> PushFrame:
         g = head.array(_DTYPES[head.dtype], count * dim, f"tables[{name}].grads")
         grads[name] = (ids, g.reshape(count, dim))
     head.finish()
-    return PushFrame(request_id=head.extra, dtype=head.dtype, grads=grads)  # type: ignore[arg-type]
+    return_rows: RowDtype | None = (
+        "float16" if head.flags == _ROWS_F16 else "float32" if head.flags == _ROWS_F32 else None
+    )
+    return PushFrame(
+        request_id=head.extra,
+        dtype=head.dtype,
+        grads=grads,  # type: ignore[arg-type]
+        return_rows=return_rows,
+    )
 
 
 # --- shared areas: the same frames through shared memory, for a shard on this host ----

@@ -131,6 +131,15 @@ class TrainerConfig(_Strict):
     push_queue: int = Field(
         1, ge=0, description="pushes left in flight while training on (counts in staleness)"
     )
+    fresh_rows: bool = Field(
+        True,
+        description=(
+            "hybrid and async: each push brings back the rows it changed, and the next "
+            "steps train those instead of their staler looked-up copies, so a rank reads "
+            "its own pushes as sync mode does (hot ids stay fresh) while the lookups stay "
+            "ahead; costs the last push's round trip per step. false: rows as looked up"
+        ),
+    )
     average_every: int = Field(50, ge=1, description="async mode: steps between dense averages")
     ranks: int = Field(1, ge=1, le=256)
     model: ModelConfig = Field(default_factory=FFNNConfig)
@@ -211,3 +220,19 @@ class TrainerConfig(_Strict):
     @property
     def effective_push_queue(self) -> int:
         return min(self.push_queue, self.staleness)
+
+    @property
+    def fresh_pushes_kept(self) -> int:
+        """Pushes whose rows a rank remembers for fresh reads (0: none); more than one
+        lookup can miss, so none it missed is forgotten.
+
+        >>> TrainerConfig(staleness=4).fresh_pushes_kept
+        8
+        >>> TrainerConfig(mode="sync").fresh_pushes_kept
+        0
+        >>> TrainerConfig(fresh_rows=False).fresh_pushes_kept
+        0
+        """
+        if not self.fresh_rows or self.staleness == 0:
+            return 0
+        return self.staleness + self.effective_push_queue + 3

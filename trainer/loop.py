@@ -199,6 +199,10 @@ class LoopStats:
     stopped_by: str = ""
     # Observed staleness: batches by how many earlier pushes their lookup missed.
     missed_pushes: dict[int, int] = field(default_factory=dict)
+    # Per row: rows by how many of this rank's pushes to them their lookup missed, and
+    # how many of those rows were trained with the pushes' values instead (fresh_rows).
+    missed_pushes_by_row: dict[int, int] = field(default_factory=dict)
+    rows_freshened: int = 0
     # Dead-lettered records by partition, then by reason.
     bad_by_partition: dict[str, dict[str, int]] = field(default_factory=dict)
     # Rollbacks to the newest checkpoint after the store lost state, and how long each took.
@@ -227,6 +231,8 @@ class Progress:
     compute_s: float
     events_total: int = 0  # records read in this run, dead-lettered ones included
     missed_pushes: dict[str, int] = field(default_factory=dict)  # see LoopStats
+    missed_pushes_by_row: dict[str, int] = field(default_factory=dict)  # see LoopStats
+    rows_freshened: int = 0
     positions: dict[str, int] = field(default_factory=dict)  # learned up to, per partition
     deadletter: dict[str, dict[str, int]] = field(default_factory=dict)
     best_auc: float | None = None  # the synthetic stream's best achievable AUC
@@ -434,7 +440,10 @@ class TrainLoop:
             mode="local" if config.mode == "async" else "allreduce",
             average_every=config.average_every,
         )
-        self.pusher = Pusher(store, run_id=f"{uuid.uuid4().hex[:12]}-r{rank}")
+        # Sync mode reads every push fresh already (its lookups wait for them).
+        fresh = config.fresh_pushes_kept if config.mode != "sync" else 0
+        self.pusher = Pusher(store, run_id=f"{uuid.uuid4().hex[:12]}-r{rank}", fresh_rows=fresh)
+        self._fresh = fresh > 0
         self._losses: list[float] = []
         self._last_checkpoint_t = time.monotonic()
         self._checkpointed_step = start_step  # a restored job holds this step already
@@ -627,6 +636,8 @@ class TrainLoop:
                 if batch is not None and batch.looked_up_at > 0
                 else None
             )
+            if self._fresh and batch is not None and len(batch) and batch.looked_up_at > 0:
+                self._freshen(batch)
             t0 = time.perf_counter()
             # A rank without a batch still steps, with no dense gradients of its own.
             self.dense.optimizer.zero_grad(set_to_none=True)
@@ -718,6 +729,21 @@ class TrainLoop:
                 msg = f"the last pushes were lost: {exc}"
                 raise Rollback(msg) from exc
         self._report()
+
+    def _freshen(self, batch: PreparedBatch) -> None:
+        """Train the rows this rank pushed since the batch's lookup as they are now."""
+        try:
+            done = self.pusher.freshen(batch.tables, batch.looked_up_at)
+        except Exception as exc:
+            if not store_failure(exc):
+                raise
+            self._failure = exc  # every rank hears of it at this step's collective
+            return
+        self.stats.push_wait_s += done.wait_s
+        self.stats.rows_freshened += done.replaced
+        by_row = self.stats.missed_pushes_by_row
+        for k, n in done.by_row.items():
+            by_row[k] = by_row.get(k, 0) + n
 
     def _first_batch_prior(self, batch: PreparedBatch | None) -> None:
         """Set each head's output bias to logit(its label's rate in the first batch).
@@ -815,6 +841,10 @@ class TrainLoop:
             compute_s=self.stats.compute_s,
             events_total=self.stats.samples + self.stats.bad_records,
             missed_pushes={str(k): n for k, n in sorted(self.stats.missed_pushes.items())},
+            missed_pushes_by_row={
+                str(k): n for k, n in sorted(self.stats.missed_pushes_by_row.items())
+            },
+            rows_freshened=self.stats.rows_freshened,
             positions=dict(self.positions),
             deadletter={p: dict(r) for p, r in self.stats.bad_by_partition.items()},
             best_auc=self.best_auc,

@@ -22,6 +22,22 @@ dropped silently.
 >>> pusher.missed_since(0.0), pusher.missed_since(time.time())  # before / after it landed
 (1, 0)
 >>> pusher.close()
+
+With ``fresh_rows``, each push asks the store for the rows it changed, and
+``freshen`` lays them over a batch that was looked up before they landed
+(see :mod:`trainer.fresh_rows`):
+
+>>> from pipeline.types import TableBatch
+>>> pusher = Pusher(store, run_id="fresh", fresh_rows=4)
+>>> looked_up = time.time()
+>>> table = TableBatch(fields=("f",), unique_ids=ids, inverse=np.array([0, 1], np.int32),
+...                    offsets=np.array([0, 1, 2], np.int32),
+...                    rows=store.lookup({"t": ids})["t"])
+>>> pusher.submit({"t": (ids, np.ones((2, 2), dtype=np.float32))})
+>>> report = pusher.freshen({"t": table}, looked_up)
+>>> report.by_row, bool((table.rows == store.lookup({"t": ids})["t"]).all())
+({1: 2}, True)
+>>> pusher.close()
 """
 
 from __future__ import annotations
@@ -32,11 +48,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
 
 from embedding_store.client import StoreClient
+from pipeline.types import TableBatch
+from trainer.fresh_rows import RecentPushes, overlay_rows
 
 # Enough for any staleness bound a job would use; older pushes count as seen.
 _APPLIED_TIMES_KEPT = 256
@@ -48,10 +67,20 @@ class PushFailed(RuntimeError):
     """A push to the store failed; ``__cause__`` is the store's error."""
 
 
+@dataclass
+class Freshened:
+    """What :meth:`Pusher.freshen` did to one batch."""
+
+    wait_s: float = 0.0  # waiting for this rank's last pushes to land
+    by_row: dict[int, int] = field(default_factory=dict)  # rows by own pushes their lookup missed
+    replaced: int = 0  # rows whose value came from a push's reply instead of the lookup
+
+
 class Pusher:
     """Applies pushes in submission order on one background thread."""
 
-    def __init__(self, store: StoreClient, *, run_id: str) -> None:
+    def __init__(self, store: StoreClient, *, run_id: str, fresh_rows: int = 0) -> None:
+        """``fresh_rows``: remember the rows of this many recent pushes (0: ask for none)."""
         self.store = store
         # Request ids are unique per run incarnation: after a restore the same
         # batch is pushed again, and the store must not take it for a retry.
@@ -64,6 +93,7 @@ class Pusher:
         self._queue: queue.Queue[tuple[int, Grads] | None] = queue.Queue()
         self._cond = threading.Condition()
         self._error: BaseException | None = None
+        self._recent = RecentPushes(fresh_rows) if fresh_rows > 0 else None
         self._thread = threading.Thread(target=self._run, name="streamrec-pusher", daemon=True)
         self._thread.start()
 
@@ -102,6 +132,32 @@ class Pusher:
         self._raise_if_failed()
         return time.perf_counter() - t0
 
+    def freshen(self, tables: Mapping[str, TableBatch], looked_up_at: float) -> Freshened:
+        """Lay the rows of this rank's pushes that landed after ``looked_up_at`` (unix s)
+        over ``tables``' looked-up rows, after waiting for every push submitted so far.
+
+        A row pushed at step t is then what step t + 1 trains, at any staleness.
+        Needs ``fresh_rows``. A lookup time later than the true one only costs
+        rows overlaid with the value they already had (this rank's pushes are
+        its own); the lookup and the acknowledgement times come from the hosts'
+        clocks, which are assumed in step to well under a step's time.
+        """
+        if self._recent is None:
+            msg = "freshen: this Pusher was made without fresh_rows"
+            raise RuntimeError(msg)
+        out = Freshened(wait_s=self.wait(0))
+        with self._cond:
+            pushes = self._recent.missed(self._recent.applied_by(looked_up_at))
+        for name, table in tables.items():
+            if table.rows is None:
+                continue
+            table.rows, missed = overlay_rows(table.unique_ids, table.rows, pushes, name)
+            counts = np.bincount(missed)
+            for k in np.flatnonzero(counts):
+                out.by_row[int(k)] = out.by_row.get(int(k), 0) + int(counts[k])
+            out.replaced += int(missed.shape[0] - counts[0]) if counts.shape[0] else 0
+        return out
+
     def drain(self) -> float:
         """Block until every submitted push is applied."""
         return self.wait(0)
@@ -122,10 +178,15 @@ class Pusher:
             if item is None:
                 return
             n, grads = item
+            result = None
             if self._error is None:
                 t0 = time.perf_counter()
                 try:
-                    self.store.push(grads, request_id=f"{self.run_id}-{n}")
+                    result = self.store.push(
+                        grads,
+                        request_id=f"{self.run_id}-{n}",
+                        return_rows=self._recent is not None,
+                    )
                 except BaseException as exc:  # handed to the trainer thread
                     with self._cond:
                         self._error = exc
@@ -133,6 +194,10 @@ class Pusher:
                     continue
                 self.push_s += time.perf_counter() - t0
             with self._cond:
+                now = time.time()
+                if self._recent is not None and result is not None and result.rows is not None:
+                    rows = result.rows
+                    self._recent.add(n, now, {k: (ids, rows[k]) for k, (ids, _) in grads.items()})
                 self.applied += 1
-                self._applied_at.append(time.time())
+                self._applied_at.append(now)
                 self._cond.notify_all()

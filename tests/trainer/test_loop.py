@@ -295,7 +295,9 @@ def test_hybrid_loop_with_stale_lookups_differs_from_the_reference(
     reference: tuple[list[float], ReferenceModel],
 ) -> None:
     planned = chunks(source(), "synthetic/0", 0, STEPS * BATCH)
-    loop, store, prepared_after, _ = loop_run("hybrid", planned, ahead=1, staleness=2)
+    loop, store, prepared_after, reports = loop_run(
+        "hybrid", planned, ahead=1, staleness=2, fresh_rows=False
+    )
     ref_losses, ref = reference
     # Batch i + 1 was looked up before batch i was learned: it missed at least one push.
     assert all(applied < i for i, applied in enumerate(prepared_after) if i > 0)
@@ -304,6 +306,32 @@ def test_hybrid_loop_with_stale_lookups_differs_from_the_reference(
     with pytest.raises(AssertionError):
         assert_like_reference(loop, store, ref_losses, ref)
     assert not np.allclose(loop._losses, ref_losses, rtol=1e-5, atol=1e-7)
+    # Nothing was freshened, and the stale rows show per row.
+    assert loop.stats.rows_freshened == 0
+    assert loop.stats.missed_pushes_by_row == {}
+    store.close()
+
+
+@pytest.mark.parametrize("ahead", [1, 3])
+def test_hybrid_loop_reading_its_pushes_fresh_equals_the_reference(
+    reference: tuple[list[float], ReferenceModel], ahead: int
+) -> None:
+    """One rank, lookups ``ahead`` batches early: every row this rank pushed since a
+    batch's lookup is trained with the push's value, so hybrid learns what sync does.
+    """
+    planned = chunks(source(), "synthetic/0", 0, STEPS * BATCH)
+    loop, store, prepared_after, reports = loop_run(
+        "hybrid", planned, ahead=ahead, staleness=ahead + 1
+    )
+    # The lookups did miss pushes (the prefetch), and those rows were replaced.
+    assert all(applied < i for i, applied in enumerate(prepared_after) if i > 0)
+    assert max(loop.stats.missed_pushes) >= ahead
+    missed_rows = loop.stats.missed_pushes_by_row
+    assert max(missed_rows) >= ahead
+    assert loop.stats.rows_freshened == sum(n for k, n in missed_rows.items() if k > 0) > 0
+    assert reports[-1].missed_pushes_by_row == {str(k): n for k, n in missed_rows.items()}
+    ref_losses, ref = reference
+    assert_like_reference(loop, store, ref_losses, ref)
     store.close()
 
 
