@@ -295,7 +295,7 @@ def test_hybrid_loop_with_stale_lookups_differs_from_the_reference(
     reference: tuple[list[float], ReferenceModel],
 ) -> None:
     planned = chunks(source(), "synthetic/0", 0, STEPS * BATCH)
-    loop, store, prepared_after, reports = loop_run(
+    loop, store, prepared_after, _ = loop_run(
         "hybrid", planned, ahead=1, staleness=2, fresh_rows=False
     )
     ref_losses, ref = reference
