@@ -1,6 +1,6 @@
 """``build_batch`` throughput on a Criteo-like table, and where the time goes.
 
-    python benchmarks/hashing_micro.py [--rows 100000] [--repeats 7] [--shared-table]
+    python benchmarks/hashing_micro.py [--rows 100000] [--repeats 7] [--shared-table] [--json PATH]
 
 The table has a label, 13 dense integer counts (10% missing, ``log1p``, clipped)
 and 26 single-hot string fields of 8 hex characters (5% missing) whose
@@ -9,7 +9,13 @@ the Criteo display-ads logs. Each sparse field feeds its own embedding table
 (as DLRM does), or with ``--shared-table`` all feed one.
 
 Prints the median seconds and events/s of ``build_batch`` and of its parts on
-one thread (after a warm-up call that loads the compiled kernels).
+one thread (after a warm-up call that loads the compiled kernels), then
+``dedup`` against ``np.unique`` on ``--dedup-ids`` Zipf-like ids. With
+``--json``, the same figures: ``build_batch_events_per_s``,
+``hash_events_per_s``, ``bags_dedup_events_per_s``,
+``dense_matrix_events_per_s``, ``label_matrix_events_per_s``,
+``unique_fraction`` and, per size N, ``dedup_N_ids_s``,
+``np_unique_N_ids_s`` and ``dedup_N_vs_np_unique``.
 """
 
 from __future__ import annotations
@@ -17,13 +23,21 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import CRITEO_DENSE, CRITEO_SPARSE, criteo_spec, median_seconds, zipf_ranks
+from common import (
+    CRITEO_DENSE,
+    CRITEO_SPARSE,
+    criteo_spec,
+    median_seconds,
+    write_json,
+    zipf_ranks,
+)
 
 from pipeline.batch import _dedup_bags, build_batch, dedup, dense_matrix, label_matrix
 from pipeline.hashing import FieldHasher
@@ -60,12 +74,18 @@ def criteo_table(rows: int, seed: int) -> pa.Table:
     return pa.table(cols)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--shared-table", action="store_true")
-    args = parser.parse_args()
+    parser.add_argument(
+        "--dedup-ids",
+        default="100000,1000000",
+        help="sizes of the dedup against np.unique, comma-separated (default 100000,1000000)",
+    )
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args(argv)
 
     table = criteo_table(args.rows, seed=0)
     spec = criteo_spec({"transform": "log1p", "clip_max": 20.0}, shared_table=args.shared_table)
@@ -88,26 +108,34 @@ def main() -> None:
         for ids, starts, lengths, total in hashed.values():
             _dedup_bags(ids, starts, lengths, total)
 
-    parts = {
-        "build_batch": lambda: build_batch(table, spec),
-        "  hash (26 string fields)": hash_all,
-        "  bags + dedup": dedup_all,
-        "  dense_matrix (13 fields)": lambda: dense_matrix(table, spec),
-        "  label_matrix": lambda: label_matrix(table, spec),
-    }
+    # label printed, JSON key, the call
+    parts = [
+        ("build_batch", "build_batch", lambda: build_batch(table, spec)),
+        ("  hash (26 string fields)", "hash", hash_all),
+        ("  bags + dedup", "bags_dedup", dedup_all),
+        ("  dense_matrix (13 fields)", "dense_matrix", lambda: dense_matrix(table, spec)),
+        ("  label_matrix", "label_matrix", lambda: label_matrix(table, spec)),
+    ]
     layout = "one shared table" if args.shared_table else f"{len(fields)} tables"
     print(f"{args.rows} rows, {N_DENSE} dense + {len(CARDINALITIES)} string fields, {layout}")
-    for label, fn in parts.items():
+    figures: dict[str, Any] = {
+        "rows": args.rows,
+        "repeats": args.repeats,
+        "shared_table": args.shared_table,
+    }
+    for label, key, fn in parts:
         s = median_seconds(lambda _, fn=fn: fn(), args.repeats)
         print(f"{label:<28} {s * 1e3:8.2f} ms  {args.rows / s / 1e6:8.2f} M events/s")
+        figures[f"{key}_events_per_s"] = args.rows / s
     batch = build_batch(table, spec)
     unique = sum(len(t.unique_ids) for t in batch.tables.values())
     ids = sum(len(t.inverse) for t in batch.tables.values())
     print(f"ids {ids}, unique {unique} ({unique / max(ids, 1):.0%})")
+    figures["unique_fraction"] = unique / max(ids, 1)
     # dedup against numpy's sort-based np.unique on Zipf-like scrambled ids, as a
     # ratio measured side by side (this was once a timed test; timings belong here).
     rng = np.random.default_rng(0)
-    for n in (100_000, 1_000_000):
+    for n in (int(float(x)) for x in args.dedup_ids.split(",")):
         ranks = np.floor(np.exp(rng.random(n) * np.log(n))).astype(np.uint64)
         scrambled = ranks * np.uint64(0x9E3779B97F4A7C15)
         ours = median_seconds(lambda _, x=scrambled: dedup(x), args.repeats)
@@ -118,7 +146,13 @@ def main() -> None:
             f"dedup {n:>9,} ids  {ours * 1e3:8.2f} ms  np.unique {theirs * 1e3:8.2f} ms  "
             f"({theirs / ours:.1f}x faster)"
         )
+        figures[f"dedup_{n}_ids_s"] = ours
+        figures[f"np_unique_{n}_ids_s"] = theirs
+        figures[f"dedup_{n}_vs_np_unique"] = theirs / ours
+    if args.json is not None:
+        write_json(args.json, figures, announce=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -8,10 +8,11 @@
 - ``pandas_baseline_events_per_s``: the same decode and hashing written the
   obvious way with pandas (``read_json(lines=True)``, a Python hash per value,
   ``factorize``), on the same payloads;
-- ``kafka_read_events_per_s``: the read path alone: every chunk (20,000 records)
-  of the runner's topic read by ``KafkaSource.read`` in one thread, no decoding,
-  with the default raw reader; ``kafka_read_kafka_python_events_per_s`` the same
-  with ``reader: kafka-python``, measured alternately in the same run;
+- ``kafka_read_events_per_s``: the read path alone: every chunk
+  (``--chunk-records``, 20,000) of the runner's topic read by
+  ``KafkaSource.read`` in one thread, no decoding, with the default raw reader;
+  ``kafka_read_kafka_python_events_per_s`` the same with ``reader:
+  kafka-python``, measured alternately in the same run;
 - ``runner_events_per_s``: a Kafka topic (2 partitions) → ``StreamRunner`` with
   2 Dask worker processes → ``PreparedBatch`` with rows looked up in 2 store
   shard processes, end to end (wall time from the first batch to the last);
@@ -23,11 +24,16 @@
   limits a trainer).
 
 Figures are medians over ``--repeats`` runs (the runner figures are one run each).
+
+The runner figures start a local Kafka 0.9 of their own, unless ``--bootstrap``
+names a broker and ``--topic`` an empty topic of 2 partitions on it (the
+benchmark writes its events there).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import sys
 import tempfile
@@ -59,6 +65,7 @@ from connectors.types import Chunk, RawChunk
 from pipeline.batch import build_batch
 
 SPEC = synthetic_feature_spec()
+CHUNK = 20_000  # records a chunk (the runner's max_records)
 
 
 def payloads(events: int, seed: int = 1) -> list[bytes]:
@@ -99,32 +106,40 @@ def pandas_baseline(data: list[bytes]) -> int:
     return int(labels.shape[0] + dense.shape[0] * 0 + len(tables) * 0)
 
 
-def _source(bootstrap: str, topic: str, group: str, reader: str) -> Any:
+def _source(
+    bootstrap: str, topic: str, group: str, reader: str, api_version: str, chunk: int
+) -> Any:
     from connectors.kafka import KafkaSource, KafkaSourceConfig
 
     return KafkaSource(
         KafkaSourceConfig(
             bootstrap_servers=bootstrap,
             topics=[topic],
-            group_id=group,
+            # A broker shared with others may hold this benchmark's groups of another topic.
+            group_id=f"{group}-{topic}",
             auto_offset_reset="earliest",
-            api_version=(0, 9),
-            max_records=20_000,
+            api_version=api_version,
+            max_records=chunk,
             reader=reader,  # type: ignore[arg-type]
         )
     )
 
 
-def bench_kafka_read(bootstrap: str, topic: str, repeats: int) -> dict[str, float]:
+def bench_kafka_read(
+    bootstrap: str, topic: str, repeats: int, api_version: str, chunk: int = CHUNK
+) -> dict[str, float]:
     """``KafkaSource.read`` alone over the topic's chunks: raw and kafka-python, alternately."""
-    sources = {r: _source(bootstrap, topic, f"read-{r}", r) for r in ("raw", "kafka-python")}
+    sources = {
+        r: _source(bootstrap, topic, f"read-{r}", r, api_version, chunk)
+        for r in ("raw", "kafka-python")
+    }
     planner = sources["raw"]
     chunks = []
     for p in planner.partitions():
         position = 0
-        while (chunk := planner.plan(p, position, 20_000)) is not None:
-            chunks.append(chunk)
-            position = chunk.end
+        while (planned := planner.plan(p, position, chunk)) is not None:
+            chunks.append(planned)
+            position = planned.end
     rates: dict[str, list[float]] = {r: [] for r in sources}
     for _ in range(max(1, repeats)):
         for reader, source in sources.items():
@@ -144,40 +159,53 @@ def bench_kafka_read(bootstrap: str, topic: str, repeats: int) -> dict[str, floa
 
 
 def bench_runner(
-    events: int, tmp: Path, readers: tuple[str, ...] = ("raw",), read_repeats: int = 3
+    events: int,
+    tmp: Path,
+    readers: tuple[str, ...] = ("raw",),
+    read_repeats: int = 3,
+    *,
+    broker: tuple[str, str, str] | None = None,
+    chunk: int = CHUNK,
 ) -> dict[str, float]:
-    """Kafka (2 partitions) → 2 Dask workers → 2 store shards, end to end, per reader."""
+    """Kafka (2 partitions) → 2 Dask workers → 2 store shards, end to end, per reader.
+
+    ``broker`` is (bootstrap, an empty topic of 2 partitions, api_version); by
+    default a local Kafka is started for the run.
+    """
     from connectors.kafka import produce
     from deploy.local.kafka import LocalKafka
     from pipeline.prepare import StoreAddress
 
-    job = write_store_job(tmp / "job.yaml", synthetic_store_section(dim=16))
-    token = write_token(tmp / "token")
-    kafka = LocalKafka.start(tmp / "kafka")
-    try:
-        with store_shards(job, [tmp / f"shard-{i}" for i in range(2)], token) as address:
-            topic = "bench-events"
-            kafka.create_topic(topic, partitions=2)
-            data = payloads(events + 20_000, seed=7)  # + the first batch, not timed
-            half = len(data) // 2
-            produce(kafka.bootstrap, topic, data[:half], api_version=(0, 9), partition=0)
-            produce(kafka.bootstrap, topic, data[half:], api_version=(0, 9), partition=1)
-            del data
-            results = bench_kafka_read(kafka.bootstrap, topic, read_repeats)
-            store = StoreAddress(address, token=token.read_text())
-            for reader in readers:
-                source = _source(kafka.bootstrap, topic, f"bench-{reader}", reader)
-                figures = _run(source, store, events)
-                if reader != "raw":
-                    prefix = f"runner_{reader.replace('-', '_')}"
-                    figures = {k.replace("runner", prefix, 1): v for k, v in figures.items()}
-                results.update(figures)
-            return results
-    finally:
-        kafka.stop()
+    with contextlib.ExitStack() as stack:
+        if broker is None:
+            kafka = LocalKafka.start(tmp / "kafka")
+            stack.callback(kafka.stop)
+            kafka.create_topic("bench-events", partitions=2)
+            broker = (kafka.bootstrap, "bench-events", "0.9")
+        bootstrap, topic, api_version = broker
+        job = write_store_job(tmp / "job.yaml", synthetic_store_section(dim=16))
+        token = write_token(tmp / "token")
+        address = stack.enter_context(
+            store_shards(job, [tmp / f"shard-{i}" for i in range(2)], token)
+        )
+        data = payloads(events + chunk, seed=7)  # + the first batch, not timed
+        half = len(data) // 2
+        produce(bootstrap, topic, data[:half], api_version=api_version, partition=0)
+        produce(bootstrap, topic, data[half:], api_version=api_version, partition=1)
+        del data
+        results = bench_kafka_read(bootstrap, topic, read_repeats, api_version, chunk)
+        store = StoreAddress(address, token=token.read_text())
+        for reader in readers:
+            source = _source(bootstrap, topic, f"bench-{reader}", reader, api_version, chunk)
+            figures = _run(source, store, events, chunk)
+            if reader != "raw":
+                prefix = f"runner_{reader.replace('-', '_')}"
+                figures = {k.replace("runner", prefix, 1): v for k, v in figures.items()}
+            results.update(figures)
+        return results
 
 
-def _run(source: Any, store: Any, events: int) -> dict[str, float]:
+def _run(source: Any, store: Any, events: int, chunk: int = CHUNK) -> dict[str, float]:
     from distributed import Client, LocalCluster
 
     from pipeline.runner import StreamRunner
@@ -195,7 +223,7 @@ def _run(source: Any, store: Any, events: int) -> dict[str, float]:
             store,
             staleness=4,
             codec=make_codec("json"),
-            max_records=20_000,
+            max_records=chunk,
         )
         # Steady state: the clock starts when the first batch arrives, so worker
         # start-up (imports, loading cached numba kernels) is reported apart.
@@ -221,7 +249,7 @@ def _run(source: Any, store: Any, events: int) -> dict[str, float]:
     }
 
 
-def hybrid_rate(samples: int) -> float:
+def hybrid_rate(samples: int, log_every_s: float = 1.0) -> float:
     """The hybrid trainer's samples/s on this machine: benchmarks/e2e.py's hybrid run."""
     from e2e import HIDDEN, run_streamrec
 
@@ -235,6 +263,7 @@ def hybrid_rate(samples: int) -> float:
         torch_threads=None,
         hidden=HIDDEN,
         keep_dir=None,
+        log_every_s=log_every_s,
         log=False,
     )
     return run.samples_per_s
@@ -246,6 +275,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--events", type=int, default=100_000, help="events per decode run")
     parser.add_argument("--runner-events", type=int, default=400_000)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--chunk-records",
+        type=int,
+        default=CHUNK,
+        help=f"records a chunk of the Kafka read and the runner (default {CHUNK:,})",
+    )
     parser.add_argument("--skip-runner", action="store_true")
     parser.add_argument(
         "--compare-readers",
@@ -258,7 +293,22 @@ def main(argv: list[str] | None = None) -> int:
         default=400_000,
         help="samples of the hybrid training run the runner is compared with (0: skip it)",
     )
+    parser.add_argument(
+        "--log-every-s",
+        type=float,
+        default=1.0,
+        help="the hybrid run's report interval, its clock's ticks (default 1)",
+    )
+    parser.add_argument(
+        "--bootstrap", help="a Kafka broker to use (host:port) instead of starting one"
+    )
+    parser.add_argument("--topic", help="with --bootstrap: an empty topic of 2 partitions")
+    parser.add_argument(
+        "--api-version", default="0.9", help="with --bootstrap: the clients' api_version"
+    )
     args = parser.parse_args(argv)
+    if (args.bootstrap is None) != (args.topic is None):
+        parser.error("--bootstrap and --topic go together")
 
     data = payloads(args.events)
     results: dict[str, float | int] = {"events": args.events, "repeats": args.repeats}
@@ -274,9 +324,21 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_runner:
         with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
             readers = ("raw", "kafka-python") if args.compare_readers else ("raw",)
-            results.update(bench_runner(args.runner_events, Path(tmp), readers, args.repeats))
+            broker = (
+                None if args.bootstrap is None else (args.bootstrap, args.topic, args.api_version)
+            )
+            results.update(
+                bench_runner(
+                    args.runner_events,
+                    Path(tmp),
+                    readers,
+                    args.repeats,
+                    broker=broker,
+                    chunk=args.chunk_records,
+                )
+            )
         if args.hybrid_samples:
-            hybrid = hybrid_rate(args.hybrid_samples)
+            hybrid = hybrid_rate(args.hybrid_samples, args.log_every_s)
             results["hybrid_samples_per_s"] = hybrid
             results["runner_vs_hybrid"] = float(results["runner_events_per_s"]) / hybrid
 

@@ -61,7 +61,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import print_figures, write_json, write_store_job, write_token
-from e2e import make_job, measured_rate, read_metrics
+from e2e import HIDDEN, make_job, measured_rate, read_metrics
 
 from connectors.synthetic import (
     CRITEO_CARDINALITIES,
@@ -226,6 +226,7 @@ def train(
     token: Path,
     samples: int,
     seed: int,
+    log_every_s: float,
 ) -> dict[str, Any]:
     """Hybrid training on the loaded shards; samples/s as benchmarks/e2e.py measures it."""
     from deploy.config import JobConfig
@@ -241,6 +242,8 @@ def train(
         latency_ms=0.0,
         ranks=1,
         torch_threads=None,
+        hidden=HIDDEN,
+        log_every_s=log_every_s,
     )
     raw = base.model_dump(mode="json")
     raw["store"] = store
@@ -312,7 +315,9 @@ def one_size(params: int, stream_rows: int, args: argparse.Namespace) -> dict[st
             f"{rates['uniform_lookup_rows_per_s']:,.0f} of uniform ids",
             flush=True,
         )
-        trained = train(tmp, store, stream_cards, address, token, args.samples, args.seed)
+        trained = train(
+            tmp, store, stream_cards, address, token, args.samples, args.seed, args.log_every_s
+        )
         print(
             f"  trained {trained['train_samples']:,} samples: "
             f"{trained['train_samples_per_s']:,.0f} samples/s",
@@ -357,6 +362,12 @@ def main(argv: list[str] | None = None) -> int:
         "--samples", type=int, default=600_000, help="events trained at each size (default 600,000)"
     )
     parser.add_argument("--store-batches", type=int, default=20)
+    parser.add_argument(
+        "--log-every-s",
+        type=float,
+        default=1.0,
+        help="the training run's report interval, its clock's ticks (default 1)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     sizes = [int(float(s)) for s in args.sizes.split(",")]

@@ -3,9 +3,9 @@
     python benchmarks/store.py --json bench-results/store.json
 
 A table of ``--distinct`` ids (10M by default), dim 16, Adagrad, float16 rows on
-the wire; every batch holds 65,536 distinct ids drawn Zipf-like (P(rank k) ~ 1/k)
-from the table, as a batch prepared by the pipeline does after deduplication.
-The table is filled first, so lookups are steady-state hits.
+the wire; every batch holds ``--batch-ids`` (65,536) distinct ids drawn Zipf-like
+(P(rank k) ~ 1/k) from the table, as a batch prepared by the pipeline does after
+deduplication. The table is filled first, so lookups are steady-state hits.
 
 Figures (rows per second, the median over ``--repeats`` batches):
 
@@ -64,19 +64,19 @@ DIM = 16
 BATCH = 65_536
 
 
-def zipf_batches(distinct: int, n_batches: int, seed: int) -> list[np.ndarray]:
-    """Batches of BATCH distinct ids, ranks drawn with P(k) ~ 1/k, ids scrambled."""
+def zipf_batches(distinct: int, n_batches: int, seed: int, batch: int = BATCH) -> list[np.ndarray]:
+    """Batches of ``batch`` distinct ids, ranks drawn with P(k) ~ 1/k, ids scrambled."""
     rng = np.random.default_rng(seed)
     out = []
     for _ in range(n_batches):
         chosen = np.zeros(0, dtype=np.int64)
-        while chosen.shape[0] < BATCH:
-            u = rng.random(BATCH * 2)
+        while chosen.shape[0] < batch:
+            u = rng.random(batch * 2)
             ranks = zipf_ranks(u, distinct, np.int64)
             both = np.concatenate([chosen, ranks])
             _, first = np.unique(both, return_index=True)
             chosen = both[np.sort(first)]
-        out.append(chosen[:BATCH])
+        out.append(chosen[:batch])
     return out
 
 
@@ -99,13 +99,13 @@ except ImportError:  # pragma: no cover
     _scramble = _scramble_py
 
 
-def store_config(distinct: int, shards: int) -> dict:  # type: ignore[type-arg]
+def store_config(distinct: int, shards: int, batch: int = BATCH) -> dict:  # type: ignore[type-arg]
     return {
         "tables": {
             "emb": {
                 "dim": DIM,
                 "optimizer": {"kind": "adagrad", "lr": 0.01},
-                "capacity": int(distinct * 1.1 / shards) + BATCH,
+                "capacity": int(distinct * 1.1 / shards) + batch,
                 "initial_rows": int(distinct * 1.05 / shards),
             }
         },
@@ -129,7 +129,8 @@ def bench_grpc(
     *,
     shared_memory: bool = True,
 ) -> tuple[float, float]:
-    job = write_store_job(tmp / f"job-{n_shards}.yaml", store_config(distinct, n_shards))
+    batch = grads.shape[0]
+    job = write_store_job(tmp / f"job-{n_shards}.yaml", store_config(distinct, n_shards, batch))
     token_file = tmp / "token"
     dirs = [tmp / f"grpc{n_shards}-{i}-{shared_memory}" for i in range(n_shards)]
     with (
@@ -143,10 +144,10 @@ def bench_grpc(
     ):
         fill(lambda ids: client.lookup({"emb": ids}), distinct)
         lookup = median_rate(
-            lambda i: client.lookup({"emb": batches[i % len(batches)]}), BATCH, repeats
+            lambda i: client.lookup({"emb": batches[i % len(batches)]}), batch, repeats
         )
         push = median_rate(
-            lambda i: client.push({"emb": (batches[i % len(batches)], grads)}), BATCH, repeats
+            lambda i: client.push({"emb": (batches[i % len(batches)], grads)}), batch, repeats
         )
         return lookup, push
 
@@ -155,7 +156,9 @@ def gather_rate(distinct: int, positions: list[np.ndarray], repeats: int) -> flo
     """numpy gathering the same rows from a float32 array of the table's size."""
     table = np.random.default_rng(3).random((distinct, DIM), dtype=np.float32)
     return median_rate(
-        lambda i: np.take(table, positions[i % len(positions)], axis=0), BATCH, repeats
+        lambda i: np.take(table, positions[i % len(positions)], axis=0),
+        positions[0].shape[0],
+        repeats,
     )
 
 
@@ -167,13 +170,14 @@ def bench_inproc(
     positions = [np.asarray(b % np.uint64(distinct), dtype=np.int64) for b in batches]
     out["gather_limit_rows_per_s"] = gather_rate(distinct, positions, repeats)
     gc.collect()
-    shard = StoreShard(StoreConfig.model_validate(store_config(distinct, 1)))
+    batch = grads.shape[0]
+    shard = StoreShard(StoreConfig.model_validate(store_config(distinct, 1, batch)))
     fill(lambda ids: shard.lookup({"emb": ids}), distinct)
     out["inproc_lookup_rows_per_s"] = median_rate(
-        lambda i: shard.lookup({"emb": batches[i % len(batches)]}), BATCH, repeats
+        lambda i: shard.lookup({"emb": batches[i % len(batches)]}), batch, repeats
     )
     out["inproc_push_rows_per_s"] = median_rate(
-        lambda i: shard.push({"emb": (batches[i % len(batches)], grads)}), BATCH, repeats
+        lambda i: shard.push({"emb": (batches[i % len(batches)], grads)}), batch, repeats
     )
     out["inproc_lookup_vs_limit"] = out["inproc_lookup_rows_per_s"] / out["gather_limit_rows_per_s"]
     return out
@@ -195,15 +199,25 @@ def main(argv: list[str] | None = None) -> int:
         "--distinct", type=int, default=10_000_000, help="distinct ids in the table"
     )
     parser.add_argument("--repeats", type=int, default=30, help="timed batches per figure")
+    parser.add_argument(
+        "--batch-ids",
+        type=int,
+        default=BATCH,
+        help=f"distinct ids per call (default {BATCH:,}; at most half of --distinct)",
+    )
     parser.add_argument("--skip-grpc", action="store_true", help="only the in-process figures")
     args = parser.parse_args(argv)
 
-    batches = [rank_to_id(b) for b in zipf_batches(args.distinct, 8, seed=1)]
-    grads = np.random.default_rng(2).normal(scale=0.01, size=(BATCH, DIM)).astype(np.float32)
+    if args.batch_ids * 2 > args.distinct:
+        # Zipf draws reach the table's tail slowly: a batch of most of it would take ages.
+        parser.error(f"--batch-ids {args.batch_ids} is more than half of --distinct")
+    batches = [rank_to_id(b) for b in zipf_batches(args.distinct, 8, 1, args.batch_ids)]
+    grads = np.random.default_rng(2).normal(scale=0.01, size=(args.batch_ids, DIM))
+    grads = grads.astype(np.float32)
     results: dict[str, float | int | str] = {
         "distinct_ids": args.distinct,
         "dim": DIM,
-        "batch_ids": BATCH,
+        "batch_ids": args.batch_ids,
         "repeats": args.repeats,
     }
 

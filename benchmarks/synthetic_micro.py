@@ -12,7 +12,6 @@ path) and ``best_auc`` (200k events).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import write_json
+from common import print_figures, write_json
 
 from connectors.synthetic import SyntheticConfig, SyntheticSource, iter_json_lines
 
@@ -59,9 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         "best_auc": round(src.best_auc(200_000), 4),
         "chunk_size": args.chunk_size,
     }
-    print(json.dumps(figures, indent=2))
+    print_figures(figures, lambda v: f"{v:,}" if isinstance(v, int) else f"{v}")
     if args.json is not None:
-        write_json(args.json, figures)
+        write_json(args.json, figures, announce=True)
     return 0
 
 
