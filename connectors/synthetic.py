@@ -9,6 +9,14 @@ a hidden sum of per-(field, value) weights plus a linear term on
 ``log1p(dense)``; the weights rotate slowly (drift), so yesterday's optimum
 decays.
 
+With ``interaction > 0`` the truth also holds a term that no per-field
+weight can express: the dot product of hidden vectors of two fields' ids (a
+user and an item, by default ``C1`` and ``C2``), which only their embeddings
+can learn (it does not drift). ``preset="hot_ids"`` (``HOT_IDS_PRESET``) turns
+it on over small Zipf vocabularies, as in a rating log: a few hot ids are in
+every batch, so a lookup that misses recent pushes reads them stale. A job YAML
+names it as ``source: {kind: synthetic, preset: hot_ids}``.
+
 Every record is a pure function of ``(seed, partition, position)`` (a
 counter-based generator, no sequential state), so a chunk read twice, in any
 process, with any chunking, gives the same records: a lost Dask task is simply
@@ -32,13 +40,13 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numba as nb
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from connectors.types import Chunk, RawChunk
 from embedding_store.hashing import mix64, unit_float
@@ -63,6 +71,21 @@ CRITEO_CARDINALITIES: tuple[int, ...] = (
 CRITEO_DENSE_MISSING: tuple[float, ...] = (
     0.45, 0.0, 0.21, 0.22, 0.03, 0.22, 0.04, 0.0, 0.04, 0.45, 0.04, 0.77, 0.22,
 )  # fmt: skip
+
+# The ``hot_ids`` preset: every field a small vocabulary (C1 the users and C2 the
+# items of a rating log the size of MovieLens 100K; the others Criteo's fields cut
+# to at most 100 ids), no new ids, and a user x item term larger than the per-field
+# weights, so that most of what can be learned sits in the rows of hot ids.
+HOT_IDS_CARDINALITIES: tuple[int, ...] = (
+    1000,
+    1700,
+    *(min(c, 100) for c in CRITEO_CARDINALITIES[2:]),
+)
+HOT_IDS_PRESET: dict[str, Any] = {
+    "cardinalities": HOT_IDS_CARDINALITIES,
+    "new_id_rate": 0.0,
+    "interaction": 2.0,
+}
 
 # Pareto tail index and scale of each dense count: small indices give the rare
 # huge counts Criteo's I5 or I2 show, large ones near-constant small counts.
@@ -99,6 +122,7 @@ _SALT_MISS = np.uint64(0x8EBC6AF09C88C6E3)
 _SALT_DENSE = np.uint64(0x589965CC75374CC3)
 _SALT_LABEL = np.uint64(0x1D8E4E27C47D124F)
 _SALT_W1 = np.uint64(0xCA5A826395121157)
+_SALT_VEC = np.uint64(0x9FB21C651E98DF25)
 # Mean and std of a sum of four uniform 16-bit lanes (Irwin-Hall, n = 4).
 _LANES_MEAN = 4.0 * 65535.0 / 2.0
 _LANES_STD = 65536.0 * (4.0 / 12.0) ** 0.5
@@ -109,6 +133,9 @@ class SyntheticConfig(BaseModel):
 
     >>> SyntheticConfig(seed=3, events=10).partitions
     1
+    >>> hot = SyntheticConfig(preset="hot_ids", interaction=1.5)
+    >>> hot.cardinalities[:3], hot.new_id_rate, hot.interaction
+    ((1000, 1700, 100), 0.0, 1.5)
     >>> SyntheticConfig(evnts=10)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
@@ -119,6 +146,11 @@ class SyntheticConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    preset: Literal["criteo", "hot_ids"] = Field(
+        "criteo",
+        description="defaults of the other fields: criteo (as listed) or hot_ids "
+        "(HOT_IDS_PRESET); fields given explicitly win",
+    )
     name: str = Field("synthetic", pattern=TABLE_NAME_PATTERN.pattern, description="source name")
     seed: int = Field(0, ge=0, lt=1 << 63, description="the world: ids, truth and events")
     partitions: int = Field(1, ge=1, le=1 << 16)
@@ -141,6 +173,30 @@ class SyntheticConfig(BaseModel):
     zipf_exponent: float = Field(1.1, gt=0.0, le=4.0)
     cardinalities: tuple[int, ...] = CRITEO_CARDINALITIES
     dense_missing: tuple[float, ...] = CRITEO_DENSE_MISSING
+    interaction: float = Field(
+        0.0, ge=0.0, le=10.0, description="scale of the hidden user x item term (0: none)"
+    )
+    interaction_fields: tuple[str, str] = Field(
+        ("C1", "C2"), description="the two sparse fields whose ids' hidden vectors meet"
+    )
+    interaction_dim: int = Field(8, ge=1, le=256, description="length of the hidden vectors")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset(cls, data: Any) -> Any:
+        # A preset only fills in what the caller left out, so that a YAML file can name
+        # it and still change any one field.
+        if isinstance(data, dict) and data.get("preset") == "hot_ids":
+            return {**HOT_IDS_PRESET, **data}
+        return data
+
+    @field_validator("interaction_fields")
+    @classmethod
+    def _interaction_fields(cls, v: tuple[str, str]) -> tuple[str, str]:
+        if v[0] == v[1] or any(f not in SPARSE_NAMES for f in v):
+            msg = f"interaction_fields: need two different fields of C1..C{NUM_SPARSE}, got {v}"
+            raise ValueError(msg)
+        return v
 
     @field_validator("cardinalities")
     @classmethod
@@ -198,6 +254,20 @@ def _weight(value: np.uint64, wsalt: np.uint64, c: float, s: float) -> float:
     return c * _gauss(k) + s * _gauss(mix64(k ^ _SALT_W1))
 
 
+@nb.njit(nogil=True, cache=True, inline="always")
+def _hidden_dot(
+    a: np.uint64, b: np.uint64, salt_a: np.uint64, salt_b: np.uint64, dim: int
+) -> float:
+    """The dot product of the hidden vectors of values ``a`` and ``b``, about N(0, 1)."""
+    ka = mix64(a ^ salt_a)
+    kb = mix64(b ^ salt_b)
+    acc = 0.0
+    for k in range(dim):
+        step = np.uint64(k + 1) * _SALT_VEC
+        acc += _gauss(mix64(ka + step)) * _gauss(mix64(kb + step))
+    return acc / float(np.sqrt(float(dim)))
+
+
 @nb.njit(nogil=True, cache=True)
 def _generate(
     stream_key: np.uint64,
@@ -220,6 +290,10 @@ def _generate(
     alpha_inv: npt.NDArray[np.float64],
     dscale: npt.NDArray[np.float64],
     beta: npt.NDArray[np.float64],
+    inter: float,
+    inter_fields: npt.NDArray[np.int64],
+    inter_dim: int,
+    vsalt: npt.NDArray[np.uint64],
     chars: npt.NDArray[np.uint8],
     dense: npt.NDArray[np.float64],
     valid: npt.NDArray[np.bool_],
@@ -237,6 +311,8 @@ def _generate(
         c = np.cos(theta)
         s = np.sin(theta)
         acc = 0.0
+        va = np.uint64(0)
+        vb = np.uint64(0)
         for f in range(n_sparse):
             h = mix64(ev + np.uint64(f + 1) * _SALT_FIELD)
             u = unit_float(h)
@@ -251,9 +327,15 @@ def _generate(
                     ident = card[f] + int((float(t) - age) * births)
             v = _bij32(np.uint64(ident) ^ salt32[f])
             acc += scale[f] * (_weight(v, wsalt[f], c, s) - c * center0[f] - s * center1[f])
+            if f == inter_fields[0]:
+                va = v
+            elif f == inter_fields[1]:
+                vb = v
             base = i * 8
             for k in range(8):
                 chars[f, base + k] = _HEX[(v >> np.uint64(28 - 4 * k)) & np.uint64(0xF)]
+        if inter > 0.0:
+            acc += inter * _hidden_dot(va, vb, vsalt[0], vsalt[1], inter_dim)
         for d in range(n_dense):
             hd = mix64(ev + np.uint64(d + 1) * _SALT_DENSE)
             if unit_float(mix64(hd ^ _SALT_MISS)) < miss[d]:
@@ -378,6 +460,10 @@ class SyntheticSource:
             * 0.15
             * np.array([_gauss_of(_key("beta", seed, d)) for d in range(NUM_DENSE)])
         )
+        self._inter_fields = np.array(
+            [SPARSE_NAMES.index(f) for f in cfg.interaction_fields], dtype=np.int64
+        )
+        self._vsalt = np.array([_key("vectors", seed, f) for f in self._inter_fields], np.uint64)
         self._bias = 0.0  # ``_calibrate`` generates with no bias, then solves for it
         self._bias = self._calibrate(cfg.base_ctr)
 
@@ -531,6 +617,10 @@ class SyntheticSource:
             self._alpha_inv,
             _DENSE_SCALE,
             self._beta,
+            self.config.interaction,
+            self._inter_fields,
+            self.config.interaction_dim,
+            self._vsalt,
             chars,
             dense,
             valid,

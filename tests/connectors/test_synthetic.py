@@ -24,6 +24,8 @@ from pydantic import ValidationError
 
 from connectors.synthetic import (
     DENSE_NAMES,
+    HOT_IDS_CARDINALITIES,
+    HOT_IDS_PRESET,
     SPARSE_NAMES,
     SyntheticConfig,
     SyntheticSource,
@@ -136,6 +138,8 @@ RECORD_OPTIONS: dict[str, Any] = {
     "zipf_exponent": 1.5,
     "cardinalities": (7,) * 26,
     "dense_missing": (0.5,) * 13,
+    "interaction": 1.0,
+    "preset": "hot_ids",
 }
 
 
@@ -145,6 +149,88 @@ def test_every_option_changes_the_records(option: str, value: Any) -> None:
     base = SyntheticSource(SyntheticConfig()).records(0, start, 3000)
     changed = SyntheticSource(SyntheticConfig(**{option: value})).records(0, start, 3000)
     assert not changed.equals(base)
+
+
+# These shape the user x item term, so they change the records once it is on.
+INTERACTION_OPTIONS: dict[str, Any] = {"interaction_fields": ("C3", "C7"), "interaction_dim": 3}
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), INTERACTION_OPTIONS.items(), ids=INTERACTION_OPTIONS.keys()
+)
+def test_interaction_options_change_the_records(option: str, value: Any) -> None:
+    base = SyntheticSource(SyntheticConfig(interaction=1.0)).records(0, 0, 3000)
+    changed = SyntheticSource(SyntheticConfig(interaction=1.0, **{option: value}))
+    assert not changed.records(0, 0, 3000).equals(base)
+
+
+def test_no_interaction_leaves_the_stream_as_it_was() -> None:
+    # With the term off (the default) its other options are not read: every existing
+    # stream, and the calibrated bias, stay the same.
+    base = SyntheticSource(SyntheticConfig(seed=4))
+    other = SyntheticSource(SyntheticConfig(seed=4, **INTERACTION_OPTIONS))
+    assert other.records(0, 1000, 2000).equals(base.records(0, 1000, 2000))
+    assert other.best_auc(5000) == base.best_auc(5000)
+
+
+def test_interaction_is_a_user_x_item_term() -> None:
+    # Without per-field weights or dense terms the truth is the pair's term alone...
+    pairs_only = SyntheticSource(SyntheticConfig(signal=0.0, interaction=2.0))
+    assert pairs_only.best_auc(50_000) > 0.75
+    # ...which neither id explains by itself: the click rates of C1's head ids, over
+    # all the items they meet, stay near the mean.
+    t = pairs_only.records(0, 0, 100_000)
+    users = np.array(t["C1"].to_pylist())
+    clicks = t["click"].to_numpy()
+    values, counts = np.unique(users, return_counts=True)
+    head = values[np.argsort(counts)[::-1][:5]]
+    rates = [clicks[users == v].mean() for v in head]
+    assert max(abs(r - clicks.mean()) for r in rates) < 0.05
+    # A larger term is a larger share of what can be learned.
+    hot = [SyntheticConfig(preset="hot_ids", interaction=x) for x in (0.0, 2.0)]
+    low, high = (SyntheticSource(c).best_auc(50_000) for c in hot)
+    assert high > low + 0.05
+
+
+def test_interaction_fields_are_checked() -> None:
+    for bad in (("C1", "C1"), ("C1", "C27"), ("user", "C2")):
+        with pytest.raises(ValidationError, match="interaction_fields"):
+            SyntheticConfig(interaction_fields=bad)
+
+
+def test_hot_ids_preset() -> None:
+    cfg = SyntheticConfig(preset="hot_ids")
+    assert cfg.cardinalities == HOT_IDS_CARDINALITIES
+    assert (cfg.new_id_rate, cfg.interaction) == (0.0, HOT_IDS_PRESET["interaction"])
+    assert max(cfg.cardinalities[2:]) <= 100
+    # Fields given explicitly win over the preset's; a dump validates back to the same.
+    mine = SyntheticConfig(preset="hot_ids", interaction=0.5, new_id_rate=0.01)
+    assert (mine.interaction, mine.new_id_rate) == (0.5, 0.01)
+    assert mine.cardinalities == HOT_IDS_CARDINALITIES
+    assert SyntheticConfig.model_validate(mine.model_dump()) == mine
+    # Hot ids: the busiest user and item are in about one event in eight, so a batch of
+    # 256 holds each some 30 times.
+    t = SyntheticSource(cfg).records(0, 0, 256 * 40)
+    for field in ("C1", "C2"):
+        ids = np.array(t[field].to_pylist()).reshape(40, 256)
+        top = [np.unique(b, return_counts=True)[1].max() for b in ids]
+        assert np.mean(top) > 20, field
+
+
+def test_hot_ids_from_a_job_yaml(tmp_path: Path) -> None:
+    from deploy.config import load_config
+    from deploy.job import build_source
+
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "source: {kind: synthetic, preset: hot_ids, events: 1000, seed: 3}\n"
+        "store: {tables: {c1: {dim: 4}}}\n"
+    )
+    src = build_source(load_config(job))
+    assert isinstance(src, SyntheticSource)
+    assert src.config == SyntheticConfig(preset="hot_ids", events=1000, seed=3)
+    expected = SyntheticSource(SyntheticConfig(preset="hot_ids", seed=3)).records(0, 0, 1000)
+    assert src.records(0, 0, 1000).equals(expected)
 
 
 def test_plan_options() -> None:
