@@ -199,9 +199,11 @@ class LoopStats:
     stopped_by: str = ""
     # Observed staleness: batches by how many earlier pushes their lookup missed.
     missed_pushes: dict[int, int] = field(default_factory=dict)
-    # Per row: rows by how many of this rank's pushes to them their lookup missed, and
-    # how many of those rows were trained with the pushes' values instead (fresh_rows).
+    # Per row (fresh_rows): rows by how many of this rank's pushes to them their lookup
+    # missed, by how many they still missed when trained (pushes in flight), and how
+    # many rows were trained with a push's value instead of the looked-up one.
     missed_pushes_by_row: dict[int, int] = field(default_factory=dict)
+    trained_missed_pushes_by_row: dict[int, int] = field(default_factory=dict)
     rows_freshened: int = 0
     # Dead-lettered records by partition, then by reason.
     bad_by_partition: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -232,6 +234,7 @@ class Progress:
     events_total: int = 0  # records read in this run, dead-lettered ones included
     missed_pushes: dict[str, int] = field(default_factory=dict)  # see LoopStats
     missed_pushes_by_row: dict[str, int] = field(default_factory=dict)  # see LoopStats
+    trained_missed_pushes_by_row: dict[str, int] = field(default_factory=dict)
     rows_freshened: int = 0
     positions: dict[str, int] = field(default_factory=dict)  # learned up to, per partition
     deadletter: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -733,7 +736,9 @@ class TrainLoop:
     def _freshen(self, batch: PreparedBatch) -> None:
         """Train the rows this rank pushed since the batch's lookup as they are now."""
         try:
-            done = self.pusher.freshen(batch.tables, batch.looked_up_at)
+            done = self.pusher.freshen(
+                batch.tables, batch.looked_up_at, wait=self.config.effective_push_queue == 0
+            )
         except Exception as exc:
             if not store_failure(exc):
                 raise
@@ -741,9 +746,12 @@ class TrainLoop:
             return
         self.stats.push_wait_s += done.wait_s
         self.stats.rows_freshened += done.replaced
-        by_row = self.stats.missed_pushes_by_row
-        for k, n in done.by_row.items():
-            by_row[k] = by_row.get(k, 0) + n
+        for into, add in (
+            (self.stats.missed_pushes_by_row, done.missed_by_row),
+            (self.stats.trained_missed_pushes_by_row, done.trained_missed_by_row),
+        ):
+            for k, n in add.items():
+                into[k] = into.get(k, 0) + n
 
     def _first_batch_prior(self, batch: PreparedBatch | None) -> None:
         """Set each head's output bias to logit(its label's rate in the first batch).
@@ -843,6 +851,9 @@ class TrainLoop:
             missed_pushes={str(k): n for k, n in sorted(self.stats.missed_pushes.items())},
             missed_pushes_by_row={
                 str(k): n for k, n in sorted(self.stats.missed_pushes_by_row.items())
+            },
+            trained_missed_pushes_by_row={
+                str(k): n for k, n in sorted(self.stats.trained_missed_pushes_by_row.items())
             },
             rows_freshened=self.stats.rows_freshened,
             positions=dict(self.positions),

@@ -34,8 +34,8 @@ With ``fresh_rows``, each push asks the store for the rows it changed, and
 ...                    offsets=np.array([0, 1, 2], np.int32),
 ...                    rows=store.lookup({"t": ids})["t"])
 >>> pusher.submit({"t": (ids, np.ones((2, 2), dtype=np.float32))})
->>> report = pusher.freshen({"t": table}, looked_up)
->>> report.by_row, bool((table.rows == store.lookup({"t": ids})["t"]).all())
+>>> report = pusher.freshen({"t": table}, looked_up, wait=True)
+>>> report.missed_by_row, bool((table.rows == store.lookup({"t": ids})["t"]).all())
 ({1: 2}, True)
 >>> pusher.close()
 """
@@ -69,11 +69,56 @@ class PushFailed(RuntimeError):
 
 @dataclass
 class Freshened:
-    """What :meth:`Pusher.freshen` did to one batch."""
+    """What :meth:`Pusher.freshen` did to one batch, per row of its tables."""
 
     wait_s: float = 0.0  # waiting for this rank's last pushes to land
-    by_row: dict[int, int] = field(default_factory=dict)  # rows by own pushes their lookup missed
+    # Rows by how many of this rank's pushes to them their lookup missed ...
+    missed_by_row: dict[int, int] = field(default_factory=dict)
+    # ... and by how many they were still without when trained (pushes in flight).
+    trained_missed_by_row: dict[int, int] = field(default_factory=dict)
     replaced: int = 0  # rows whose value came from a push's reply instead of the lookup
+
+
+def _count(histogram: dict[int, int], values: npt.NDArray[np.int32]) -> None:
+    counts = np.bincount(values) if values.shape[0] else np.zeros(0, np.int64)
+    for k in np.flatnonzero(counts):
+        histogram[int(k)] = histogram.get(int(k), 0) + int(counts[k])
+
+
+def in_flight_hits(
+    ids: npt.NDArray[np.uint64], pushes: list[InFlight], table: str
+) -> npt.NDArray[np.int32]:
+    """Per id, how many of the ``pushes`` not yet applied name it.
+
+    >>> p = InFlight(1, {"t": (np.array([5, 2], np.uint64), np.zeros((2, 1), np.float32))})
+    >>> in_flight_hits(np.array([2, 3], np.uint64), [p, p], "t").tolist()
+    [2, 0]
+    """
+    hits = np.zeros(ids.shape[0], dtype=np.int32)
+    for push in pushes:
+        pushed = push.sorted_ids(table)
+        if pushed is None or pushed.shape[0] == 0 or ids.shape[0] == 0:
+            continue
+        at = np.minimum(np.searchsorted(pushed, ids), pushed.shape[0] - 1)
+        hits += pushed[at] == ids
+    return hits
+
+
+class InFlight:
+    """A push submitted and not yet acknowledged: its number and gradients."""
+
+    def __init__(self, seq: int, grads: Grads) -> None:
+        self.seq = seq
+        self.grads = grads
+        self._sorted: dict[str, npt.NDArray[np.uint64]] = {}
+
+    def sorted_ids(self, table: str) -> npt.NDArray[np.uint64] | None:
+        """The push's ids of ``table`` sorted (made on first use), None if it has none."""
+        if table not in self.grads:
+            return None
+        if table not in self._sorted:
+            self._sorted[table] = np.sort(np.asarray(self.grads[table][0], dtype=np.uint64))
+        return self._sorted[table]
 
 
 class Pusher:
@@ -94,6 +139,7 @@ class Pusher:
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._recent = RecentPushes(fresh_rows) if fresh_rows > 0 else None
+        self._in_flight: deque[InFlight] = deque()  # kept only with fresh_rows
         self._thread = threading.Thread(target=self._run, name="streamrec-pusher", daemon=True)
         self._thread.start()
 
@@ -121,6 +167,8 @@ class Pusher:
         with self._cond:
             self.submitted += 1
             n = self.submitted
+            if self._recent is not None:
+                self._in_flight.append(InFlight(n, grads))
         self._queue.put((n, grads))
 
     def wait(self, at_most: int) -> float:
@@ -132,30 +180,36 @@ class Pusher:
         self._raise_if_failed()
         return time.perf_counter() - t0
 
-    def freshen(self, tables: Mapping[str, TableBatch], looked_up_at: float) -> Freshened:
+    def freshen(
+        self, tables: Mapping[str, TableBatch], looked_up_at: float, *, wait: bool = False
+    ) -> Freshened:
         """Lay the rows of this rank's pushes that landed after ``looked_up_at`` (unix s)
-        over ``tables``' looked-up rows, after waiting for every push submitted so far.
+        over ``tables``' looked-up rows.
 
-        A row pushed at step t is then what step t + 1 trains, at any staleness.
-        Needs ``fresh_rows``. A lookup time later than the true one only costs
-        rows overlaid with the value they already had (this rank's pushes are
-        its own); the lookup and the acknowledgement times come from the hosts'
-        clocks, which are assumed in step to well under a step's time.
+        The pushes still in flight (at most the push queue's bound) are not waited
+        for unless ``wait``: their rows are trained without them, and counted. With
+        ``wait``, or a push queue of 0, a row pushed at step t is what step t + 1
+        trains, at any staleness. Needs ``fresh_rows``. A lookup time later than
+        the true one only costs rows overlaid with the value they already had
+        (this rank's pushes are its own); the lookup and the acknowledgement times
+        come from the hosts' clocks, which are assumed in step to well under a
+        step's time.
         """
         if self._recent is None:
             msg = "freshen: this Pusher was made without fresh_rows"
             raise RuntimeError(msg)
-        out = Freshened(wait_s=self.wait(0))
+        out = Freshened(wait_s=self.wait(0) if wait else 0.0)
         with self._cond:
             pushes = self._recent.missed(self._recent.applied_by(looked_up_at))
+            in_flight = list(self._in_flight)
         for name, table in tables.items():
             if table.rows is None:
                 continue
             table.rows, missed = overlay_rows(table.unique_ids, table.rows, pushes, name)
-            counts = np.bincount(missed)
-            for k in np.flatnonzero(counts):
-                out.by_row[int(k)] = out.by_row.get(int(k), 0) + int(counts[k])
-            out.replaced += int(missed.shape[0] - counts[0]) if counts.shape[0] else 0
+            still = in_flight_hits(table.unique_ids, in_flight, name)
+            _count(out.missed_by_row, missed + still)
+            _count(out.trained_missed_by_row, still)
+            out.replaced += int(np.count_nonzero(missed))
         return out
 
     def drain(self) -> float:
@@ -200,4 +254,6 @@ class Pusher:
                     self._recent.add(n, now, {k: (ids, rows[k]) for k, (ids, _) in grads.items()})
                 self.applied += 1
                 self._applied_at.append(now)
+                if self._in_flight and self._in_flight[0].seq == n:
+                    self._in_flight.popleft()
                 self._cond.notify_all()

@@ -1,9 +1,9 @@
 """Fresh reads of a rank's own pushes, against real store shard processes over gRPC.
 
 The semantics: on one rank, a row pushed at step t is what step t + 1 trains,
-at any staleness. The hybrid loop's lookups run ``staleness - 1`` batches ahead
-of it (as the runner's prefetch does), on small vocabularies so that nearly
-every row of a batch was pushed by the batches just before it (hot ids).
+at any staleness. The hybrid loop's lookups run ``trainer.prefetch`` batches
+ahead of it (as the runner's does), on small vocabularies so that nearly every
+row of a batch was pushed by the batches just before it (hot ids).
 """
 
 from __future__ import annotations
@@ -36,25 +36,35 @@ STEPS = 12
 
 def trained_rows_against_the_store(
     store: StoreClient, staleness: int, **kw: Any
-) -> tuple[TrainLoop, list[dict[str, tuple[np.ndarray, np.ndarray]]]]:
-    """Run the hybrid loop; per step, the rows it trained and the store's rows of the same
-    ids read just before the step (every earlier push of this one rank has landed then).
+) -> tuple[TrainLoop, list[dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]]]:
+    """Run the hybrid loop; per step and table, the rows it trained, the store's rows of
+    the same ids read just before the step (every earlier push of this one rank has
+    landed then), and which ids the step before pushed.
     """
     cfg = config("hybrid", staleness=staleness, **kw)
     dense = DenseModel(cfg, SPEC, store.dims, torch.device("cpu"))
     loop = TrainLoop(cfg, SPEC, store, dense)
-    seen: list[dict[str, tuple[np.ndarray, np.ndarray]]] = []
+    seen: list[dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]] = []
     step = loop._forward_backward
+    last: dict[str, Any] = {}
 
     def recorded(batch: PreparedBatch) -> dict[str, Any]:
         loop.pusher.drain()  # the store as of every push before this step
         now = store.lookup({k: t.unique_ids for k, t in batch.tables.items()}, train=False)
-        seen.append({k: (t.rows.copy(), now[k]) for k, t in batch.tables.items()})  # type: ignore[union-attr]
-        return step(batch)
+        seen.append(
+            {
+                k: (t.rows.copy(), now[k], np.isin(t.unique_ids, last.get(k, ())))  # type: ignore[union-attr]
+                for k, t in batch.tables.items()
+            }
+        )
+        grads = step(batch)
+        last.clear()
+        last.update({k: ids for k, (ids, _) in grads.items()})
+        return grads
 
     loop._forward_backward = recorded  # type: ignore[method-assign]
     planned = chunks(source(), "synthetic/0", 0, STEPS * BATCH)
-    stats = loop.run(lazy_batches(source(), planned, store, ahead=staleness - 1))
+    stats = loop.run(lazy_batches(source(), planned, store, ahead=cfg.prefetch))
     assert stats.steps == STEPS
     return loop, seen
 
@@ -82,16 +92,38 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
 def test_a_row_pushed_at_step_t_is_what_step_t_plus_1_trains(
     shards: tuple[str, str], staleness: int, shared_memory: bool
 ) -> None:
+    """No push left in flight (``push_queue: 0``): every lookup's missed pushes are laid over."""
     address, token = shards
     store = StoreClient.connect(address, token=token, shared_memory=shared_memory)
-    loop, seen = trained_rows_against_the_store(store, staleness)
+    loop, seen = trained_rows_against_the_store(store, staleness, push_queue=0)
     for step, tables in enumerate(seen):
-        for name, (trained, current) in tables.items():
+        for name, (trained, current, _) in tables.items():
             np.testing.assert_array_equal(trained, current, err_msg=f"step {step} table {name}")
     # The lookups ran ahead and missed pushes to these rows: the overlay did the work.
     if staleness > 1:
         assert max(loop.stats.missed_pushes_by_row) >= staleness - 1
         assert loop.stats.rows_freshened > 0
+    assert set(loop.stats.trained_missed_pushes_by_row) == {0}
+    store.close()
+
+
+def test_with_a_push_in_flight_a_row_misses_at_most_that_push(shards: tuple[str, str]) -> None:
+    """The default ``push_queue: 1``: a row trained at step t + 1 has every push of this
+    rank but step t's, whatever the staleness; rows step t did not push are exact.
+    """
+    address, token = shards
+    store = StoreClient.connect(address, token=token)
+    loop, seen = trained_rows_against_the_store(store, 8)
+    differ = 0
+    for step, tables in enumerate(seen):
+        for name, (trained, current, pushed_last) in tables.items():
+            np.testing.assert_array_equal(
+                trained[~pushed_last], current[~pushed_last], err_msg=f"step {step} table {name}"
+            )
+            differ += int((trained[pushed_last] != current[pushed_last]).any(axis=1).sum())
+    assert max(loop.stats.missed_pushes_by_row) >= 7  # the lookups ran 7 batches ahead
+    assert max(loop.stats.trained_missed_pushes_by_row) == 1
+    assert differ > 0
     store.close()
 
 
@@ -101,11 +133,11 @@ def test_without_fresh_rows_a_hybrid_step_trains_rows_older_than_the_store(
     """The defect fresh rows fix: hot rows trained without this rank's last pushes."""
     address, token = shards
     store = StoreClient.connect(address, token=token)
-    _, seen = trained_rows_against_the_store(store, 4, fresh_rows=False)
+    _, seen = trained_rows_against_the_store(store, 4, fresh_rows=False, push_queue=0)
     stale = sum(
         int((trained != current).any(axis=1).sum())
         for tables in seen
-        for trained, current in tables.values()
+        for trained, current, _ in tables.values()
     )
     assert stale > 0
     store.close()
