@@ -570,6 +570,7 @@ def run_rank(
                 initial_checkpoint=book is not None and manifest is None,
                 stats=stats,
                 step_threads=step_threads,
+                store_tables=job.store.tables,
             )
             runner = StreamRunner(
                 dask,

@@ -67,8 +67,10 @@ from embedding_store.types import (
     PushResult,
     RestoreResult,
     RowDtype,
+    RowState,
     ShardStats,
     StoreConfig,
+    TableConfig,
     TableStats,
 )
 from embedding_store.wire import (
@@ -83,6 +85,7 @@ from embedding_store.wire import (
     TO_PB,
     SharedCall,
     decode_matrix,
+    decode_row_state,
     decode_rows,
     encode_ids,
     encode_lookup,
@@ -162,7 +165,7 @@ class ShardTransport(Protocol):
         request_id: str,
         dtype: RowDtype,
         *,
-        return_rows: RowDtype | None = None,
+        return_rows: bool = False,
         deferred: bool = False,
     ) -> Wait[PushResult]:
         """Apply ``grads``; with ``return_rows`` the result carries the pushed rows after it."""
@@ -237,7 +240,7 @@ class InprocTransport:
         request_id: str,
         dtype: RowDtype,
         *,
-        return_rows: RowDtype | None = None,
+        return_rows: bool = False,
         deferred: bool = False,
     ) -> Wait[PushResult]:
         def run() -> PushResult:
@@ -249,12 +252,9 @@ class InprocTransport:
                     for k, (i, g) in grads.items()
                 }
                 result = self.shard.push(cast, request_id=request_id)
-                if return_rows is None:
+                if not return_rows:
                     return result
-                rows = self.shard.lookup(
-                    {k: i for k, (i, _) in grads.items()}, train=False, dtype=return_rows
-                )
-                return replace(result, rows=rows)
+                return replace(result, rows=self.shard.peek({k: i for k, (i, _) in grads.items()}))
 
         return self._start(run, deferred)
 
@@ -618,7 +618,7 @@ class GrpcTransport:
         request_id: str,
         dtype: RowDtype,
         *,
-        return_rows: RowDtype | None = None,
+        return_rows: bool = False,
         deferred: bool = False,
     ) -> Wait[PushResult]:
         if self._frames:
@@ -659,17 +659,17 @@ class GrpcTransport:
                 for k, (i, g) in grads.items()
             ],
             dtype=TO_PB[dtype],
-            return_rows=None if return_rows is None else TO_PB[return_rows],
+            return_rows=return_rows,
         )
         wait = self._start("Push", request, deferred=deferred)
         return lambda: self._push_result(wait(), return_rows)
 
-    def _push_result(self, r: pb.PushResponse, return_rows: RowDtype | None) -> PushResult:
+    def _push_result(self, r: pb.PushResponse, return_rows: bool) -> PushResult:
         self._check_incarnation(r.incarnation, "push")
         rows = None
-        if return_rows is not None:
+        if return_rows:
             try:
-                rows = decode_rows(r.rows, return_rows)
+                rows = decode_row_state(r.rows, r.state, r.row_steps)
             except InvalidRequest as exc:
                 msg = f"Push reply from shard {self.address}: {exc}"
                 raise InvalidRequest(msg) from None
@@ -760,6 +760,24 @@ def _checkpoint_from_pb(r: pb.CheckpointResponse) -> CheckpointResult:
         bytes=r.bytes,
         seconds=r.seconds,
     )
+
+
+def _merge_rows(parts: list[tuple[npt.NDArray[np.int64], RowState]]) -> RowState:
+    """Shards' rows back in the order of the ids they were routed from."""
+    if len(parts) == 1 and np.array_equal(parts[0][0], np.arange(parts[0][0].shape[0])):
+        return parts[0][1]
+    n = sum(where.shape[0] for where, _ in parts)
+    first = parts[0][1]
+    out = RowState(
+        np.empty((n, first.weights.shape[1]), np.float32),
+        np.empty((n, first.state.shape[1]), np.float32),
+        np.empty(n, np.int64),
+    )
+    for where, rows in parts:
+        out.weights[where] = rows.weights
+        out.state[where] = rows.state
+        out.row_step[where] = rows.row_step
+    return out
 
 
 class StoreClient:
@@ -884,6 +902,16 @@ class StoreClient:
         """Each shard's address, in shard order (``host:port``, or ``inproc://shard-N``)."""
         return [t.address for t in self._transports]
 
+    @property
+    def table_configs(self) -> dict[str, TableConfig] | None:
+        """The tables' configs where this client holds its shards (``inproc://``), else
+        None: a remote shard's config is the job's ``store:`` section, not sent.
+        """
+        configs = [
+            t.shard.config.tables for t in self._transports if isinstance(t, InprocTransport)
+        ]
+        return dict(configs[0]) if len(configs) == len(self._transports) and configs else None
+
     def _delay(self) -> None:
         """The added latency of one call (``latency_s``, a benchmarking aid)."""
         if self.latency_s > 0.0:
@@ -985,8 +1013,9 @@ class StoreClient:
         """Apply row gradients (``[n, dim]`` per table); safe to retry with the same id.
 
         ``return_rows``: the result's ``rows`` holds each table's pushed rows as the
-        store holds them after the push (``row_dtype``, in the order of the ids):
-        what a lookup right after it would read, without another round trip.
+        store holds them after the push, with their optimizer state (float32, in
+        the order of the ids): what a lookup right after it would read, without
+        another round trip.
 
         >>> from embedding_store.types import StoreConfig
         >>> store = StoreClient.connect("inproc://2", config=StoreConfig(
@@ -994,9 +1023,11 @@ class StoreClient:
         >>> ids = np.array([4, 9], dtype=np.uint64)
         >>> before = store.lookup({"t": ids})["t"]
         >>> result = store.push({"t": (ids, np.ones((2, 2)))}, return_rows=True)
-        >>> bool(np.allclose(result.rows["t"], before - 0.5, atol=1e-3))
-        True
-        >>> bool((result.rows["t"] == store.lookup({"t": ids}, train=False)["t"]).all())
+        >>> after = result.rows["t"]
+        >>> bool(np.allclose(after.weights, before - 0.5, atol=1e-3)), after.row_step.tolist()
+        (True, [1, 1])
+        >>> now = store.lookup({"t": ids}, train=False)["t"]
+        >>> bool((after.weights.astype(store.row_dtype) == now).all())
         True
         """
         rid = request_id or f"{self._client_id}-{next(self._push_seq)}"
@@ -1010,7 +1041,6 @@ class StoreClient:
                 raise InvalidRequest(msg)
             routed[name] = (arr, g_arr, order, bounds)
         self._delay()
-        rows_dtype = self.row_dtype if return_rows else None
         waits: list[tuple[int, Wait[PushResult]]] = []
         for s, transport in enumerate(self._transports):
             part = {}
@@ -1023,30 +1053,21 @@ class StoreClient:
                     part[name] = (arr[sel], g_arr[sel])
             if part:
                 wait = transport.start_push(
-                    part, rid, self.grad_dtype, return_rows=rows_dtype, deferred=not waits
+                    part, rid, self.grad_dtype, return_rows=return_rows, deferred=not waits
                 )
                 waits.append((s, wait))
         total = PushResult()
-        rows = (
-            {
-                name: np.empty((arr.shape[0], self.dims[name]), dtype=self.row_dtype)
-                for name, (arr, _, _, _) in routed.items()
-            }
-            if return_rows
-            else None
-        )
+        parts: dict[str, list[tuple[npt.NDArray[np.int64], RowState]]] = {}
         for s, wait in waits:
             result = wait()
             total = total + result
-            if rows is None or result.rows is None:
-                continue
-            for name, part_rows in result.rows.items():
-                if self.num_shards == 1:
-                    rows[name] = part_rows
-                else:
-                    _, _, order, bounds = routed[name]
-                    rows[name][order[bounds[s] : bounds[s + 1]]] = part_rows
-        return replace(total, rows=rows) if rows is not None else total
+            for name, part_rows in (result.rows or {}).items():
+                _, _, order, bounds = routed[name]
+                where = order if self.num_shards == 1 else order[bounds[s] : bounds[s + 1]]
+                parts.setdefault(name, []).append((where, part_rows))
+        if not return_rows:
+            return total
+        return replace(total, rows={name: _merge_rows(p) for name, p in parts.items()})
 
     def _each(self, fn: Callable[[int, ShardTransport], T]) -> list[T]:
         self._delay()

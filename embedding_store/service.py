@@ -50,7 +50,7 @@ from embedding_store.latency import LatencyHistogram
 from embedding_store.proto import embedding_store_pb2 as pb
 from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
 from embedding_store.shard import StoreShard
-from embedding_store.types import CheckpointResult, LatencySnapshot, RowDtype, ShardStats
+from embedding_store.types import CheckpointResult, LatencySnapshot, ShardStats
 from embedding_store.wire import (
     AREA_HEADER,
     FRAME_SERVICE,
@@ -62,6 +62,7 @@ from embedding_store.wire import (
     decode_push,
     decode_shared,
     encode_matrix,
+    encode_row_state,
     row_dtype,
     rows_frame,
     rows_frame_size,
@@ -368,31 +369,21 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
         if len(grads) != len(request.tables):
             msg = "tables: a table is named twice in one Push"
             raise InvalidRequest(msg)
-        return_rows = (
-            row_dtype(request.return_rows, "return_rows")
-            if request.HasField("return_rows")
-            else None
-        )
-        return self._apply_push(grads, request.request_id, return_rows)
+        return self._apply_push(grads, request.request_id, request.return_rows)
 
     def _apply_push(
-        self, grads: dict[str, Any], request_id: str, return_rows: RowDtype | None = None
+        self, grads: dict[str, Any], request_id: str, return_rows: bool = False
     ) -> pb.PushResponse:
         ids = {name: i for name, (i, _) in grads.items()}
-        values = 0 if return_rows is None else self._check_reply_size(ids, return_rows, "Push")
+        # The weights and about as much optimizer state again go back.
+        values = 2 * self._check_reply_size(ids, "float32", "Push") if return_rows else 0
         result = self.shard.push(grads, request_id=request_id or None)
-        rows = b""
-        if return_rows is not None:
-            # Read after the push, so the trainer gets what its next lookup would:
-            # the rows with this push (and any that landed before it) applied.
-            item = 2 if return_rows == "float16" else 4
-            with self._replies.hold(values * item):
-                dims = {name: self.shard.table(name).dim for name in ids}
-                buf, views = rows_frame(
-                    {name: (len(v), dims[name]) for name, v in ids.items()}, return_rows
-                )
-                self.shard.lookup(ids, train=False, out=views)
-                rows = bytes(buf)
+        rows = state = steps = b""
+        if return_rows:
+            # Read after the push: what the trainer's next lookup would get, and what
+            # its prediction of its next push starts from.
+            with self._replies.hold(values * 4):
+                rows, state, steps = encode_row_state(self.shard.peek(ids))
         return pb.PushResponse(
             applied=result.applied,
             dropped_not_admitted=result.dropped_not_admitted,
@@ -400,6 +391,8 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
             duplicate_request=result.duplicate_request,
             incarnation=self.shard.incarnation,
             rows=rows,
+            state=state,
+            row_steps=steps,
         )
 
     @_errors_to_status

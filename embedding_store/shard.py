@@ -42,6 +42,7 @@ from embedding_store.types import (
     PushResult,
     RestoreResult,
     RowDtype,
+    RowState,
     ShardStats,
     StoreConfig,
 )
@@ -151,6 +152,10 @@ class StoreShard:
                 dest = np.empty((np.shape(requests[name])[0], t.dim), dtype=dtype)
             result[name] = t.lookup(requests[name], train=train, step=step, out=dest)
         return result
+
+    def peek(self, ids: Mapping[str, npt.ArrayLike]) -> dict[str, RowState]:
+        """Each table's rows of ``ids`` with their optimizer state, changing nothing."""
+        return {name: self.table(name).peek(table_ids) for name, table_ids in ids.items()}
 
     def push(
         self,

@@ -53,6 +53,7 @@ from embedding_store.types import (
     CountMinAdmission,
     ProbabilityAdmission,
     PushResult,
+    RowState,
     TableConfig,
     TableStats,
 )
@@ -71,6 +72,46 @@ MAX_LOAD = 0.75
 # table's capacity (it reads as zeros and its gradient is dropped).
 OVERFLOW = -2
 NOT_ADMITTED = -1
+
+
+def update_rows(
+    optimizer: RowOptimizer,
+    weight_clip: float | None,
+    weights: F32,
+    state: F32,
+    row_step: I64,
+    rows: I64,
+    g: F32,
+) -> int:
+    """Apply ``g`` to the slots ``rows`` (``-1`` skipped) as a table's push does: the
+    optimizer's step, then the weight clip; a row the update would make non-finite is
+    left as it was. Returns how many rows were left so.
+
+    A finite gradient can still overflow a weight or an optimizer state (3e38 three
+    times), and a row that holds NaN or Inf would be served, and checkpointed, for
+    good. A trainer that predicts what its push will do calls this on copies of the
+    rows, so its prediction is the store's arithmetic, not a second implementation.
+
+    >>> from embedding_store.optim import make_optimizer
+    >>> from embedding_store.types import SGDConfig
+    >>> w, s, n = np.ones((1, 2), np.float32), np.zeros((1, 0), np.float32), np.zeros(1, np.int64)
+    >>> update_rows(make_optimizer(SGDConfig(lr=1.0)), 0.5, w, s, n, np.array([0]),
+    ...             np.full((1, 2), 2.0, np.float32))
+    0
+    >>> w.tolist(), n.tolist()
+    ([[-0.5, -0.5]], [1])
+    """
+    n, width = rows.shape[0], state.shape[1]
+    before = (
+        np.empty((n, weights.shape[1]), dtype=np.float32),
+        np.empty((n, width), dtype=np.float32),
+        np.empty(n, dtype=np.int64),
+    )
+    _save_rows(weights, state, row_step, rows, *before)
+    optimizer.apply(weights, state, row_step, rows, g)
+    if weight_clip is not None:
+        _clip(weights, rows, weight_clip)
+    return int(_undo_nonfinite(weights, state, row_step, rows, *before))
 
 
 @dataclass(frozen=True)
@@ -910,23 +951,38 @@ class EmbeddingTable:
         )
 
     def _apply_finite(self, rows: I64, g: F32) -> int:
-        """Apply ``g`` to ``rows``; rows the update would make non-finite are left as they were.
-
-        Returns how many rows were left unchanged: a finite gradient can still
-        overflow a weight or an optimizer state (3e38 three times), and a row
-        that holds NaN or Inf would be served, and checkpointed, for good.
-        """
-        n, width = rows.shape[0], self._state.shape[1]
-        before = (
-            np.empty((n, self.dim), dtype=np.float32),
-            np.empty((n, width), dtype=np.float32),
-            np.empty(n, dtype=np.int64),
+        return update_rows(
+            self.optimizer,
+            self.config.weight_clip,
+            self._weights,
+            self._state,
+            self._row_step,
+            rows,
+            g,
         )
-        _save_rows(self._weights, self._state, self._row_step, rows, *before)
-        self.optimizer.apply(self._weights, self._state, self._row_step, rows, g)
-        if self.config.weight_clip is not None:
-            _clip(self._weights, rows, self.config.weight_clip)
-        return int(_undo_nonfinite(self._weights, self._state, self._row_step, rows, *before))
+
+    def peek(self, ids: npt.ArrayLike) -> RowState:
+        """The rows of ``ids`` with their optimizer state, changing nothing (not even
+        recency); an id without a row has ``row_step`` -1 and zeros.
+
+        >>> t = EmbeddingTable("t", TableConfig(dim=2, optimizer={"kind": "sgd", "lr": 1.0}))
+        >>> _ = t.lookup([7])
+        >>> _ = t.push([7], np.ones((1, 2), np.float32))
+        >>> t.peek([7, 8]).row_step.tolist()
+        [1, -1]
+        """
+        keys = _as_ids(ids).view(np.int64)
+        rows = np.empty(keys.shape[0], dtype=np.int64)
+        with self._lock:
+            _probe(self._buckets, keys, self.clock, False, rows)
+            present = rows >= 0
+            weights = np.zeros((keys.shape[0], self.dim), dtype=np.float32)
+            state = np.zeros((keys.shape[0], self._state_width), dtype=np.float32)
+            row_step = np.full(keys.shape[0], -1, dtype=np.int64)
+            weights[present] = self._weights[rows[present]]
+            state[present] = self._state[rows[present]]
+            row_step[present] = self._row_step[rows[present]]
+        return RowState(weights, state, row_step)
 
     # --- eviction and expiry ----------------------------------------------------
 

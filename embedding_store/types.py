@@ -220,20 +220,34 @@ class StoreConfig(_Strict):
 
 
 @dataclass(frozen=True)
+class RowState:
+    """Rows with everything a push's arithmetic reads: weights, optimizer state and
+    update count, one entry per id; ``row_step`` -1 marks an id without a row.
+    """
+
+    weights: npt.NDArray[np.float32]  # [n, dim]
+    state: npt.NDArray[np.float32]  # [n, optimizer state width]
+    row_step: npt.NDArray[np.int64]  # [n]
+
+    def take(self, index: npt.NDArray[np.intp]) -> RowState:
+        """The entries at ``index``, in its order."""
+        return RowState(self.weights[index], self.state[index], self.row_step[index])
+
+
+@dataclass(frozen=True)
 class PushResult:
     """What one push did, summed over the tables it named.
 
     ``rows``: when the push asked for them, each table's pushed rows as the
-    store holds them after the push, in the order of the pushed ids.
+    store holds them after the push (with their optimizer state), in the order
+    of the pushed ids.
     """
 
     applied: int = 0
     dropped_not_admitted: int = 0
     rejected_nonfinite: int = 0
     duplicate_request: bool = False
-    rows: dict[str, npt.NDArray[np.floating]] | None = field(
-        default=None, compare=False, repr=False
-    )
+    rows: dict[str, RowState] | None = field(default=None, compare=False, repr=False)
 
     def __add__(self, other: PushResult) -> PushResult:
         return PushResult(

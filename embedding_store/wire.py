@@ -28,10 +28,10 @@ them with ``np.frombuffer``. Layout, all little-endian::
            push request: ids (uint64), then gradients (dtype, row-major)
 
 A push's reply is the protobuf ``PushResponse`` (a few counters). A push may
-ask for the rows it changed back (flags ``1`` float16, ``2`` float32): then the
-response's ``rows`` holds a Lookup reply frame of exactly the pushed ids, as the
-shard holds them after the push, which is how a trainer reads its own pushes
-fresh without another round trip.
+ask for the rows it changed back (flag ``1``): then the response holds exactly
+the pushed ids' rows as the shard holds them after the push, with their
+optimizer state (``encode_row_state``), which is how a trainer reads its own
+pushes fresh, and predicts the next, without another round trip.
 
 For a shard on the client's host the same frames go through a shared-memory
 area instead (``SharedCall``): the client writes the request frame into a
@@ -62,7 +62,7 @@ import numpy.typing as npt
 
 from embedding_store.errors import InvalidRequest
 from embedding_store.proto import embedding_store_pb2 as pb
-from embedding_store.types import RowDtype
+from embedding_store.types import RowDtype, RowState
 
 _LE_U64 = np.dtype("<u8")
 _DTYPES: dict[str, np.dtype[np.floating]] = {
@@ -125,13 +125,8 @@ PUSH_MAGIC = b"SRPQ"
 _HEAD = struct.Struct("<4sBBBxqII")
 _TABLE = struct.Struct("<QIH")
 _TRAIN, _CREATE_ONLY, _HAS_STEP = 1, 2, 4
-# Push frame flags: the reply carries the pushed rows, in float16 or float32.
-_ROWS_F16, _ROWS_F32 = 1, 2
-_RETURN_ROWS_FLAGS: dict[RowDtype | None, int] = {
-    None: 0,
-    "float16": _ROWS_F16,
-    "float32": _ROWS_F32,
-}
+# Push frame flag: the reply carries the pushed rows and their optimizer state.
+_RETURN_ROWS = 1
 _DTYPE_CODES: dict[str, int] = {"float16": 0, "float32": 1}
 _CODE_DTYPES: dict[int, RowDtype] = {0: "float16", 1: "float32"}
 # Bounds a hostile header cannot pass (a frame is capped by max_message_bytes anyway).
@@ -156,7 +151,7 @@ class PushFrame:
     request_id: str
     dtype: RowDtype
     grads: dict[str, tuple[npt.NDArray[np.uint64], npt.NDArray[np.floating]]]
-    return_rows: RowDtype | None = None
+    return_rows: bool = False
 
 
 def _pad8(n: int) -> int:
@@ -369,17 +364,17 @@ def encode_push(
     *,
     request_id: str,
     dtype: RowDtype,
-    return_rows: RowDtype | None = None,
+    return_rows: bool = False,
 ) -> bytes:
     """A Push frame: each table's ids, then its gradients rounded to ``dtype``.
 
-    ``return_rows``: ask for the pushed rows back, in that dtype.
+    ``return_rows``: ask for the pushed rows back (see ``encode_row_state``).
 
     >>> ids, g = np.array([5], np.uint64), np.ones((1, 2), np.float32)
     >>> frame = decode_push(encode_push({"t": (ids, g)}, request_id="r", dtype="float32",
-    ...                                 return_rows="float16"))
+    ...                                 return_rows=True))
     >>> frame.request_id, frame.return_rows, frame.grads["t"][1].tolist()
-    ('r', 'float16', [[1.0, 1.0]])
+    ('r', True, [[1.0, 1.0]])
     """
     arrays = {
         k: (np.ascontiguousarray(i, dtype=_LE_U64), np.ascontiguousarray(g, dtype=_DTYPES[dtype]))
@@ -393,7 +388,7 @@ def encode_push(
         _head(
             PUSH_MAGIC,
             dtype,
-            _RETURN_ROWS_FLAGS[return_rows],
+            _RETURN_ROWS if return_rows else 0,
             0,
             [(k, len(i), g.shape[1]) for k, (i, g) in arrays.items()],
             request_id.encode(),
@@ -408,7 +403,7 @@ def encode_push(
 def decode_push(data: bytes | memoryview) -> PushFrame:
     """A Push frame back to its fields; ids and gradients are zero-copy views of ``data``."""
     head = _Head(data, PUSH_MAGIC, "Push frame")
-    if head.flags not in (0, _ROWS_F16, _ROWS_F32):
+    if head.flags & ~_RETURN_ROWS:
         msg = f"Push frame: unknown flags {head.flags:#x}"
         raise InvalidRequest(msg)
     grads = {}
@@ -417,15 +412,55 @@ def decode_push(data: bytes | memoryview) -> PushFrame:
         g = head.array(_DTYPES[head.dtype], count * dim, f"tables[{name}].grads")
         grads[name] = (ids, g.reshape(count, dim))
     head.finish()
-    return_rows: RowDtype | None = (
-        "float16" if head.flags == _ROWS_F16 else "float32" if head.flags == _ROWS_F32 else None
-    )
     return PushFrame(
         request_id=head.extra,
         dtype=head.dtype,
         grads=grads,  # type: ignore[arg-type]
-        return_rows=return_rows,
+        return_rows=bool(head.flags & _RETURN_ROWS),
     )
+
+
+def encode_row_state(rows: Mapping[str, RowState]) -> tuple[bytes, bytes, bytes]:
+    """A push reply's rows: frames of the float32 weights and of the optimizer state,
+    and the update counts (int64) of every table back to back.
+
+    >>> st = RowState(np.ones((2, 3), np.float32), np.zeros((2, 1), np.float32),
+    ...               np.array([4, -1], np.int64))
+    >>> back = decode_row_state(*encode_row_state({"t": st}))["t"]
+    >>> back.weights.shape, back.state.shape, back.row_step.tolist()
+    ((2, 3), (2, 1), [4, -1])
+    """
+    weights, w_views = rows_frame({k: v.weights.shape for k, v in rows.items()}, "float32")
+    state, s_views = rows_frame({k: v.state.shape for k, v in rows.items()}, "float32")
+    for name, v in rows.items():
+        w_views[name][...] = v.weights
+        s_views[name][...] = v.state
+    steps = b"".join(np.ascontiguousarray(v.row_step, dtype="<i8").tobytes() for v in rows.values())
+    return bytes(weights), bytes(state), steps
+
+
+def decode_row_state(weights: bytes, state: bytes, row_steps: bytes) -> dict[str, RowState]:
+    """``encode_row_state``'s three parts back to ``{table: RowState}`` (copies)."""
+    w = decode_rows(weights, "float32")
+    s = decode_rows(state, "float32")
+    n = sum(v.shape[0] for v in w.values())
+    if list(w) != list(s) or any(w[k].shape[0] != s[k].shape[0] for k in w):
+        msg = "push reply: its weights and state name different tables or rows"
+        raise InvalidRequest(msg)
+    if len(row_steps) != 8 * n:
+        msg = f"push reply: {len(row_steps)} bytes of update counts for {n} rows"
+        raise InvalidRequest(msg)
+    steps = np.frombuffer(row_steps, dtype="<i8").astype(np.int64)
+    out, at = {}, 0
+    for name, rows in w.items():
+        k = rows.shape[0]
+        out[name] = RowState(
+            np.array(rows, dtype=np.float32),
+            np.array(s[name], dtype=np.float32),
+            steps[at : at + k],
+        )
+        at += k
+    return out
 
 
 # --- shared areas: the same frames through shared memory, for a shard on this host ----

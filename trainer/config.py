@@ -223,11 +223,13 @@ class TrainerConfig(_Strict):
 
     @property
     def fresh_pushes_kept(self) -> int:
-        """Pushes whose rows a rank remembers for fresh reads (0: none); more than one
-        lookup can miss, so none it missed is forgotten.
+        """Pushes whose rows a rank remembers for fresh reads (0: none): more than one
+        lookup can miss, so none it missed is forgotten, and a few more, so that the
+        state a prediction of the push in flight starts from is found for rows that
+        skip a few batches (else that push is waited for).
 
         >>> TrainerConfig(staleness=4).fresh_pushes_kept
-        8
+        13
         >>> TrainerConfig(mode="sync").fresh_pushes_kept
         0
         >>> TrainerConfig(fresh_rows=False).fresh_pushes_kept
@@ -235,4 +237,4 @@ class TrainerConfig(_Strict):
         """
         if not self.fresh_rows or self.staleness == 0:
             return 0
-        return self.staleness + self.effective_push_queue + 3
+        return self.staleness + self.effective_push_queue + 8

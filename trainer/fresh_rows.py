@@ -7,20 +7,34 @@ pushes. On a real rating log that cost 0.012 AUC at staleness 4, against
 sync mode, where the synthetic stream (ids spread over large vocabularies)
 showed 0.0005.
 
-The store answers each push with the new values of exactly the rows it
-pushed (``StoreClient.push(..., return_rows=True)``: a batch's worth, in the
-lookup's dtype). :class:`RecentPushes` keeps the last few such answers, and
-before a step :func:`overlay_rows` replaces the rows of the batch that its
-lookup read before a newer push of this rank changed them. With one rank the
-trained rows are then exactly what a sync lookup would have read; with
-several, a row still misses at most the other ranks' last ``staleness``
-pushes, which this rank cannot see. The lookups stay ahead of the trainer:
-only the last push's round trip is waited for, not a lookup's.
+The store answers each push with exactly the rows it pushed, as they are
+after it, with their optimizer state (``StoreClient.push(...,
+return_rows=True)``: a batch's worth). :class:`RecentPushes` keeps the last
+few such answers, and before a step two things bring the batch's rows up to
+date:
+
+- :func:`overlay_rows` replaces the rows that a push which landed after the
+  batch's lookup changed;
+- for the push still in flight (the push queue lets the trainer run one
+  step ahead of its last push), :func:`predict_rows` computes what the store
+  will make of the rows it shares with the batch, with the store's own
+  arithmetic (``embedding_store.table.update_rows``) from their last answered
+  state. A row whose state is not remembered makes the trainer wait for that
+  push instead; the reply then corrects the remembered state in any case.
+
+With one rank the trained rows are then exactly what a sync lookup would
+have read, and the lookups and the last push still overlap the training;
+with several, a row still misses at most the other ranks' last ``staleness``
+pushes, which this rank cannot see.
 
 >>> import numpy as np
+>>> from embedding_store.types import RowState
+>>> def state(*w):
+...     return RowState(np.array(w, np.float32)[:, None], np.zeros((len(w), 0), np.float32),
+...                     np.ones(len(w), np.int64))
 >>> recent = RecentPushes(keep=4)
->>> recent.add(1, 10.0, {"item": (np.array([7, 3], np.uint64), np.array([[1.0], [2.0]]))})
->>> recent.add(2, 11.0, {"item": (np.array([3], np.uint64), np.array([[5.0]]))})
+>>> recent.add(1, 10.0, {"item": (np.array([7, 3], np.uint64), state(1.0, 2.0))})
+>>> recent.add(2, 11.0, {"item": (np.array([3], np.uint64), state(5.0))})
 >>> [p.seq for p in recent.missed(applied_before_lookup=1)]
 [2]
 >>> ids, missed_pushes = np.array([3, 7, 9], np.uint64), recent.missed(applied_before_lookup=0)
@@ -38,35 +52,44 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from embedding_store.optim import RowOptimizer, make_optimizer
+from embedding_store.table import update_rows
+from embedding_store.types import RowDtype, RowState, TableConfig
+
 U64 = npt.NDArray[np.uint64]
 Rows = npt.NDArray[np.floating]
+# Per table: ids sorted, and their rows in the same order.
+SortedRows = tuple[U64, RowState]
 
 
 @dataclass(frozen=True)
 class PushedRows:
-    """The rows one push left in the store, per table: ids sorted, rows in the same order."""
+    """The rows one push left in the store, per table, ids sorted."""
 
     seq: int  # the push's number in its rank's run (1, 2, ...)
     applied_at: float  # unix time the store acknowledged it
-    tables: Mapping[str, tuple[U64, Rows]]
+    tables: Mapping[str, SortedRows]
 
 
-def sort_pushed(ids: U64, rows: Rows) -> tuple[U64, Rows]:
+def sort_pushed(ids: U64, rows: RowState) -> SortedRows:
     """``ids`` sorted (for binary search) and ``rows`` in the same order.
 
-    >>> ids, rows = sort_pushed(np.array([9, 2], np.uint64), np.array([[1.0], [0.0]]))
-    >>> ids.tolist(), rows.ravel().tolist()
-    ([2, 9], [0.0, 1.0])
+    >>> st = RowState(np.array([[1.0], [0.0]], np.float32), np.zeros((2, 0), np.float32),
+    ...               np.array([3, 5]))
+    >>> ids, rows = sort_pushed(np.array([9, 2], np.uint64), st)
+    >>> ids.tolist(), rows.weights.ravel().tolist(), rows.row_step.tolist()
+    ([2, 9], [0.0, 1.0], [5, 3])
     """
     order = np.argsort(ids, kind="stable")
-    return ids[order], rows[order]
+    return ids[order], rows.take(order)
 
 
 class RecentPushes:
-    """A rank's last ``keep`` pushes, with the rows each left in the store.
+    """A rank's last ``keep`` answered pushes, with the rows each left in the store.
 
     ``keep`` must cover the pushes one lookup can miss (the staleness bound);
-    an older push is one every lookup in flight has seen.
+    an older push is one every lookup in flight has seen. More are kept so that
+    a row's state is remembered for predictions across a few batches without it.
     """
 
     def __init__(self, keep: int) -> None:
@@ -75,7 +98,7 @@ class RecentPushes:
             raise ValueError(msg)
         self._pushes: deque[PushedRows] = deque(maxlen=keep)
 
-    def add(self, seq: int, applied_at: float, tables: Mapping[str, tuple[U64, Rows]]) -> None:
+    def add(self, seq: int, applied_at: float, tables: Mapping[str, tuple[U64, RowState]]) -> None:
         """Remember push ``seq`` (pushes come in order), its rows in request order."""
         self._pushes.append(
             PushedRows(seq, applied_at, {k: sort_pushed(i, r) for k, (i, r) in tables.items()})
@@ -92,43 +115,133 @@ class RecentPushes:
             last = p.seq
         return last
 
-    def oldest(self) -> int | None:
-        """The seq of the oldest push remembered, None when there is none."""
-        return self._pushes[0].seq if self._pushes else None
-
     def missed(self, applied_before_lookup: int) -> list[PushedRows]:
         """The remembered pushes after ``applied_before_lookup``, oldest first."""
         return [p for p in self._pushes if p.seq > applied_before_lookup]
 
+    def newest_first(self, table: str, before: int) -> list[SortedRows]:
+        """The remembered rows of ``table`` of the pushes before seq ``before``, newest
+        first: where a prediction of push ``before`` starts (that push may have landed
+        meanwhile, and must not be applied twice).
+        """
+        return [
+            p.tables[table] for p in reversed(self._pushes) if table in p.tables and p.seq < before
+        ]
+
+
+def _hits(sorted_ids: U64, ids: U64) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.bool_]]:
+    """For each of ``ids``: its index in ``sorted_ids`` (clipped) and whether it is there."""
+    if sorted_ids.shape[0] == 0:
+        return np.zeros(ids.shape[0], np.intp), np.zeros(ids.shape[0], np.bool_)
+    at = np.minimum(np.searchsorted(sorted_ids, ids), sorted_ids.shape[0] - 1)
+    return at, sorted_ids[at] == ids
+
 
 def overlay_rows(
-    ids: U64, rows: Rows, pushes: Sequence[PushedRows], table: str
+    ids: U64, rows: Rows, pushes: Sequence[PushedRows | SortedRows], table: str = ""
 ) -> tuple[Rows, npt.NDArray[np.int32]]:
-    """``rows`` of ``ids`` with each id's row from the newest of ``pushes`` that holds it,
-    and per id how many of ``pushes`` changed it (what its lookup missed).
+    """``rows`` of ``ids`` with each id's row from the newest of ``pushes`` that holds it
+    (pushes oldest first; a :class:`PushedRows` gives its ``table``'s rows), and per id
+    how many of ``pushes`` changed it (what its lookup missed).
 
-    ``rows`` is changed in place when it is writable and some id was pushed; a
-    read-only array (a received message's) is copied first.
+    The weights are rounded to ``rows``' dtype as a lookup rounds them. ``rows``
+    is changed in place when it is writable and some id was pushed; a read-only
+    array (a received message's) is copied first.
 
-    >>> p = PushedRows(1, 0.0, {"t": (np.array([4], np.uint64), np.array([[2.0, 2.0]]))})
+    >>> st = RowState(np.array([[2.0, 2.0]], np.float32), np.zeros((1, 0), np.float32),
+    ...               np.array([1]))
+    >>> p = PushedRows(1, 0.0, {"t": (np.array([4], np.uint64), st)})
     >>> rows, missed = overlay_rows(np.array([4, 5], np.uint64), np.zeros((2, 2)), [p], "t")
     >>> rows.tolist(), missed.tolist()
     ([[2.0, 2.0], [0.0, 0.0]], [1, 0])
     """
     missed = np.zeros(ids.shape[0], dtype=np.int32)
     for push in pushes:
-        pushed = push.tables.get(table)
-        if pushed is None or pushed[0].shape[0] == 0 or ids.shape[0] == 0:
+        pushed = push.tables.get(table) if isinstance(push, PushedRows) else push
+        if pushed is None or ids.shape[0] == 0:
             continue
         pushed_ids, pushed_rows = pushed
-        at = np.searchsorted(pushed_ids, ids)
-        np.minimum(at, pushed_ids.shape[0] - 1, out=at)
-        hit = pushed_ids[at] == ids
+        at, hit = _hits(pushed_ids, ids)
         if not hit.any():
             continue
         if not rows.flags.writeable:
             rows = rows.copy()
         # Oldest push first: a newer push's row overwrites an older one's.
-        rows[hit] = pushed_rows[at[hit]]
+        rows[hit] = pushed_rows.weights[at[hit]]
         missed += hit
     return rows, missed
+
+
+def latest_state(ids: U64, sources: Sequence[SortedRows]) -> tuple[RowState, npt.NDArray[np.bool_]]:
+    """Each id's rows from the first of ``sources`` (newest first) that holds it, and
+    whether one did.
+
+    >>> def st(w):
+    ...     return RowState(np.array([[w]], np.float32), np.zeros((1, 1), np.float32),
+    ...                     np.array([1]))
+    >>> one = np.array([1], np.uint64)
+    >>> rows, found = latest_state(np.array([1, 2], np.uint64), [(one, st(9.0)), (one, st(3.0))])
+    >>> rows.weights.ravel().tolist(), found.tolist()
+    ([9.0, 0.0], [True, False])
+    """
+    n = ids.shape[0]
+    found = np.zeros(n, dtype=np.bool_)
+    out: RowState | None = None
+    for sorted_ids, rows in sources:
+        if out is None:
+            out = RowState(
+                np.zeros((n, rows.weights.shape[1]), np.float32),
+                np.zeros((n, rows.state.shape[1]), np.float32),
+                np.full(n, -1, np.int64),
+            )
+        at, hit = _hits(sorted_ids, ids)
+        hit &= ~found
+        out.weights[hit] = rows.weights[at[hit]]
+        out.state[hit] = rows.state[at[hit]]
+        out.row_step[hit] = rows.row_step[at[hit]]
+        found |= hit
+        if found.all():
+            break
+    if out is None:
+        out = RowState(np.zeros((n, 0), np.float32), np.zeros((n, 0), np.float32), np.full(n, -1))
+    return out, found
+
+
+@dataclass(frozen=True)
+class PushRule:
+    """What the store does with one table's push: its optimizer, clip and the dtype
+    its gradients travel in (they are rounded to it on the wire).
+    """
+
+    optimizer: RowOptimizer
+    weight_clip: float | None
+    grad_dtype: RowDtype
+
+    @classmethod
+    def of(cls, config: TableConfig, grad_dtype: RowDtype) -> PushRule:
+        """The rule of a table with ``config`` (the store's ``tables:`` entry)."""
+        return cls(make_optimizer(config.optimizer), config.weight_clip, grad_dtype)
+
+
+def predict_rows(before: RowState, grads: npt.NDArray[np.floating], rule: PushRule) -> RowState:
+    """The rows ``before`` as the store leaves them after it applies ``grads`` to them.
+
+    Rows without a row in the store (``row_step`` -1) and gradients with a NaN or
+    Inf are left as they are, as the store drops and rejects them.
+
+    >>> from embedding_store.types import SGDConfig, TableConfig
+    >>> rule = PushRule.of(TableConfig(dim=1, optimizer=SGDConfig(lr=0.5)), "float32")
+    >>> before = RowState(np.ones((2, 1), np.float32), np.zeros((2, 0), np.float32),
+    ...                   np.array([0, -1]))
+    >>> after = predict_rows(before, np.ones((2, 1), np.float32), rule)
+    >>> after.weights.ravel().tolist(), after.row_step.tolist()
+    ([0.5, 1.0], [1, -1])
+    """
+    g = np.ascontiguousarray(np.asarray(grads).astype(rule.grad_dtype), dtype=np.float32)
+    weights = before.weights.copy()
+    state = before.state.copy()
+    row_step = before.row_step.copy()
+    slots = np.arange(weights.shape[0], dtype=np.int64)
+    slots[(row_step < 0) | ~np.isfinite(g).all(axis=1)] = -1
+    update_rows(rule.optimizer, rule.weight_clip, weights, state, row_step, slots, g)
+    return RowState(weights, state, row_step)

@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO, cast
@@ -31,6 +31,7 @@ import torch
 
 from embedding_store.client import StoreClient
 from embedding_store.errors import StoreUnavailable
+from embedding_store.types import TableConfig
 from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch
 from trainer.checkpoint import CheckpointBook, JobCheckpointError, JobManifest
@@ -392,6 +393,7 @@ class TrainLoop:
         initial_checkpoint: bool = False,
         stats: LoopStats | None = None,
         step_threads: int | None = None,
+        store_tables: Mapping[str, TableConfig] | None = None,
     ) -> None:
         """``max_events``: this rank learns at most this many records (dead-lettered
         ones included) and then ends its stream (``stopped_by`` "max_events").
@@ -407,6 +409,9 @@ class TrainLoop:
         CPU, the threads each step's batch is split over (:class:`SplitStep`); 1
         runs the whole batch on torch's intra-op threads; None: the config's
         ``step_threads``, else 1 (the job resolves its default for the host).
+        ``store_tables``: the store's table configs (the job's ``store.tables``), with
+        which fresh rows predict what the push in flight does instead of waiting for
+        it; None: an in-process store's own, else the push in flight is not waited for.
         """
         self.config = config
         self.best_auc = best_auc
@@ -445,7 +450,12 @@ class TrainLoop:
         )
         # Sync mode reads every push fresh already (its lookups wait for them).
         fresh = config.fresh_pushes_kept if config.mode != "sync" else 0
-        self.pusher = Pusher(store, run_id=f"{uuid.uuid4().hex[:12]}-r{rank}", fresh_rows=fresh)
+        self.pusher = Pusher(
+            store,
+            run_id=f"{uuid.uuid4().hex[:12]}-r{rank}",
+            fresh_rows=fresh,
+            tables=store_tables if store_tables is not None else store.table_configs,
+        )
         self._fresh = fresh > 0
         self._losses: list[float] = []
         self._last_checkpoint_t = time.monotonic()

@@ -54,8 +54,16 @@ import numpy as np
 import numpy.typing as npt
 
 from embedding_store.client import StoreClient
+from embedding_store.types import RowState, TableConfig
 from pipeline.types import TableBatch
-from trainer.fresh_rows import RecentPushes, overlay_rows
+from trainer.fresh_rows import (
+    PushRule,
+    RecentPushes,
+    SortedRows,
+    latest_state,
+    overlay_rows,
+    predict_rows,
+)
 
 # Enough for any staleness bound a job would use; older pushes count as seen.
 _APPLIED_TIMES_KEPT = 256
@@ -77,6 +85,8 @@ class Freshened:
     # ... and by how many they were still without when trained (pushes in flight).
     trained_missed_by_row: dict[int, int] = field(default_factory=dict)
     replaced: int = 0  # rows whose value came from a push's reply instead of the lookup
+    predicted: int = 0  # rows a push in flight will change, computed ahead of its reply
+    waited: int = 0  # pushes in flight waited for (a row's state before them was unknown)
 
 
 def _count(histogram: dict[int, int], values: npt.NDArray[np.int32]) -> None:
@@ -110,23 +120,44 @@ class InFlight:
     def __init__(self, seq: int, grads: Grads) -> None:
         self.seq = seq
         self.grads = grads
-        self._sorted: dict[str, npt.NDArray[np.uint64]] = {}
+        self._sorted: dict[str, tuple[npt.NDArray[np.uint64], npt.NDArray[np.intp]]] = {}
+
+    def _sort(self, table: str) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.intp]]:
+        if table not in self._sorted:
+            ids = np.asarray(self.grads[table][0], dtype=np.uint64)
+            order = np.argsort(ids, kind="stable")
+            self._sorted[table] = (ids[order], order)
+        return self._sorted[table]
 
     def sorted_ids(self, table: str) -> npt.NDArray[np.uint64] | None:
         """The push's ids of ``table`` sorted (made on first use), None if it has none."""
-        if table not in self.grads:
-            return None
-        if table not in self._sorted:
-            self._sorted[table] = np.sort(np.asarray(self.grads[table][0], dtype=np.uint64))
-        return self._sorted[table]
+        return self._sort(table)[0] if table in self.grads else None
+
+    def grads_of(self, table: str, ids: npt.NDArray[np.uint64]) -> npt.NDArray[np.floating]:
+        """The push's gradients of ``ids``, which it must all name."""
+        sorted_ids, order = self._sort(table)
+        return np.asarray(self.grads[table][1])[order[np.searchsorted(sorted_ids, ids)]]
 
 
 class Pusher:
     """Applies pushes in submission order on one background thread."""
 
-    def __init__(self, store: StoreClient, *, run_id: str, fresh_rows: int = 0) -> None:
-        """``fresh_rows``: remember the rows of this many recent pushes (0: ask for none)."""
+    def __init__(
+        self,
+        store: StoreClient,
+        *,
+        run_id: str,
+        fresh_rows: int = 0,
+        tables: Mapping[str, TableConfig] | None = None,
+    ) -> None:
+        """``fresh_rows``: remember the rows of this many recent pushes (0: ask for none).
+        ``tables``: the store's table configs, to predict what a push in flight does
+        to the rows (see :meth:`freshen`); None: wait for it instead.
+        """
         self.store = store
+        self._rules = {
+            name: PushRule.of(config, store.grad_dtype) for name, config in (tables or {}).items()
+        }
         # Request ids are unique per run incarnation: after a restore the same
         # batch is pushed again, and the store must not take it for a retry.
         self.run_id = run_id
@@ -183,34 +214,101 @@ class Pusher:
     def freshen(
         self, tables: Mapping[str, TableBatch], looked_up_at: float, *, wait: bool = False
     ) -> Freshened:
-        """Lay the rows of this rank's pushes that landed after ``looked_up_at`` (unix s)
-        over ``tables``' looked-up rows.
+        """Bring ``tables``' looked-up rows up to date with this rank's own pushes.
 
-        The pushes still in flight (at most the push queue's bound) are not waited
-        for unless ``wait``: their rows are trained without them, and counted. With
-        ``wait``, or a push queue of 0, a row pushed at step t is what step t + 1
-        trains, at any staleness. Needs ``fresh_rows``. A lookup time later than
-        the true one only costs rows overlaid with the value they already had
-        (this rank's pushes are its own); the lookup and the acknowledgement times
-        come from the hosts' clocks, which are assumed in step to well under a
-        step's time.
+        The rows that pushes landed after ``looked_up_at`` (unix s) changed are
+        replaced by what those pushes left; the rows that the pushes still in
+        flight (at most the push queue's bound) will change are predicted with the
+        store's arithmetic from their last answered state (needs ``tables``), or,
+        where that state is not remembered, that push is waited for. So a row
+        pushed at step t is what step t + 1 trains, at any staleness. Without
+        ``tables`` the pushes in flight are waited for when ``wait``, else their
+        rows are trained without them and counted. Needs ``fresh_rows``.
+
+        A lookup time later than the true one only costs rows overlaid with the
+        value they already had (this rank's pushes are its own); the lookup and the
+        acknowledgement times come from the hosts' clocks, which are assumed in
+        step to well under a step's time.
         """
         if self._recent is None:
             msg = "freshen: this Pusher was made without fresh_rows"
             raise RuntimeError(msg)
-        out = Freshened(wait_s=self.wait(0) if wait else 0.0)
+        out = Freshened()
+        # The pushes in flight, oldest first: each predicted, or waited for.
+        predicted: dict[str, list[SortedRows]] = {}  # newest first
         with self._cond:
-            pushes = self._recent.missed(self._recent.applied_by(looked_up_at))
             in_flight = list(self._in_flight)
+        i = 0
+        while i < len(in_flight):
+            push = in_flight[i]
+            plan = self._plan(push, tables, predicted) if self._rules else None
+            if plan is not None:
+                for name, (ids, before, grads) in plan.items():
+                    after = predict_rows(before, grads, self._rules[name])
+                    predicted.setdefault(name, []).insert(0, (ids, after))
+                    out.predicted += ids.shape[0]
+                i += 1
+                continue
+            if not (wait or self._rules):
+                break  # trained without the pushes in flight
+            out.wait_s += self._wait_for(push.seq)
+            out.waited += 1
+            # It and every push before it landed: their answers replace the predictions.
+            predicted.clear()
+            with self._cond:
+                in_flight = list(self._in_flight)
+            i = 0
+        unpredicted = in_flight[i:]
+        with self._cond:
+            landed = self._recent.missed(self._recent.applied_by(looked_up_at))
         for name, table in tables.items():
             if table.rows is None:
                 continue
-            table.rows, missed = overlay_rows(table.unique_ids, table.rows, pushes, name)
-            still = in_flight_hits(table.unique_ids, in_flight, name)
-            _count(out.missed_by_row, missed + still)
+            table.rows, missed = overlay_rows(table.unique_ids, table.rows, landed, name)
+            table.rows, ahead = overlay_rows(
+                table.unique_ids, table.rows, list(reversed(predicted.get(name, []))), name
+            )
+            still = in_flight_hits(table.unique_ids, unpredicted, name)
+            _count(out.missed_by_row, missed + ahead + still)
             _count(out.trained_missed_by_row, still)
-            out.replaced += int(np.count_nonzero(missed))
+            out.replaced += int(np.count_nonzero(missed + ahead))
         return out
+
+    def _plan(
+        self,
+        push: InFlight,
+        tables: Mapping[str, TableBatch],
+        predicted: Mapping[str, list[SortedRows]],
+    ) -> dict[str, tuple[npt.NDArray[np.uint64], RowState, npt.NDArray[np.floating]]] | None:
+        """Per table, the batch's ids ``push`` names, their state before it and its
+        gradients of them; None when some state is not known (or a table has no rule).
+        """
+        plan = {}
+        for name, table in tables.items():
+            pushed = push.sorted_ids(name)
+            if pushed is None:
+                continue
+            ids = np.intersect1d(table.unique_ids, pushed, assume_unique=True)
+            if ids.shape[0] == 0:
+                continue
+            if name not in self._rules:
+                return None
+            with self._cond:
+                remembered = self._recent.newest_first(name, push.seq) if self._recent else []
+            before, found = latest_state(ids, [*predicted.get(name, []), *remembered])
+            if not found.all():
+                return None
+            plan[name] = (ids, before, push.grads_of(name, ids))
+        return plan
+
+    def _wait_for(self, seq: int) -> float:
+        """Block until push ``seq`` is applied; returns the seconds waited."""
+        t0 = time.perf_counter()
+        with self._cond:
+            while self.applied < seq and self._error is None:
+                self._cond.wait()
+        self._raise_if_failed()
+        return time.perf_counter() - t0
 
     def drain(self) -> float:
         """Block until every submitted push is applied."""

@@ -82,24 +82,28 @@ class PushRequest(_message.Message):
     request_id: str
     tables: _containers.RepeatedCompositeFieldContainer[TableGrads]
     dtype: RowDtype
-    return_rows: RowDtype
-    def __init__(self, request_id: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableGrads, _Mapping]]] = ..., dtype: _Optional[_Union[RowDtype, str]] = ..., return_rows: _Optional[_Union[RowDtype, str]] = ...) -> None: ...
+    return_rows: bool
+    def __init__(self, request_id: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableGrads, _Mapping]]] = ..., dtype: _Optional[_Union[RowDtype, str]] = ..., return_rows: _Optional[bool] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("applied", "dropped_not_admitted", "rejected_nonfinite", "duplicate_request", "incarnation", "rows")
+    __slots__ = ("applied", "dropped_not_admitted", "rejected_nonfinite", "duplicate_request", "incarnation", "rows", "state", "row_steps")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_NOT_ADMITTED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_NONFINITE_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_REQUEST_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ROW_STEPS_FIELD_NUMBER: _ClassVar[int]
     applied: int
     dropped_not_admitted: int
     rejected_nonfinite: int
     duplicate_request: bool
     incarnation: str
     rows: bytes
-    def __init__(self, applied: _Optional[int] = ..., dropped_not_admitted: _Optional[int] = ..., rejected_nonfinite: _Optional[int] = ..., duplicate_request: _Optional[bool] = ..., incarnation: _Optional[str] = ..., rows: _Optional[bytes] = ...) -> None: ...
+    state: bytes
+    row_steps: bytes
+    def __init__(self, applied: _Optional[int] = ..., dropped_not_admitted: _Optional[int] = ..., rejected_nonfinite: _Optional[int] = ..., duplicate_request: _Optional[bool] = ..., incarnation: _Optional[str] = ..., rows: _Optional[bytes] = ..., state: _Optional[bytes] = ..., row_steps: _Optional[bytes] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("directory", "kind", "metadata_json")

@@ -35,15 +35,16 @@ STEPS = 12
 
 
 def trained_rows_against_the_store(
-    store: StoreClient, staleness: int, **kw: Any
+    store: StoreClient, staleness: int, *, predict: bool = True, **kw: Any
 ) -> tuple[TrainLoop, list[dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]]]:
     """Run the hybrid loop; per step and table, the rows it trained, the store's rows of
     the same ids read just before the step (every earlier push of this one rank has
-    landed then), and which ids the step before pushed.
+    landed then), and which ids the step before pushed. ``predict``: the loop knows the
+    tables' configs (as a job's does), so it predicts the push in flight.
     """
     cfg = config("hybrid", staleness=staleness, **kw)
     dense = DenseModel(cfg, SPEC, store.dims, torch.device("cpu"))
-    loop = TrainLoop(cfg, SPEC, store, dense)
+    loop = TrainLoop(cfg, SPEC, store, dense, store_tables=TABLES if predict else None)
     seen: list[dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]] = []
     step = loop._forward_backward
     last: dict[str, Any] = {}
@@ -88,18 +89,18 @@ def shards(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]
 
 
 @pytest.mark.parametrize("staleness", [1, 2, 4, 8])
-@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "socket"])
 def test_a_row_pushed_at_step_t_is_what_step_t_plus_1_trains(
-    shards: tuple[str, str], staleness: int, shared_memory: bool
+    shards: tuple[str, str], staleness: int
 ) -> None:
-    """No push left in flight (``push_queue: 0``): every lookup's missed pushes are laid over."""
+    """The default push queue (one push in flight, predicted): every row is exact."""
     address, token = shards
-    store = StoreClient.connect(address, token=token, shared_memory=shared_memory)
-    loop, seen = trained_rows_against_the_store(store, staleness, push_queue=0)
+    store = StoreClient.connect(address, token=token)
+    loop, seen = trained_rows_against_the_store(store, staleness)
     for step, tables in enumerate(seen):
         for name, (trained, current, _) in tables.items():
             np.testing.assert_array_equal(trained, current, err_msg=f"step {step} table {name}")
-    # The lookups ran ahead and missed pushes to these rows: the overlay did the work.
+    # The lookups ran ahead and missed pushes to these rows: the overlay did the work,
+    # and the rows of the push in flight were predicted.
     if staleness > 1:
         assert max(loop.stats.missed_pushes_by_row) >= staleness - 1
         assert loop.stats.rows_freshened > 0
@@ -107,13 +108,27 @@ def test_a_row_pushed_at_step_t_is_what_step_t_plus_1_trains(
     store.close()
 
 
-def test_with_a_push_in_flight_a_row_misses_at_most_that_push(shards: tuple[str, str]) -> None:
-    """The default ``push_queue: 1``: a row trained at step t + 1 has every push of this
-    rank but step t's, whatever the staleness; rows step t did not push are exact.
+def test_without_a_push_in_flight_over_the_socket_rows_are_exact(shards: tuple[str, str]) -> None:
+    """``push_queue: 0``, no shared memory: the frames' path, nothing to predict."""
+    address, token = shards
+    store = StoreClient.connect(address, token=token, shared_memory=False)
+    loop, seen = trained_rows_against_the_store(store, 4, push_queue=0)
+    for step, tables in enumerate(seen):
+        for name, (trained, current, _) in tables.items():
+            np.testing.assert_array_equal(trained, current, err_msg=f"step {step} table {name}")
+    assert loop.stats.rows_freshened > 0
+    store.close()
+
+
+def test_without_the_tables_a_row_misses_at_most_the_push_in_flight(
+    shards: tuple[str, str],
+) -> None:
+    """A loop that does not know the tables' optimizers cannot predict: a row trained at
+    step t + 1 has every push of this rank but step t's; rows step t did not push are exact.
     """
     address, token = shards
     store = StoreClient.connect(address, token=token)
-    loop, seen = trained_rows_against_the_store(store, 8)
+    loop, seen = trained_rows_against_the_store(store, 8, predict=False)
     differ = 0
     for step, tables in enumerate(seen):
         for name, (trained, current, pushed_last) in tables.items():

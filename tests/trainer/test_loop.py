@@ -312,17 +312,17 @@ def test_hybrid_loop_with_stale_lookups_differs_from_the_reference(
     store.close()
 
 
-@pytest.mark.parametrize("ahead", [1, 3])
+@pytest.mark.parametrize(("ahead", "push_queue"), [(1, 0), (3, 0), (1, 1), (3, 1)])
 def test_hybrid_loop_reading_its_pushes_fresh_equals_the_reference(
-    reference: tuple[list[float], ReferenceModel], ahead: int
+    reference: tuple[list[float], ReferenceModel], ahead: int, push_queue: int
 ) -> None:
-    """One rank, lookups ``ahead`` batches early, no push left in flight: every row
-    this rank pushed since a batch's lookup is trained with the push's value, so
-    hybrid learns what sync does.
+    """One rank, lookups ``ahead`` batches early, ``push_queue`` pushes left in flight:
+    every row this rank pushed since a batch's lookup is trained with the push's
+    value (the one in flight predicted), so hybrid learns what sync does.
     """
     planned = chunks(source(), "synthetic/0", 0, STEPS * BATCH)
     loop, store, prepared_after, reports = loop_run(
-        "hybrid", planned, ahead=ahead, staleness=ahead, push_queue=0
+        "hybrid", planned, ahead=ahead, staleness=ahead + push_queue, push_queue=push_queue
     )
     # The lookups did miss pushes (the prefetch), and those rows were replaced.
     assert all(applied < i for i, applied in enumerate(prepared_after) if i > 0)
