@@ -12,10 +12,13 @@ decays.
 With ``interaction > 0`` the truth also holds a term that no per-field
 weight can express: the dot product of hidden vectors of two fields' ids (a
 user and an item, by default ``C1`` and ``C2``), which only their embeddings
-can learn (it does not drift). ``preset="hot_ids"`` (``HOT_IDS_PRESET``) turns
-it on over small Zipf vocabularies, as in a rating log: a few hot ids are in
-every batch, so a lookup that misses recent pushes reads them stale. A job YAML
-names it as ``source: {kind: synthetic, preset: hot_ids}``.
+can learn (it does not drift). With ``session_length > 1`` the first of those
+fields (the user) comes in sessions: that many consecutive events share one
+user, drawn uniformly, as a rating log's users rate a run of items at a time.
+``preset="hot_ids"`` (``HOT_IDS_PRESET``) turns both on over small Zipf
+vocabularies: the head items are in every batch and each user in the two or
+three batches of a session, so a lookup that misses recent pushes reads their
+rows stale. A job YAML names it as ``source: {kind: synthetic, preset: hot_ids}``.
 
 Every record is a pure function of ``(seed, partition, position)`` (a
 counter-based generator, no sequential state), so a chunk read twice, in any
@@ -74,8 +77,14 @@ CRITEO_DENSE_MISSING: tuple[float, ...] = (
 
 # The ``hot_ids`` preset: every field a small vocabulary (C1 the users and C2 the
 # items of a rating log the size of MovieLens 100K; the others Criteo's fields cut
-# to at most 100 ids), no new ids, and a user x item term larger than the per-field
-# weights, so that most of what can be learned sits in the rows of hot ids.
+# to at most 100 ids), no new ids, a user x item term larger than the per-field
+# weights, so that most of what can be learned sits in the rows of hot ids, and
+# users in sessions of 300 events. Sessions are what makes stale reads cost: in
+# benchmarks/quality.py (100k events, batch 256), rows read up to 4 pushes stale
+# (hybrid, trainer.fresh_rows off) lost no AUC against sync on this stream without
+# sessions, 0.002 with sessions of 200 events and 0.007 with 300, and 0.010 on
+# MovieLens 100K, whose users rate a run of movies at a time: a new user's rows
+# learn over a few consecutive batches, each reading them before the last push.
 HOT_IDS_CARDINALITIES: tuple[int, ...] = (
     1000,
     1700,
@@ -85,6 +94,7 @@ HOT_IDS_PRESET: dict[str, Any] = {
     "cardinalities": HOT_IDS_CARDINALITIES,
     "new_id_rate": 0.0,
     "interaction": 2.0,
+    "session_length": 300,
 }
 
 # Pareto tail index and scale of each dense count: small indices give the rare
@@ -123,6 +133,7 @@ _SALT_DENSE = np.uint64(0x589965CC75374CC3)
 _SALT_LABEL = np.uint64(0x1D8E4E27C47D124F)
 _SALT_W1 = np.uint64(0xCA5A826395121157)
 _SALT_VEC = np.uint64(0x9FB21C651E98DF25)
+_SALT_SESSION = np.uint64(0x2D358DCCAA6C78A5)
 # Mean and std of a sum of four uniform 16-bit lanes (Irwin-Hall, n = 4).
 _LANES_MEAN = 4.0 * 65535.0 / 2.0
 _LANES_STD = 65536.0 * (4.0 / 12.0) ** 0.5
@@ -134,8 +145,8 @@ class SyntheticConfig(BaseModel):
     >>> SyntheticConfig(seed=3, events=10).partitions
     1
     >>> hot = SyntheticConfig(preset="hot_ids", interaction=1.5)
-    >>> hot.cardinalities[:3], hot.new_id_rate, hot.interaction
-    ((1000, 1700, 100), 0.0, 1.5)
+    >>> hot.cardinalities[:3], hot.new_id_rate, hot.interaction, hot.session_length
+    ((1000, 1700, 100), 0.0, 1.5, 300)
     >>> SyntheticConfig(evnts=10)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
@@ -180,6 +191,13 @@ class SyntheticConfig(BaseModel):
         ("C1", "C2"), description="the two sparse fields whose ids' hidden vectors meet"
     )
     interaction_dim: int = Field(8, ge=1, le=256, description="length of the hidden vectors")
+    session_length: int = Field(
+        1,
+        ge=1,
+        le=1 << 20,
+        description="consecutive events that share one id of the first interaction field "
+        "(a user's session); 1: drawn per event",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -294,6 +312,7 @@ def _generate(
     inter_fields: npt.NDArray[np.int64],
     inter_dim: int,
     vsalt: npt.NDArray[np.uint64],
+    session_len: int,
     chars: npt.NDArray[np.uint8],
     dense: npt.NDArray[np.float64],
     valid: npt.NDArray[np.bool_],
@@ -314,10 +333,17 @@ def _generate(
         va = np.uint64(0)
         vb = np.uint64(0)
         for f in range(n_sparse):
-            h = mix64(ev + np.uint64(f + 1) * _SALT_FIELD)
-            u = unit_float(h)
-            x = np.exp(u * zipf_a[f]) if zipf_log else (1.0 - u * zipf_a[f]) ** zipf_inv
-            rank = min(max(int(x) - 1, 0), card[f] - 1)
+            if session_len > 1 and f == inter_fields[0]:
+                # One user per session, uniform over the users: hot while the session
+                # lasts (as a rating log's users, who rate a batch of items at a time).
+                sk = mix64((np.uint64(t // session_len) * _GOLDEN) ^ stream_key ^ _SALT_SESSION)
+                h = mix64(sk + np.uint64(f + 1) * _SALT_FIELD)
+                rank = min(int(unit_float(h) * card[f]), card[f] - 1)
+            else:
+                h = mix64(ev + np.uint64(f + 1) * _SALT_FIELD)
+                u = unit_float(h)
+                x = np.exp(u * zipf_a[f]) if zipf_log else (1.0 - u * zipf_a[f]) ** zipf_inv
+                rank = min(max(int(x) - 1, 0), card[f] - 1)
             ident = rank
             if open_vocab[f]:
                 h2 = mix64(h ^ _SALT_NEW)
@@ -621,6 +647,7 @@ class SyntheticSource:
             self._inter_fields,
             self.config.interaction_dim,
             self._vsalt,
+            self.config.session_length,
             chars,
             dense,
             valid,

@@ -139,6 +139,7 @@ RECORD_OPTIONS: dict[str, Any] = {
     "cardinalities": (7,) * 26,
     "dense_missing": (0.5,) * 13,
     "interaction": 1.0,
+    "session_length": 50,
     "preset": "hot_ids",
 }
 
@@ -192,6 +193,24 @@ def test_interaction_is_a_user_x_item_term() -> None:
     assert high > low + 0.05
 
 
+def test_sessions_hold_one_user() -> None:
+    cfg = SyntheticConfig(session_length=100, interaction_fields=("C2", "C1"))
+    t = SyntheticSource(cfg).records(0, 0, 1000)
+    users = np.array(t["C2"].to_pylist()).reshape(10, 100)  # the first interaction field
+    assert all(len(set(s)) == 1 for s in users)
+    assert len(set(users[:, 0])) > 5  # a new draw per session
+    # The other fields are drawn per event, as without sessions.
+    plain = SyntheticSource(SyntheticConfig(interaction_fields=("C2", "C1"))).records(0, 0, 1000)
+    assert t["C1"].equals(plain["C1"])
+    assert not t["C2"].equals(plain["C2"])
+    # Users are drawn uniformly per session: no user holds most of them.
+    many = SyntheticSource(SyntheticConfig(session_length=10, cardinalities=(50,) * 26))
+    per_session = np.array(many.records(0, 0, 20_000)["C1"].to_pylist())[::10]
+    _, counts = np.unique(per_session, return_counts=True)
+    assert len(counts) == 50
+    assert counts.max() < 3 * counts.mean()
+
+
 def test_interaction_fields_are_checked() -> None:
     for bad in (("C1", "C1"), ("C1", "C27"), ("user", "C2")):
         with pytest.raises(ValidationError, match="interaction_fields"):
@@ -208,13 +227,13 @@ def test_hot_ids_preset() -> None:
     assert (mine.interaction, mine.new_id_rate) == (0.5, 0.01)
     assert mine.cardinalities == HOT_IDS_CARDINALITIES
     assert SyntheticConfig.model_validate(mine.model_dump()) == mine
-    # Hot ids: the busiest user and item are in about one event in eight, so a batch of
-    # 256 holds each some 30 times.
+    # Hot ids: the busiest item is in about one event in eight, so a batch of 256 holds
+    # it some 30 times; a user's session of 300 events fills most of a batch or two.
     t = SyntheticSource(cfg).records(0, 0, 256 * 40)
-    for field in ("C1", "C2"):
+    for field, least in (("C1", 100), ("C2", 20)):
         ids = np.array(t[field].to_pylist()).reshape(40, 256)
         top = [np.unique(b, return_counts=True)[1].max() for b in ids]
-        assert np.mean(top) > 20, field
+        assert np.mean(top) > least, field
 
 
 def test_hot_ids_from_a_job_yaml(tmp_path: Path) -> None:
