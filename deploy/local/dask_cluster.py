@@ -28,20 +28,23 @@ import logging
 import signal
 import sys
 import tempfile
+import threading
 import uuid
 from pathlib import Path
 from typing import IO, Any
 
-from distributed import LocalCluster, Nanny, SpecCluster
+from distributed import LocalCluster, Nanny, SpecCluster, Worker, WorkerPlugin
+from distributed.core import Status
 from distributed.deploy.subprocess import SubprocessScheduler
 from distributed.utils import Deadline
 from distributed.worker_memory import parse_memory_limit
+from tornado.ioloop import PeriodicCallback
 
 from deploy.local.shards import signal_when_parent_dies
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SchedulerProcess", "local_dask_cluster"]
+__all__ = ["HeartbeatStopsFirst", "IgnoreCtrlC", "SchedulerProcess", "local_dask_cluster"]
 
 
 def _kill_with_parent() -> None:
@@ -109,6 +112,79 @@ class SchedulerProcess(SubprocessScheduler):
                 self._log = None
 
 
+class HeartbeatStopsFirst(WorkerPlugin):
+    """A closing worker stops its heartbeat and lets one in flight finish before its comms close.
+
+    ``Worker.close`` stops its periodic callbacks without waiting for the one
+    running, then closes its connection pool: a heartbeat still waiting there
+    for the scheduler's reply fails and logs "Failed to communicate with
+    scheduler during heartbeat" with a ``CommClosedError`` traceback, on the
+    job's stderr. The scheduler answers within milliseconds on an idle machine
+    and much later on a loaded one, so a job's ordinary end or Ctrl-C printed
+    that now and then. Plugins are torn down earlier in ``Worker.close``, with
+    the scheduler still there to answer.
+
+    Each worker process gets its own copy (the nanny pickles it into the worker).
+    """
+
+    name = "streamrec-heartbeat-first"
+
+    def __init__(self) -> None:
+        self._beat: asyncio.Task[None] | None = None
+
+    def setup(self, worker: Worker) -> None:
+        # Before the worker registers, when its heartbeat has not started yet.
+        old = worker.periodic_callbacks["heartbeat"]
+        running = old.is_running()
+        old.stop()
+        beat = PeriodicCallback(lambda: self._heartbeat(worker), old.callback_time)
+        worker.periodic_callbacks["heartbeat"] = beat
+        if running:
+            beat.start()
+
+    async def _heartbeat(self, worker: Worker) -> None:
+        # A task of its own, so that teardown can wait for exactly this call.
+        self._beat = asyncio.ensure_future(worker.heartbeat())
+        try:
+            await self._beat
+        finally:
+            self._beat = None
+
+    async def teardown(self, worker: Worker) -> None:
+        if worker.status != Status.closing:
+            return  # removed from a worker that goes on: it must go on beating
+        worker.periodic_callbacks["heartbeat"].stop()
+        beat = self._beat
+        # A heartbeat that closes its worker (the scheduler forgot it) is not waited for.
+        if beat is not None and beat is not asyncio.current_task():
+            await asyncio.wait([beat])
+
+
+class IgnoreCtrlC(WorkerPlugin):
+    """A worker process ignores SIGINT: the job closes it, after its last checkpoint.
+
+    A terminal sends Ctrl-C to the job's whole process group, its worker
+    processes included; each died of ``KeyboardInterrupt`` with a traceback
+    while the job was still taking its last checkpoint. The scheduler and the
+    store shards run in sessions of their own for the same reason; a worker is
+    started by ``multiprocessing``, which offers no such choice, so it ignores
+    SIGINT from its setup on (a Ctrl-C in the second or so before that still
+    reaches it).
+    """
+
+    name = "streamrec-ignore-ctrl-c"
+
+    def setup(self, worker: Worker) -> None:
+        # A worker process runs its event loop in its main thread; a worker on another
+        # thread shares its process with something that may want Ctrl-C.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _quiet_worker_plugins() -> tuple[WorkerPlugin, ...]:
+    return (HeartbeatStopsFirst(), IgnoreCtrlC())
+
+
 def local_dask_cluster(
     *,
     workers: int,
@@ -128,6 +204,7 @@ def local_dask_cluster(
             threads_per_worker=threads_per_worker,
             processes=True,
             dashboard_address=dashboard_address,
+            plugins=_quiet_worker_plugins(),
         )
     host = "127.0.0.1"
     scheduler = {
@@ -150,6 +227,7 @@ def local_dask_cluster(
             # As LocalCluster shares the memory: each worker its part of the host's.
             "memory_limit": parse_memory_limit("auto", 1, workers, logger=log),
             "silence_logs": logging.WARN,
+            "plugins": _quiet_worker_plugins(),
         },
     }
     return SpecCluster(  # type: ignore[no-untyped-call]

@@ -116,3 +116,82 @@ def test_a_scheduler_that_cannot_start_says_why(tmp_path: Path) -> None:
     assert "no_such_option" in str(info.value)  # the log's tail says what was wrong
     asyncio.run(scheduler.close())
     assert not Path(scheduler.scheduler_kwargs["scheduler_file"]).exists()
+
+
+# Closes the workers as the cluster's close does first, while the scheduler gets no CPU
+# (SIGSTOP): as a loaded machine's scheduler, it answers every worker's heartbeat late.
+_CLOSE_WHILE_HEARTBEATS_WAIT = """
+import asyncio, sys, time
+from pathlib import Path
+sys.path.insert(0, {root!r})
+import psutil
+from distributed.core import rpc
+from distributed.protocol.pickle import dumps
+from deploy.local.dask_cluster import local_dask_cluster
+
+def heartbeat_waits(dask_worker):
+    pool, scheduler = dask_worker.rpc, dask_worker.scheduler.address
+    return bool(pool.occupied.get(scheduler) or pool._connecting.get(scheduler))
+
+def gone(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+if __name__ == "__main__":
+    cluster = local_dask_cluster(workers=2, threads_per_worker=1, dashboard_address=":0",
+                                 log_path=Path({log!r}))
+    nannies = list(cluster.workers.values())
+    scheduler = psutil.Process(cluster.scheduler.process.pid)
+    scheduler.suspend()
+
+    async def until_each_heartbeat_waits():
+        for nanny in nannies:
+            async with rpc(nanny.worker_address) as worker:
+                while not (await worker.run(function=dumps(heartbeat_waits)))["result"]:
+                    await asyncio.sleep(0.05)
+
+    async def close_workers():
+        await asyncio.gather(*(nanny.close(timeout=60) for nanny in nannies))
+
+    cluster.sync(until_each_heartbeat_waits)
+    pids = [nanny.process.pid for nanny in nannies]
+    closing = asyncio.run_coroutine_threadsafe(close_workers(), cluster.loop.asyncio_loop)
+    # A worker that does not wait for its heartbeat exits at once; one that waits is
+    # answered once the scheduler runs again.
+    deadline = time.monotonic() + 3
+    while not all(gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    scheduler.resume()
+    closing.result(timeout=60)
+    cluster.close()
+    print("closed", flush=True)
+"""
+
+
+def test_workers_closed_while_their_heartbeats_wait_print_nothing(tmp_path: Path) -> None:
+    """A loaded machine's scheduler answers heartbeats late; closing the cluster stays quiet.
+
+    Each worker's heartbeat waiting for the reply used to be cut by its own close:
+    "distributed.worker - ERROR - Failed to communicate with scheduler during
+    heartbeat" and a traceback, on the stderr of a job stopped with Ctrl-C.
+    """
+    script = tmp_path / "close_while_heartbeats_wait.py"
+    script.write_text(
+        _CLOSE_WHILE_HEARTBEATS_WAIT.format(
+            root=str(Path(__file__).resolve().parents[2]), log=str(tmp_path / "log")
+        )
+    )
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=120,
+    )
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, text
+    assert "closed" in out.stdout, text
+    assert "ERROR" not in text, text
+    assert "Traceback" not in text, text
