@@ -504,7 +504,7 @@ def make_job(
     hidden: list[int],
     log_every_s: float = 1.0,
     bf16: bool = False,
-    fresh_rows: bool = True,
+    fresh_rows: str = "bounded",
 ) -> Any:
     from deploy.config import JobConfig
     from deploy.train_cli import demo_job
@@ -607,7 +607,7 @@ def run_streamrec(
 ) -> Run:
     from deploy.job import run_job
 
-    fresh_rows = not mode.endswith(STALE)
+    fresh_rows = "off" if mode.endswith(STALE) else "bounded"
     label = mode if hidden == HIDDEN else f"{mode}-mlp{'-'.join(map(str, hidden))}"
     mode = mode.removesuffix(STALE)
     label += f"@{latency_ms:g}ms" if latency_ms else ""

@@ -131,13 +131,16 @@ class TrainerConfig(_Strict):
     push_queue: int = Field(
         1, ge=0, description="pushes left in flight while training on (counts in staleness)"
     )
-    fresh_rows: bool = Field(
-        True,
+    fresh_rows: Literal["bounded", "exact", "off"] = Field(
+        "bounded",
         description=(
-            "hybrid and async: each push brings back the rows it changed, and the next "
-            "steps train those instead of their staler looked-up copies, so a rank reads "
-            "its own pushes as sync mode does (hot ids stay fresh) while the lookups stay "
-            "ahead; costs the last push's round trip per step. false: rows as looked up"
+            "hybrid and async: each push brings back the rows it changed, and the next steps "
+            "train those instead of their staler looked-up copies; the push still in flight "
+            "(push_queue) is predicted with the store's arithmetic for rows the rank pushed "
+            "lately. 'bounded': a row it has not pushed lately misses at most that push "
+            "(never waits); 'exact': that push is waited for, so on one rank a row pushed at "
+            "step t is what step t+1 trains; 'off': rows as looked up (up to staleness "
+            "pushes old)"
         ),
     )
     average_every: int = Field(50, ge=1, description="async mode: steps between dense averages")
@@ -220,21 +223,3 @@ class TrainerConfig(_Strict):
     @property
     def effective_push_queue(self) -> int:
         return min(self.push_queue, self.staleness)
-
-    @property
-    def fresh_pushes_kept(self) -> int:
-        """Pushes whose rows a rank remembers for fresh reads (0: none): more than one
-        lookup can miss, so none it missed is forgotten, and a few more, so that the
-        state a prediction of the push in flight starts from is found for rows that
-        skip a few batches (else that push is waited for).
-
-        >>> TrainerConfig(staleness=4).fresh_pushes_kept
-        13
-        >>> TrainerConfig(mode="sync").fresh_pushes_kept
-        0
-        >>> TrainerConfig(fresh_rows=False).fresh_pushes_kept
-        0
-        """
-        if not self.fresh_rows or self.staleness == 0:
-            return 0
-        return self.staleness + self.effective_push_queue + 8

@@ -9,44 +9,39 @@ showed 0.0005.
 
 The store answers each push with exactly the rows it pushed, as they are
 after it, with their optimizer state (``StoreClient.push(...,
-return_rows=True)``: a batch's worth). :class:`RecentPushes` keeps the last
-few such answers, and before a step two things bring the batch's rows up to
-date:
+return_rows=True)``: a batch's worth). The :class:`trainer.pusher.Pusher`
+keeps the newest of each in a cache (:mod:`trainer.row_cache`), and before a
+step two things bring the batch's rows up to date:
 
-- :func:`overlay_rows` replaces the rows that a push which landed after the
-  batch's lookup changed;
+- the rows that a push which landed after the batch's lookup changed are
+  replaced by what it left;
 - for the push still in flight (the push queue lets the trainer run one
   step ahead of its last push), :func:`predict_rows` computes what the store
   will make of the rows it shares with the batch, with the store's own
   arithmetic (``embedding_store.table.update_rows``) from their last answered
-  state. A row whose state is not remembered makes the trainer wait for that
-  push instead; the reply then corrects the remembered state in any case.
+  state, and :func:`overlay_rows` lays the prediction over the batch. A row
+  whose state is not remembered (this rank has not pushed it lately) misses
+  that one push, or with ``fresh_rows: exact`` the trainer waits for it.
 
 With one rank the trained rows are then exactly what a sync lookup would
 have read, and the lookups and the last push still overlap the training;
 with several, a row still misses at most the other ranks' last ``staleness``
 pushes, which this rank cannot see.
 
->>> import numpy as np
->>> from embedding_store.types import RowState
->>> def state(*w):
-...     return RowState(np.array(w, np.float32)[:, None], np.zeros((len(w), 0), np.float32),
-...                     np.ones(len(w), np.int64))
->>> recent = RecentPushes(keep=4)
->>> recent.add(1, 10.0, {"item": (np.array([7, 3], np.uint64), state(1.0, 2.0))})
->>> recent.add(2, 11.0, {"item": (np.array([3], np.uint64), state(5.0))})
->>> [p.seq for p in recent.missed(applied_before_lookup=1)]
-[2]
->>> ids, missed_pushes = np.array([3, 7, 9], np.uint64), recent.missed(applied_before_lookup=0)
->>> rows, missed = overlay_rows(ids, np.zeros((3, 1)), missed_pushes, "item")
+>>> from embedding_store.types import SGDConfig, TableConfig
+>>> rule = PushRule.of(TableConfig(dim=1, optimizer=SGDConfig(lr=1.0)), "float32")
+>>> before = RowState(np.array([[2.0]], np.float32), np.zeros((1, 0), np.float32),
+...                   np.array([3]))
+>>> pushed = np.array([5], np.uint64)
+>>> after = predict_rows(before, np.array([[0.5]], np.float32), rule)
+>>> rows, missed = overlay_rows(np.array([5, 6], np.uint64), np.zeros((2, 1)), [(pushed, after)])
 >>> rows.ravel().tolist(), missed.tolist()
-([5.0, 1.0, 0.0], [2, 1, 0])
+([1.5, 0.0], [1, 0])
 """
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,15 +57,6 @@ Rows = npt.NDArray[np.floating]
 SortedRows = tuple[U64, RowState]
 
 
-@dataclass(frozen=True)
-class PushedRows:
-    """The rows one push left in the store, per table, ids sorted."""
-
-    seq: int  # the push's number in its rank's run (1, 2, ...)
-    applied_at: float  # unix time the store acknowledged it
-    tables: Mapping[str, SortedRows]
-
-
 def sort_pushed(ids: U64, rows: RowState) -> SortedRows:
     """``ids`` sorted (for binary search) and ``rows`` in the same order.
 
@@ -84,51 +70,6 @@ def sort_pushed(ids: U64, rows: RowState) -> SortedRows:
     return ids[order], rows.take(order)
 
 
-class RecentPushes:
-    """A rank's last ``keep`` answered pushes, with the rows each left in the store.
-
-    ``keep`` must cover the pushes one lookup can miss (the staleness bound);
-    an older push is one every lookup in flight has seen. More are kept so that
-    a row's state is remembered for predictions across a few batches without it.
-    """
-
-    def __init__(self, keep: int) -> None:
-        if keep < 1:
-            msg = f"keep: at least 1 push, got {keep}"
-            raise ValueError(msg)
-        self._pushes: deque[PushedRows] = deque(maxlen=keep)
-
-    def add(self, seq: int, applied_at: float, tables: Mapping[str, tuple[U64, RowState]]) -> None:
-        """Remember push ``seq`` (pushes come in order), its rows in request order."""
-        self._pushes.append(
-            PushedRows(seq, applied_at, {k: sort_pushed(i, r) for k, (i, r) in tables.items()})
-        )
-
-    def applied_by(self, when: float) -> int:
-        """The highest seq remembered that was acknowledged at or before ``when`` (unix s);
-        the oldest remembered seq minus one when none was (0 when none is remembered).
-        """
-        last = self._pushes[0].seq - 1 if self._pushes else 0
-        for p in self._pushes:
-            if p.applied_at > when:
-                break
-            last = p.seq
-        return last
-
-    def missed(self, applied_before_lookup: int) -> list[PushedRows]:
-        """The remembered pushes after ``applied_before_lookup``, oldest first."""
-        return [p for p in self._pushes if p.seq > applied_before_lookup]
-
-    def newest_first(self, table: str, before: int) -> list[SortedRows]:
-        """The remembered rows of ``table`` of the pushes before seq ``before``, newest
-        first: where a prediction of push ``before`` starts (that push may have landed
-        meanwhile, and must not be applied twice).
-        """
-        return [
-            p.tables[table] for p in reversed(self._pushes) if table in p.tables and p.seq < before
-        ]
-
-
 def _hits(sorted_ids: U64, ids: U64) -> tuple[npt.NDArray[np.intp], npt.NDArray[np.bool_]]:
     """For each of ``ids``: its index in ``sorted_ids`` (clipped) and whether it is there."""
     if sorted_ids.shape[0] == 0:
@@ -138,11 +79,10 @@ def _hits(sorted_ids: U64, ids: U64) -> tuple[npt.NDArray[np.intp], npt.NDArray[
 
 
 def overlay_rows(
-    ids: U64, rows: Rows, pushes: Sequence[PushedRows | SortedRows], table: str = ""
+    ids: U64, rows: Rows, pushes: Sequence[SortedRows]
 ) -> tuple[Rows, npt.NDArray[np.int32]]:
     """``rows`` of ``ids`` with each id's row from the newest of ``pushes`` that holds it
-    (pushes oldest first; a :class:`PushedRows` gives its ``table``'s rows), and per id
-    how many of ``pushes`` changed it (what its lookup missed).
+    (oldest first), and per id how many of ``pushes`` hold it.
 
     The weights are rounded to ``rows``' dtype as a lookup rounds them. ``rows``
     is changed in place when it is writable and some id was pushed; a read-only
@@ -150,17 +90,15 @@ def overlay_rows(
 
     >>> st = RowState(np.array([[2.0, 2.0]], np.float32), np.zeros((1, 0), np.float32),
     ...               np.array([1]))
-    >>> p = PushedRows(1, 0.0, {"t": (np.array([4], np.uint64), st)})
-    >>> rows, missed = overlay_rows(np.array([4, 5], np.uint64), np.zeros((2, 2)), [p], "t")
+    >>> p = (np.array([4], np.uint64), st)
+    >>> rows, missed = overlay_rows(np.array([4, 5], np.uint64), np.zeros((2, 2)), [p])
     >>> rows.tolist(), missed.tolist()
     ([[2.0, 2.0], [0.0, 0.0]], [1, 0])
     """
     missed = np.zeros(ids.shape[0], dtype=np.int32)
-    for push in pushes:
-        pushed = push.tables.get(table) if isinstance(push, PushedRows) else push
-        if pushed is None or ids.shape[0] == 0:
+    for pushed_ids, pushed_rows in pushes:
+        if ids.shape[0] == 0:
             continue
-        pushed_ids, pushed_rows = pushed
         at, hit = _hits(pushed_ids, ids)
         if not hit.any():
             continue

@@ -206,6 +206,8 @@ class LoopStats:
     missed_pushes_by_row: dict[int, int] = field(default_factory=dict)
     trained_missed_pushes_by_row: dict[int, int] = field(default_factory=dict)
     rows_freshened: int = 0
+    rows_predicted: int = 0  # of those, rows the push in flight changes, computed ahead
+    fresh_waits: int = 0  # pushes in flight waited for (a row's state was not remembered)
     # Dead-lettered records by partition, then by reason.
     bad_by_partition: dict[str, dict[str, int]] = field(default_factory=dict)
     # Rollbacks to the newest checkpoint after the store lost state, and how long each took.
@@ -237,6 +239,8 @@ class Progress:
     missed_pushes_by_row: dict[str, int] = field(default_factory=dict)  # see LoopStats
     trained_missed_pushes_by_row: dict[str, int] = field(default_factory=dict)
     rows_freshened: int = 0
+    rows_predicted: int = 0
+    fresh_waits: int = 0
     positions: dict[str, int] = field(default_factory=dict)  # learned up to, per partition
     deadletter: dict[str, dict[str, int]] = field(default_factory=dict)
     best_auc: float | None = None  # the synthetic stream's best achievable AUC
@@ -449,14 +453,14 @@ class TrainLoop:
             average_every=config.average_every,
         )
         # Sync mode reads every push fresh already (its lookups wait for them).
-        fresh = config.fresh_pushes_kept if config.mode != "sync" else 0
+        fresh = config.fresh_rows != "off" and config.staleness > 0 and config.mode != "sync"
         self.pusher = Pusher(
             store,
             run_id=f"{uuid.uuid4().hex[:12]}-r{rank}",
             fresh_rows=fresh,
             tables=store_tables if store_tables is not None else store.table_configs,
         )
-        self._fresh = fresh > 0
+        self._fresh = fresh
         self._losses: list[float] = []
         self._last_checkpoint_t = time.monotonic()
         self._checkpointed_step = start_step  # a restored job holds this step already
@@ -747,7 +751,7 @@ class TrainLoop:
         """Train the rows this rank pushed since the batch's lookup as they are now."""
         try:
             done = self.pusher.freshen(
-                batch.tables, batch.looked_up_at, wait=self.config.effective_push_queue == 0
+                batch.tables, batch.looked_up_at, wait=self.config.fresh_rows == "exact"
             )
         except Exception as exc:
             if not store_failure(exc):
@@ -756,6 +760,8 @@ class TrainLoop:
             return
         self.stats.push_wait_s += done.wait_s
         self.stats.rows_freshened += done.replaced
+        self.stats.rows_predicted += done.predicted
+        self.stats.fresh_waits += done.waited
         for into, add in (
             (self.stats.missed_pushes_by_row, done.missed_by_row),
             (self.stats.trained_missed_pushes_by_row, done.trained_missed_by_row),
@@ -866,6 +872,8 @@ class TrainLoop:
                 str(k): n for k, n in sorted(self.stats.trained_missed_pushes_by_row.items())
             },
             rows_freshened=self.stats.rows_freshened,
+            rows_predicted=self.stats.rows_predicted,
+            fresh_waits=self.stats.fresh_waits,
             positions=dict(self.positions),
             deadletter={p: dict(r) for p, r in self.stats.bad_by_partition.items()},
             best_auc=self.best_auc,

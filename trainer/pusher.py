@@ -28,7 +28,7 @@ With ``fresh_rows``, each push asks the store for the rows it changed, and
 (see :mod:`trainer.fresh_rows`):
 
 >>> from pipeline.types import TableBatch
->>> pusher = Pusher(store, run_id="fresh", fresh_rows=4)
+>>> pusher = Pusher(store, run_id="fresh", fresh_rows=True)
 >>> looked_up = time.time()
 >>> table = TableBatch(fields=("f",), unique_ids=ids, inverse=np.array([0, 1], np.int32),
 ...                    offsets=np.array([0, 1, 2], np.int32),
@@ -56,14 +56,8 @@ import numpy.typing as npt
 from embedding_store.client import StoreClient
 from embedding_store.types import RowState, TableConfig
 from pipeline.types import TableBatch
-from trainer.fresh_rows import (
-    PushRule,
-    RecentPushes,
-    SortedRows,
-    latest_state,
-    overlay_rows,
-    predict_rows,
-)
+from trainer.fresh_rows import PushRule, predict_rows
+from trainer.row_cache import PushedRowCache
 
 # Enough for any staleness bound a job would use; older pushes count as seen.
 _APPLIED_TIMES_KEPT = 256
@@ -114,6 +108,30 @@ def in_flight_hits(
     return hits
 
 
+@dataclass(frozen=True)
+class _TableView:
+    """One table of a batch as this rank's pushes leave it."""
+
+    missed: npt.NDArray[np.int32]  # per row: own pushes its lookup missed
+    still: npt.NDArray[np.int32]  # per row: pushes in flight it is trained without
+    replace: npt.NDArray[np.intp]  # rows whose value changes ...
+    values: npt.NDArray[np.float32]  # ... to these (float32; rounded as a lookup rounds)
+    predicted: int  # rows whose value is a prediction of a push in flight
+    unknown_seq: int  # the newest push in flight naming a row not predicted (0: none)
+
+    @classmethod
+    def untouched(
+        cls,
+        pending: npt.NDArray[np.int32],
+        in_flight: list[InFlight],
+        named: list[npt.NDArray[np.bool_]],
+    ) -> _TableView:
+        """A table no answered push of this rank has named yet."""
+        newest = max((p.seq for p, m in zip(in_flight, named, strict=True) if m.any()), default=0)
+        empty = np.zeros(0, np.intp)
+        return cls(pending, pending, empty, np.zeros((0, 0), np.float32), 0, newest)
+
+
 class InFlight:
     """A push submitted and not yet acknowledged: its number and gradients."""
 
@@ -147,10 +165,12 @@ class Pusher:
         store: StoreClient,
         *,
         run_id: str,
-        fresh_rows: int = 0,
+        fresh_rows: bool = False,
+        cached_rows: int = 1 << 18,
         tables: Mapping[str, TableConfig] | None = None,
     ) -> None:
-        """``fresh_rows``: remember the rows of this many recent pushes (0: ask for none).
+        """``fresh_rows``: ask each push for the rows it left and remember at most
+        ``cached_rows`` of them per table, for :meth:`freshen`.
         ``tables``: the store's table configs, to predict what a push in flight does
         to the rows (see :meth:`freshen`); None: wait for it instead.
         """
@@ -169,7 +189,9 @@ class Pusher:
         self._queue: queue.Queue[tuple[int, Grads] | None] = queue.Queue()
         self._cond = threading.Condition()
         self._error: BaseException | None = None
-        self._recent = RecentPushes(fresh_rows) if fresh_rows > 0 else None
+        self._fresh = fresh_rows
+        self._max_cached = cached_rows
+        self._caches: dict[str, PushedRowCache] = {}
         self._in_flight: deque[InFlight] = deque()  # kept only with fresh_rows
         self._thread = threading.Thread(target=self._run, name="streamrec-pusher", daemon=True)
         self._thread.start()
@@ -198,7 +220,7 @@ class Pusher:
         with self._cond:
             self.submitted += 1
             n = self.submitted
-            if self._recent is not None:
+            if self._fresh:
                 self._in_flight.append(InFlight(n, grads))
         self._queue.put((n, grads))
 
@@ -219,87 +241,113 @@ class Pusher:
         The rows that pushes landed after ``looked_up_at`` (unix s) changed are
         replaced by what those pushes left; the rows that the pushes still in
         flight (at most the push queue's bound) will change are predicted with the
-        store's arithmetic from their last answered state (needs ``tables``), or,
-        where that state is not remembered, that push is waited for. So a row
-        pushed at step t is what step t + 1 trains, at any staleness. Without
-        ``tables`` the pushes in flight are waited for when ``wait``, else their
-        rows are trained without them and counted. Needs ``fresh_rows``.
+        store's arithmetic from their last answered state (needs ``tables``).
+        A row whose state is not remembered (this rank had not pushed it lately)
+        is trained without the push in flight, and counted; with ``wait`` that
+        push is waited for instead, so a row pushed at step t is what step t + 1
+        trains, at any staleness. Needs ``fresh_rows``.
 
         A lookup time later than the true one only costs rows overlaid with the
         value they already had (this rank's pushes are its own); the lookup and the
         acknowledgement times come from the hosts' clocks, which are assumed in
         step to well under a step's time.
         """
-        if self._recent is None:
+        if not self._fresh:
             msg = "freshen: this Pusher was made without fresh_rows"
             raise RuntimeError(msg)
         out = Freshened()
-        # The pushes in flight, oldest first: each predicted, or waited for.
-        predicted: dict[str, list[SortedRows]] = {}  # newest first
-        with self._cond:
-            in_flight = list(self._in_flight)
-        i = 0
-        while i < len(in_flight):
-            push = in_flight[i]
-            plan = self._plan(push, tables, predicted) if self._rules else None
-            if plan is not None:
-                for name, (ids, before, grads) in plan.items():
-                    after = predict_rows(before, grads, self._rules[name])
-                    predicted.setdefault(name, []).insert(0, (ids, after))
-                    out.predicted += ids.shape[0]
-                i += 1
-                continue
-            if not (wait or self._rules):
-                break  # trained without the pushes in flight
-            out.wait_s += self._wait_for(push.seq)
-            out.waited += 1
-            # It and every push before it landed: their answers replace the predictions.
-            predicted.clear()
+        while True:
             with self._cond:
                 in_flight = list(self._in_flight)
-            i = 0
-        unpredicted = in_flight[i:]
-        with self._cond:
-            landed = self._recent.missed(self._recent.applied_by(looked_up_at))
-        for name, table in tables.items():
-            if table.rows is None:
-                continue
-            table.rows, missed = overlay_rows(table.unique_ids, table.rows, landed, name)
-            table.rows, ahead = overlay_rows(
-                table.unique_ids, table.rows, list(reversed(predicted.get(name, []))), name
-            )
-            still = in_flight_hits(table.unique_ids, unpredicted, name)
-            _count(out.missed_by_row, missed + ahead + still)
-            _count(out.trained_missed_by_row, still)
-            out.replaced += int(np.count_nonzero(missed + ahead))
+                times = list(self._applied_at)
+                applied = self.applied
+            applied_before = applied - (len(times) - bisect.bisect_right(times, looked_up_at))
+            views = {
+                name: self._view(name, table, in_flight, applied_before)
+                for name, table in tables.items()
+                if table.rows is not None
+            }
+            # Exact: a row the rank cannot predict waits for the last push naming it.
+            unknown = [v.unknown_seq for v in views.values() if v.unknown_seq]
+            if not (wait and unknown):
+                break
+            out.wait_s += self._wait_for(max(unknown))
+            out.waited += 1
+        for name, view in views.items():
+            table = tables[name]
+            rows = table.rows
+            if rows is not None and view.replace.shape[0]:
+                if not rows.flags.writeable:
+                    rows = rows.copy()
+                rows[view.replace] = view.values
+                table.rows = rows
+            _count(out.missed_by_row, view.missed)
+            _count(out.trained_missed_by_row, view.still)
+            out.replaced += int(view.replace.shape[0])
+            out.predicted += view.predicted
         return out
 
-    def _plan(
-        self,
-        push: InFlight,
-        tables: Mapping[str, TableBatch],
-        predicted: Mapping[str, list[SortedRows]],
-    ) -> dict[str, tuple[npt.NDArray[np.uint64], RowState, npt.NDArray[np.floating]]] | None:
-        """Per table, the batch's ids ``push`` names, their state before it and its
-        gradients of them; None when some state is not known (or a table has no rule).
-        """
-        plan = {}
-        for name, table in tables.items():
-            pushed = push.sorted_ids(name)
-            if pushed is None:
+    def _view(
+        self, name: str, table: TableBatch, in_flight: list[InFlight], applied_before: int
+    ) -> _TableView:
+        """What this rank's pushes make of ``table``'s rows (see :meth:`freshen`)."""
+        ids = table.unique_ids
+        n = ids.shape[0]
+        # Per push in flight, which of the batch's ids it names.
+        named = [in_flight_hits(ids, [push], name) > 0 for push in in_flight]
+        pending: npt.NDArray[np.int32] = np.zeros(n, np.int32)
+        for mask in named:
+            pending += mask
+        cache = self._caches.get(name)
+        if cache is None:
+            return _TableView.untouched(pending, in_flight, named)
+        with cache.lock:
+            slots = cache.find(ids)
+            missed = cache.missed(slots, applied_before)
+            ahead = np.flatnonzero(pending > 0)
+            ahead_slots = slots[ahead]
+            known = ahead_slots >= 0
+            safe = np.where(known, ahead_slots, 0)
+            rows = cache.take(safe)
+            seq = np.where(known, cache.seq[safe], 0)
+            landed = np.flatnonzero(missed > 0)
+            landed_values = cache.weights[slots[landed]]
+        rule = self._rules.get(name)
+        predicted = 0
+        if rule is None:
+            known[:] = False
+        for push, mask in zip(in_flight, named, strict=True):
+            # Rows this push names whose remembered state predates it.
+            at = np.flatnonzero(known & mask[ahead] & (seq < push.seq))
+            if rule is None or at.shape[0] == 0:
                 continue
-            ids = np.intersect1d(table.unique_ids, pushed, assume_unique=True)
-            if ids.shape[0] == 0:
-                continue
-            if name not in self._rules:
-                return None
-            with self._cond:
-                remembered = self._recent.newest_first(name, push.seq) if self._recent else []
-            before, found = latest_state(ids, [*predicted.get(name, []), *remembered])
-            if not found.all():
-                return None
-            plan[name] = (ids, before, push.grads_of(name, ids))
-        return plan
+            after = predict_rows(rows.take(at), push.grads_of(name, ids[ahead[at]]), rule)
+            rows.weights[at] = after.weights
+            rows.state[at] = after.state
+            rows.row_step[at] = after.row_step
+            seq[at] = push.seq
+            predicted += at.shape[0]
+        # A row in flight takes its prediction where known, else what landed (if any).
+        replace_ahead = ahead[known]
+        keep_landed = ~np.isin(landed, replace_ahead, assume_unique=True)
+        replace = np.concatenate([landed[keep_landed], replace_ahead])
+        values = np.concatenate([landed_values[keep_landed], rows.weights[known]])
+        still = np.zeros(n, np.int32)
+        still[ahead[~known]] = pending[ahead[~known]]
+        unknown_seq = max(
+            (p.seq for p, m in zip(in_flight, named, strict=True) if (m & (still > 0)).any()),
+            default=0,
+        )
+        return _TableView(missed + pending, still, replace, values, predicted, unknown_seq)
+
+    def _cache(self, table: str, rows: RowState) -> PushedRowCache:
+        cache = self._caches.get(table)
+        if cache is None:  # made on the pusher's thread only
+            cache = PushedRowCache(
+                rows.weights.shape[1], rows.state.shape[1], max_rows=self._max_cached
+            )
+            self._caches[table] = cache
+        return cache
 
     def _wait_for(self, seq: int) -> float:
         """Block until push ``seq`` is applied; returns the seconds waited."""
@@ -337,7 +385,7 @@ class Pusher:
                     result = self.store.push(
                         grads,
                         request_id=f"{self.run_id}-{n}",
-                        return_rows=self._recent is not None,
+                        return_rows=self._fresh,
                     )
                 except BaseException as exc:  # handed to the trainer thread
                     with self._cond:
@@ -345,11 +393,16 @@ class Pusher:
                         self._cond.notify_all()
                     continue
                 self.push_s += time.perf_counter() - t0
+            if self._fresh and result is not None and result.rows is not None:
+                # Each table's cache has a lock of its own: freshen reads one table while
+                # this thread fills the next, and a row that its push left is read as
+                # landed (its seq), whether or not ``applied`` counts it yet.
+                for name, (ids, _) in grads.items():
+                    self._cache(name, result.rows[name]).put(
+                        np.asarray(ids, np.uint64), result.rows[name], n
+                    )
             with self._cond:
                 now = time.time()
-                if self._recent is not None and result is not None and result.rows is not None:
-                    rows = result.rows
-                    self._recent.add(n, now, {k: (ids, rows[k]) for k, (ids, _) in grads.items()})
                 self.applied += 1
                 self._applied_at.append(now)
                 if self._in_flight and self._in_flight[0].seq == n:
