@@ -667,7 +667,7 @@ class GrpcTransport:
     def _push_result(self, r: pb.PushResponse, return_rows: bool) -> PushResult:
         self._check_incarnation(r.incarnation, "push")
         rows = None
-        if return_rows:
+        if return_rows and r.rows:  # a shard leaves out a reply too large to send
             try:
                 rows = decode_row_state(r.rows, r.state, r.row_steps)
             except InvalidRequest as exc:
@@ -1058,15 +1058,17 @@ class StoreClient:
                 waits.append((s, wait))
         total = PushResult()
         parts: dict[str, list[tuple[npt.NDArray[np.int64], RowState]]] = {}
+        complete = True
         for s, wait in waits:
             result = wait()
             total = total + result
+            complete = complete and result.rows is not None
             for name, part_rows in (result.rows or {}).items():
                 _, _, order, bounds = routed[name]
                 where = order if self.num_shards == 1 else order[bounds[s] : bounds[s + 1]]
                 parts.setdefault(name, []).append((where, part_rows))
-        if not return_rows:
-            return total
+        if not (return_rows and complete):
+            return total  # a shard left its rows out (too large to send): none
         return replace(total, rows={name: _merge_rows(p) for name, p in parts.items()})
 
     def _each(self, fn: Callable[[int, ShardTransport], T]) -> list[T]:

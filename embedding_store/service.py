@@ -375,8 +375,14 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
         self, grads: dict[str, Any], request_id: str, return_rows: bool = False
     ) -> pb.PushResponse:
         ids = {name: i for name, (i, _) in grads.items()}
-        # The weights and about as much optimizer state again go back.
-        values = 2 * self._check_reply_size(ids, "float32", "Push") if return_rows else 0
+        # Each row goes back as float32 weights and state, and an int64 update count.
+        values = sum(
+            len(v) * (self.shard.table(name).dim + self.shard.table(name).state_width + 2)
+            for name, v in ids.items()
+        )
+        # A reply too large to send leaves the rows out (the trainer then reads this
+        # push's rows as looked up): the push itself must not fail for its reply.
+        return_rows = return_rows and values * 4 < self.shard.config.max_message_bytes
         result = self.shard.push(grads, request_id=request_id or None)
         rows = state = steps = b""
         if return_rows:

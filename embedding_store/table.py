@@ -961,6 +961,11 @@ class EmbeddingTable:
             g,
         )
 
+    @property
+    def state_width(self) -> int:
+        """Float32 columns of optimizer state per row."""
+        return self._state_width
+
     def peek(self, ids: npt.ArrayLike) -> RowState:
         """The rows of ``ids`` with their optimizer state, changing nothing (not even
         recency); an id without a row has ``row_step`` -1 and zeros.

@@ -232,6 +232,66 @@ def test_a_retried_push_is_applied_once(write_job, token_file, start_shards) -> 
         assert c.stats()[0].duplicate_pushes == 1
 
 
+@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "socket"])
+def test_a_push_brings_back_the_rows_it_left(
+    write_job, token_file, start_shards, shared_memory: bool
+) -> None:
+    """Two shards: each push's reply has the pushed rows as a lookup after it reads them,
+    with their optimizer state, in the order of the pushed ids; the protobuf Push too."""
+    procs = start_shards(2, write_job(), token_file)
+    token = token_file.read_text().strip()
+    with StoreClient.connect(grpc_address(procs), token=token, shared_memory=shared_memory) as c:
+        ids = np.array([9, 3, 400, 7, 12], dtype=np.uint64)
+        c.lookup({"item": ids, "user": ids})
+        grads = {"item": (ids, np.ones((5, 4), np.float32)), "user": (ids[:2], np.ones((2, 8)))}
+        result = c.push(grads, return_rows=True)
+        assert result.rows is not None
+        assert result.applied == 7
+        now = c.lookup({"item": ids, "user": ids[:2]}, train=False)
+        for name, n in (("item", 5), ("user", 2)):
+            rows = result.rows[name]
+            np.testing.assert_array_equal(rows.weights, now[name])
+            assert rows.row_step.tolist() == [1] * n
+            assert rows.state.shape[0] == n
+        # The same through the plain protobuf Push, one shard at a time.
+        for proc in procs:
+            channel = grpc.insecure_channel(proc.address)
+            stub = pb_grpc.EmbeddingStoreStub(channel)
+            reply = stub.Push(
+                pb.PushRequest(
+                    request_id="pb-1",
+                    tables=[
+                        pb.TableGrads(
+                            table="item",
+                            ids=ids.tobytes(),
+                            grads=np.ones((5, 4), np.float32).tobytes(),
+                        )
+                    ],
+                    dtype=pb.FLOAT32,
+                    return_rows=True,
+                ),
+                metadata=(("authorization", f"Bearer {token}"),),
+            )
+            channel.close()
+            assert reply.rows
+            assert reply.state
+            assert len(reply.row_steps) == 8 * 5
+
+
+def test_a_push_whose_rows_are_too_large_to_send_back_is_still_applied(
+    write_job, token_file, start_shards
+) -> None:
+    procs = start_shards(1, write_job(max_message_bytes=64 * 1024), token_file)
+    with StoreClient.connect(grpc_address(procs), token=token_file.read_text().strip()) as c:
+        ids = np.arange(1_500, dtype=np.uint64)
+        c.lookup({"user": ids})
+        # 1,500 rows of dim 8 fit in as float32 gradients (48 KB) but not out with state.
+        result = c.push({"user": (ids, np.ones((1_500, 8), np.float32))}, return_rows=True)
+        assert result.applied == 1_500
+        assert result.rows is None
+        assert c.push({"user": (ids[:10], np.ones((10, 8)))}, return_rows=True).rows is not None
+
+
 def test_checkpoint_of_two_shards_restores_onto_three(
     write_job, token_file, start_shards, tmp_path: Path
 ) -> None:
