@@ -66,6 +66,26 @@ def job_metric_families(state: MonitorState, now: float) -> list[Metric]:
         "Batches by how many earlier pushes their lookup missed (observed staleness).",
         labels=rank,
     )
+    row_staleness = HistogramMetricFamily(
+        "streamrec_trainer_row_staleness",
+        "Embedding rows by how many of their rank's own pushes their lookup missed "
+        "(fresh rows on).",
+        labels=rank,
+    )
+    row_staleness_trained = HistogramMetricFamily(
+        "streamrec_trainer_row_staleness_trained",
+        "Embedding rows by how many of their rank's own pushes they still missed when "
+        "trained (fresh rows on).",
+        labels=rank,
+    )
+    fresh = {
+        name: CounterMetricFamily(f"streamrec_trainer_{name}", doc, labels=rank)
+        for name, doc in (
+            ("rows_freshened", "Rows trained with a pushed value instead of the looked-up one."),
+            ("rows_predicted", "Of the rows freshened, those computed for the push in flight."),
+            ("fresh_waits", "Pushes in flight waited for (a row's state was not remembered)."),
+        )
+    }
     for rank_id, r in sorted(state.ranks.items()):
         last, label = r.last, [str(rank_id)]
         rates = r.series
@@ -88,15 +108,26 @@ def job_metric_families(state: MonitorState, now: float) -> list[Metric]:
         c["events"].add_metric(label, float(last["events_total"]))
         c["wait_seconds"].add_metric(label, last["wait_s"])
         c["compute_seconds"].add_metric(label, last["compute_s"])
-        hist = {int(k): n for k, n in last["missed_pushes"].items()}
-        buckets, cum = [], 0
-        for k in range(max([last["staleness_bound"], *hist]) + 1):
-            cum += hist.get(k, 0)
-            buckets.append((str(float(k)), float(cum)))
-        buckets.append(("+Inf", float(cum)))
-        total = float(sum(k * n for k, n in hist.items()))
-        staleness.add_metric(label, buckets, total)
-    out: list[Metric] = [*g.values(), *c.values(), staleness]
+        bound = last["staleness_bound"]
+        staleness.add_metric(label, *_buckets(last["missed_pushes"], bound))
+        by_row = last.get("missed_pushes_by_row") or {}
+        # No per-row figures (fresh rows off, sync, an older trainer) is not 0 stale
+        # rows: such a rank has no samples in these families rather than zeros.
+        if by_row:
+            row_staleness.add_metric(label, *_buckets(by_row, bound))
+            trained = last.get("trained_missed_pushes_by_row") or {}
+            row_staleness_trained.add_metric(label, *_buckets(trained, bound))
+            fresh["rows_freshened"].add_metric(label, float(last.get("rows_freshened", 0)))
+            fresh["rows_predicted"].add_metric(label, float(last.get("rows_predicted", 0)))
+            fresh["fresh_waits"].add_metric(label, float(last.get("fresh_waits", 0)))
+    out: list[Metric] = [
+        *g.values(),
+        *c.values(),
+        staleness,
+        row_staleness,
+        row_staleness_trained,
+        *fresh.values(),
+    ]
 
     best = state.best_auc()
     if best is not None:
@@ -152,6 +183,17 @@ def job_metric_families(state: MonitorState, now: float) -> list[Metric]:
             for fam in store_metric_families(s["address"], shard_stats_from_report(s))
         )
     return out
+
+
+def _buckets(counts: dict[str, int], bound: int) -> tuple[list[tuple[str, float]], float]:
+    """Cumulative buckets 0, 1, ... (to the bound or the largest seen), +Inf, and the sum."""
+    hist = {int(k): n for k, n in counts.items()}
+    buckets, cum = [], 0
+    for k in range(max([bound, *hist]) + 1):
+        cum += hist.get(k, 0)
+        buckets.append((str(float(k)), float(cum)))
+    buckets.append(("+Inf", float(cum)))
+    return buckets, float(sum(k * n for k, n in hist.items()))
 
 
 class JobMetricsCollector(Collector):

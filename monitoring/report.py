@@ -23,7 +23,8 @@ The choices, in one place:
   split a rank's reports into incarnations; lines break there, and a
   restored run goes back to the checkpoint's sample count, so the redone
   stretch shows as two overlapping lines. No rate spans the downtime.
-- **counters** (``missed_pushes``, ``events_total``) are read as Prometheus
+- **counters** (``missed_pushes``, ``events_total``, the fresh rows' per-row
+  histograms and counts) are read as Prometheus
   reads counters: a count that went down started again from zero. That holds
   whether a restarted trainer restores them or not.
 - **malformed lines** (not JSON, missing or mistyped fields, a torn last
@@ -114,6 +115,14 @@ class Point:
     pushes_queued: int = 0
     missed_pushes: tuple[int, ...] | None = None  # [k]: batches that missed k pushes
     events_total: int | None = None
+    # Fresh rows, per embedding row: [k] rows whose lookup missed k of the rank's own
+    # pushes, and rows still missing k when trained; rows trained with a pushed value,
+    # of those predicted for the push in flight, pushes in flight waited for.
+    missed_pushes_by_row: tuple[int, ...] | None = None
+    trained_missed_pushes_by_row: tuple[int, ...] | None = None
+    rows_freshened: int | None = None
+    rows_predicted: int | None = None
+    fresh_waits: int | None = None
     best_auc: float | None = None
 
     @property
@@ -207,19 +216,24 @@ def _integer(raw: Mapping[str, Any], key: str, default: int | None = None) -> in
     return value
 
 
-def _histogram(value: object) -> tuple[int, ...] | None:
+def _optional_integer(raw: Mapping[str, Any], key: str) -> int | None:
+    return None if raw.get(key) is None else _integer(raw, key)
+
+
+def _histogram(raw: Mapping[str, Any], name: str) -> tuple[int, ...] | None:
+    value = raw.get(name)
     if value is None:
         return None
     if not isinstance(value, dict):
-        msg = f"'missed_pushes' is {value!r}, not an object"
+        msg = f"{name!r} is {value!r}, not an object"
         raise ValueError(msg)
     counts: dict[int, int] = {}
     for key, n in value.items():
         if not (isinstance(key, str) and key.isdigit()):
-            msg = f"'missed_pushes' key {key!r} is not a count of pushes"
+            msg = f"{name!r} key {key!r} is not a count of pushes"
             raise ValueError(msg)
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            msg = f"'missed_pushes'[{key!r}] is {n!r}, not a count"
+            msg = f"{name!r}[{key!r}] is {n!r}, not a count"
             raise ValueError(msg)
         counts[int(key)] = n
     top = max(counts, default=-1)
@@ -230,13 +244,17 @@ def parse_point(text: str, *, rank: int) -> Point:
     """One metrics line of rank ``rank``; ``ValueError`` says what is wrong with it.
 
     Fields newer trainers add (``missed_pushes``, ``events_total``,
-    ``best_auc``) may be missing; ``time``, ``samples``, ``samples_total`` and
-    ``elapsed_s`` may not.
+    ``best_auc``, the fresh rows' ``missed_pushes_by_row``,
+    ``trained_missed_pushes_by_row``, ``rows_freshened``, ``rows_predicted``,
+    ``fresh_waits``) may be missing; ``time``, ``samples``, ``samples_total``
+    and ``elapsed_s`` may not.
 
     >>> p = parse_point('{"rank": 0, "time": 5.0, "step": 2, "samples": 8, '
     ...     '"samples_total": 18, "elapsed_s": 2.0, "missed_pushes": {"0": 1, "2": 1}}', rank=0)
     >>> p.start, p.samples_total, p.missed_pushes, p.auc
     (3.0, 18, (1, 0, 1), None)
+    >>> p.missed_pushes_by_row, p.rows_freshened  # a trainer from before fresh rows
+    (None, None)
     >>> parse_point('{"time": 5.0}', rank=0)
     Traceback (most recent call last):
     ...
@@ -269,9 +287,14 @@ def parse_point(text: str, *, rank: int) -> Point:
         logloss=_optional_number(metrics, "logloss"),
         staleness=_integer(raw, "staleness", 0),
         pushes_queued=_integer(raw, "pushes_queued", 0),
-        missed_pushes=_histogram(raw.get("missed_pushes")),
-        events_total=None if raw.get("events_total") is None else _integer(raw, "events_total"),
+        missed_pushes=_histogram(raw, "missed_pushes"),
+        events_total=_optional_integer(raw, "events_total"),
         best_auc=_optional_number(raw, "best_auc"),
+        missed_pushes_by_row=_histogram(raw, "missed_pushes_by_row"),
+        trained_missed_pushes_by_row=_histogram(raw, "trained_missed_pushes_by_row"),
+        rows_freshened=_optional_integer(raw, "rows_freshened"),
+        rows_predicted=_optional_integer(raw, "rows_predicted"),
+        fresh_waits=_optional_integer(raw, "fresh_waits"),
     )
 
 
@@ -665,19 +688,31 @@ def _total_counter(points: Sequence[Point], get: Callable[[Point], int | None]) 
     return sum(d[0] for d in _counter_deltas([(v or 0,) for v in values]))
 
 
-def _missed_total(run: RunData) -> list[int] | None:
-    """Every rank's batches by pushes missed, over the whole run; None without the histogram."""
+def _missed_total(
+    run: RunData, get: Callable[[Point], tuple[int, ...] | None] = lambda p: p.missed_pushes
+) -> list[int] | None:
+    """Every rank's batches (or rows) by pushes missed, over the whole run.
+
+    ``get`` picks the histogram of a point; None where some report lacks it.
+    """
     missed: list[int] = []
     for rank_incs in run.ranks.values():
         points = [p for inc in rank_incs for p in inc.points]
-        if any(p.missed_pushes is None for p in points):
+        hists = [get(p) for p in points]
+        if any(h is None for h in hists):
             return None
-        for delta in _counter_deltas([p.missed_pushes or () for p in points]):
+        for delta in _counter_deltas([h or () for h in hists]):
             for k, n in enumerate(delta):
                 if k == len(missed):
                     missed.append(0)
                 missed[k] += n
     return missed
+
+
+def _stale_share(hist: Sequence[int] | None) -> float | None:
+    """The share of rows that missed one or more pushes; None without any row counted."""
+    rows = sum(hist) if hist else 0
+    return (rows - hist[0]) / rows if hist and rows else None
 
 
 # --- the summary table (pure) ------------------------------------------------------------
@@ -703,6 +738,13 @@ class Summary:
     missed_share: tuple[float, float, float] | None  # lookups missing 0, 1, 2+ pushes
     missed_mean: float | None  # pushes a lookup missed, on average
     events: int | None  # records read, dead-lettered included (newer files)
+    # Fresh rows (newer files, fresh rows on): the share of embedding rows that missed
+    # one or more of their rank's own pushes at lookup, and as trained; rows trained
+    # with a pushed value, of those predicted, pushes in flight waited for.
+    rows_stale_share: tuple[float, float] | None
+    rows_freshened: int | None
+    rows_predicted: int | None
+    fresh_waits: int | None
     checkpoints: int
     skipped_lines: int
     warnings: tuple[str, ...] = field(default=(), repr=False)
@@ -742,10 +784,21 @@ def summarize(run: RunData) -> Summary:
     share = None
     if missed and total:
         share = (missed[0] / total, sum(missed[1:2]) / total, sum(missed[2:]) / total)
-    events: int | None = 0
-    for rank_incs in run.ranks.values():
-        n = _total_counter([p for inc in rank_incs for p in inc.points], lambda p: p.events_total)
-        events = None if n is None or events is None else events + n
+
+    def counter_total(get: Callable[[Point], int | None]) -> int | None:
+        total: int | None = 0
+        for rank_incs in run.ranks.values():
+            n = _total_counter([p for inc in rank_incs for p in inc.points], get)
+            total = None if n is None or total is None else total + n
+        return total
+
+    at_lookup = _stale_share(_missed_total(run, lambda p: p.missed_pushes_by_row))
+    as_trained = _stale_share(_missed_total(run, lambda p: p.trained_missed_pushes_by_row))
+    # No row counted (fresh rows off, sync, older files) is no figure, not 0% stale.
+    rows_stale = None
+    if at_lookup is not None and as_trained is not None:
+        rows_stale = (at_lookup, as_trained)
+    fresh = rows_stale is not None
     return Summary(
         name=run.name,
         path=str(run.path),
@@ -762,7 +815,11 @@ def summarize(run: RunData) -> Summary:
         staleness_bound=main_points[-1].staleness,
         missed_share=share,
         missed_mean=_mean_missed(missed) if missed and total else None,
-        events=events,
+        events=counter_total(lambda p: p.events_total),
+        rows_stale_share=rows_stale,
+        rows_freshened=counter_total(lambda p: p.rows_freshened) if fresh else None,
+        rows_predicted=counter_total(lambda p: p.rows_predicted) if fresh else None,
+        fresh_waits=counter_total(lambda p: p.fresh_waits) if fresh else None,
         checkpoints=len(run.checkpoints),
         skipped_lines=run.skipped_lines,
         warnings=run.warnings,
@@ -958,7 +1015,13 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def _share(share: tuple[float, float, float] | None) -> str:
+def _freshened(s: Summary) -> str:
+    if s.rows_freshened is None:
+        return "-"
+    return f"{s.rows_freshened:,} / {_fmt(s.rows_predicted, ',d')} / {_fmt(s.fresh_waits, ',d')}"
+
+
+def _share(share: tuple[float, ...] | None) -> str:
     if share is None:
         return "-"
     return " / ".join(f"{s:.1%}" for s in share)
@@ -995,6 +1058,8 @@ def render_html(
             f'<td class="bound">{s.staleness_bound}</td>'
             f'<td class="missed_mean">{_fmt(s.missed_mean, ".2f")}</td>'
             f'<td class="missed">{_share(s.missed_share)}</td>'
+            f'<td class="rows_stale">{_share(s.rows_stale_share)}</td>'
+            f'<td class="rows_freshened">{_freshened(s)}</td>'
             f'<td class="events">{_fmt(s.events, ",d")}</td>'
             f'<td class="checkpoints">{s.checkpoints}</td>'
             f'<td class="skipped">{s.skipped_lines}</td>'
@@ -1051,12 +1116,18 @@ included; ▲ on an x axis: a checkpoint still in the run directory.</p>
 <tr><th>run</th><th>ranks</th><th>restarts</th><th>samples</th><th>duration s</th>
 <th>mean samples/s</th><th>final AUC</th><th>best AUC</th><th>final loss</th>
 <th>staleness bound</th><th>pushes a lookup missed (mean)</th>
-<th>lookups missing 0 / 1 / 2+ pushes</th><th>events read</th>
+<th>lookups missing 0 / 1 / 2+ pushes</th>
+<th>rows missing own pushes: at lookup / as trained</th>
+<th>rows freshened / predicted / waits</th><th>events read</th>
 <th>checkpoints</th><th>skipped lines</th></tr>
 {"".join(rows)}
 </table>
 <p class="note">samples: learned by the job at its last report; mean samples/s: every
-sample learned (redone ones after a restart again) over the time some rank trained.</p>
+sample learned (redone ones after a restart again) over the time some rank trained.
+rows missing own pushes (fresh rows only, every rank): the share of embedding rows whose
+lookup missed one or more of their rank's own pushes, and that still missed one when
+trained; rows freshened: trained with a pushed value instead of the looked-up one, of
+those predicted for the push in flight; waits: pushes in flight waited for.</p>
 {warning_html}
 {figures}
 </body>

@@ -102,6 +102,57 @@ class MonitorState:
         top = max([bound, *hist])
         return {"bound": bound, "hist": {str(k): hist.get(k, 0) for k in range(top + 1)}}
 
+    def row_staleness(self) -> dict[str, Any]:
+        """Fresh rows, per embedding row, summed over the ranks that report them.
+
+        ``lookup`` and ``trained``: rows by how many of their rank's own pushes they
+        missed when looked up and still missed when trained, every count up to the
+        bound or the max shown; ``*_stale_share``: the rows that missed one or more.
+        ``ranks`` is 0 (and every share None) while no rank has per-row figures:
+        fresh rows off, sync mode, a trainer older than them, or no batch yet.
+        A rank with fresh rows off trains rows as stale as its lookups, but does not
+        count them: it is left out, not shown as fresh.
+
+        >>> state = MonitorState()
+        >>> state.receive(dict(kind="trainer", rank=0, time=1.0, staleness_bound=2,
+        ...     missed_pushes_by_row={"0": 90, "1": 10}, trained_missed_pushes_by_row={"0": 100},
+        ...     rows_freshened=10, rows_predicted=4, fresh_waits=0))
+        >>> rows = state.row_staleness()
+        >>> rows["lookup"], rows["trained"], rows["lookup_stale_share"], rows["trained_stale_share"]
+        ({'0': 90, '1': 10, '2': 0}, {'0': 100, '1': 0, '2': 0}, 0.1, 0.0)
+        """
+        lookup: dict[int, int] = {}
+        trained: dict[int, int] = {}
+        bound = ranks = freshened = predicted = waits = 0
+        for r in self.ranks.values():
+            last = r.last
+            at_lookup = last.get("missed_pushes_by_row") or {}
+            if not at_lookup:
+                continue
+            ranks += 1
+            bound = max(bound, last["staleness_bound"])
+            for into, hist in (
+                (lookup, at_lookup),
+                (trained, last.get("trained_missed_pushes_by_row") or {}),
+            ):
+                for k, n in hist.items():
+                    into[int(k)] = into.get(int(k), 0) + n
+            freshened += last.get("rows_freshened", 0)
+            predicted += last.get("rows_predicted", 0)
+            waits += last.get("fresh_waits", 0)
+        top = max([bound, *lookup, *trained]) if ranks else -1
+        return {
+            "ranks": ranks,
+            "bound": bound,
+            "lookup": {str(k): lookup.get(k, 0) for k in range(top + 1)},
+            "trained": {str(k): trained.get(k, 0) for k in range(top + 1)},
+            "lookup_stale_share": _stale_share(lookup),
+            "trained_stale_share": _stale_share(trained),
+            "rows_freshened": freshened,
+            "rows_predicted": predicted,
+            "fresh_waits": waits,
+        }
+
     def partitions(self) -> list[dict[str, Any]]:
         """Per source partition: the rank that trains it, position, end, lag, dead letters."""
         out = []
@@ -179,11 +230,17 @@ class MonitorState:
             "ranks": ranks,
             "best_auc": self.best_auc(),
             "staleness": self.staleness(),
+            "row_staleness": self.row_staleness(),
             "partitions": self.partitions(),
             "shards": self.shards(),
             "checkpoint": self.checkpoint(now),
             "reports": self.reports,
         }
+
+
+def _stale_share(hist: dict[int, int]) -> float | None:
+    rows = sum(hist.values())
+    return (rows - hist.get(0, 0)) / rows if rows else None
 
 
 def _quantiles_ms(lat: LatencyReport | None) -> dict[str, float | None] | None:

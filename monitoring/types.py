@@ -16,7 +16,7 @@ scheduler runs to carry them, only to draw them.
 
 from __future__ import annotations
 
-from typing import Literal, TypedDict
+from typing import Literal, NotRequired, TypedDict
 
 TOPIC = "streamrec"  # the Dask event topic the reports travel on
 
@@ -53,6 +53,16 @@ class TrainerReport(TypedDict):
     calibration: float | None
     best_auc: float | None  # the synthetic stream's best achievable AUC
     missed_pushes: dict[str, int]  # batches by how many earlier pushes their lookup missed
+    # Fresh rows, per embedding row: rows by how many of this rank's own pushes to
+    # them their lookup missed, and by how many they still missed when trained; rows
+    # trained with a pushed value, of those predicted for the push in flight, and
+    # pushes in flight waited for. Empty and 0 with fresh rows off and in sync mode;
+    # absent from a trainer older than them, which the scheduler may still hear from.
+    missed_pushes_by_row: NotRequired[dict[str, int]]
+    trained_missed_pushes_by_row: NotRequired[dict[str, int]]
+    rows_freshened: NotRequired[int]
+    rows_predicted: NotRequired[int]
+    fresh_waits: NotRequired[int]
     staleness_bound: int
     pushes_queued: int
     wait_s: float  # waiting for prepared batches

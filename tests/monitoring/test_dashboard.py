@@ -31,7 +31,7 @@ from connectors.synthetic import synthetic_store_section
 from monitoring.plugin import StreamrecPlugin
 from monitoring.types import TOPIC
 from tests.conftest import REPO_ROOT, STREAMREC, write_synthetic_job
-from tests.monitoring.test_state import store_report, trainer
+from tests.monitoring.test_state import FRESH, store_report, trainer
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -74,7 +74,8 @@ def test_plugin_serves_the_page_its_data_and_metrics() -> None:
         parts = {"t/0": {"position": 90, "end": 100, "deadletter": {"bad_json": 2}}}
         client.log_event(TOPIC, trainer(time=1.0, samples_total=10, events_total=10))
         client.log_event(
-            TOPIC, trainer(time=2.0, samples_total=30, events_total=32, partitions=parts)
+            TOPIC,
+            trainer(time=2.0, samples_total=30, events_total=32, partitions=parts, **FRESH),
         )
         client.log_event(TOPIC, store_report(rows=40))
         data = wait_until(
@@ -84,12 +85,17 @@ def test_plugin_serves_the_page_its_data_and_metrics() -> None:
         assert data["ranks"]["0"]["series"]["samples_per_s"] == [20.0]
         assert data["partitions"][0]["lag"] == 10
         assert [s["address"] for s in data["shards"]] == ["127.0.0.1:1", "127.0.0.1:2"]
+        assert data["row_staleness"]["trained"] == {"0": 995, "1": 5, "2": 0, "3": 0}
         page = get(f"{base}/streamrec")
         assert 'id="chart-throughput"' in page
         assert 'id="shards"' in page
+        assert 'id="chart-row-staleness"' in page
         metrics = scrape(f"{base}/metrics")
         assert metrics[("streamrec_trainer_samples_total", (("rank", "0"),))] == 30
         assert metrics[("streamrec_store_rows", (("shard", "127.0.0.1:1"), ("table", "a")))] == 40
+        assert metrics[("streamrec_trainer_rows_freshened_total", (("rank", "0"),))] == 100
+        key = ("streamrec_trainer_row_staleness_trained_bucket", (("le", "0.0"), ("rank", "0")))
+        assert metrics[key] == 995
         # The dashboard's own pages link to it from their menu bar.
         assert 'href="streamrec"' in get(f"{base}/status")
 
@@ -253,6 +259,12 @@ def test_the_page_shows_live_values_in_a_real_browser(job: RunningJob, tmp_path:
             lambda b: live("chart-throughput") and live("chart-auc") and live("chart-loss")
         )
         WebDriverWait(browser, 30).until(lambda b: live("chart-staleness"))
+        # Hybrid trains fresh rows by default: the rows it trained are counted per row.
+        WebDriverWait(browser, 30).until(lambda b: live("chart-row-staleness"))
+        stale = browser.execute_script(
+            "return document.getElementById('rows-trained-stale').textContent;"
+        )
+        assert re.fullmatch(r"\d+(\.\d+)?%", stale.strip()), stale
         total = browser.execute_script(
             "return document.getElementById('samples-total').textContent;"
         )

@@ -113,6 +113,25 @@ def missed_cell(lines: list[dict[str, Any]]) -> str:
     return " / ".join(f"{n / sum(counts):.1%}" for n in counts)
 
 
+def rows_stale_cell(lines: list[dict[str, Any]]) -> str:
+    """The fresh rows' cell (rows missing own pushes at lookup / as trained) for these lines."""
+    if any("missed_pushes_by_row" not in r for r in lines):
+        return "-"
+    lasts = [
+        r
+        for r, nxt in zip(lines, [*lines[1:], None], strict=True)
+        if nxt is None or nxt["samples"] < r["samples"]
+    ]
+    shares = []
+    for key in ("missed_pushes_by_row", "trained_missed_pushes_by_row"):
+        rows = sum(n for r in lasts for n in r[key].values())
+        if not rows:
+            return "-"  # fresh rows off, or sync: no row counted
+        fresh = sum(r[key].get("0", 0) for r in lasts)
+        shares.append(f"{(rows - fresh) / rows:.1%}")
+    return " / ".join(shares)
+
+
 def table_cells(page: str, column: str) -> list[str]:
     """The cells of one column of the summary table, one per run, in order."""
     return re.findall(rf'<td class="{column}">(.*?)</td>', page)
@@ -176,6 +195,15 @@ def test_report_of_a_sync_and_a_restarted_hybrid_run(
     ]
     assert table_cells(page, "restarts") == ["0", "1"]
     assert table_cells(page, "missed") == [missed_cell(sync_lines), missed_cell(hybrid_lines)]
+    # Fresh rows are on by default in hybrid mode: its rows are counted, sync's are not.
+    assert all(r["missed_pushes_by_row"] == {} for r in sync_lines)
+    assert sum(hybrid_lines[-1]["missed_pushes_by_row"].values()) > 0
+    assert table_cells(page, "rows_stale") == [
+        rows_stale_cell(sync_lines),
+        rows_stale_cell(hybrid_lines),
+    ]
+    assert table_cells(page, "rows_stale")[0] == "-"
+    assert table_cells(page, "rows_freshened")[0] == "-"
     assert table_cells(page, "bound") == ["0", "3"]
     assert table_cells(page, "skipped") == ["0", "0"]
 
@@ -376,6 +404,95 @@ def test_the_observed_staleness_histogram_and_its_shares() -> None:
     assert s.events == 255
 
 
+def test_the_per_row_staleness_of_fresh_rows_and_its_shares(tmp_path: Path) -> None:
+    fresh = [
+        {
+            "missed_pushes_by_row": {"0": 80, "1": 20},
+            "trained_missed_pushes_by_row": {"0": 100},
+            "rows_freshened": 20,
+            "rows_predicted": 5,
+            "fresh_waits": 0,
+        },
+        {
+            "missed_pushes_by_row": {"0": 150, "1": 40, "3": 10},
+            "trained_missed_pushes_by_row": {"0": 196, "1": 4},
+            "rows_freshened": 50,
+            "rows_predicted": 12,
+            "fresh_waits": 1,
+        },
+        {  # after a restart: the counters start again
+            "missed_pushes_by_row": {"0": 10},
+            "trained_missed_pushes_by_row": {"0": 10},
+            "rows_freshened": 0,
+            "rows_predicted": 0,
+            "fresh_waits": 0,
+        },
+    ]
+    run = run_from_lines(
+        "fresh",
+        {
+            0: [
+                point(11.0, 100, 100, 1.0, **fresh[0]),
+                point(12.0, 200, 200, 2.0, **fresh[1]),
+                point(20.0, 50, 250, 0.5, **fresh[2]),
+            ],
+            1: [point(12.0, 100, 100, 2.0, rank=1, **fresh[0])],
+        },
+    )
+    p = run.ranks[0][0].points[1]
+    assert p.missed_pushes_by_row == (150, 40, 0, 10)
+    assert p.trained_missed_pushes_by_row == (196, 4)
+    assert (p.rows_freshened, p.rows_predicted, p.fresh_waits) == (50, 12, 1)
+    s = summarize(run)
+    # Rank 0: 200 rows, then 10 after the restart; rank 1: 100 rows.
+    assert s.rows_stale_share == (70 / 310, 4 / 310)
+    assert (s.rows_freshened, s.rows_predicted, s.fresh_waits) == (70, 17, 1)
+
+    off = run_from_lines(
+        "off",
+        {
+            0: [
+                point(
+                    11.0,
+                    100,
+                    100,
+                    1.0,
+                    missed_pushes={"0": 1},
+                    missed_pushes_by_row={},
+                    trained_missed_pushes_by_row={},
+                    rows_freshened=0,
+                    rows_predicted=0,
+                    fresh_waits=0,
+                )
+            ]
+        },
+    )
+    # Fresh rows off counts no row: no figure, rather than 0% stale.
+    assert summarize(off).rows_stale_share is None
+    assert summarize(off).rows_freshened is None
+    page = write_report([run, off], tmp_path / "page.html").read_text(encoding="utf-8")
+    assert table_cells(page, "rows_stale") == [f"{70 / 310:.1%} / {4 / 310:.1%}", "-"]
+    assert table_cells(page, "rows_freshened") == ["70 / 17 / 1", "-"]
+
+
+def test_older_files_without_the_per_row_figures_still_load() -> None:
+    run = run_from_lines(
+        "old",
+        {
+            0: [
+                point(11.0, 100, 100, 1.0, missed_pushes={"0": 2}),
+                point(12.0, 200, 200, 2.0, missed_pushes={"0": 4}),
+            ]
+        },
+    )
+    p = run.ranks[0][0].points[-1]
+    assert (p.missed_pushes_by_row, p.trained_missed_pushes_by_row) == (None, None)
+    assert (p.rows_freshened, p.rows_predicted, p.fresh_waits) == (None, None, None)
+    s = summarize(run)
+    assert s.missed_share == (1.0, 0.0, 0.0)
+    assert (s.rows_stale_share, s.rows_freshened, s.fresh_waits) == (None, None, None)
+
+
 def test_old_files_show_queued_pushes_as_staleness() -> None:
     run = run_from_lines(
         "old",
@@ -398,6 +515,15 @@ def test_old_files_show_queued_pushes_as_staleness() -> None:
             point(1.0, 10, 10, 1.0, missed_pushes={"x": 1}),
             "'missed_pushes' key 'x' is not a count of pushes",
         ),
+        (
+            point(1.0, 10, 10, 1.0, trained_missed_pushes_by_row={"1": -2}),
+            "'trained_missed_pushes_by_row'['1'] is -2, not a count",
+        ),
+        (
+            point(1.0, 10, 10, 1.0, missed_pushes_by_row=[3]),
+            "'missed_pushes_by_row' is [3], not an object",
+        ),
+        (point(1.0, 10, 10, 1.0, rows_freshened=1.5), "'rows_freshened' is 1.5, not an integer"),
         (line(time=1.0, samples=1, elapsed_s=1.0), "missing 'samples_total'"),
     ],
 )

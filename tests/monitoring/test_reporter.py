@@ -47,6 +47,22 @@ def test_the_report_carries_positions_ends_dead_letters_and_the_checkpoint() -> 
     assert (report["auc"], report["events_total"], report["staleness_bound"]) == (0.7, 31, 2)
 
 
+def test_the_report_carries_the_per_row_staleness_of_fresh_rows() -> None:
+    fresh = {
+        "missed_pushes_by_row": {"0": 90, "2": 10},
+        "trained_missed_pushes_by_row": {"0": 99, "1": 1},
+        "rows_freshened": 10,
+        "rows_predicted": 4,
+        "fresh_waits": 1,
+    }
+    report = trainer_report(progress(3, **fresh), now=7.0)
+    assert {k: report[k] for k in fresh} == fresh  # type: ignore[literal-required]
+    # Fresh rows off, or sync: the trainer sends empty figures.
+    off = trainer_report(progress(3), now=7.0)
+    assert (off["missed_pushes_by_row"], off["trained_missed_pushes_by_row"]) == ({}, {})
+    assert (off["rows_freshened"], off["rows_predicted"], off["fresh_waits"]) == (0, 0, 0)
+
+
 def test_in_the_background_the_newest_report_is_sent_with_the_store() -> None:
     sent: list[dict[str, Any]] = []
     sending, gate = threading.Event(), threading.Event()

@@ -94,6 +94,65 @@ def test_staleness_sums_ranks_and_fills_every_count_up_to_the_bound() -> None:
     }
 
 
+FRESH = {
+    "missed_pushes_by_row": {"0": 900, "1": 80, "3": 20},
+    "trained_missed_pushes_by_row": {"0": 995, "1": 5},
+    "rows_freshened": 100,
+    "rows_predicted": 40,
+    "fresh_waits": 2,
+}
+
+
+def test_row_staleness_sums_the_ranks_that_count_rows() -> None:
+    state = MonitorState()
+    state.receive(trainer(**FRESH))
+    state.receive(
+        trainer(
+            rank=1,
+            missed_pushes_by_row={"0": 100},
+            trained_missed_pushes_by_row={"0": 100},
+            rows_freshened=1,
+            rows_predicted=0,
+            fresh_waits=1,
+        )
+    )
+    # Fresh rows off: empty figures. Not counted as 1,000 fresh rows.
+    state.receive(
+        trainer(
+            rank=2,
+            missed_pushes_by_row={},
+            trained_missed_pushes_by_row={},
+            rows_freshened=0,
+            rows_predicted=0,
+            fresh_waits=0,
+        )
+    )
+    state.receive(trainer(rank=3))  # a trainer from before the per-row figures
+    rows = state.snapshot(now=100.0)["row_staleness"]
+    assert rows == {
+        "ranks": 2,
+        "bound": 2,
+        "lookup": {"0": 1000, "1": 80, "2": 0, "3": 20},
+        "trained": {"0": 1095, "1": 5, "2": 0, "3": 0},
+        "lookup_stale_share": 100 / 1100,
+        "trained_stale_share": 5 / 1100,
+        "rows_freshened": 101,
+        "rows_predicted": 40,
+        "fresh_waits": 3,
+    }
+
+
+def test_row_staleness_without_per_row_figures_is_no_figure() -> None:
+    state = MonitorState()
+    assert state.row_staleness()["ranks"] == 0
+    state.receive(trainer(mode="sync", staleness_bound=0, missed_pushes={"0": 4}))
+    state.receive(trainer(rank=1))
+    rows = state.snapshot(now=100.0)["row_staleness"]
+    assert rows["ranks"] == 0
+    assert (rows["lookup"], rows["trained"]) == ({}, {})
+    assert (rows["lookup_stale_share"], rows["trained_stale_share"]) == (None, None)
+
+
 def test_partitions_show_lag_and_dead_letters() -> None:
     state = MonitorState()
     parts = {
@@ -173,3 +232,46 @@ def test_metrics_expose_every_rank_partition_and_shard() -> None:
     # One family per name, however many shards: a scrape must not repeat a name.
     names = [m.name for m in job_metric_families(state, now=3.0)]
     assert len(names) == len(set(names))
+
+
+def test_metrics_expose_the_per_row_staleness_of_ranks_that_count_rows() -> None:
+    state = MonitorState()
+    state.receive(trainer(**FRESH))
+    state.receive(trainer(rank=1, **{**FRESH, "missed_pushes_by_row": {}}))  # fresh rows off
+    state.receive(trainer(rank=2))  # an older trainer
+    registry = CollectorRegistry()
+    registry.register(JobMetricsCollector(state, lambda: 100.0))
+    text = generate_latest(registry).decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    lookup = families["streamrec_trainer_row_staleness"]
+    trained = families["streamrec_trainer_row_staleness_trained"]
+    assert (lookup.type, trained.type) == ("histogram", "histogram")
+
+    def samples(family: Any, suffix: str) -> dict[tuple[tuple[str, str], ...], float]:
+        return {
+            tuple(sorted(s.labels.items())): s.value
+            for s in family.samples
+            if s.name == family.name + suffix
+        }
+
+    # Buckets 0, 1, ... up to the bound (2) or the largest count seen (3), cumulative.
+    assert samples(lookup, "_bucket") == {
+        (("le", "0.0"), ("rank", "0")): 900,
+        (("le", "1.0"), ("rank", "0")): 980,
+        (("le", "2.0"), ("rank", "0")): 980,
+        (("le", "3.0"), ("rank", "0")): 1000,
+        (("le", "+Inf"), ("rank", "0")): 1000,
+    }
+    assert samples(lookup, "_sum") == {(("rank", "0"),): 80 + 3 * 20}
+    assert samples(trained, "_bucket") == {
+        (("le", "0.0"), ("rank", "0")): 995,
+        (("le", "1.0"), ("rank", "0")): 1000,
+        (("le", "2.0"), ("rank", "0")): 1000,
+        (("le", "+Inf"), ("rank", "0")): 1000,
+    }
+    assert samples(trained, "_count") == {(("rank", "0"),): 1000}
+    for name, value in (("rows_freshened", 100), ("rows_predicted", 40), ("fresh_waits", 2)):
+        family = families[f"streamrec_trainer_{name}"]
+        assert family.type == "counter"
+        # Ranks 1 and 2 count no rows: no samples, rather than zeros that read as fresh.
+        assert samples(family, "_total") == {(("rank", "0"),): value}
