@@ -29,7 +29,7 @@ with several, a row still misses at most the other ranks' last ``staleness``
 pushes, which this rank cannot see.
 
 >>> from embedding_store.types import SGDConfig, TableConfig
->>> rule = PushRule.of(TableConfig(dim=1, optimizer=SGDConfig(lr=1.0)), "float32")
+>>> rule = PushRule.of("t", TableConfig(dim=1, optimizer=SGDConfig(lr=1.0)), "float32")
 >>> before = RowState(np.array([[2.0]], np.float32), np.zeros((1, 0), np.float32),
 ...                   np.array([3]))
 >>> pushed = np.array([5], np.uint64)
@@ -47,6 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from embedding_store.hashing import init_params, init_rows, table_seed
 from embedding_store.optim import RowOptimizer, make_optimizer
 from embedding_store.table import update_rows
 from embedding_store.types import RowDtype, RowState, TableConfig
@@ -147,18 +148,46 @@ def latest_state(ids: U64, sources: Sequence[SortedRows]) -> tuple[RowState, npt
 
 @dataclass(frozen=True)
 class PushRule:
-    """What the store does with one table's push: its optimizer, clip and the dtype
-    its gradients travel in (they are rounded to it on the wire).
+    """What the store does with one table's rows: how it starts a new row (its
+    initializer), what a push does (optimizer, clip) and the dtype its gradients
+    travel in (they are rounded to it on the wire).
     """
 
     optimizer: RowOptimizer
     weight_clip: float | None
     grad_dtype: RowDtype
+    dim: int
+    init: tuple[np.uint64, int, float, float]  # table seed, then init_params' (kind, a, b)
 
     @classmethod
-    def of(cls, config: TableConfig, grad_dtype: RowDtype) -> PushRule:
-        """The rule of a table with ``config`` (the store's ``tables:`` entry)."""
-        return cls(make_optimizer(config.optimizer), config.weight_clip, grad_dtype)
+    def of(cls, name: str, config: TableConfig, grad_dtype: RowDtype) -> PushRule:
+        """The rule of table ``name`` with ``config`` (the store's ``tables:`` entry)."""
+        return cls(
+            make_optimizer(config.optimizer),
+            config.weight_clip,
+            grad_dtype,
+            config.dim,
+            (table_seed(name, config.seed), *init_params(config.initializer)),
+        )
+
+    def new_rows(self, ids: U64) -> RowState:
+        """The rows ``ids`` start as in the store: its initializer's weights (a function of
+        the id), the optimizer's initial state, no update yet.
+
+        >>> from embedding_store.table import EmbeddingTable
+        >>> config = TableConfig(dim=3)
+        >>> table = EmbeddingTable("t", config)
+        >>> ids = np.array([11, 12], np.uint64)
+        >>> fresh = PushRule.of("t", config, "float32").new_rows(ids)
+        >>> bool((fresh.weights == table.lookup(ids)).all()), fresh.row_step.tolist()
+        (True, [0, 0])
+        """
+        n = ids.shape[0]
+        weights = np.zeros((n, self.dim), np.float32)
+        init_rows(weights, np.ascontiguousarray(ids, np.uint64), *self.init)
+        state = np.zeros((n, self.optimizer.state_width(self.dim)), np.float32)
+        self.optimizer.initialize(weights, state, np.arange(n, dtype=np.int64))
+        return RowState(weights, state, np.zeros(n, np.int64))
 
 
 def predict_rows(before: RowState, grads: npt.NDArray[np.floating], rule: PushRule) -> RowState:
@@ -168,7 +197,7 @@ def predict_rows(before: RowState, grads: npt.NDArray[np.floating], rule: PushRu
     Inf are left as they are, as the store drops and rejects them.
 
     >>> from embedding_store.types import SGDConfig, TableConfig
-    >>> rule = PushRule.of(TableConfig(dim=1, optimizer=SGDConfig(lr=0.5)), "float32")
+    >>> rule = PushRule.of("t", TableConfig(dim=1, optimizer=SGDConfig(lr=0.5)), "float32")
     >>> before = RowState(np.ones((2, 1), np.float32), np.zeros((2, 0), np.float32),
     ...                   np.array([0, -1]))
     >>> after = predict_rows(before, np.ones((2, 1), np.float32), rule)

@@ -176,7 +176,8 @@ class Pusher:
         """
         self.store = store
         self._rules = {
-            name: PushRule.of(config, store.grad_dtype) for name, config in (tables or {}).items()
+            name: PushRule.of(name, config, store.grad_dtype)
+            for name, config in (tables or {}).items()
         }
         # Request ids are unique per run incarnation: after a restore the same
         # batch is pushed again, and the store must not take it for a retry.
@@ -299,12 +300,15 @@ class Pusher:
         for mask in named:
             pending += mask
         cache = self._caches.get(name)
+        rule = self._rules.get(name)
+        ahead = np.flatnonzero(pending > 0)
         if cache is None:
-            return _TableView.untouched(pending, in_flight, named)
+            if rule is None:
+                return _TableView.untouched(pending, in_flight, named)
+            cache = PushedRowCache(rule.dim, rule.optimizer.state_width(rule.dim), max_rows=1)
         with cache.lock:
             slots = cache.find(ids)
             missed = cache.missed(slots, applied_before)
-            ahead = np.flatnonzero(pending > 0)
             ahead_slots = slots[ahead]
             known = ahead_slots >= 0
             safe = np.where(known, ahead_slots, 0)
@@ -312,10 +316,23 @@ class Pusher:
             seq = np.where(known, cache.seq[safe], 0)
             landed = np.flatnonzero(missed > 0)
             landed_values = cache.weights[slots[landed]]
-        rule = self._rules.get(name)
         predicted = 0
         if rule is None:
             known[:] = False
+        elif not known.all() and table.rows is not None:
+            # A row this rank has not pushed lately whose lookup read exactly what the
+            # store starts it as is new: its state before the push is the initial one
+            # (a row whose updates all rounded away would be predicted one step wrong).
+            unknown = np.flatnonzero(~known)
+            start = rule.new_rows(ids[ahead[unknown]])
+            looked_up = np.asarray(table.rows[ahead[unknown]])
+            new = (start.weights.astype(looked_up.dtype) == looked_up).all(axis=1)
+            at = unknown[new]
+            rows.weights[at] = start.weights[new]
+            rows.state[at] = start.state[new]
+            rows.row_step[at] = 0
+            seq[at] = 0
+            known[at] = True
         for push, mask in zip(in_flight, named, strict=True):
             # Rows this push names whose remembered state predates it.
             at = np.flatnonzero(known & mask[ahead] & (seq < push.seq))
