@@ -498,7 +498,7 @@ def job_yaml(
     }
     trainer.update(trainer_options or {})
     if mode.endswith(STALE):
-        # "off" (a bool field reads it as false too): rows trained as looked up.
+        # Rows trained as looked up: the hybrid mode without fresh rows.
         trainer["fresh_rows"] = "off"
     if mode != "sync" and staleness is not None:
         trainer["staleness"] = staleness

@@ -375,7 +375,7 @@ OPTION_CASES: dict[tuple[str, str], OptionCase] = {
     ("SGDConfig", "dampening"): OptionCase({"momentum": 0.9}, {"momentum": 0.9, "dampening": 0.5}),
     ("SGDConfig", "nesterov"): OptionCase({"momentum": 0.9}, {"momentum": 0.9, "nesterov": True}),
     ("SGDConfig", "weight_decay"): OptionCase({}, {"weight_decay": 0.5}),
-    ("AdagradConfig", "lr"): OptionCase({}, {"lr": 0.05}),
+    ("AdagradConfig", "lr"): OptionCase({}, {"lr": 0.2}),
     ("AdagradConfig", "eps"): OptionCase({}, {"eps": 1e-4}, grad_scale=1e-4),
     ("AdagradConfig", "initial_accumulator_value"): OptionCase(
         {}, {"initial_accumulator_value": 1.0}
