@@ -764,8 +764,6 @@ def _checkpoint_from_pb(r: pb.CheckpointResponse) -> CheckpointResult:
 
 def _merge_rows(parts: list[tuple[npt.NDArray[np.int64], RowState]]) -> RowState:
     """Shards' rows back in the order of the ids they were routed from."""
-    if len(parts) == 1 and np.array_equal(parts[0][0], np.arange(parts[0][0].shape[0])):
-        return parts[0][1]
     n = sum(where.shape[0] for where, _ in parts)
     first = parts[0][1]
     out = RowState(
@@ -1065,11 +1063,13 @@ class StoreClient:
             complete = complete and result.rows is not None
             for name, part_rows in (result.rows or {}).items():
                 _, _, order, bounds = routed[name]
-                where = order if self.num_shards == 1 else order[bounds[s] : bounds[s + 1]]
+                where = order[bounds[s] : bounds[s + 1]]
                 parts.setdefault(name, []).append((where, part_rows))
         if not (return_rows and complete):
             return total  # a shard left its rows out (too large to send): none
-        return replace(total, rows={name: _merge_rows(p) for name, p in parts.items()})
+        # One shard's reply is in the order of the ids already.
+        merge = (lambda p: p[0][1]) if self.num_shards == 1 else _merge_rows
+        return replace(total, rows={name: merge(p) for name, p in parts.items()})
 
     def _each(self, fn: Callable[[int, ShardTransport], T]) -> list[T]:
         self._delay()

@@ -376,10 +376,8 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
     ) -> pb.PushResponse:
         ids = {name: i for name, (i, _) in grads.items()}
         # Each row goes back as float32 weights and state, and an int64 update count.
-        values = sum(
-            len(v) * (self.shard.table(name).dim + self.shard.table(name).state_width + 2)
-            for name, v in ids.items()
-        )
+        tables = {name: self.shard.table(name) for name in ids}
+        values = sum(len(v) * (tables[k].dim + tables[k].state_width + 2) for k, v in ids.items())
         # A reply too large to send leaves the rows out (the trainer then reads this
         # push's rows as looked up): the push itself must not fail for its reply.
         return_rows = return_rows and values * 4 < self.shard.config.max_message_bytes

@@ -89,25 +89,6 @@ def _count(histogram: dict[int, int], values: npt.NDArray[np.int32]) -> None:
         histogram[int(k)] = histogram.get(int(k), 0) + int(counts[k])
 
 
-def in_flight_hits(
-    ids: npt.NDArray[np.uint64], pushes: list[InFlight], table: str
-) -> npt.NDArray[np.int32]:
-    """Per id, how many of the ``pushes`` not yet applied name it.
-
-    >>> p = InFlight(1, {"t": (np.array([5, 2], np.uint64), np.zeros((2, 1), np.float32))})
-    >>> in_flight_hits(np.array([2, 3], np.uint64), [p, p], "t").tolist()
-    [2, 0]
-    """
-    hits = np.zeros(ids.shape[0], dtype=np.int32)
-    for push in pushes:
-        pushed = push.sorted_ids(table)
-        if pushed is None or pushed.shape[0] == 0 or ids.shape[0] == 0:
-            continue
-        at = np.minimum(np.searchsorted(pushed, ids), pushed.shape[0] - 1)
-        hits += pushed[at] == ids
-    return hits
-
-
 @dataclass(frozen=True)
 class _TableView:
     """One table of a batch as this rank's pushes leave it."""
@@ -118,18 +99,6 @@ class _TableView:
     values: npt.NDArray[np.float32]  # ... to these (float32; rounded as a lookup rounds)
     predicted: int  # rows whose value is a prediction of a push in flight
     unknown_seq: int  # the newest push in flight naming a row not predicted (0: none)
-
-    @classmethod
-    def untouched(
-        cls,
-        pending: npt.NDArray[np.int32],
-        in_flight: list[InFlight],
-        named: list[npt.NDArray[np.bool_]],
-    ) -> _TableView:
-        """A table no answered push of this rank has named yet."""
-        newest = max((p.seq for p, m in zip(in_flight, named, strict=True) if m.any()), default=0)
-        empty = np.zeros(0, np.intp)
-        return cls(pending, pending, empty, np.zeros((0, 0), np.float32), 0, newest)
 
 
 class InFlight:
@@ -150,6 +119,21 @@ class InFlight:
     def sorted_ids(self, table: str) -> npt.NDArray[np.uint64] | None:
         """The push's ids of ``table`` sorted (made on first use), None if it has none."""
         return self._sort(table)[0] if table in self.grads else None
+
+    def names(self, table: str, ids: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
+        """Which of ``ids`` the push names in ``table``.
+
+        >>> push = InFlight(1, {"t": (np.array([5, 2], np.uint64), np.zeros((2, 1), np.float32))})
+        >>> ids = np.array([2, 3], np.uint64)
+        >>> push.names("t", ids).tolist(), push.names("u", ids).tolist()
+        ([True, False], [False, False])
+        """
+        pushed = self.sorted_ids(table)
+        if pushed is None or pushed.shape[0] == 0:
+            return np.zeros(ids.shape[0], np.bool_)
+        at = np.minimum(np.searchsorted(pushed, ids), pushed.shape[0] - 1)
+        hit: npt.NDArray[np.bool_] = pushed[at] == ids
+        return hit
 
     def grads_of(self, table: str, ids: npt.NDArray[np.uint64]) -> npt.NDArray[np.floating]:
         """The push's gradients of ``ids``, which it must all name."""
@@ -210,10 +194,13 @@ class Pusher:
         the store acknowledged it, which can only overcount by the reply's flight.
         """
         with self._cond:
-            times = list(self._applied_at)
-            unapplied = self.submitted - self.applied
-        # The acknowledgement times increase: those after the lookup were missed.
-        return unapplied + len(times) - bisect.bisect_right(times, looked_up_at)
+            return self.submitted - self._applied_by(looked_up_at)
+
+    def _applied_by(self, when: float) -> int:
+        """How many pushes were applied at ``when`` (unix s); the caller holds the lock."""
+        # The acknowledgement times increase: those after ``when`` were not yet.
+        times = self._applied_at
+        return self.applied - (len(times) - bisect.bisect_right(times, when))
 
     def submit(self, grads: Grads) -> None:
         """Queue one step's row gradients (returns at once)."""
@@ -260,9 +247,7 @@ class Pusher:
         while True:
             with self._cond:
                 in_flight = list(self._in_flight)
-                times = list(self._applied_at)
-                applied = self.applied
-            applied_before = applied - (len(times) - bisect.bisect_right(times, looked_up_at))
+                applied_before = self._applied_by(looked_up_at)
             views = {
                 name: self._view(name, table, in_flight, applied_before)
                 for name, table in tables.items()
@@ -293,69 +278,107 @@ class Pusher:
     ) -> _TableView:
         """What this rank's pushes make of ``table``'s rows (see :meth:`freshen`)."""
         ids = table.unique_ids
-        n = ids.shape[0]
+        looked_up = np.asarray(table.rows)
         # Per push in flight, which of the batch's ids it names.
-        named = [in_flight_hits(ids, [push], name) > 0 for push in in_flight]
-        pending: npt.NDArray[np.int32] = np.zeros(n, np.int32)
+        named = [push.names(name, ids) for push in in_flight]
+        pending = np.zeros(len(ids), np.int32)
         for mask in named:
             pending += mask
-        cache = self._caches.get(name)
-        rule = self._rules.get(name)
         ahead = np.flatnonzero(pending > 0)
-        if cache is None:
-            if rule is None:
-                return _TableView.untouched(pending, in_flight, named)
-            cache = PushedRowCache(rule.dim, rule.optimizer.state_width(rule.dim), max_rows=1)
-        with cache.lock:
-            slots = cache.find(ids)
-            missed = cache.missed(slots, applied_before)
-            ahead_slots = slots[ahead]
-            known = ahead_slots >= 0
-            safe = np.where(known, ahead_slots, 0)
-            rows = cache.take(safe)
-            seq = np.where(known, cache.seq[safe], 0)
-            landed = np.flatnonzero(missed > 0)
-            landed_values = cache.weights[slots[landed]]
+        rule = self._rules.get(name)
+        width = rule.optimizer.state_width(rule.dim) if rule is not None else 0
+        mine = self._remembered(name, ids, ahead, applied_before, looked_up.shape[1], width)
+        missed, known, rows, seq, landed, landed_values = mine
         predicted = 0
         if rule is None:
             known[:] = False
-        elif not known.all() and table.rows is not None:
-            # A row this rank has not pushed lately whose lookup read exactly what the
-            # store starts it as is new: its state before the push is the initial one
-            # (a row whose updates all rounded away would be predicted one step wrong).
-            unknown = np.flatnonzero(~known)
-            start = rule.new_rows(ids[ahead[unknown]])
-            looked_up = np.asarray(table.rows[ahead[unknown]])
-            new = (start.weights.astype(looked_up.dtype) == looked_up).all(axis=1)
-            at = unknown[new]
-            rows.weights[at] = start.weights[new]
-            rows.state[at] = start.state[new]
-            rows.row_step[at] = 0
-            seq[at] = 0
-            known[at] = True
-        for push, mask in zip(in_flight, named, strict=True):
-            # Rows this push names whose remembered state predates it.
-            at = np.flatnonzero(known & mask[ahead] & (seq < push.seq))
-            if rule is None or at.shape[0] == 0:
-                continue
-            after = predict_rows(rows.take(at), push.grads_of(name, ids[ahead[at]]), rule)
-            rows.weights[at] = after.weights
-            rows.state[at] = after.state
-            rows.row_step[at] = after.row_step
-            seq[at] = push.seq
-            predicted += at.shape[0]
+        else:
+            if not known.all():
+                # A row this rank has not pushed lately whose lookup read exactly what
+                # the store starts it as is new: its state before the push is the
+                # initial one (a row whose updates all rounded away would be predicted
+                # one step wrong).
+                unknown = np.flatnonzero(~known)
+                start = rule.new_rows(ids[ahead[unknown]])
+                seen = looked_up[ahead[unknown]]
+                new = (start.weights.astype(seen.dtype) == seen).all(axis=1)
+                at = unknown[new]
+                rows.weights[at] = start.weights[new]
+                rows.state[at] = start.state[new]
+                rows.row_step[at] = 0
+                seq[at] = 0
+                known[at] = True
+            for push, mask in zip(in_flight, named, strict=True):
+                # Rows this push names whose remembered state predates it.
+                at = np.flatnonzero(known & mask[ahead] & (seq < push.seq))
+                if at.shape[0] == 0:
+                    continue
+                after = predict_rows(rows.take(at), push.grads_of(name, ids[ahead[at]]), rule)
+                rows.weights[at] = after.weights
+                rows.state[at] = after.state
+                rows.row_step[at] = after.row_step
+                seq[at] = push.seq
+                predicted += at.shape[0]
         # A row in flight takes its prediction where known, else what landed (if any).
         replace_ahead = ahead[known]
         keep_landed = ~np.isin(landed, replace_ahead, assume_unique=True)
         replace = np.concatenate([landed[keep_landed], replace_ahead])
         values = np.concatenate([landed_values[keep_landed], rows.weights[known]])
-        still = np.zeros(n, np.int32)
+        still = np.zeros(len(ids), np.int32)
         still[ahead[~known]] = pending[ahead[~known]]
         unknown_seq = max(
             (p.seq for p, m in zip(in_flight, named, strict=True) if (m & (still > 0)).any()),
             default=0,
         )
         return _TableView(missed + pending, still, replace, values, predicted, unknown_seq)
+
+    def _remembered(
+        self,
+        name: str,
+        ids: npt.NDArray[np.uint64],
+        ahead: npt.NDArray[np.intp],
+        applied_before: int,
+        dim: int,
+        width: int,
+    ) -> tuple[
+        npt.NDArray[np.int32],
+        npt.NDArray[np.bool_],
+        RowState,
+        npt.NDArray[np.int64],
+        npt.NDArray[np.intp],
+        npt.NDArray[np.float32],
+    ]:
+        """What the cache of ``name`` knows of ``ids``: per id the pushes its lookup
+        missed; for the ids ``ahead`` (named by a push in flight) whether a row is
+        remembered, that row and the push that left it; the ids a landed push changed
+        since the lookup, and their rows.
+        """
+        cache = self._caches.get(name)
+        if cache is None:  # no push of this table has been answered yet
+            k = len(ahead)
+            nothing = RowState(
+                np.zeros((k, dim), np.float32),
+                np.zeros((k, width), np.float32),
+                np.zeros(k, np.int64),
+            )
+            none = np.zeros(0, np.intp)
+            return (
+                np.zeros(len(ids), np.int32),
+                np.zeros(k, np.bool_),
+                nothing,
+                np.zeros(k, np.int64),
+                none,
+                np.zeros((0, dim), np.float32),
+            )
+        with cache.lock:
+            slots = cache.find(ids)
+            missed = cache.missed(slots, applied_before)
+            known = slots[ahead] >= 0
+            safe = np.where(known, slots[ahead], 0)
+            rows = cache.take(safe)
+            seq = np.where(known, cache.seq[safe], 0)
+            landed = np.flatnonzero(missed > 0)
+            return missed, known, rows, seq, landed, cache.weights[slots[landed]]
 
     def _cache(self, table: str, rows: RowState) -> PushedRowCache:
         cache = self._caches.get(table)

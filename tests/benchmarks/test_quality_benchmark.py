@@ -12,12 +12,11 @@ No figure is compared with a speed here.
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
+from tests.benchmarks.smoke import run_benchmark
 from tests.conftest import REPO_ROOT
 from tests.kafka_fixtures import KafkaForTests
 
@@ -29,31 +28,22 @@ def test_both_datasets_train_in_both_trainers_and_report(
 
     staleness = TrainerConfig().staleness
     out = tmp_path / "quality.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/quality.py",
-            "--events",
-            "4000",
-            "--modes",
-            "plain",
-            "hybrid",
-            "--staleness",
-            str(staleness),
-            "--bootstrap",
-            kafka.bootstrap,
-            "--api-version",
-            ".".join(map(str, kafka.api_version)),
-            "--json",
-            str(out),
-        ],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
+    figures = run_benchmark(
+        "quality.py",
+        out,
+        "--events",
+        "4000",
+        "--modes",
+        "plain",
+        "hybrid",
+        "--staleness",
+        str(staleness),
+        "--bootstrap",
+        kafka.bootstrap,
+        "--api-version",
+        ".".join(map(str, kafka.api_version)),
         timeout=600,
     )
-    assert run.returncode == 0, run.stdout + run.stderr
-    figures = json.loads(out.read_text())
     assert figures["errors"] == {}
     assert figures["default_staleness"] == staleness
     assert figures["machine"]["cores"] >= 1
