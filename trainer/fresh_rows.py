@@ -10,8 +10,9 @@ showed 0.0005.
 The store answers each push with exactly the rows it pushed, as they are
 after it, with their optimizer state (``StoreClient.push(...,
 return_rows=True)``: a batch's worth). The :class:`trainer.pusher.Pusher`
-keeps the newest of each in a cache (:mod:`trainer.row_cache`), and before a
-step two things bring the batch's rows up to date:
+keeps the newest of each in a cache (:mod:`trainer.row_cache`), one per
+:class:`TableGroup` (tables the store updates with the same arithmetic), and
+before a step :func:`view_of` brings the batch's rows of a group up to date:
 
 - the rows that a push which landed after the batch's lookup changed are
   replaced by what it left;
@@ -39,7 +40,9 @@ pushes, which this rank cannot see.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -48,8 +51,14 @@ from embedding_store.hashing import init_params, init_rows, table_seed
 from embedding_store.optim import RowOptimizer, make_optimizer
 from embedding_store.table import update_rows
 from embedding_store.types import RowDtype, RowState, TableConfig
+from pipeline.types import TableBatch
+from trainer.row_cache import PushedRowCache, Remembered, RowIndex
 
+I32 = npt.NDArray[np.int32]
+I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
+_T = TypeVar("_T", bound=np.generic)
+Grads = Mapping[str, tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]]
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,8 @@ class PushRule:
     grad_dtype: RowDtype
     dim: int
     init: tuple[np.uint64, int, float, float]  # table seed, then init_params' (kind, a, b)
+    # Equal for tables whose pushes do the same arithmetic (all but the initializer).
+    arithmetic: str = ""
 
     @classmethod
     def of(cls, name: str, config: TableConfig, grad_dtype: RowDtype) -> PushRule:
@@ -74,6 +85,7 @@ class PushRule:
             grad_dtype,
             config.dim,
             (table_seed(name, config.seed), *init_params(config.initializer)),
+            f"{config.dim}|{config.optimizer.model_dump_json()}|{config.weight_clip}|{grad_dtype}",
         )
 
     def new_rows(self, ids: U64) -> RowState:
@@ -118,3 +130,241 @@ def predict_rows(before: RowState, grads: npt.NDArray[np.floating], rule: PushRu
     slots[(row_step < 0) | ~np.isfinite(g).all(axis=1)] = -1
     update_rows(rule.optimizer, rule.weight_clip, weights, state, row_step, slots, g)
     return RowState(weights, state, row_step)
+
+
+class TableGroup:
+    """Tables whose pushes the store applies with the same arithmetic, each a number in
+    the group: they share one cache of pushed rows and one prediction per push.
+    ``rules`` None: the arithmetic is unknown (one table per group, nothing predicted).
+    """
+
+    def __init__(self, rules: Sequence[tuple[str, PushRule | None]], *, cached_rows: int) -> None:
+        """``cached_rows``: rows remembered per table."""
+        self.members = {name: i for i, (name, _) in enumerate(rules)}
+        self.rules = [rule for _, rule in rules]
+        self.rule = self.rules[0]
+        self.max_rows = cached_rows * len(rules)
+        self.cache: PushedRowCache | None = None  # made by the first answered push
+
+    def remember(self, grads: Grads, rows: Mapping[str, RowState], seq: int) -> None:
+        """Keep the rows push ``seq`` (of ``grads``) left, as its reply brought them."""
+        parts = [(i, name) for name, i in self.members.items() if name in grads and name in rows]
+        if not parts:
+            return
+        ids = _concat([np.asarray(grads[name][0], np.uint64) for _, name in parts])
+        tab = _numbers([(i, rows[name].weights.shape[0]) for i, name in parts])
+        got = [rows[name] for _, name in parts]
+        state = RowState(
+            _concat([r.weights for r in got]),
+            _concat([r.state for r in got]),
+            _concat([r.row_step for r in got]),
+        )
+        if self.cache is None:
+            dim, width = state.weights.shape[1], state.state.shape[1]
+            self.cache = PushedRowCache(dim, width, max_rows=self.max_rows)
+        self.cache.put(tab, ids, state, seq)
+
+
+def _concat(arrays: Sequence[npt.NDArray[_T]]) -> npt.NDArray[_T]:
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+
+def _numbers(counts: list[tuple[int, int]]) -> I32:
+    """Each number repeated its count of times."""
+    return np.repeat(
+        np.array([i for i, _ in counts], np.int32), np.array([n for _, n in counts], np.int64)
+    )
+
+
+class InFlight:
+    """A push submitted and not yet acknowledged: its number, its gradients and, per
+    group of tables, its keys indexed (made on first use).
+
+    >>> group = TableGroup([("a", None), ("b", None)], cached_rows=8)
+    >>> push = InFlight(1, {"b": (np.array([5, 2], np.uint64), np.ones((2, 1), np.float32))})
+    >>> index, grads = push.keyed(group)
+    >>> index.rows_of(np.array([1, 0], np.int32), np.array([2, 2], np.uint64)).tolist()
+    [1, -1]
+    """
+
+    def __init__(self, seq: int, grads: Grads) -> None:
+        self.seq = seq
+        self.grads = grads
+        self._keyed: dict[int, tuple[RowIndex, npt.NDArray[np.floating]] | None] = {}
+
+    def keyed(self, group: TableGroup) -> tuple[RowIndex, npt.NDArray[np.floating]] | None:
+        """The push's keys in ``group`` indexed and its gradients in the index's row
+        order, None if it names none of the group's tables.
+        """
+        key = id(group)
+        if key not in self._keyed:
+            parts = [(i, name) for name, i in group.members.items() if name in self.grads]
+            if not parts:
+                self._keyed[key] = None
+            else:
+                ids = [np.asarray(self.grads[name][0], np.uint64) for _, name in parts]
+                tab = _numbers([(i, k.shape[0]) for (i, _), k in zip(parts, ids, strict=True)])
+                grads = _concat([np.asarray(self.grads[name][1]) for _, name in parts])
+                self._keyed[key] = (RowIndex(tab, _concat(ids)), grads)
+        return self._keyed[key]
+
+
+@dataclass
+class Freshened:
+    """What :meth:`trainer.pusher.Pusher.freshen` did to one batch, per row of its tables."""
+
+    wait_s: float = 0.0  # waiting for this rank's last pushes to land
+    # Rows by how many of this rank's pushes to them their lookup missed ...
+    missed_by_row: dict[int, int] = field(default_factory=dict)
+    # ... and by how many they were still without when trained (pushes in flight).
+    trained_missed_by_row: dict[int, int] = field(default_factory=dict)
+    replaced: int = 0  # rows whose value came from a push's reply instead of the lookup
+    predicted: int = 0  # rows a push in flight will change, computed ahead of its reply
+    waited: int = 0  # pushes in flight waited for (a row's state before them was unknown)
+
+
+def _count(histogram: dict[int, int], values: I32) -> None:
+    counts = np.bincount(values) if values.shape[0] else np.zeros(0, np.int64)
+    for k in np.flatnonzero(counts):
+        histogram[int(k)] = histogram.get(int(k), 0) + int(counts[k])
+
+
+@dataclass(frozen=True)
+class GroupView:
+    """One group's tables of a batch as this rank's pushes leave them; rows are numbered
+    across the tables, in their order.
+    """
+
+    tables: list[TableBatch]
+    starts: I64  # where each table's rows begin, then their total
+    missed: I32  # per row: own pushes its lookup missed
+    still: I32  # per row: pushes in flight it is trained without
+    replace: npt.NDArray[np.intp]  # rows whose value changes (sorted) ...
+    values: npt.NDArray[np.float32]  # ... to these (float32; rounded as a lookup rounds)
+    predicted: int  # rows whose value is a prediction of a push in flight
+    unknown_seq: int  # the newest push in flight naming a row not predicted (0: none)
+
+    def apply(self, out: Freshened) -> None:
+        """Write the new values into the tables' rows and count what was done in ``out``."""
+        bounds = np.searchsorted(self.replace, self.starts)
+        for k, table in enumerate(self.tables):
+            lo, hi = int(bounds[k]), int(bounds[k + 1])
+            if hi == lo:
+                continue
+            rows = np.asarray(table.rows)
+            if not rows.flags.writeable:
+                rows = rows.copy()
+            rows[self.replace[lo:hi] - self.starts[k]] = self.values[lo:hi]
+            table.rows = rows
+        _count(out.missed_by_row, self.missed)
+        _count(out.trained_missed_by_row, self.still)
+        out.replaced += int(self.replace.shape[0])
+        out.predicted += self.predicted
+
+
+def view_of(
+    group: TableGroup,
+    batch: Sequence[tuple[int, TableBatch]],
+    in_flight: Sequence[InFlight],
+    applied_before: int,
+) -> GroupView:
+    """What this rank's pushes make of ``batch``'s tables (each with its number in
+    ``group``, all with rows): the pushes after ``applied_before`` that landed are read
+    from the group's cache, those ``in_flight`` are predicted (see the module docstring).
+    """
+    tables = [t for _, t in batch]
+    lens = [t.unique_ids.shape[0] for t in tables]
+    starts = np.zeros(len(tables) + 1, np.int64)
+    np.cumsum(lens, out=starts[1:])
+    ids = _concat([np.ascontiguousarray(t.unique_ids, np.uint64) for t in tables])
+    tab = _numbers([(i, n) for (i, _), n in zip(batch, lens, strict=True)])
+    n = ids.shape[0]
+    cache = group.cache
+    if cache is None:
+        rule = group.rule
+        width = rule.optimizer.state_width(rule.dim) if rule is not None else 0
+        seen = Remembered.nothing(n, np.asarray(tables[0].rows).shape[1], width)
+    else:
+        seen = cache.read(tab, ids, applied_before)
+    rows, seq = seen.rows, seen.seq
+    # Per push in flight, the row of its gradients for each of the batch's rows (-1: none).
+    hits: list[tuple[InFlight, I64, npt.NDArray[np.floating]]] = []
+    pending = np.zeros(n, np.int32)
+    for push in in_flight:
+        keyed = push.keyed(group)
+        if keyed is not None:
+            at = keyed[0].rows_of(tab, ids)
+            pending += at >= 0
+            hits.append((push, at, keyed[1]))
+    ahead = pending > 0
+    rule = group.rule
+    known = seen.known.copy() if rule is not None else np.zeros(n, np.bool_)
+    predicted = 0
+    if rule is not None and hits:
+        _start_new_rows(group, batch, starts, ids, tab, ahead, known, rows, seq)
+        for push, at, grads in hits:
+            # Rows this push names whose remembered state predates it.
+            now = np.flatnonzero(known & (at >= 0) & (seq < push.seq))
+            if now.shape[0] == 0:
+                continue
+            after = predict_rows(rows.take(now), grads[at[now]], rule)
+            rows.weights[now] = after.weights
+            rows.state[now] = after.state
+            rows.row_step[now] = after.row_step
+            seq[now] = push.seq
+            predicted += now.shape[0]
+    # A row in flight takes its prediction where known, else what landed (if any).
+    replace = np.flatnonzero((seen.missed > 0) | (ahead & known))
+    still = np.where(ahead & ~known, pending, 0).astype(np.int32)
+    unknown_seq = max(
+        (push.seq for push, at, _ in hits if ((at >= 0) & (still > 0)).any()), default=0
+    )
+    return GroupView(
+        tables,
+        starts,
+        seen.missed + pending,
+        still,
+        replace,
+        rows.weights[replace],
+        predicted,
+        unknown_seq,
+    )
+
+
+def _start_new_rows(
+    group: TableGroup,
+    batch: Sequence[tuple[int, TableBatch]],
+    starts: I64,
+    ids: U64,
+    tab: I32,
+    ahead: npt.NDArray[np.bool_],
+    known: npt.NDArray[np.bool_],
+    rows: RowState,
+    seq: I64,
+) -> None:
+    """Mark known, with its initial state, each row in flight and not remembered whose
+    lookup read exactly what the store starts it as: it is new, its state before the
+    push is the initial one (a row whose updates all rounded away would be predicted
+    one step wrong).
+    """
+    unknown = np.flatnonzero(ahead & ~known)
+    if unknown.shape[0] == 0:
+        return
+    position = {number: k for k, (number, _) in enumerate(batch)}
+    of_table = tab[unknown]
+    for number in np.unique(of_table).tolist():
+        rule = group.rules[number]
+        if rule is None:
+            continue
+        k = position[number]
+        table = batch[k][1]
+        at = unknown[of_table == number]
+        start = rule.new_rows(ids[at])
+        looked_up = np.asarray(table.rows)[at - starts[k]]
+        new = (start.weights.astype(looked_up.dtype) == looked_up).all(axis=1)
+        at = at[new]
+        rows.weights[at] = start.weights[new]
+        rows.state[at] = start.state[new]
+        rows.row_step[at] = 0
+        seq[at] = 0
+        known[at] = True

@@ -48,97 +48,28 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-
-import numpy as np
-import numpy.typing as npt
 
 from embedding_store.client import StoreClient
-from embedding_store.types import RowState, TableConfig
+from embedding_store.types import TableConfig
 from pipeline.types import TableBatch
-from trainer.fresh_rows import PushRule, predict_rows
-from trainer.row_cache import PushedRowCache
+from trainer.fresh_rows import (
+    Freshened,
+    Grads,
+    GroupView,
+    InFlight,
+    PushRule,
+    TableGroup,
+    view_of,
+)
 
 # Enough for any staleness bound a job would use; older pushes count as seen.
 _APPLIED_TIMES_KEPT = 256
 
-Grads = Mapping[str, tuple[npt.NDArray[np.uint64], npt.NDArray[np.float32]]]
+__all__ = ["Freshened", "Grads", "PushFailed", "Pusher"]
 
 
 class PushFailed(RuntimeError):
     """A push to the store failed; ``__cause__`` is the store's error."""
-
-
-@dataclass
-class Freshened:
-    """What :meth:`Pusher.freshen` did to one batch, per row of its tables."""
-
-    wait_s: float = 0.0  # waiting for this rank's last pushes to land
-    # Rows by how many of this rank's pushes to them their lookup missed ...
-    missed_by_row: dict[int, int] = field(default_factory=dict)
-    # ... and by how many they were still without when trained (pushes in flight).
-    trained_missed_by_row: dict[int, int] = field(default_factory=dict)
-    replaced: int = 0  # rows whose value came from a push's reply instead of the lookup
-    predicted: int = 0  # rows a push in flight will change, computed ahead of its reply
-    waited: int = 0  # pushes in flight waited for (a row's state before them was unknown)
-
-
-def _count(histogram: dict[int, int], values: npt.NDArray[np.int32]) -> None:
-    counts = np.bincount(values) if values.shape[0] else np.zeros(0, np.int64)
-    for k in np.flatnonzero(counts):
-        histogram[int(k)] = histogram.get(int(k), 0) + int(counts[k])
-
-
-@dataclass(frozen=True)
-class _TableView:
-    """One table of a batch as this rank's pushes leave it."""
-
-    missed: npt.NDArray[np.int32]  # per row: own pushes its lookup missed
-    still: npt.NDArray[np.int32]  # per row: pushes in flight it is trained without
-    replace: npt.NDArray[np.intp]  # rows whose value changes ...
-    values: npt.NDArray[np.float32]  # ... to these (float32; rounded as a lookup rounds)
-    predicted: int  # rows whose value is a prediction of a push in flight
-    unknown_seq: int  # the newest push in flight naming a row not predicted (0: none)
-
-
-class InFlight:
-    """A push submitted and not yet acknowledged: its number and gradients."""
-
-    def __init__(self, seq: int, grads: Grads) -> None:
-        self.seq = seq
-        self.grads = grads
-        self._sorted: dict[str, tuple[npt.NDArray[np.uint64], npt.NDArray[np.intp]]] = {}
-
-    def _sort(self, table: str) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.intp]]:
-        if table not in self._sorted:
-            ids = np.asarray(self.grads[table][0], dtype=np.uint64)
-            order = np.argsort(ids, kind="stable")
-            self._sorted[table] = (ids[order], order)
-        return self._sorted[table]
-
-    def sorted_ids(self, table: str) -> npt.NDArray[np.uint64] | None:
-        """The push's ids of ``table`` sorted (made on first use), None if it has none."""
-        return self._sort(table)[0] if table in self.grads else None
-
-    def names(self, table: str, ids: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
-        """Which of ``ids`` the push names in ``table``.
-
-        >>> push = InFlight(1, {"t": (np.array([5, 2], np.uint64), np.zeros((2, 1), np.float32))})
-        >>> ids = np.array([2, 3], np.uint64)
-        >>> push.names("t", ids).tolist(), push.names("u", ids).tolist()
-        ([True, False], [False, False])
-        """
-        pushed = self.sorted_ids(table)
-        if pushed is None or pushed.shape[0] == 0:
-            return np.zeros(ids.shape[0], np.bool_)
-        at = np.minimum(np.searchsorted(pushed, ids), pushed.shape[0] - 1)
-        hit: npt.NDArray[np.bool_] = pushed[at] == ids
-        return hit
-
-    def grads_of(self, table: str, ids: npt.NDArray[np.uint64]) -> npt.NDArray[np.floating]:
-        """The push's gradients of ``ids``, which it must all name."""
-        sorted_ids, order = self._sort(table)
-        return np.asarray(self.grads[table][1])[order[np.searchsorted(sorted_ids, ids)]]
 
 
 class Pusher:
@@ -159,10 +90,18 @@ class Pusher:
         to the rows (see :meth:`freshen`); None: wait for it instead.
         """
         self.store = store
-        self._rules = {
-            name: PushRule.of(name, config, store.grad_dtype)
-            for name, config in (tables or {}).items()
-        }
+        self._max_cached = cached_rows
+        # Tables with the same arithmetic share a group (one cache, one pass per step);
+        # a table whose config is not known is a group of its own, made when first met.
+        self._groups: dict[str, tuple[TableGroup, int]] = {}
+        self._groups_lock = threading.Lock()
+        by_arithmetic: dict[str, list[tuple[str, PushRule | None]]] = {}
+        for name, config in sorted((tables or {}).items()):
+            rule = PushRule.of(name, config, store.grad_dtype)
+            by_arithmetic.setdefault(rule.arithmetic, []).append((name, rule))
+        for members in by_arithmetic.values():
+            group = TableGroup(members, cached_rows=cached_rows)
+            self._groups.update({name: (group, group.members[name]) for name, _ in members})
         # Request ids are unique per run incarnation: after a restore the same
         # batch is pushed again, and the store must not take it for a retry.
         self.run_id = run_id
@@ -175,8 +114,6 @@ class Pusher:
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._fresh = fresh_rows
-        self._max_cached = cached_rows
-        self._caches: dict[str, PushedRowCache] = {}
         self._in_flight: deque[InFlight] = deque()  # kept only with fresh_rows
         self._thread = threading.Thread(target=self._run, name="streamrec-pusher", daemon=True)
         self._thread.start()
@@ -244,150 +181,39 @@ class Pusher:
             msg = "freshen: this Pusher was made without fresh_rows"
             raise RuntimeError(msg)
         out = Freshened()
+        groups: dict[int, tuple[TableGroup, list[tuple[int, TableBatch]]]] = {}
+        for name, table in tables.items():
+            if table.rows is not None:
+                group, number = self._group_of(name)
+                groups.setdefault(id(group), (group, []))[1].append((number, table))
+        views: list[GroupView] = []
         while True:
             with self._cond:
                 in_flight = list(self._in_flight)
                 applied_before = self._applied_by(looked_up_at)
-            views = {
-                name: self._view(name, table, in_flight, applied_before)
-                for name, table in tables.items()
-                if table.rows is not None
-            }
+            views = [
+                view_of(group, batch, in_flight, applied_before) for group, batch in groups.values()
+            ]
             # Exact: a row the rank cannot predict waits for the last push naming it.
-            unknown = [v.unknown_seq for v in views.values() if v.unknown_seq]
+            unknown = [v.unknown_seq for v in views if v.unknown_seq]
             if not (wait and unknown):
                 break
             out.wait_s += self._wait_for(max(unknown))
             out.waited += 1
-        for name, view in views.items():
-            table = tables[name]
-            rows = table.rows
-            if rows is not None and view.replace.shape[0]:
-                if not rows.flags.writeable:
-                    rows = rows.copy()
-                rows[view.replace] = view.values
-                table.rows = rows
-            _count(out.missed_by_row, view.missed)
-            _count(out.trained_missed_by_row, view.still)
-            out.replaced += int(view.replace.shape[0])
-            out.predicted += view.predicted
+        for view in views:
+            view.apply(out)
         return out
 
-    def _view(
-        self, name: str, table: TableBatch, in_flight: list[InFlight], applied_before: int
-    ) -> _TableView:
-        """What this rank's pushes make of ``table``'s rows (see :meth:`freshen`)."""
-        ids = table.unique_ids
-        looked_up = np.asarray(table.rows)
-        # Per push in flight, which of the batch's ids it names.
-        named = [push.names(name, ids) for push in in_flight]
-        pending = np.zeros(len(ids), np.int32)
-        for mask in named:
-            pending += mask
-        ahead = np.flatnonzero(pending > 0)
-        rule = self._rules.get(name)
-        width = rule.optimizer.state_width(rule.dim) if rule is not None else 0
-        mine = self._remembered(name, ids, ahead, applied_before, looked_up.shape[1], width)
-        missed, known, rows, seq, landed, landed_values = mine
-        predicted = 0
-        if rule is None:
-            known[:] = False
-        else:
-            if not known.all():
-                # A row this rank has not pushed lately whose lookup read exactly what
-                # the store starts it as is new: its state before the push is the
-                # initial one (a row whose updates all rounded away would be predicted
-                # one step wrong).
-                unknown = np.flatnonzero(~known)
-                start = rule.new_rows(ids[ahead[unknown]])
-                seen = looked_up[ahead[unknown]]
-                new = (start.weights.astype(seen.dtype) == seen).all(axis=1)
-                at = unknown[new]
-                rows.weights[at] = start.weights[new]
-                rows.state[at] = start.state[new]
-                rows.row_step[at] = 0
-                seq[at] = 0
-                known[at] = True
-            for push, mask in zip(in_flight, named, strict=True):
-                # Rows this push names whose remembered state predates it.
-                at = np.flatnonzero(known & mask[ahead] & (seq < push.seq))
-                if at.shape[0] == 0:
-                    continue
-                after = predict_rows(rows.take(at), push.grads_of(name, ids[ahead[at]]), rule)
-                rows.weights[at] = after.weights
-                rows.state[at] = after.state
-                rows.row_step[at] = after.row_step
-                seq[at] = push.seq
-                predicted += at.shape[0]
-        # A row in flight takes its prediction where known, else what landed (if any).
-        replace_ahead = ahead[known]
-        keep_landed = ~np.isin(landed, replace_ahead, assume_unique=True)
-        replace = np.concatenate([landed[keep_landed], replace_ahead])
-        values = np.concatenate([landed_values[keep_landed], rows.weights[known]])
-        still = np.zeros(len(ids), np.int32)
-        still[ahead[~known]] = pending[ahead[~known]]
-        unknown_seq = max(
-            (p.seq for p, m in zip(in_flight, named, strict=True) if (m & (still > 0)).any()),
-            default=0,
-        )
-        return _TableView(missed + pending, still, replace, values, predicted, unknown_seq)
-
-    def _remembered(
-        self,
-        name: str,
-        ids: npt.NDArray[np.uint64],
-        ahead: npt.NDArray[np.intp],
-        applied_before: int,
-        dim: int,
-        width: int,
-    ) -> tuple[
-        npt.NDArray[np.int32],
-        npt.NDArray[np.bool_],
-        RowState,
-        npt.NDArray[np.int64],
-        npt.NDArray[np.intp],
-        npt.NDArray[np.float32],
-    ]:
-        """What the cache of ``name`` knows of ``ids``: per id the pushes its lookup
-        missed; for the ids ``ahead`` (named by a push in flight) whether a row is
-        remembered, that row and the push that left it; the ids a landed push changed
-        since the lookup, and their rows.
-        """
-        cache = self._caches.get(name)
-        if cache is None:  # no push of this table has been answered yet
-            k = len(ahead)
-            nothing = RowState(
-                np.zeros((k, dim), np.float32),
-                np.zeros((k, width), np.float32),
-                np.zeros(k, np.int64),
-            )
-            none = np.zeros(0, np.intp)
-            return (
-                np.zeros(len(ids), np.int32),
-                np.zeros(k, np.bool_),
-                nothing,
-                np.zeros(k, np.int64),
-                none,
-                np.zeros((0, dim), np.float32),
-            )
-        with cache.lock:
-            slots = cache.find(ids)
-            missed = cache.missed(slots, applied_before)
-            known = slots[ahead] >= 0
-            safe = np.where(known, slots[ahead], 0)
-            rows = cache.take(safe)
-            seq = np.where(known, cache.seq[safe], 0)
-            landed = np.flatnonzero(missed > 0)
-            return missed, known, rows, seq, landed, cache.weights[slots[landed]]
-
-    def _cache(self, table: str, rows: RowState) -> PushedRowCache:
-        cache = self._caches.get(table)
-        if cache is None:  # made on the pusher's thread only
-            cache = PushedRowCache(
-                rows.weights.shape[1], rows.state.shape[1], max_rows=self._max_cached
-            )
-            self._caches[table] = cache
-        return cache
+    def _group_of(self, name: str) -> tuple[TableGroup, int]:
+        """The group of table ``name`` and its number there."""
+        found = self._groups.get(name)
+        if found is None:
+            with self._groups_lock:
+                found = self._groups.get(name)
+                if found is None:
+                    found = (TableGroup([(name, None)], cached_rows=self._max_cached), 0)
+                    self._groups[name] = found
+        return found
 
     def _wait_for(self, seq: int) -> float:
         """Block until push ``seq`` is applied; returns the seconds waited."""
@@ -434,13 +260,12 @@ class Pusher:
                     continue
                 self.push_s += time.perf_counter() - t0
             if self._fresh and result is not None and result.rows is not None:
-                # Each table's cache has a lock of its own: freshen reads one table while
+                # Each group's cache has a lock of its own: freshen reads one group while
                 # this thread fills the next, and a row that its push left is read as
                 # landed (its seq), whether or not ``applied`` counts it yet.
-                for name, (ids, _) in grads.items():
-                    self._cache(name, result.rows[name]).put(
-                        np.asarray(ids, np.uint64), result.rows[name], n
-                    )
+                touched = {id(g): g for g, _ in map(self._group_of, grads)}
+                for group in touched.values():
+                    group.remember(grads, result.rows, n)
             with self._cond:
                 now = time.time()
                 self.applied += 1
