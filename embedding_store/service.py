@@ -62,8 +62,8 @@ from embedding_store.wire import (
     decode_push,
     decode_shared,
     encode_matrix,
-    encode_row_state,
     row_dtype,
+    row_state_frames,
     rows_frame,
     rows_frame_size,
 )
@@ -381,13 +381,17 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
         # A reply too large to send leaves the rows out (the trainer then reads this
         # push's rows as looked up): the push itself must not fail for its reply.
         return_rows = return_rows and values * 4 < self.shard.config.max_message_bytes
-        result = self.shard.push(grads, request_id=request_id or None)
-        rows = state = steps = b""
-        if return_rows:
-            # Read after the push: what the trainer's next lookup would get, and what
-            # its prediction of its next push starts from.
+        if not return_rows:
+            result = self.shard.push(grads, request_id=request_id or None)
+            rows = state = steps = b""
+        else:
+            # Read right after the push (gathered as it is applied): what the trainer's
+            # next lookup would get, and what its prediction of its next push starts from.
             with self._replies.hold(values * 4):
-                rows, state, steps = encode_row_state(self.shard.peek(ids))
+                shapes = {k: (len(v), tables[k].dim, tables[k].state_width) for k, v in ids.items()}
+                w_frame, s_frame, step_array, into = row_state_frames(shapes)
+                result = self.shard.push(grads, request_id=request_id or None, into=into)
+                rows, state, steps = bytes(w_frame), bytes(s_frame), step_array.tobytes()
         return pb.PushResponse(
             applied=result.applied,
             dropped_not_admitted=result.dropped_not_admitted,

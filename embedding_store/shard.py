@@ -162,11 +162,13 @@ class StoreShard:
         grads: Mapping[str, tuple[npt.ArrayLike, npt.ArrayLike]],
         *,
         request_id: str | None = None,
+        into: Mapping[str, RowState] | None = None,
     ) -> PushResult:
         """Apply row gradients to several tables; a request id is applied at most once.
 
         Every table name and shape is checked before any gradient is applied,
-        so a bad request changes nothing.
+        so a bad request changes nothing. ``into``: per table, filled with the
+        pushed rows as they are after the push (a retried request's too).
         """
         checked = []
         for name, (ids, g) in grads.items():
@@ -180,7 +182,7 @@ class StoreShard:
                 raise InvalidRequest(msg)
             checked.append((table, ids_arr, g_arr))
         if request_id is None:
-            return self._apply(checked)
+            return self._apply(checked, into)
         with self._push_lock:
             entry = self._pushes.get(request_id)
             if entry is None:
@@ -190,13 +192,16 @@ class StoreShard:
             if isinstance(entry, _PendingPush):
                 entry.done.wait()
                 if entry.result is None:  # the first attempt failed: nothing was applied
-                    return self.push(grads, request_id=request_id)
+                    return self.push(grads, request_id=request_id, into=into)
                 entry = entry.result
             with self._push_lock:
                 self._duplicate_pushes += 1
+            if into is not None:
+                for table, ids, _ in checked:
+                    table.peek_into(ids, into[table.name])
             return replace(entry, duplicate_request=True)
         try:
-            result = self._apply(checked)
+            result = self._apply(checked, into)
         except BaseException:
             with self._push_lock:
                 self._pushes.pop(request_id, None)
@@ -211,10 +216,13 @@ class StoreShard:
         return result
 
     @staticmethod
-    def _apply(checked: list[tuple[EmbeddingTable, np.ndarray, np.ndarray]]) -> PushResult:
+    def _apply(
+        checked: list[tuple[EmbeddingTable, np.ndarray, np.ndarray]],
+        into: Mapping[str, RowState] | None,
+    ) -> PushResult:
         total = PushResult()
         for table, ids, g in checked:
-            total = total + table.push(ids, g)
+            total = total + table.push(ids, g, into=None if into is None else into[table.name])
         return total
 
     # --- persistence --------------------------------------------------------------

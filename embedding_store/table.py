@@ -625,6 +625,23 @@ def _clip(weights: F32, rows: I64, c: float) -> None:
 
 
 @nb.njit(nogil=True, cache=True)
+def _gather_state(
+    weights: F32, state: F32, row_step: I64, rows: I64, out_w: F32, out_s: F32, out_step: I64
+) -> None:
+    """Rows ``rows`` with their state into ``out_*``; a row -1 reads zeros and step -1."""
+    for i in range(rows.shape[0]):
+        r = rows[i]
+        if r < 0:
+            out_w[i] = 0.0
+            out_s[i] = 0.0
+            out_step[i] = -1
+        else:
+            out_w[i] = weights[r]
+            out_s[i] = state[r]
+            out_step[i] = row_step[r]
+
+
+@nb.njit(nogil=True, cache=True)
 def _save_rows(
     weights: F32, state: F32, row_step: I64, rows: I64, w_out: F32, s_out: F32, step_out: I64
 ) -> None:
@@ -907,14 +924,25 @@ class EmbeddingTable:
         # Rows that found no room read as zeros (the gather's rows < 0).
         self._counters["overflow"] += int(np.count_nonzero(rows[positions] == OVERFLOW))
 
-    def push(self, ids: npt.ArrayLike, grads: npt.ArrayLike) -> PushResult:
+    def push(
+        self, ids: npt.ArrayLike, grads: npt.ArrayLike, *, into: RowState | None = None
+    ) -> PushResult:
         """Apply gradients to the rows of ``ids`` with the table's optimizer.
 
         Gradients of an id named twice are summed. Gradients with a NaN or Inf,
         and updates that would leave a NaN or Inf in a row (an overflow), are
         rejected and counted (``rejected_nonfinite``): the row keeps its values.
         Ids without a row (not admitted, or evicted since their lookup) are
-        dropped and counted.
+        dropped and counted. ``into``: filled with the rows of ``ids`` as the push
+        left them, as :meth:`peek` reads them (a push reply's rows).
+
+        >>> t = EmbeddingTable("t", TableConfig(dim=1, optimizer={"kind": "sgd", "lr": 1.0}))
+        >>> _ = t.lookup([7])
+        >>> after = RowState(np.empty((2, 1), np.float32), np.empty((2, 0), np.float32),
+        ...                  np.empty(2, np.int64))
+        >>> _ = t.push([7, 8], np.ones((2, 1), np.float32), into=after)
+        >>> after.weights[0] == t.lookup([7])[0], after.row_step.tolist()
+        (array([ True]), [1, -1])
         """
         keys = _as_ids(ids).view(np.int64)
         g = np.asarray(grads)
@@ -940,7 +968,17 @@ class EmbeddingTable:
                 if overflow.any():
                     nonfinite += int(np.bincount(inverse, minlength=len(uniq))[overflow].sum())
                     rows[overflow] = -1
+            skipped = absent + nonfinite
             nonfinite += self._apply_finite(rows, g)
+            if into is not None:
+                if dup or skipped:
+                    # Rows of ids repeated or left out are found again (rare).
+                    self._peek_locked(keys, into)
+                else:
+                    _gather_state(
+                        self._weights, self._state, self._row_step, rows,
+                        into.weights, into.state, into.row_step,
+                    )  # fmt: skip
             applied = keys.shape[0] - absent - nonfinite
             self._counters["pushes"] += 1
             self._counters["push_ids"] += keys.shape[0]
@@ -977,17 +1015,28 @@ class EmbeddingTable:
         [1, -1]
         """
         keys = _as_ids(ids).view(np.int64)
-        rows = np.empty(keys.shape[0], dtype=np.int64)
+        n = keys.shape[0]
+        out = RowState(
+            np.empty((n, self.dim), np.float32),
+            np.empty((n, self._state_width), np.float32),
+            np.empty(n, np.int64),
+        )
+        self.peek_into(keys.view(np.uint64), out)
+        return out
+
+    def peek_into(self, ids: npt.ArrayLike, into: RowState) -> None:
+        """:meth:`peek` into the arrays of ``into`` (one row per id)."""
+        keys = _as_ids(ids).view(np.int64)
         with self._lock:
-            _probe(self._buckets, keys, self.clock, False, rows)
-            present = rows >= 0
-            weights = np.zeros((keys.shape[0], self.dim), dtype=np.float32)
-            state = np.zeros((keys.shape[0], self._state_width), dtype=np.float32)
-            row_step = np.full(keys.shape[0], -1, dtype=np.int64)
-            weights[present] = self._weights[rows[present]]
-            state[present] = self._state[rows[present]]
-            row_step[present] = self._row_step[rows[present]]
-        return RowState(weights, state, row_step)
+            self._peek_locked(keys, into)
+
+    def _peek_locked(self, keys: I64, into: RowState) -> None:
+        rows = np.empty(keys.shape[0], dtype=np.int64)
+        _probe(self._buckets, keys, self.clock, False, rows)
+        _gather_state(
+            self._weights, self._state, self._row_step, rows, into.weights, into.state,
+            into.row_step,
+        )  # fmt: skip
 
     # --- eviction and expiry ----------------------------------------------------
 

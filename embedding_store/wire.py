@@ -154,6 +154,9 @@ class PushFrame:
     return_rows: bool = False
 
 
+Frame = bytearray | memoryview
+
+
 def _pad8(n: int) -> int:
     return -n % 8
 
@@ -212,6 +215,7 @@ class _Head:
         self.data = data
         pos = _HEAD.size
         self.tables: list[tuple[str, int, int]] = []
+        named: set[str] = set()
         for _ in range(n_tables):
             if pos + _TABLE.size > len(data):
                 msg = f"{what}: the frame ends inside its table list"
@@ -228,9 +232,10 @@ class _Head:
             except UnicodeDecodeError:
                 msg = f"{what}: a table name is not UTF-8 ({raw[:40]!r})"
                 raise InvalidRequest(msg) from None
-            if any(name == t[0] for t in self.tables):
+            if name in named:
                 msg = f"{what}: table {name!r} is named twice in one frame"
                 raise InvalidRequest(msg)
+            named.add(name)
             self.tables.append((name, count, dim))
         raw_extra = bytes(data[pos : pos + n_extra])
         if len(raw_extra) != n_extra:
@@ -430,17 +435,44 @@ def encode_row_state(rows: Mapping[str, RowState]) -> tuple[bytes, bytes, bytes]
     >>> back.weights.shape, back.state.shape, back.row_step.tolist()
     ((2, 3), (2, 1), [4, -1])
     """
-    weights, w_views = rows_frame({k: v.weights.shape for k, v in rows.items()}, "float32")
-    state, s_views = rows_frame({k: v.state.shape for k, v in rows.items()}, "float32")
+    shapes = {k: (*v.weights.shape, v.state.shape[1]) for k, v in rows.items()}
+    weights, state, steps, views = row_state_frames(shapes)
     for name, v in rows.items():
-        w_views[name][...] = v.weights
-        s_views[name][...] = v.state
-    steps = b"".join(np.ascontiguousarray(v.row_step, dtype="<i8").tobytes() for v in rows.values())
-    return bytes(weights), bytes(state), steps
+        views[name].weights[...] = v.weights
+        views[name].state[...] = v.state
+        views[name].row_step[...] = v.row_step
+    return bytes(weights), bytes(state), steps.tobytes()
+
+
+def row_state_frames(
+    tables: Mapping[str, tuple[int, int, int]],
+) -> tuple[Frame, Frame, npt.NDArray[np.int64], dict[str, RowState]]:
+    """``encode_row_state``'s three parts for ``{table: (rows, dim, state width)}``, empty,
+    and a writable :class:`RowState` view of each table's part to fill them through.
+
+    >>> w, s, steps, views = row_state_frames({"t": (2, 3, 1)})
+    >>> views["t"].weights[:] = 1.0; views["t"].state[:] = 0.0; views["t"].row_step[:] = 4
+    >>> decode_row_state(bytes(w), bytes(s), steps.tobytes())["t"].row_step.tolist()
+    [4, 4]
+    """
+    weights, w_views = rows_frame({k: (n, d) for k, (n, d, _) in tables.items()}, "float32")
+    state, s_views = rows_frame({k: (n, w) for k, (n, _, w) in tables.items()}, "float32")
+    steps = np.empty(sum(n for n, _, _ in tables.values()), dtype="<i8")
+    views, at = {}, 0
+    for name, (n, _, _) in tables.items():
+        views[name] = RowState(
+            w_views[name],
+            s_views[name],
+            steps[at : at + n],
+        )
+        at += n
+    return weights, state, steps, views
 
 
 def decode_row_state(weights: bytes, state: bytes, row_steps: bytes) -> dict[str, RowState]:
-    """``encode_row_state``'s three parts back to ``{table: RowState}`` (copies)."""
+    """``encode_row_state``'s three parts back to ``{table: RowState}`` (read-only views of
+    them: a reply's rows are read once, into the trainer's cache or a merge).
+    """
     w = decode_rows(weights, "float32")
     s = decode_rows(state, "float32")
     n = sum(v.shape[0] for v in w.values())
@@ -450,15 +482,11 @@ def decode_row_state(weights: bytes, state: bytes, row_steps: bytes) -> dict[str
     if len(row_steps) != 8 * n:
         msg = f"push reply: {len(row_steps)} bytes of update counts for {n} rows"
         raise InvalidRequest(msg)
-    steps = np.frombuffer(row_steps, dtype="<i8").astype(np.int64)
+    steps = np.frombuffer(row_steps, dtype="<i8").astype(np.int64, copy=False)
     out, at = {}, 0
     for name, rows in w.items():
         k = rows.shape[0]
-        out[name] = RowState(
-            np.array(rows, dtype=np.float32),
-            np.array(s[name], dtype=np.float32),
-            steps[at : at + k],
-        )
+        out[name] = RowState(rows, s[name], steps[at : at + k])
         at += k
     return out
 
