@@ -54,8 +54,12 @@ by the same rule, 1 s in). JSON keys: ``<dataset>_<mode>[_s<staleness>]_auc``,
 ``..._logloss``, ``..._samples_per_s`` (hybrid and hybrid_stale runs carry
 their staleness), and ``hybrid_vs_sync_auc_gap_<dataset>``: hybrid's AUC at the
 default staleness (``TrainerConfig().staleness``) minus sync's (and
-``hybrid_stale_vs_sync_auc_gap_<dataset>`` when hybrid_stale ran). ``runs``
-holds each run's details, ``errors`` the runs that failed.
+``hybrid_stale_vs_sync_auc_gap_<dataset>`` when hybrid_stale ran), and the
+speed ratios of runs side by side, ``hybrid_vs_hybrid_stale_samples_per_s_<dataset>``
+(what reading its own pushes fresh costs) and ``hybrid_vs_sync_samples_per_s_<dataset>``.
+``--repeat N`` runs every mode N times in interleaved rounds and reports the
+median speed (all N in ``runs``). ``runs`` holds each run's details, ``errors``
+the runs that failed.
 
 Kafka: without ``--bootstrap`` the benchmark starts its own broker
 (``deploy.local.kafka.LocalKafka``, Kafka fetched once as ``streamrec kafka up``
@@ -74,7 +78,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -644,10 +648,35 @@ def summarize(
             b = sync.auc if sync is not None else None
             gap = a - b if a is not None and b is not None else None
             results[f"{mode}_vs_sync_auc_gap_{name}"] = gap
+        # Speed ratios of runs measured side by side (medians with --repeat).
+        fresh = runs.get(run_key(name, "hybrid", default_s))
+        for other_key, label in (
+            (run_key(name, "hybrid_stale", default_s), "hybrid_stale"),
+            (run_key(name, "sync", None), "sync"),
+        ):
+            other = runs.get(other_key)
+            if fresh is not None and other is not None and other.samples_per_s > 0:
+                ratio = fresh.samples_per_s / other.samples_per_s
+                results[f"hybrid_vs_{label}_samples_per_s_{name}"] = round(ratio, 3)
     results["runs"] = {
         k: {"samples": r.samples, **{x: v for x, v in r.extra.items() if v is not None}}
         for k, r in runs.items()
     }
+
+
+def median_result(results: Sequence[Result]) -> Result:
+    """The run of median speed among repeats of one mode, with every run's speed in
+    ``extra`` (AUC and logloss are the same in each: the runs are deterministic).
+
+    >>> runs = [Result(0.7, 0.6, rate, 100) for rate in (9.0, 12.0, 10.0)]
+    >>> best = median_result(runs)
+    >>> best.samples_per_s, best.extra["samples_per_s_runs"]
+    (10.0, [9.0, 12.0, 10.0])
+    """
+    ordered = sorted(results, key=lambda r: r.samples_per_s)
+    mid = ordered[(len(ordered) - 1) // 2]
+    rates = [r.samples_per_s for r in results]
+    return replace(mid, extra={**mid.extra, "samples_per_s_runs": rates})
 
 
 def print_table(runs: dict[str, Result], datasets: Sequence[str]) -> None:
@@ -755,7 +784,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-version", default="0.9", help="the Kafka's API version")
     parser.add_argument("--keep-runs", type=Path, default=None, help="keep run folders here")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per streamrec run")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of each mode, in interleaved rounds; samples/s is their median (a 2-core "
+        "machine varies by 10-20%% from one run to the next)",
+    )
     args = parser.parse_args(argv)
+    if args.repeat < 1:
+        parser.error("--repeat: 1 or more")
     if any(s < 0 for s in args.staleness):
         parser.error("--staleness: 0 or more")
 
@@ -786,8 +824,10 @@ def main(argv: list[str] | None = None) -> int:
         "store_shards": 2,
         "workers": 2,
         "cpus": os.cpu_count(),
+        "repeat": args.repeat,
     }
     runs: dict[str, Result] = {}
+    repeats: dict[str, list[Result]] = {}
     errors: dict[str, str] = {}
     work = args.keep_runs or Path(tempfile.mkdtemp(prefix="bench-quality-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -813,7 +853,9 @@ def main(argv: list[str] | None = None) -> int:
             window = max(100, n // 2)
             results["datasets"][name] = {"events": n, "window": window, "about": ds.about}
             print(f"{name}: {n:,} events ({ds.about}); AUC over the last {window:,}", flush=True)
-            for mode, staleness in plan_runs(args.modes, args.staleness):
+            planned = plan_runs(args.modes, args.staleness)
+            rounds = [run for _ in range(args.repeat) for run in planned]
+            for mode, staleness in rounds:
                 key = run_key(name, mode, staleness)
                 t0 = time.monotonic()
                 before = load()
@@ -847,7 +889,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {key} FAILED: {errors[key]}", file=sys.stderr, flush=True)
                 else:
                     r.extra["load_before"], r.extra["load_after"] = before, load()
-                    runs[key] = r
+                    repeats.setdefault(key, []).append(r)
+                    runs[key] = median_result(repeats[key])
                     auc = "-" if r.auc is None else f"{r.auc:.4f}"
                     print(
                         f"  {key:<24} AUC {auc}  logloss {r.logloss or 0:.4f}  "

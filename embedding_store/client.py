@@ -64,10 +64,11 @@ from embedding_store.types import (
     CheckpointKind,
     CheckpointResult,
     LatencySnapshot,
+    PushedRows,
     PushResult,
     RestoreResult,
     RowDtype,
-    RowState,
+    ShardRows,
     ShardStats,
     StoreConfig,
     TableConfig,
@@ -762,22 +763,6 @@ def _checkpoint_from_pb(r: pb.CheckpointResponse) -> CheckpointResult:
     )
 
 
-def _merge_rows(parts: list[tuple[npt.NDArray[np.int64], RowState]]) -> RowState:
-    """Shards' rows back in the order of the ids they were routed from."""
-    n = sum(where.shape[0] for where, _ in parts)
-    first = parts[0][1]
-    out = RowState(
-        np.empty((n, first.weights.shape[1]), np.float32),
-        np.empty((n, first.state.shape[1]), np.float32),
-        np.empty(n, np.int64),
-    )
-    for where, rows in parts:
-        out.weights[where] = rows.weights
-        out.state[where] = rows.state
-        out.row_step[where] = rows.row_step
-    return out
-
-
 class StoreClient:
     """Routes ids to shards and fans calls out to all of them in parallel."""
 
@@ -1040,6 +1025,7 @@ class StoreClient:
             routed[name] = (arr, g_arr, order, bounds)
         self._delay()
         waits: list[tuple[int, Wait[PushResult]]] = []
+        sent: list[dict[str, U64]] = []
         for s, transport in enumerate(self._transports):
             part = {}
             for name, (arr, g_arr, order, bounds) in routed.items():
@@ -1049,27 +1035,29 @@ class StoreClient:
                 sel = order[bounds[s] : bounds[s + 1]]
                 if sel.shape[0]:
                     part[name] = (arr[sel], g_arr[sel])
+            sent.append({name: ids for name, (ids, _) in part.items()})
             if part:
                 wait = transport.start_push(
                     part, rid, self.grad_dtype, return_rows=return_rows, deferred=not waits
                 )
                 waits.append((s, wait))
         total = PushResult()
-        parts: dict[str, list[tuple[npt.NDArray[np.int64], RowState]]] = {}
-        complete = True
+        parts: list[ShardRows] = []
         for s, wait in waits:
             result = wait()
             total = total + result
-            complete = complete and result.rows is not None
-            for name, part_rows in (result.rows or {}).items():
-                _, _, order, bounds = routed[name]
-                where = order[bounds[s] : bounds[s + 1]]
-                parts.setdefault(name, []).append((where, part_rows))
-        if not (return_rows and complete):
+            if result.rows is None:
+                continue
+            where = None
+            if self.num_shards > 1:
+                where = {}
+                for name in result.rows:
+                    _, _, order, bounds = routed[name]
+                    where[name] = order[bounds[s] : bounds[s + 1]]
+            parts.append(ShardRows(sent[s], where, result.rows))
+        if not (return_rows and len(parts) == len(waits)):
             return total  # a shard left its rows out (too large to send): none
-        # One shard's reply is in the order of the ids already.
-        merge = (lambda p: p[0][1]) if self.num_shards == 1 else _merge_rows
-        return replace(total, rows={name: merge(p) for name, p in parts.items()})
+        return replace(total, rows=PushedRows(parts))
 
     def _each(self, fn: Callable[[int, ShardTransport], T]) -> list[T]:
         self._delay()

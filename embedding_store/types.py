@@ -20,6 +20,7 @@ import bisect
 import itertools
 import math
 import re
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -241,6 +242,74 @@ class RowState:
 
 
 @dataclass(frozen=True)
+class ShardRows:
+    """One shard's part of a push reply's rows: per table, the pushed ids the shard
+    holds, where each was among the table's pushed ids (None: all, in order), and
+    their rows after the push.
+    """
+
+    ids: Mapping[str, npt.NDArray[np.uint64]]
+    where: Mapping[str, npt.NDArray[np.int64]] | None
+    rows: Mapping[str, RowState]
+
+
+class PushedRows(Mapping[str, RowState]):
+    """A push reply's rows, each table's put back in the order of its pushed ids when
+    first read; :attr:`parts` are the shards' answers as they came (a reader that
+    needs no order, such as the trainer's cache, takes them without a merge).
+
+    >>> one = RowState(np.ones((1, 2), np.float32), np.zeros((1, 0), np.float32), np.array([1]))
+    >>> two = RowState(np.zeros((1, 2), np.float32), np.zeros((1, 0), np.float32), np.array([2]))
+    >>> rows = PushedRows([
+    ...     ShardRows({"t": np.array([9], np.uint64)}, {"t": np.array([1])}, {"t": one}),
+    ...     ShardRows({"t": np.array([4], np.uint64)}, {"t": np.array([0])}, {"t": two})])
+    >>> rows["t"].row_step.tolist(), list(rows)
+    ([2, 1], ['t'])
+    """
+
+    def __init__(self, parts: Sequence[ShardRows]) -> None:
+        self.parts = tuple(parts)
+        self._merged: dict[str, RowState] = {}
+        self._names = list(dict.fromkeys(name for part in self.parts for name in part.rows))
+
+    def __getitem__(self, name: str) -> RowState:
+        if name not in self._merged:
+            have = [p for p in self.parts if name in p.rows]
+            if not have:
+                raise KeyError(name)
+            if len(have) == 1 and have[0].where is None:
+                self._merged[name] = have[0].rows[name]
+            else:
+                self._merged[name] = _merge_rows(
+                    [(p.where[name] if p.where is not None else None, p.rows[name]) for p in have]
+                )
+        return self._merged[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+def _merge_rows(parts: list[tuple[npt.NDArray[np.int64] | None, RowState]]) -> RowState:
+    """Shards' rows back in the order of the ids they were routed from."""
+    n = sum(rows.row_step.shape[0] for _, rows in parts)
+    first = parts[0][1]
+    out = RowState(
+        np.empty((n, first.weights.shape[1]), np.float32),
+        np.empty((n, first.state.shape[1]), np.float32),
+        np.empty(n, np.int64),
+    )
+    for where, rows in parts:
+        at = slice(None) if where is None else where
+        out.weights[at] = rows.weights
+        out.state[at] = rows.state
+        out.row_step[at] = rows.row_step
+    return out
+
+
+@dataclass(frozen=True)
 class PushResult:
     """What one push did, summed over the tables it named.
 
@@ -253,7 +322,7 @@ class PushResult:
     dropped_not_admitted: int = 0
     rejected_nonfinite: int = 0
     duplicate_request: bool = False
-    rows: dict[str, RowState] | None = field(default=None, compare=False, repr=False)
+    rows: Mapping[str, RowState] | None = field(default=None, compare=False, repr=False)
 
     def __add__(self, other: PushResult) -> PushResult:
         return PushResult(

@@ -50,7 +50,7 @@ import numpy.typing as npt
 from embedding_store.hashing import init_params, init_rows, table_seed
 from embedding_store.optim import RowOptimizer, make_optimizer
 from embedding_store.table import update_rows
-from embedding_store.types import RowDtype, RowState, TableConfig
+from embedding_store.types import RowDtype, RowState, ShardRows, TableConfig
 from pipeline.types import TableBatch
 from trainer.row_cache import PushedRowCache, Remembered, RowIndex
 
@@ -146,18 +146,22 @@ class TableGroup:
         self.max_rows = cached_rows * len(rules)
         self.cache: PushedRowCache | None = None  # made by the first answered push
 
-    def remember(self, grads: Grads, rows: Mapping[str, RowState], seq: int) -> None:
-        """Keep the rows push ``seq`` (of ``grads``) left, as its reply brought them."""
-        parts = [(i, name) for name, i in self.members.items() if name in grads and name in rows]
-        if not parts:
+    def remember(self, parts: Sequence[ShardRows], seq: int) -> None:
+        """Keep the rows push ``seq`` left, as its reply brought them (shard by shard)."""
+        pieces = [
+            (i, part.ids[name], part.rows[name])
+            for part in parts
+            for name, i in self.members.items()
+            if name in part.rows
+        ]
+        if not pieces:
             return
-        ids = _concat([np.asarray(grads[name][0], np.uint64) for _, name in parts])
-        tab = _numbers([(i, rows[name].weights.shape[0]) for i, name in parts])
-        got = [rows[name] for _, name in parts]
+        tab = _numbers([(i, ids.shape[0]) for i, ids, _ in pieces])
+        ids = _concat([np.asarray(ids, np.uint64) for _, ids, _ in pieces])
         state = RowState(
-            _concat([r.weights for r in got]),
-            _concat([r.state for r in got]),
-            _concat([r.row_step for r in got]),
+            _concat([r.weights for _, _, r in pieces]),
+            _concat([r.state for _, _, r in pieces]),
+            _concat([r.row_step for _, _, r in pieces]),
         )
         if self.cache is None:
             dim, width = state.weights.shape[1], state.state.shape[1]

@@ -50,7 +50,7 @@ from collections import deque
 from collections.abc import Mapping
 
 from embedding_store.client import StoreClient
-from embedding_store.types import TableConfig
+from embedding_store.types import PushedRows, ShardRows, TableConfig
 from pipeline.types import TableBatch
 from trainer.fresh_rows import (
     Freshened,
@@ -263,9 +263,15 @@ class Pusher:
                 # Each group's cache has a lock of its own: freshen reads one group while
                 # this thread fills the next, and a row that its push left is read as
                 # landed (its seq), whether or not ``applied`` counts it yet.
+                rows = result.rows
+                parts = (
+                    rows.parts
+                    if isinstance(rows, PushedRows)
+                    else [ShardRows({k: ids for k, (ids, _) in grads.items()}, None, rows)]
+                )
                 touched = {id(g): g for g, _ in map(self._group_of, grads)}
                 for group in touched.values():
-                    group.remember(grads, result.rows, n)
+                    group.remember(parts, n)
             with self._cond:
                 now = time.time()
                 self.applied += 1

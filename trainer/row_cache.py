@@ -84,11 +84,27 @@ def _insert(keys: U64, tabs: I32, used: npt.NDArray[np.bool_], tab: I32, ids: U6
 
 
 @nb.njit(nogil=True, cache=True)
-def _record(recent: I64, seq: I64, slots: I64, push: int) -> None:
-    """Remember ``push`` as the newest push of each slot (the oldest number drops off)."""
+def _store(
+    weights: F32,
+    state: F32,
+    row_step: I64,
+    seq: I64,
+    recent: I64,
+    slots: I64,
+    w: F32,
+    st: F32,
+    steps: I64,
+    push: int,
+) -> None:
+    """Each row into its slot, with ``push`` as the slot's newest push (the oldest
+    number drops off).
+    """
     k = recent.shape[1]
     for i in range(slots.shape[0]):
         s = slots[i]
+        weights[s] = w[i]
+        state[s] = st[i]
+        row_step[s] = steps[i]
         if recent[s, 0] == push:
             continue  # the same push answered twice (a retried request)
         for j in range(k - 1, 0, -1):
@@ -252,10 +268,12 @@ class PushedRowCache:
             if (self.index.size + ids.shape[0]) > _MAX_LOAD * self.index.keys.shape[0]:
                 self._make_room(ids.shape[0])
             slots = self.index.insert(tab, ids)
-            self.weights[slots] = rows.weights
-            self.state[slots] = rows.state
-            self.row_step[slots] = rows.row_step
-            _record(self.recent, self.seq, slots, seq)
+            _store(
+                self.weights, self.state, self.row_step, self.seq, self.recent, slots,
+                np.ascontiguousarray(rows.weights, np.float32),
+                np.ascontiguousarray(rows.state, np.float32),
+                np.ascontiguousarray(rows.row_step, np.int64), seq,
+            )  # fmt: skip
 
     def _make_room(self, incoming: int) -> None:
         """Grow, or past ``max_rows`` drop the rows pushed longest ago, then rehash."""
