@@ -1,0 +1,77 @@
+"""Tables that share one cache of pushed rows (the same arithmetic) are freshened as
+exactly as tables on their own: the store, read after every earlier push landed, is
+the oracle.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from embedding_store.client import StoreClient
+from embedding_store.types import StoreConfig, TableConfig
+from pipeline.types import TableBatch
+from trainer.pusher import Pusher
+
+ADAGRAD = {"kind": "adagrad", "lr": 0.1}
+TABLES = {
+    # "a" and "b" differ only in their initializer: one group, two numbers in it.
+    "a": TableConfig(dim=4, optimizer=ADAGRAD, initializer={"kind": "normal", "std": 0.1}),
+    "b": TableConfig(dim=4, optimizer=ADAGRAD, initializer={"kind": "uniform", "scale": 0.1}),
+    "c": TableConfig(dim=4, optimizer={"kind": "sgd", "lr": 0.5}),
+}
+
+
+def batch(store: StoreClient, rng: np.random.Generator) -> tuple[dict[str, TableBatch], float]:
+    """A batch of small vocabularies (hot ids) looked up now, and when its lookup began
+    ("a" and "b" share ids).
+    """
+    shared = np.unique(rng.integers(0, 12, 8)).astype(np.uint64)
+    ids = {"a": shared, "b": shared, "c": np.unique(rng.integers(0, 6, 5)).astype(np.uint64)}
+    looked_up_at = time.time()
+    rows = store.lookup(ids)
+    tables = {
+        name: TableBatch(
+            fields=(name,),
+            unique_ids=u,
+            inverse=np.arange(len(u), dtype=np.int32),
+            offsets=np.arange(len(u) + 1, dtype=np.int32),
+            rows=rows[name],
+        )
+        for name, u in ids.items()
+    }
+    return tables, looked_up_at
+
+
+@pytest.mark.parametrize("staleness", [1, 3])
+def test_a_shared_cache_trains_every_table_as_the_store_holds_it(staleness: int) -> None:
+    store = StoreClient.connect(
+        "inproc://2", config=StoreConfig(tables=TABLES, row_dtype="float32")
+    )
+    pusher = Pusher(store, run_id="groups", fresh_rows=True, tables=TABLES)
+    groups = {id(pusher._group_of(name)[0]) for name in TABLES}
+    assert len(groups) == 2, "a and b share a group, c has its own"
+    rng = np.random.default_rng(7)
+    ahead = [batch(store, rng) for _ in range(staleness)]
+    replaced = 0
+    for _ in range(12):
+        tables, looked_up_at = ahead.pop(0)
+        done = pusher.freshen(tables, looked_up_at, wait=True)
+        replaced += done.replaced
+        pusher.drain()  # the oracle: every earlier push has landed
+        now = store.lookup({k: t.unique_ids for k, t in tables.items()}, train=False)
+        for name, table in tables.items():
+            np.testing.assert_array_equal(table.rows, now[name], err_msg=name)
+        grads = {
+            k: (t.unique_ids, rng.standard_normal((len(t.unique_ids), 4)).astype(np.float32))
+            for k, t in tables.items()
+        }
+        pusher.submit(grads)
+        ahead.append(batch(store, rng))
+    if staleness > 1:
+        assert replaced > 0
+    pusher.drain()
+    pusher.close()
+    store.close()
