@@ -139,11 +139,11 @@ class TableGroup:
     """
 
     def __init__(self, rules: Sequence[tuple[str, PushRule | None]], *, cached_rows: int) -> None:
-        """``cached_rows``: rows remembered per table."""
+        """``cached_rows``: rows remembered for the group's tables together."""
         self.members = {name: i for i, (name, _) in enumerate(rules)}
         self.rules = [rule for _, rule in rules]
         self.rule = self.rules[0]
-        self.max_rows = cached_rows * len(rules)
+        self.max_rows = cached_rows
         self.cache: PushedRowCache | None = None  # made by the first answered push
 
     def remember(self, parts: Sequence[ShardRows], seq: int) -> None:
@@ -283,14 +283,6 @@ def view_of(
     ids = _concat([np.ascontiguousarray(t.unique_ids, np.uint64) for t in tables])
     tab = _numbers([(i, n) for (i, _), n in zip(batch, lens, strict=True)])
     n = ids.shape[0]
-    cache = group.cache
-    if cache is None:
-        rule = group.rule
-        width = rule.optimizer.state_width(rule.dim) if rule is not None else 0
-        seen = Remembered.nothing(n, np.asarray(tables[0].rows).shape[1], width)
-    else:
-        seen = cache.read(tab, ids, applied_before)
-    rows, seq = seen.rows, seen.seq
     # Per push in flight, the row of its gradients for each of the batch's rows (-1: none).
     hits: list[tuple[InFlight, I64, npt.NDArray[np.floating]]] = []
     pending = np.zeros(n, np.int32)
@@ -300,36 +292,51 @@ def view_of(
             at = keyed[0].rows_of(tab, ids)
             pending += at >= 0
             hits.append((push, at, keyed[1]))
-    ahead = pending > 0
+    # Only the rows a landed push changed or a push in flight names need more than a
+    # probe: on large vocabularies, few of a batch's.
     rule = group.rule
-    known = seen.known.copy() if rule is not None else np.zeros(n, np.bool_)
+    cache = group.cache
+    if cache is None:
+        width = rule.optimizer.state_width(rule.dim) if rule is not None else 0
+        missed = np.zeros(n, np.int32)
+        seen = Remembered.nothing(
+            np.flatnonzero(pending), np.asarray(tables[0].rows).shape[1], width
+        )
+    else:
+        missed, seen = cache.read(tab, ids, applied_before, pending > 0)
+    sel, rows, seq = seen.at, seen.rows, seen.seq
+    ahead = pending[sel] > 0
+    known = seen.known.copy() if rule is not None else np.zeros(sel.shape[0], np.bool_)
     predicted = 0
     if rule is not None and hits:
-        _start_new_rows(group, batch, starts, ids, tab, ahead, known, rows, seq)
+        _start_new_rows(group, batch, starts, ids, tab, sel, ahead, known, rows, seq)
         for push, at, grads in hits:
             # Rows this push names whose remembered state predates it.
-            now = np.flatnonzero(known & (at >= 0) & (seq < push.seq))
+            named = at[sel]
+            now = np.flatnonzero(known & (named >= 0) & (seq < push.seq))
             if now.shape[0] == 0:
                 continue
-            after = predict_rows(rows.take(now), grads[at[now]], rule)
+            after = predict_rows(rows.take(now), grads[named[now]], rule)
             rows.weights[now] = after.weights
             rows.state[now] = after.state
             rows.row_step[now] = after.row_step
             seq[now] = push.seq
             predicted += now.shape[0]
     # A row in flight takes its prediction where known, else what landed (if any).
-    replace = np.flatnonzero((seen.missed > 0) | (ahead & known))
-    still = np.where(ahead & ~known, pending, 0).astype(np.int32)
+    changed = (missed[sel] > 0) | (ahead & known)
+    still = np.zeros(n, np.int32)
+    still[sel] = np.where(ahead & ~known, pending[sel], 0)
     unknown_seq = max(
-        (push.seq for push, at, _ in hits if ((at >= 0) & (still > 0)).any()), default=0
+        (push.seq for push, at, _ in hits if ((at[sel] >= 0) & (still[sel] > 0)).any()),
+        default=0,
     )
     return GroupView(
         tables,
         starts,
-        seen.missed + pending,
+        missed + pending,
         still,
-        replace,
-        rows.weights[replace],
+        sel[changed],
+        rows.weights[changed],
         predicted,
         unknown_seq,
     )
@@ -341,6 +348,7 @@ def _start_new_rows(
     starts: I64,
     ids: U64,
     tab: I32,
+    sel: I64,
     ahead: npt.NDArray[np.bool_],
     known: npt.NDArray[np.bool_],
     rows: RowState,
@@ -349,13 +357,14 @@ def _start_new_rows(
     """Mark known, with its initial state, each row in flight and not remembered whose
     lookup read exactly what the store starts it as: it is new, its state before the
     push is the initial one (a row whose updates all rounded away would be predicted
-    one step wrong).
+    one step wrong). ``sel``: the batch's positions of ``ahead``, ``known``, ``rows``
+    and ``seq``; ``ids`` and ``tab`` are the whole batch's.
     """
     unknown = np.flatnonzero(ahead & ~known)
     if unknown.shape[0] == 0:
         return
     position = {number: k for k, (number, _) in enumerate(batch)}
-    of_table = tab[unknown]
+    of_table = tab[sel[unknown]]
     for number in np.unique(of_table).tolist():
         rule = group.rules[number]
         if rule is None:
@@ -363,8 +372,9 @@ def _start_new_rows(
         k = position[number]
         table = batch[k][1]
         at = unknown[of_table == number]
-        start = rule.new_rows(ids[at])
-        looked_up = np.asarray(table.rows)[at - starts[k]]
+        where = sel[at]
+        start = rule.new_rows(ids[where])
+        looked_up = np.asarray(table.rows)[where - starts[k]]
         new = (start.weights.astype(looked_up.dtype) == looked_up).all(axis=1)
         at = at[new]
         rows.weights[at] = start.weights[new]

@@ -81,11 +81,12 @@ class Pusher:
         *,
         run_id: str,
         fresh_rows: bool = False,
-        cached_rows: int = 1 << 18,
+        cached_rows: int = 1 << 19,
         tables: Mapping[str, TableConfig] | None = None,
     ) -> None:
         """``fresh_rows``: ask each push for the rows it left and remember at most
-        ``cached_rows`` of them per table, for :meth:`freshen`.
+        about ``cached_rows`` of them per group of tables (those with the same
+        arithmetic), for :meth:`freshen`.
         ``tables``: the store's table configs, to predict what a push in flight does
         to the rows (see :meth:`freshen`); None: wait for it instead.
         """

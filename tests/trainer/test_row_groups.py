@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from embedding_store.client import StoreClient
-from embedding_store.types import StoreConfig, TableConfig
+from embedding_store.types import RowState, StoreConfig, TableConfig
 from pipeline.types import TableBatch
 from trainer.pusher import Pusher
+from trainer.row_cache import PushedRowCache
 
 ADAGRAD = {"kind": "adagrad", "lr": 0.1}
 TABLES = {
@@ -24,11 +25,13 @@ TABLES = {
 }
 
 
-def batch(store: StoreClient, rng: np.random.Generator) -> tuple[dict[str, TableBatch], float]:
+def batch(
+    store: StoreClient, rng: np.random.Generator, vocabulary: int
+) -> tuple[dict[str, TableBatch], float]:
     """A batch of small vocabularies (hot ids) looked up now, and when its lookup began
     ("a" and "b" share ids).
     """
-    shared = np.unique(rng.integers(0, 12, 8)).astype(np.uint64)
+    shared = np.unique(rng.integers(0, vocabulary, 8)).astype(np.uint64)
     ids = {"a": shared, "b": shared, "c": np.unique(rng.integers(0, 6, 5)).astype(np.uint64)}
     looked_up_at = time.time()
     rows = store.lookup(ids)
@@ -45,16 +48,23 @@ def batch(store: StoreClient, rng: np.random.Generator) -> tuple[dict[str, Table
     return tables, looked_up_at
 
 
+@pytest.mark.parametrize(("cached_rows", "vocabulary"), [(1 << 19, 12), (96, 200)])
 @pytest.mark.parametrize("staleness", [1, 3])
-def test_a_shared_cache_trains_every_table_as_the_store_holds_it(staleness: int) -> None:
+def test_a_shared_cache_trains_every_table_as_the_store_holds_it(
+    staleness: int, cached_rows: int, vocabulary: int
+) -> None:
+    """96 rows over a larger vocabulary: the cache drops its older generation every few
+    pushes (about 16 new rows a push), still holding every push a lookup in flight
+    can have missed.
+    """
     store = StoreClient.connect(
         "inproc://2", config=StoreConfig(tables=TABLES, row_dtype="float32")
     )
-    pusher = Pusher(store, run_id="groups", fresh_rows=True, tables=TABLES)
+    pusher = Pusher(store, run_id="groups", fresh_rows=True, tables=TABLES, cached_rows=cached_rows)
     groups = {id(pusher._group_of(name)[0]) for name in TABLES}
     assert len(groups) == 2, "a and b share a group, c has its own"
     rng = np.random.default_rng(7)
-    ahead = [batch(store, rng) for _ in range(staleness)]
+    ahead = [batch(store, rng, vocabulary) for _ in range(staleness)]
     replaced = 0
     for _ in range(12):
         tables, looked_up_at = ahead.pop(0)
@@ -69,9 +79,34 @@ def test_a_shared_cache_trains_every_table_as_the_store_holds_it(staleness: int)
             for k, t in tables.items()
         }
         pusher.submit(grads)
-        ahead.append(batch(store, rng))
+        ahead.append(batch(store, rng, vocabulary))
     if staleness > 1:
         assert replaced > 0
+    cache = pusher._group_of("a")[0].cache
+    assert cache is not None
+    assert (cache.previous is not None) == (cached_rows == 96)
     pusher.drain()
     pusher.close()
     store.close()
+
+
+def test_the_cache_reads_across_its_generations_and_drops_the_oldest() -> None:
+    cache = PushedRowCache(dim=1, width=0, max_rows=4)  # generations of 2 rows
+    tab = np.zeros(2, np.int32)
+
+    def put(ids: list[int], value: float, seq: int) -> None:
+        rows = RowState(np.full((2, 1), value, np.float32), np.zeros((2, 0), np.float32),
+                        np.full(2, seq))  # fmt: skip
+        cache.put(tab, np.array(ids, np.uint64), rows, seq)
+
+    put([1, 2], 1.0, 1)
+    put([2, 3], 2.0, 2)  # full: [1, 2] becomes the previous generation
+    keys = np.array([1, 2, 3, 4], np.uint64)
+    missed, seen = cache.read(np.zeros(4, np.int32), keys, 0, np.ones(4, np.bool_))
+    assert missed.tolist() == [1, 2, 1, 0], "a row's pushes are counted in both generations"
+    assert seen.known.tolist() == [True, True, True, False]
+    assert seen.rows.weights.ravel().tolist() == [1.0, 2.0, 2.0, 0.0], "the newest wins"
+    put([5, 6], 3.0, 3)  # [1, 2] is dropped, [2, 3] is the previous generation
+    missed, seen = cache.read(np.zeros(4, np.int32), keys, 0, np.zeros(4, np.bool_))
+    assert missed.tolist() == [0, 1, 1, 0]
+    assert seen.at.tolist() == [1, 2], "only rows that missed a push are read out"
