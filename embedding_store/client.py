@@ -68,7 +68,6 @@ from embedding_store.types import (
     PushResult,
     RestoreResult,
     RowDtype,
-    RowState,
     ShardRows,
     ShardStats,
     StoreConfig,
@@ -168,12 +167,9 @@ class ShardTransport(Protocol):
         dtype: RowDtype,
         *,
         return_rows: bool = False,
-        held_only: bool = False,
         deferred: bool = False,
     ) -> Wait[PushResult]:
-        """Apply ``grads``; with ``return_rows`` the result carries the pushed rows after it
-        (with ``held_only``, it may leave out those no training lookup holds).
-        """
+        """Apply ``grads``; with ``return_rows`` the result carries the pushed rows after it."""
         ...
 
     def checkpoint(
@@ -246,7 +242,6 @@ class InprocTransport:
         dtype: RowDtype,
         *,
         return_rows: bool = False,
-        held_only: bool = False,  # every row is returned: a superset of the held ones
         deferred: bool = False,
     ) -> Wait[PushResult]:
         def run() -> PushResult:
@@ -625,34 +620,22 @@ class GrpcTransport:
         dtype: RowDtype,
         *,
         return_rows: bool = False,
-        held_only: bool = False,
         deferred: bool = False,
     ) -> Wait[PushResult]:
         if self._frames:
             payload = encode_push(
-                grads,
-                request_id=request_id,
-                dtype=dtype,
-                return_rows=return_rows,
-                held_only=held_only,
+                grads, request_id=request_id, dtype=dtype, return_rows=return_rows
             )
             area = self._take_area(AREA_HEADER + _align64(len(payload)))
             if area is not None:
 
                 def network() -> PushResult:
                     return self.start_push(
-                        grads,
-                        request_id,
-                        dtype,
-                        return_rows=return_rows,
-                        held_only=held_only,
-                        deferred=True,
+                        grads, request_id, dtype, return_rows=return_rows, deferred=True
                     )()
 
                 def read(reply: bytes, area: _SharedArea, at: int) -> PushResult:
-                    return self._push_result(
-                        pb.PushResponse.FromString(reply), return_rows, held_only
-                    )
+                    return self._push_result(pb.PushResponse.FromString(reply), return_rows)
 
                 return self._shared(
                     "PushShared", self._push_shared, area, payload, deferred, network, read
@@ -665,14 +648,9 @@ class GrpcTransport:
                 except _NoFrames:
                     self._frames = False
                     return self.start_push(
-                        grads,
-                        request_id,
-                        dtype,
-                        return_rows=return_rows,
-                        held_only=held_only,
-                        deferred=True,
+                        grads, request_id, dtype, return_rows=return_rows, deferred=True
                     )()
-                return self._push_result(pb.PushResponse.FromString(data), return_rows, held_only)
+                return self._push_result(pb.PushResponse.FromString(data), return_rows)
 
             return applied
         request = pb.PushRequest(
@@ -683,21 +661,16 @@ class GrpcTransport:
             ],
             dtype=TO_PB[dtype],
             return_rows=return_rows,
-            held_only=held_only,
         )
         wait = self._start("Push", request, deferred=deferred)
-        return lambda: self._push_result(wait(), return_rows, held_only)
+        return lambda: self._push_result(wait(), return_rows)
 
-    def _push_result(
-        self, r: pb.PushResponse, return_rows: bool, held_only: bool = False
-    ) -> PushResult:
+    def _push_result(self, r: pb.PushResponse, return_rows: bool) -> PushResult:
         self._check_incarnation(r.incarnation, "push")
-        rows = positions = None
+        rows = None
         if return_rows and r.rows:  # a shard leaves out a reply too large to send
             try:
                 rows = decode_row_state(r.rows, r.state, r.row_steps)
-                if held_only:  # none held: no bytes, as proto3 sends an empty field
-                    positions = _split_positions(r.row_positions, rows)
             except InvalidRequest as exc:
                 msg = f"Push reply from shard {self.address}: {exc}"
                 raise InvalidRequest(msg) from None
@@ -707,7 +680,6 @@ class GrpcTransport:
             rejected_nonfinite=r.rejected_nonfinite,
             duplicate_request=r.duplicate_request,
             rows=rows,
-            row_positions=positions,
         )
 
     def checkpoint(
@@ -789,21 +761,6 @@ def _checkpoint_from_pb(r: pb.CheckpointResponse) -> CheckpointResult:
         bytes=r.bytes,
         seconds=r.seconds,
     )
-
-
-def _split_positions(data: bytes, rows: Mapping[str, RowState]) -> dict[str, npt.NDArray[np.int32]]:
-    """A push reply's ``row_positions`` (int32, the tables' back to back) per table."""
-    n = sum(r.row_step.shape[0] for r in rows.values())
-    if len(data) != 4 * n:
-        msg = f"push reply: {len(data)} bytes of row positions for {n} rows"
-        raise InvalidRequest(msg)
-    flat = np.frombuffer(data, dtype="<i4").astype(np.int32, copy=False)
-    out, at = {}, 0
-    for name, r in rows.items():
-        k = r.row_step.shape[0]
-        out[name] = flat[at : at + k]
-        at += k
-    return out
 
 
 class StoreClient:
@@ -1035,18 +992,13 @@ class StoreClient:
         *,
         request_id: str | None = None,
         return_rows: bool = False,
-        held_only: bool = False,
     ) -> PushResult:
         """Apply row gradients (``[n, dim]`` per table); safe to retry with the same id.
 
         ``return_rows``: the result's ``rows`` holds each table's pushed rows as the
         store holds them after the push, with their optimizer state (float32, in
         the order of the ids): what a lookup right after it would read, without
-        another round trip. ``held_only``: only (at least) the rows a training
-        lookup still holds, looked up more often than updated: the rows of a batch
-        looked up before this push (``rows.ids(table)`` names them). On large
-        vocabularies that is a small part of a push, and all a trainer reading its
-        own pushes fresh needs.
+        another round trip.
 
         >>> from embedding_store.types import StoreConfig
         >>> store = StoreClient.connect("inproc://2", config=StoreConfig(
@@ -1086,12 +1038,7 @@ class StoreClient:
             sent.append({name: ids for name, (ids, _) in part.items()})
             if part:
                 wait = transport.start_push(
-                    part,
-                    rid,
-                    self.grad_dtype,
-                    return_rows=return_rows,
-                    held_only=held_only,
-                    deferred=not waits,
+                    part, rid, self.grad_dtype, return_rows=return_rows, deferred=not waits
                 )
                 waits.append((s, wait))
         total = PushResult()
@@ -1101,20 +1048,13 @@ class StoreClient:
             total = total + result
             if result.rows is None:
                 continue
-            ids, where = sent[s], None
+            where = None
             if self.num_shards > 1:
                 where = {}
                 for name in result.rows:
                     _, _, order, bounds = routed[name]
                     where[name] = order[bounds[s] : bounds[s + 1]]
-            if result.row_positions is not None:
-                at = result.row_positions
-                ids = {k: ids[k][at[k]] for k in result.rows}
-                where = {
-                    k: (where[k] if where is not None else np.arange(len(sent[s][k])))[at[k]]
-                    for k in result.rows
-                }
-            parts.append(ShardRows(ids, where, result.rows))
+            parts.append(ShardRows(sent[s], where, result.rows))
         if not (return_rows and len(parts) == len(waits)):
             return total  # a shard left its rows out (too large to send): none
         return replace(total, rows=PushedRows(parts))

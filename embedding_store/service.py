@@ -50,7 +50,7 @@ from embedding_store.latency import LatencyHistogram
 from embedding_store.proto import embedding_store_pb2 as pb
 from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
 from embedding_store.shard import StoreShard
-from embedding_store.types import CheckpointResult, LatencySnapshot, RowState, ShardStats
+from embedding_store.types import CheckpointResult, LatencySnapshot, ShardStats
 from embedding_store.wire import (
     AREA_HEADER,
     FRAME_SERVICE,
@@ -62,7 +62,6 @@ from embedding_store.wire import (
     decode_push,
     decode_shared,
     encode_matrix,
-    encode_row_state,
     row_dtype,
     row_state_frames,
     rows_frame,
@@ -370,14 +369,10 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
         if len(grads) != len(request.tables):
             msg = "tables: a table is named twice in one Push"
             raise InvalidRequest(msg)
-        return self._apply_push(grads, request.request_id, request.return_rows, request.held_only)
+        return self._apply_push(grads, request.request_id, request.return_rows)
 
     def _apply_push(
-        self,
-        grads: dict[str, Any],
-        request_id: str,
-        return_rows: bool = False,
-        held_only: bool = False,
+        self, grads: dict[str, Any], request_id: str, return_rows: bool = False
     ) -> pb.PushResponse:
         ids = {name: i for name, (i, _) in grads.items()}
         # Each row goes back as float32 weights and state, and an int64 update count.
@@ -386,29 +381,9 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
         # A reply too large to send leaves the rows out (the trainer then reads this
         # push's rows as looked up): the push itself must not fail for its reply.
         return_rows = return_rows and values * 4 < self.shard.config.max_message_bytes
-        positions = b""
         if not return_rows:
             result = self.shard.push(grads, request_id=request_id or None)
             rows = state = steps = b""
-        elif held_only:
-            # Most rows of a batch over large vocabularies are in no other batch in
-            # flight: only the held ones travel (and fill the trainer's cache).
-            with self._replies.hold(values * 4):
-                after = {
-                    k: RowState(
-                        np.empty((len(v), tables[k].dim), np.float32),
-                        np.empty((len(v), tables[k].state_width), np.float32),
-                        np.empty(len(v), np.int64),
-                    )
-                    for k, v in ids.items()
-                }
-                held = {k: np.empty(len(v), np.bool_) for k, v in ids.items()}
-                result = self.shard.push(
-                    grads, request_id=request_id or None, into=after, held=held
-                )
-                at = {k: np.flatnonzero(mask) for k, mask in held.items()}
-                rows, state, steps = encode_row_state({k: after[k].take(at[k]) for k in after})
-                positions = b"".join(a.astype("<i4").tobytes() for a in at.values())
         else:
             # Read right after the push (gathered as it is applied): what the trainer's
             # next lookup would get, and what its prediction of its next push starts from.
@@ -426,7 +401,6 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
             rows=rows,
             state=state,
             row_steps=steps,
-            row_positions=positions,
         )
 
     @_errors_to_status
@@ -456,7 +430,7 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
             # float32 gradients are used as they came (a view of the request's bytes).
             grads[name] = (ids, g if g.dtype == np.float32 else g.astype(np.float32))
         reply: bytes = self._apply_push(
-            grads, frame.request_id, frame.return_rows, frame.held_only
+            grads, frame.request_id, frame.return_rows
         ).SerializeToString()
         return reply
 

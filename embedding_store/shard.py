@@ -163,15 +163,12 @@ class StoreShard:
         *,
         request_id: str | None = None,
         into: Mapping[str, RowState] | None = None,
-        held: Mapping[str, npt.NDArray[np.bool_]] | None = None,
     ) -> PushResult:
         """Apply row gradients to several tables; a request id is applied at most once.
 
         Every table name and shape is checked before any gradient is applied,
         so a bad request changes nothing. ``into``: per table, filled with the
-        pushed rows as they are after the push (a retried request's too); ``held``:
-        per table, which of them a training lookup still holds (see
-        ``EmbeddingTable.push``).
+        pushed rows as they are after the push (a retried request's too).
         """
         checked = []
         for name, (ids, g) in grads.items():
@@ -185,7 +182,7 @@ class StoreShard:
                 raise InvalidRequest(msg)
             checked.append((table, ids_arr, g_arr))
         if request_id is None:
-            return self._apply(checked, into, held)
+            return self._apply(checked, into)
         with self._push_lock:
             entry = self._pushes.get(request_id)
             if entry is None:
@@ -195,18 +192,16 @@ class StoreShard:
             if isinstance(entry, _PendingPush):
                 entry.done.wait()
                 if entry.result is None:  # the first attempt failed: nothing was applied
-                    return self.push(grads, request_id=request_id, into=into, held=held)
+                    return self.push(grads, request_id=request_id, into=into)
                 entry = entry.result
             with self._push_lock:
                 self._duplicate_pushes += 1
             if into is not None:
                 for table, ids, _ in checked:
                     table.peek_into(ids, into[table.name])
-            for mask in (held or {}).values():
-                mask[:] = True
             return replace(entry, duplicate_request=True)
         try:
-            result = self._apply(checked, into, held)
+            result = self._apply(checked, into)
         except BaseException:
             with self._push_lock:
                 self._pushes.pop(request_id, None)
@@ -224,16 +219,10 @@ class StoreShard:
     def _apply(
         checked: list[tuple[EmbeddingTable, np.ndarray, np.ndarray]],
         into: Mapping[str, RowState] | None,
-        held: Mapping[str, npt.NDArray[np.bool_]] | None = None,
     ) -> PushResult:
         total = PushResult()
         for table, ids, g in checked:
-            total = total + table.push(
-                ids,
-                g,
-                into=None if into is None else into[table.name],
-                held=None if held is None else held[table.name],
-            )
+            total = total + table.push(ids, g, into=None if into is None else into[table.name])
         return total
 
     # --- persistence --------------------------------------------------------------

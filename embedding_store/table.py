@@ -625,18 +625,6 @@ def _clip(weights: F32, rows: I64, c: float) -> None:
 
 
 @nb.njit(nogil=True, cache=True)
-def _still_held(
-    buckets: I64, slots: I64, rows: I64, row_step: I64, out: npt.NDArray[np.bool_]
-) -> None:
-    """Whether each pushed row was looked up for training more often than it was
-    updated: a batch looked up before this push holds it and will push it again.
-    """
-    for i in range(rows.shape[0]):
-        b, r = slots[i], rows[i]
-        out[i] = b >= 0 and r >= 0 and buckets[b, META] // FREQ_ONE > row_step[r]
-
-
-@nb.njit(nogil=True, cache=True)
 def _gather_state(
     weights: F32, state: F32, row_step: I64, rows: I64, out_w: F32, out_s: F32, out_step: I64
 ) -> None:
@@ -937,12 +925,7 @@ class EmbeddingTable:
         self._counters["overflow"] += int(np.count_nonzero(rows[positions] == OVERFLOW))
 
     def push(
-        self,
-        ids: npt.ArrayLike,
-        grads: npt.ArrayLike,
-        *,
-        into: RowState | None = None,
-        held: npt.NDArray[np.bool_] | None = None,
+        self, ids: npt.ArrayLike, grads: npt.ArrayLike, *, into: RowState | None = None
     ) -> PushResult:
         """Apply gradients to the rows of ``ids`` with the table's optimizer.
 
@@ -951,10 +934,7 @@ class EmbeddingTable:
         rejected and counted (``rejected_nonfinite``): the row keeps its values.
         Ids without a row (not admitted, or evicted since their lookup) are
         dropped and counted. ``into``: filled with the rows of ``ids`` as the push
-        left them, as :meth:`peek` reads them (a push reply's rows). ``held``: set
-        true for each id whose row a training lookup still holds (looked up more
-        often than updated: a batch looked up before this push will train it; an id
-        repeated or left out counts as held).
+        left them, as :meth:`peek` reads them (a push reply's rows).
 
         >>> t = EmbeddingTable("t", TableConfig(dim=1, optimizer={"kind": "sgd", "lr": 1.0}))
         >>> _ = t.lookup([7])
@@ -990,11 +970,6 @@ class EmbeddingTable:
                     rows[overflow] = -1
             skipped = absent + nonfinite
             nonfinite += self._apply_finite(rows, g)
-            if held is not None:
-                if dup or skipped:
-                    held[:] = True
-                else:
-                    _still_held(self._buckets, scratch, rows, self._row_step, held)
             if into is not None:
                 if dup or skipped:
                     # Rows of ids repeated or left out are found again (rare).

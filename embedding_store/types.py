@@ -243,9 +243,9 @@ class RowState:
 
 @dataclass(frozen=True)
 class ShardRows:
-    """One shard's part of a push reply's rows: per table, the pushed ids it answered
-    for, where each was among the table's pushed ids (None: all of them, in order),
-    and their rows after the push.
+    """One shard's part of a push reply's rows: per table, the pushed ids the shard
+    holds, where each was among the table's pushed ids (None: all, in order), and
+    their rows after the push.
     """
 
     ids: Mapping[str, npt.NDArray[np.uint64]]
@@ -256,9 +256,7 @@ class ShardRows:
 class PushedRows(Mapping[str, RowState]):
     """A push reply's rows, each table's put back in the order of its pushed ids when
     first read; :attr:`parts` are the shards' answers as they came (a reader that
-    needs no order, such as the trainer's cache, takes them without a merge). A push
-    that asked for the held rows only has rows for some of its ids: :meth:`ids`
-    names them, in the same order.
+    needs no order, such as the trainer's cache, takes them without a merge).
 
     >>> one = RowState(np.ones((1, 2), np.float32), np.zeros((1, 0), np.float32), np.array([1]))
     >>> two = RowState(np.zeros((1, 2), np.float32), np.zeros((1, 0), np.float32), np.array([2]))
@@ -271,38 +269,20 @@ class PushedRows(Mapping[str, RowState]):
 
     def __init__(self, parts: Sequence[ShardRows]) -> None:
         self.parts = tuple(parts)
-        self._merged: dict[str, tuple[npt.NDArray[np.uint64], RowState]] = {}
+        self._merged: dict[str, RowState] = {}
         self._names = list(dict.fromkeys(name for part in self.parts for name in part.rows))
 
     def __getitem__(self, name: str) -> RowState:
-        return self._merge(name)[1]
-
-    def ids(self, name: str) -> npt.NDArray[np.uint64]:
-        """The ids of ``rows[name]``, in its order."""
-        return self._merge(name)[0]
-
-    def _merge(self, name: str) -> tuple[npt.NDArray[np.uint64], RowState]:
         if name not in self._merged:
             have = [p for p in self.parts if name in p.rows]
             if not have:
                 raise KeyError(name)
             if len(have) == 1 and have[0].where is None:
-                self._merged[name] = (np.asarray(have[0].ids[name], np.uint64), have[0].rows[name])
+                self._merged[name] = have[0].rows[name]
             else:
-                wheres = [
-                    p.where[name] if p.where is not None else np.arange(len(p.ids[name]))
-                    for p in have
-                ]
-                # Where a shard answered for some ids only, the others close the gaps.
-                ranks = np.empty(sum(len(w) for w in wheres), np.int64)
-                ranks[np.argsort(np.concatenate(wheres), kind="stable")] = np.arange(len(ranks))
-                bounds = np.cumsum([0, *(len(w) for w in wheres)])
-                dest = [ranks[bounds[i] : bounds[i + 1]] for i in range(len(have))]
-                ids = np.empty(len(ranks), np.uint64)
-                for d, p in zip(dest, have, strict=True):
-                    ids[d] = p.ids[name]
-                rows = _merge_rows([(d, p.rows[name]) for d, p in zip(dest, have, strict=True)])
-                self._merged[name] = (ids, rows)
+                self._merged[name] = _merge_rows(
+                    [(p.where[name] if p.where is not None else None, p.rows[name]) for p in have]
+                )
         return self._merged[name]
 
     def __iter__(self) -> Iterator[str]:
@@ -343,11 +323,6 @@ class PushResult:
     rejected_nonfinite: int = 0
     duplicate_request: bool = False
     rows: Mapping[str, RowState] | None = field(default=None, compare=False, repr=False)
-    # One shard's answer to a push for its held rows only: per table, where each row
-    # of ``rows`` is among the pushed ids (None: every id, in order).
-    row_positions: Mapping[str, npt.NDArray[np.int32]] | None = field(
-        default=None, compare=False, repr=False
-    )
 
     def __add__(self, other: PushResult) -> PushResult:
         return PushResult(

@@ -127,7 +127,6 @@ _TABLE = struct.Struct("<QIH")
 _TRAIN, _CREATE_ONLY, _HAS_STEP = 1, 2, 4
 # Push frame flag: the reply carries the pushed rows and their optimizer state.
 _RETURN_ROWS = 1
-_HELD_ONLY = 2
 _DTYPE_CODES: dict[str, int] = {"float16": 0, "float32": 1}
 _CODE_DTYPES: dict[int, RowDtype] = {0: "float16", 1: "float32"}
 # Bounds a hostile header cannot pass (a frame is capped by max_message_bytes anyway).
@@ -153,7 +152,6 @@ class PushFrame:
     dtype: RowDtype
     grads: dict[str, tuple[npt.NDArray[np.uint64], npt.NDArray[np.floating]]]
     return_rows: bool = False
-    held_only: bool = False
 
 
 Frame = bytearray | memoryview
@@ -372,12 +370,10 @@ def encode_push(
     request_id: str,
     dtype: RowDtype,
     return_rows: bool = False,
-    held_only: bool = False,
 ) -> bytes:
     """A Push frame: each table's ids, then its gradients rounded to ``dtype``.
 
-    ``return_rows``: ask for the pushed rows back (see ``encode_row_state``);
-    ``held_only``: only those a training lookup still holds.
+    ``return_rows``: ask for the pushed rows back (see ``encode_row_state``).
 
     >>> ids, g = np.array([5], np.uint64), np.ones((1, 2), np.float32)
     >>> frame = decode_push(encode_push({"t": (ids, g)}, request_id="r", dtype="float32",
@@ -397,7 +393,7 @@ def encode_push(
         _head(
             PUSH_MAGIC,
             dtype,
-            (_RETURN_ROWS if return_rows else 0) | (_HELD_ONLY if held_only else 0),
+            _RETURN_ROWS if return_rows else 0,
             0,
             [(k, len(i), g.shape[1]) for k, (i, g) in arrays.items()],
             request_id.encode(),
@@ -412,7 +408,7 @@ def encode_push(
 def decode_push(data: bytes | memoryview) -> PushFrame:
     """A Push frame back to its fields; ids and gradients are zero-copy views of ``data``."""
     head = _Head(data, PUSH_MAGIC, "Push frame")
-    if head.flags & ~(_RETURN_ROWS | _HELD_ONLY):
+    if head.flags & ~_RETURN_ROWS:
         msg = f"Push frame: unknown flags {head.flags:#x}"
         raise InvalidRequest(msg)
     grads = {}
@@ -426,7 +422,6 @@ def decode_push(data: bytes | memoryview) -> PushFrame:
         dtype=head.dtype,
         grads=grads,  # type: ignore[arg-type]
         return_rows=bool(head.flags & _RETURN_ROWS),
-        held_only=bool(head.flags & _HELD_ONLY),
     )
 
 

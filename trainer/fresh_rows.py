@@ -146,25 +146,15 @@ class TableGroup:
         self.max_rows = cached_rows
         self.cache: PushedRowCache | None = None  # made by the first answered push
 
-    def remember(self, parts: Sequence[ShardRows], seq: int, grads: Grads) -> None:
-        """Keep the rows push ``seq`` (of ``grads``) left, as its reply brought them
-        (shard by shard; a reply for the held rows only leaves the others out, and
-        what the cache held of those is forgotten).
-        """
+    def remember(self, parts: Sequence[ShardRows], seq: int) -> None:
+        """Keep the rows push ``seq`` left, as its reply brought them (shard by shard)."""
         pieces = [
             (i, part.ids[name], part.rows[name])
             for part in parts
             for name, i in self.members.items()
             if name in part.rows
         ]
-        named = [(i, np.asarray(grads[name][0], np.uint64)) for name, i in self.members.items()
-                 if name in grads]  # fmt: skip
-        pushed = None
-        if named and sum(ids.shape[0] for _, ids, _ in pieces) < sum(k.shape[0] for _, k in named):
-            pushed = (_numbers([(i, k.shape[0]) for i, k in named]), _concat([k for _, k in named]))
         if not pieces:
-            if pushed is not None and self.cache is not None:
-                self.cache.put(pushed[0][:0], pushed[1][:0], _no_rows(self.cache), seq, pushed)
             return
         tab = _numbers([(i, ids.shape[0]) for i, ids, _ in pieces])
         ids = _concat([np.asarray(ids, np.uint64) for _, ids, _ in pieces])
@@ -176,14 +166,7 @@ class TableGroup:
         if self.cache is None:
             dim, width = state.weights.shape[1], state.state.shape[1]
             self.cache = PushedRowCache(dim, width, max_rows=self.max_rows)
-        self.cache.put(tab, ids, state, seq, pushed)
-
-
-def _no_rows(cache: PushedRowCache) -> RowState:
-    return RowState(
-        np.zeros((0, cache.dim), np.float32), np.zeros((0, cache.width), np.float32),
-        np.zeros(0, np.int64),
-    )  # fmt: skip
+        self.cache.put(tab, ids, state, seq)
 
 
 def _concat(arrays: Sequence[npt.NDArray[_T]]) -> npt.NDArray[_T]:

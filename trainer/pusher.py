@@ -253,7 +253,6 @@ class Pusher:
                         grads,
                         request_id=f"{self.run_id}-{n}",
                         return_rows=self._fresh,
-                        held_only=True,
                     )
                 except BaseException as exc:  # handed to the trainer thread
                     with self._cond:
@@ -270,10 +269,10 @@ class Pusher:
                     rows.parts
                     if isinstance(rows, PushedRows)
                     else [ShardRows({k: ids for k, (ids, _) in grads.items()}, None, rows)]
-                )  # a store client other than StoreClient answers for every id
+                )
                 touched = {id(g): g for g, _ in map(self._group_of, grads)}
                 for group in touched.values():
-                    group.remember(parts, n, grads)
+                    group.remember(parts, n)
             with self._cond:
                 now = time.time()
                 self.applied += 1

@@ -88,28 +88,16 @@ def _insert(keys: U64, tabs: I32, used: npt.NDArray[np.bool_], tab: I32, ids: U6
     return made
 
 
-# A generation's slots: ``keys[s] = (id, table number + 1)``, 0 in the second: empty.
-# Each slot's payload is two rows, floats (weights, then optimizer state) and int64s
-# (update count, newest push, the recent pushes' numbers): a probe reads one cache
-# line and a row two or three (apart, a row took eight).
-_STEP, _SEQ, _RECENT = 0, 1, 2
-
-
-@nb.njit(nogil=True, cache=True, inline="always")
-def _slot_of(keys: U64, key: np.uint64, t: np.int32, mask: int) -> np.int64:
-    """The slot of ``(t, key)``, or the empty slot where it would go."""
-    tag = np.uint64(t + 1)
-    b = _home(key, t, mask)
-    while keys[b, 1] != 0 and not (keys[b, 0] == key and keys[b, 1] == tag):
-        b = (b + 1) & mask
-    return b
-
-
 @nb.njit(nogil=True, cache=True)
 def _put(
     keys: U64,
-    values: F32,
-    meta: I64,
+    tabs: I32,
+    used: npt.NDArray[np.bool_],
+    weights: F32,
+    state: F32,
+    row_step: I64,
+    seq: I64,
+    recent: I64,
     tab: I32,
     ids: U64,
     w: F32,
@@ -121,64 +109,67 @@ def _put(
     newest push (the oldest number drops off); returns how many slots were made.
     """
     mask = keys.shape[0] - 1
-    dim = w.shape[1]
-    last = meta.shape[1] - 1
+    k = recent.shape[1]
     made = 0
     for i in range(ids.shape[0]):
-        b = _slot_of(keys, ids[i], tab[i], mask)
-        if keys[b, 1] == 0:
-            keys[b, 0] = ids[i]
-            keys[b, 1] = np.uint64(tab[i] + 1)
-            for j in range(meta.shape[1]):
-                meta[b, j] = 0  # a reused slot's numbers were another key's
+        key, t = ids[i], tab[i]
+        b = _home(key, t, mask)
+        while used[b] and not (keys[b] == key and tabs[b] == t):
+            b = (b + 1) & mask
+        if not used[b]:
+            used[b] = True
+            keys[b] = key
+            tabs[b] = t
+            recent[b] = 0  # a reused slot's numbers were another key's
             made += 1
-        for j in range(dim):
-            values[b, j] = w[i, j]
-        for j in range(st.shape[1]):
-            values[b, dim + j] = st[i, j]
-        meta[b, _STEP] = steps[i]
-        if meta[b, _RECENT] == push:
+        weights[b] = w[i]
+        state[b] = st[i]
+        row_step[b] = steps[i]
+        if recent[b, 0] == push:
             continue  # the same push answered twice (a retried request)
-        for j in range(last, _RECENT, -1):
-            meta[b, j] = meta[b, j - 1]
-        meta[b, _RECENT] = push
-        meta[b, _SEQ] = push
+        for j in range(k - 1, 0, -1):
+            recent[b, j] = recent[b, j - 1]
+        recent[b, 0] = push
+        seq[b] = push
     return made
 
 
 @nb.njit(nogil=True, cache=True)
-def _forget(keys: U64, meta: I64, tab: I32, ids: U64) -> None:
-    """Mark the rows of these keys as not known (their pushes' numbers stay)."""
-    mask = keys.shape[0] - 1
-    for i in range(ids.shape[0]):
-        b = _slot_of(keys, ids[i], tab[i], mask)
-        if keys[b, 1] != 0:
-            meta[b, _SEQ] = -1
-
-
-@nb.njit(nogil=True, cache=True)
 def _probe(
-    keys: U64, meta: I64, tab: I32, ids: U64, applied_before: int, slots: I64, missed: I32
+    keys: U64,
+    tabs: I32,
+    used: npt.NDArray[np.bool_],
+    recent: I64,
+    tab: I32,
+    ids: U64,
+    applied_before: int,
+    slots: I64,
+    missed: I32,
 ) -> None:
     """Each key's slot (-1: none); its pushes after ``applied_before`` added to ``missed``."""
     mask = keys.shape[0] - 1
     for i in range(ids.shape[0]):
-        b = _slot_of(keys, ids[i], tab[i], mask)
-        if keys[b, 1] == 0:
-            slots[i] = -1
-            continue
-        slots[i] = b
-        n = 0
-        for j in range(_RECENT, meta.shape[1]):
-            if meta[b, j] > applied_before:
-                n += 1
-        missed[i] += n
+        key, t = ids[i], tab[i]
+        b = _home(key, t, mask)
+        slots[i] = -1
+        while used[b]:
+            if keys[b] == key and tabs[b] == t:
+                slots[i] = b
+                n = 0
+                for j in range(recent.shape[1]):
+                    if recent[b, j] > applied_before:
+                        n += 1
+                missed[i] += n
+                break
+            b = (b + 1) & mask
 
 
 @nb.njit(nogil=True, cache=True)
 def _gather(
-    values: F32,
-    meta: I64,
+    weights: F32,
+    state: F32,
+    row_step: I64,
+    seq: I64,
     slots: I64,
     sel: I64,
     known: npt.NDArray[np.bool_],
@@ -188,18 +179,15 @@ def _gather(
     out_seq: I64,
 ) -> None:
     """The rows at ``slots[sel]`` not known yet (a newer generation is read first)."""
-    dim = out_w.shape[1]
     for j in range(sel.shape[0]):
         s = slots[sel[j]]
-        if s < 0 or known[j] or meta[s, _SEQ] < 0:
+        if s < 0 or known[j]:
             continue
         known[j] = True
-        for k in range(dim):
-            out_w[j, k] = values[s, k]
-        for k in range(out_s.shape[1]):
-            out_s[j, k] = values[s, dim + k]
-        out_step[j] = meta[s, _STEP]
-        out_seq[j] = meta[s, _SEQ]
+        out_w[j] = weights[s]
+        out_s[j] = state[s]
+        out_step[j] = row_step[s]
+        out_seq[j] = seq[s]
 
 
 class RowIndex:
@@ -268,13 +256,17 @@ class Remembered:
 
 
 class _Generation:
-    """One hash table of rows (see the slot layout above)."""
+    """One hash table of rows, their payload by slot."""
 
     def __init__(self, dim: int, width: int, capacity: int) -> None:
-        self.dim = dim
-        self.keys = np.zeros((capacity, 2), np.uint64)
-        self.values = np.zeros((capacity, dim + width), np.float32)
-        self.meta = np.zeros((capacity, _RECENT + RECENT_PUSHES), np.int64)
+        self.keys = np.zeros(capacity, np.uint64)
+        self.tabs = np.zeros(capacity, np.int32)
+        self.used = np.zeros(capacity, np.bool_)
+        self.weights = np.zeros((capacity, dim), np.float32)
+        self.state = np.zeros((capacity, width), np.float32)
+        self.row_step = np.zeros(capacity, np.int64)
+        self.seq = np.zeros(capacity, np.int64)  # the newest push that changed the row
+        self.recent = np.zeros((capacity, RECENT_PUSHES), np.int64)
         self.size = 0
 
     @property
@@ -282,53 +274,45 @@ class _Generation:
         return int(self.keys.shape[0])
 
     def clear(self) -> None:
-        self.keys[:, 1] = 0
+        self.used[:] = False
         self.size = 0
 
     def put(self, tab: I32, ids: U64, rows: RowState, seq: int) -> None:
         self.size += _put(
-            self.keys, self.values, self.meta, tab, ids,
+            self.keys, self.tabs, self.used, self.weights, self.state, self.row_step,
+            self.seq, self.recent, tab, ids,
             np.ascontiguousarray(rows.weights, np.float32),
             np.ascontiguousarray(rows.state, np.float32),
             np.ascontiguousarray(rows.row_step, np.int64), seq,
         )  # fmt: skip
 
-    def forget(self, tab: I32, ids: U64) -> None:
-        _forget(self.keys, self.meta, tab, ids)
-
     def probe(self, tab: I32, ids: U64, applied_before: int, missed: I32) -> I64:
         slots = np.empty(ids.shape[0], np.int64)
-        _probe(self.keys, self.meta, tab, ids, applied_before, slots, missed)
+        _probe(
+            self.keys, self.tabs, self.used, self.recent, tab, ids, applied_before, slots, missed
+        )
         return slots
 
     def gather(self, slots: I64, out: Remembered) -> None:
         _gather(
-            self.values, self.meta, slots, out.at, out.known,
+            self.weights, self.state, self.row_step, self.seq, slots, out.at, out.known,
             out.rows.weights, out.rows.state, out.rows.row_step, out.seq,
         )  # fmt: skip
 
     def grown(self, capacity: int) -> _Generation:
         """A copy with ``capacity`` slots."""
-        bigger = _Generation(self.dim, self.values.shape[1] - self.dim, capacity)
-        keep = np.flatnonzero(self.keys[:, 1])
-        mask = capacity - 1
+        bigger = _Generation(self.weights.shape[1], self.state.shape[1], capacity)
+        keep = np.flatnonzero(self.used)
         slots = np.empty(keep.shape[0], np.int64)
-        _rehash(bigger.keys, self.keys[keep], mask, slots)
-        bigger.size = keep.shape[0]
-        bigger.values[slots] = self.values[keep]
-        bigger.meta[slots] = self.meta[keep]
+        bigger.size = _insert(
+            bigger.keys, bigger.tabs, bigger.used, self.tabs[keep], self.keys[keep], slots
+        )
+        bigger.weights[slots] = self.weights[keep]
+        bigger.state[slots] = self.state[keep]
+        bigger.row_step[slots] = self.row_step[keep]
+        bigger.seq[slots] = self.seq[keep]
+        bigger.recent[slots] = self.recent[keep]
         return bigger
-
-
-@nb.njit(nogil=True, cache=True)
-def _rehash(keys: U64, old: U64, mask: int, slots: I64) -> None:
-    """Each of the distinct keys ``old`` into ``keys``, its slot into ``slots``."""
-    for i in range(old.shape[0]):
-        t = np.int32(old[i, 1] - np.uint64(1))
-        b = _slot_of(keys, old[i, 0], t, mask)
-        keys[b, 0] = old[i, 0]
-        keys[b, 1] = old[i, 1]
-        slots[i] = b
 
 
 def _capacity_for(rows: int) -> int:
@@ -375,24 +359,10 @@ class PushedRowCache:
                 g.gather(found, out)
         return missed, out
 
-    def put(
-        self,
-        tab: I32,
-        ids: U64,
-        rows: RowState,
-        seq: int,
-        pushed: tuple[I32, U64] | None = None,
-    ) -> None:
-        """Keep ``rows`` (what push ``seq`` left) as the newest of their keys.
-        ``pushed``: every key push ``seq`` named, of which those without a row here
-        are forgotten (their rows changed, and what the cache holds of them is old).
-        """
+    def put(self, tab: I32, ids: U64, rows: RowState, seq: int) -> None:
+        """Keep ``rows`` (what push ``seq`` left) as the newest of their keys."""
         n = ids.shape[0]
         with self.lock:
-            if pushed is not None:
-                for g in (self.current, self.previous):
-                    if g is not None:
-                        g.forget(*pushed)
             current = self.current
             if current.size and current.size + n > self.generation_rows:
                 recycled, self.previous = self.previous, current

@@ -74,21 +74,19 @@ class LookupResponse(_message.Message):
     def __init__(self, tables: _Optional[_Iterable[_Union[TableRows, _Mapping]]] = ..., dtype: _Optional[_Union[RowDtype, str]] = ...) -> None: ...
 
 class PushRequest(_message.Message):
-    __slots__ = ("request_id", "tables", "dtype", "return_rows", "held_only")
+    __slots__ = ("request_id", "tables", "dtype", "return_rows")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TABLES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     RETURN_ROWS_FIELD_NUMBER: _ClassVar[int]
-    HELD_ONLY_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     tables: _containers.RepeatedCompositeFieldContainer[TableGrads]
     dtype: RowDtype
     return_rows: bool
-    held_only: bool
-    def __init__(self, request_id: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableGrads, _Mapping]]] = ..., dtype: _Optional[_Union[RowDtype, str]] = ..., return_rows: _Optional[bool] = ..., held_only: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableGrads, _Mapping]]] = ..., dtype: _Optional[_Union[RowDtype, str]] = ..., return_rows: _Optional[bool] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("applied", "dropped_not_admitted", "rejected_nonfinite", "duplicate_request", "incarnation", "rows", "state", "row_steps", "row_positions")
+    __slots__ = ("applied", "dropped_not_admitted", "rejected_nonfinite", "duplicate_request", "incarnation", "rows", "state", "row_steps")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_NOT_ADMITTED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_NONFINITE_FIELD_NUMBER: _ClassVar[int]
@@ -97,7 +95,6 @@ class PushResponse(_message.Message):
     ROWS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROW_STEPS_FIELD_NUMBER: _ClassVar[int]
-    ROW_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     applied: int
     dropped_not_admitted: int
     rejected_nonfinite: int
@@ -106,8 +103,7 @@ class PushResponse(_message.Message):
     rows: bytes
     state: bytes
     row_steps: bytes
-    row_positions: bytes
-    def __init__(self, applied: _Optional[int] = ..., dropped_not_admitted: _Optional[int] = ..., rejected_nonfinite: _Optional[int] = ..., duplicate_request: _Optional[bool] = ..., incarnation: _Optional[str] = ..., rows: _Optional[bytes] = ..., state: _Optional[bytes] = ..., row_steps: _Optional[bytes] = ..., row_positions: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, applied: _Optional[int] = ..., dropped_not_admitted: _Optional[int] = ..., rejected_nonfinite: _Optional[int] = ..., duplicate_request: _Optional[bool] = ..., incarnation: _Optional[str] = ..., rows: _Optional[bytes] = ..., state: _Optional[bytes] = ..., row_steps: _Optional[bytes] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("directory", "kind", "metadata_json")

@@ -22,7 +22,6 @@ from embedding_store.errors import (
 )
 from embedding_store.proto import embedding_store_pb2 as pb
 from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
-from embedding_store.types import PushedRows
 from tests.conftest import grpc_address, streamrec
 
 RNG = np.random.default_rng(7)
@@ -277,36 +276,6 @@ def test_a_push_brings_back_the_rows_it_left(
             assert reply.rows
             assert reply.state
             assert len(reply.row_steps) == 8 * 5
-
-
-@pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "socket"])
-def test_a_push_for_its_held_rows_brings_back_only_rows_a_later_lookup_holds(
-    write_job, token_file, start_shards, shared_memory: bool
-) -> None:
-    """Batch 1 looks up ten ids, batch 2 four of them (before batch 1's push): the push of
-    batch 1 brings back those four, across both shards, and no other; batch 2's push,
-    which no lookup follows, brings back none.
-    """
-    procs = start_shards(2, write_job(), token_file)
-    token = token_file.read_text().strip()
-    with StoreClient.connect(grpc_address(procs), token=token, shared_memory=shared_memory) as c:
-        ids = np.arange(1, 11, dtype=np.uint64)
-        held = np.array([7, 2, 9, 4], np.uint64)
-        c.lookup({"item": ids})
-        c.lookup({"item": held})
-        grads = {"item": (ids, np.ones((10, 4), np.float32))}
-        result = c.push(grads, return_rows=True, held_only=True)
-        assert isinstance(result.rows, PushedRows)
-        assert sorted(result.rows.ids("item").tolist()) == sorted(held.tolist())
-        assert {len(p.rows["item"].row_step) for p in result.rows.parts} != {0}, "both shards"
-        now = c.lookup({"item": result.rows.ids("item")}, train=False)["item"]
-        np.testing.assert_array_equal(result.rows["item"].weights, now)
-        assert result.rows["item"].row_step.tolist() == [1, 1, 1, 1]
-        last = c.push(
-            {"item": (held, np.ones((4, 4), np.float32))}, return_rows=True, held_only=True
-        )
-        assert isinstance(last.rows, PushedRows)
-        assert last.rows.ids("item").tolist() == []
 
 
 def test_a_push_whose_rows_are_too_large_to_send_back_is_still_applied(
