@@ -1021,7 +1021,8 @@ class EmbeddingTable:
             np.empty((n, self._state_width), np.float32),
             np.empty(n, np.int64),
         )
-        self.peek_into(keys.view(np.uint64), out)
+        with self._lock:
+            self._peek_locked(keys, out)
         return out
 
     def peek_into(self, ids: npt.ArrayLike, into: RowState) -> None:

@@ -30,7 +30,7 @@ them with ``np.frombuffer``. Layout, all little-endian::
 A push's reply is the protobuf ``PushResponse`` (a few counters). A push may
 ask for the rows it changed back (flag ``1``): then the response holds exactly
 the pushed ids' rows as the shard holds them after the push, with their
-optimizer state (``encode_row_state``), which is how a trainer reads its own
+optimizer state (``row_state_frames``), which is how a trainer reads its own
 pushes fresh, and predicts the next, without another round trip.
 
 For a shard on the client's host the same frames go through a shared-memory
@@ -373,7 +373,7 @@ def encode_push(
 ) -> bytes:
     """A Push frame: each table's ids, then its gradients rounded to ``dtype``.
 
-    ``return_rows``: ask for the pushed rows back (see ``encode_row_state``).
+    ``return_rows``: ask for the pushed rows back (see ``row_state_frames``).
 
     >>> ids, g = np.array([5], np.uint64), np.ones((1, 2), np.float32)
     >>> frame = decode_push(encode_push({"t": (ids, g)}, request_id="r", dtype="float32",
@@ -425,30 +425,13 @@ def decode_push(data: bytes | memoryview) -> PushFrame:
     )
 
 
-def encode_row_state(rows: Mapping[str, RowState]) -> tuple[bytes, bytes, bytes]:
-    """A push reply's rows: frames of the float32 weights and of the optimizer state,
-    and the update counts (int64) of every table back to back.
-
-    >>> st = RowState(np.ones((2, 3), np.float32), np.zeros((2, 1), np.float32),
-    ...               np.array([4, -1], np.int64))
-    >>> back = decode_row_state(*encode_row_state({"t": st}))["t"]
-    >>> back.weights.shape, back.state.shape, back.row_step.tolist()
-    ((2, 3), (2, 1), [4, -1])
-    """
-    shapes = {k: (*v.weights.shape, v.state.shape[1]) for k, v in rows.items()}
-    weights, state, steps, views = row_state_frames(shapes)
-    for name, v in rows.items():
-        views[name].weights[...] = v.weights
-        views[name].state[...] = v.state
-        views[name].row_step[...] = v.row_step
-    return bytes(weights), bytes(state), steps.tobytes()
-
-
 def row_state_frames(
     tables: Mapping[str, tuple[int, int, int]],
 ) -> tuple[Frame, Frame, npt.NDArray[np.int64], dict[str, RowState]]:
-    """``encode_row_state``'s three parts for ``{table: (rows, dim, state width)}``, empty,
-    and a writable :class:`RowState` view of each table's part to fill them through.
+    """A push reply's rows for ``{table: (rows, dim, state width)}``, empty: frames of the
+    float32 weights and of the optimizer state, and the update counts (int64) of every
+    table back to back; and a writable :class:`RowState` view of each table's part to
+    fill them through.
 
     >>> w, s, steps, views = row_state_frames({"t": (2, 3, 1)})
     >>> views["t"].weights[:] = 1.0; views["t"].state[:] = 0.0; views["t"].row_step[:] = 4
@@ -470,7 +453,7 @@ def row_state_frames(
 
 
 def decode_row_state(weights: bytes, state: bytes, row_steps: bytes) -> dict[str, RowState]:
-    """``encode_row_state``'s three parts back to ``{table: RowState}`` (read-only views of
+    """``row_state_frames``' three parts back to ``{table: RowState}`` (read-only views of
     them: a reply's rows are read once, into the trainer's cache or a merge).
     """
     w = decode_rows(weights, "float32")

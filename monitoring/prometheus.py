@@ -52,15 +52,21 @@ def job_metric_families(state: MonitorState, now: float) -> list[Metric]:
             ("report_age_seconds", "Seconds since this rank last reported."),
         )
     }
-    c = {
-        name: CounterMetricFamily(f"streamrec_trainer_{name}", doc, labels=rank)
-        for name, doc in (
+
+    def counters(specs: tuple[tuple[str, str], ...]) -> dict[str, CounterMetricFamily]:
+        return {
+            name: CounterMetricFamily(f"streamrec_trainer_{name}", doc, labels=rank)
+            for name, doc in specs
+        }
+
+    c = counters(
+        (
             ("samples", "Samples learned by the job, restored checkpoints included."),
             ("events", "Records read by this run of the rank, dead-lettered ones included."),
             ("wait_seconds", "Seconds this run of the rank waited for prepared batches."),
             ("compute_seconds", "Seconds this run of the rank spent in forward, backward, step."),
         )
-    }
+    )
     staleness = HistogramMetricFamily(
         "streamrec_trainer_staleness",
         "Batches by how many earlier pushes their lookup missed (observed staleness).",
@@ -78,14 +84,13 @@ def job_metric_families(state: MonitorState, now: float) -> list[Metric]:
         "trained (fresh rows on).",
         labels=rank,
     )
-    fresh = {
-        name: CounterMetricFamily(f"streamrec_trainer_{name}", doc, labels=rank)
-        for name, doc in (
+    fresh = counters(
+        (
             ("rows_freshened", "Rows trained with a pushed value instead of the looked-up one."),
             ("rows_predicted", "Of the rows freshened, those computed for the push in flight."),
             ("fresh_waits", "Pushes in flight waited for (a row's state was not remembered)."),
         )
-    }
+    )
     for rank_id, r in sorted(state.ranks.items()):
         last, label = r.last, [str(rank_id)]
         rates = r.series

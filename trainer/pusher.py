@@ -65,8 +65,6 @@ from trainer.fresh_rows import (
 # Enough for any staleness bound a job would use; older pushes count as seen.
 _APPLIED_TIMES_KEPT = 256
 
-__all__ = ["Freshened", "Grads", "PushFailed", "Pusher"]
-
 
 class PushFailed(RuntimeError):
     """A push to the store failed; ``__cause__`` is the store's error."""

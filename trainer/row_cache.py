@@ -55,18 +55,23 @@ def _home(key: np.uint64, tab: np.int32, mask: int) -> np.int64:
     return np.int64(mix64(key + np.uint64(tab) * _GOLDEN) & np.uint64(mask))
 
 
+@nb.njit(nogil=True, cache=True, inline="always")
+def _slot_of(
+    keys: U64, tabs: I32, used: npt.NDArray[np.bool_], key: np.uint64, t: np.int32, mask: int
+) -> np.int64:
+    """The slot of key ``(t, key)``, or the empty slot where it would go."""
+    b = _home(key, t, mask)
+    while used[b] and not (keys[b] == key and tabs[b] == t):
+        b = (b + 1) & mask
+    return b
+
+
 @nb.njit(nogil=True, cache=True)
 def _find(keys: U64, tabs: I32, used: npt.NDArray[np.bool_], tab: I32, ids: U64, out: I64) -> None:
     mask = keys.shape[0] - 1
     for i in range(ids.shape[0]):
-        key, t = ids[i], tab[i]
-        b = _home(key, t, mask)
-        out[i] = -1
-        while used[b]:
-            if keys[b] == key and tabs[b] == t:
-                out[i] = b
-                break
-            b = (b + 1) & mask
+        b = _slot_of(keys, tabs, used, ids[i], tab[i], mask)
+        out[i] = b if used[b] else -1
 
 
 @nb.njit(nogil=True, cache=True)
@@ -75,14 +80,11 @@ def _insert(keys: U64, tabs: I32, used: npt.NDArray[np.bool_], tab: I32, ids: U6
     mask = keys.shape[0] - 1
     made = 0
     for i in range(ids.shape[0]):
-        key, t = ids[i], tab[i]
-        b = _home(key, t, mask)
-        while used[b] and not (keys[b] == key and tabs[b] == t):
-            b = (b + 1) & mask
+        b = _slot_of(keys, tabs, used, ids[i], tab[i], mask)
         if not used[b]:
             used[b] = True
-            keys[b] = key
-            tabs[b] = t
+            keys[b] = ids[i]
+            tabs[b] = tab[i]
             made += 1
         out[i] = b
     return made
@@ -112,14 +114,11 @@ def _put(
     k = recent.shape[1]
     made = 0
     for i in range(ids.shape[0]):
-        key, t = ids[i], tab[i]
-        b = _home(key, t, mask)
-        while used[b] and not (keys[b] == key and tabs[b] == t):
-            b = (b + 1) & mask
+        b = _slot_of(keys, tabs, used, ids[i], tab[i], mask)
         if not used[b]:
             used[b] = True
-            keys[b] = key
-            tabs[b] = t
+            keys[b] = ids[i]
+            tabs[b] = tab[i]
             recent[b] = 0  # a reused slot's numbers were another key's
             made += 1
         weights[b] = w[i]
@@ -149,19 +148,14 @@ def _probe(
     """Each key's slot (-1: none); its pushes after ``applied_before`` added to ``missed``."""
     mask = keys.shape[0] - 1
     for i in range(ids.shape[0]):
-        key, t = ids[i], tab[i]
-        b = _home(key, t, mask)
-        slots[i] = -1
-        while used[b]:
-            if keys[b] == key and tabs[b] == t:
-                slots[i] = b
-                n = 0
-                for j in range(recent.shape[1]):
-                    if recent[b, j] > applied_before:
-                        n += 1
-                missed[i] += n
-                break
-            b = (b + 1) & mask
+        b = _slot_of(keys, tabs, used, ids[i], tab[i], mask)
+        if not used[b]:
+            slots[i] = -1
+            continue
+        slots[i] = b
+        for j in range(recent.shape[1]):
+            if recent[b, j] > applied_before:
+                missed[i] += 1
 
 
 @nb.njit(nogil=True, cache=True)
@@ -200,9 +194,7 @@ class RowIndex:
 
     def __init__(self, tab: I32, ids: U64, capacity: int = 0) -> None:
         """Index the keys ``(tab[i], ids[i])`` as rows ``i`` (the last of a repeated key wins)."""
-        capacity = max(capacity, 16)
-        while tab.shape[0] > _MAX_LOAD * capacity:
-            capacity *= 2
+        capacity = max(capacity, _capacity_for(tab.shape[0], smallest=16))
         self.keys = np.zeros(capacity, np.uint64)
         self.tabs = np.zeros(capacity, np.int32)
         self.used = np.zeros(capacity, np.bool_)
@@ -315,8 +307,9 @@ class _Generation:
         return bigger
 
 
-def _capacity_for(rows: int) -> int:
-    capacity = 1024
+def _capacity_for(rows: int, smallest: int = 1024) -> int:
+    """The power of two of slots that holds ``rows`` keys under the load bound."""
+    capacity = smallest
     while rows > _MAX_LOAD * capacity:
         capacity *= 2
     return capacity
