@@ -29,6 +29,7 @@ class StatusLine:
         self.tty = bool(getattr(out, "isatty", lambda: False)())
         self.every_s = every_s
         self._last = 0.0  # the first status is shown at once
+        self._unshown: str | None = None  # the newest status held back by every_s
 
     def show(self, text: str) -> None:
         now = time.monotonic()
@@ -39,9 +40,25 @@ class StatusLine:
             self.out.write(text + "\n")
             self.out.flush()
             self._last = now
+            self._unshown = None
+        else:
+            self._unshown = text
 
     def done(self) -> None:
-        """End the line on a terminal (the next output starts on a line of its own)."""
+        """End the line on a terminal (the next output starts on a line of its own);
+        elsewhere show the last status if ``every_s`` held it back: how a run ended.
+
+        >>> import io
+        >>> out = io.StringIO()
+        >>> line = StatusLine(out, every_s=60.0)
+        >>> line.show("10%"); line.show("100%"); line.done()
+        >>> out.getvalue().splitlines()
+        ['10%', '100%']
+        """
         if self.tty:
             self.out.write("\n")
             self.out.flush()
+        elif self._unshown is not None:
+            self.out.write(self._unshown + "\n")
+            self.out.flush()
+            self._unshown = None
