@@ -470,6 +470,10 @@ class KafkaSource:
         self._lock = threading.Lock()
         self._clients: dict[tuple[str, int, str], Any] = {}
         self._known: dict[str, list[int]] = {}  # partitions seen per topic; never shrink
+        # The log end last asked per partition: a log end only grows, so a chunk that
+        # fits under it needs no broker round trip (one per batch cost the trainer's
+        # thread, which plans, about 8% of its time).
+        self._ends: dict[str, int] = {}
         self._should_stop: Callable[[], bool] | None = None  # stays on this side of a pickle
         # The raw reader's: partition leaders, connections per (thread, host, port), the
         # partitions kafka-python reads instead (compressed), and the bytes a record takes
@@ -680,17 +684,22 @@ class KafkaSource:
 
     def end_position(self, partition: str) -> int:
         """The log end offset now (one past the last record)."""
-        return self._offset(partition, "end")
+        end = self._offset(partition, "end")
+        self._ends[partition] = end
+        return end
 
     def plan(self, partition: str, position: int, max_records: int) -> Chunk | None:
         """``[position, min(position + max_records, log end))``; None when nothing is new.
 
-        The chunk is also capped at the config's ``max_records``.
+        The chunk is also capped at the config's ``max_records``. The broker is asked
+        for the log end only when the one it last gave does not cover a whole chunk.
         """
-        end = self.end_position(partition)
+        size = min(max_records, self.config.max_records)
+        end = self._ends.get(partition, -1)
+        if end < position + size:
+            end = self.end_position(partition)
         if end <= position:
             return None
-        size = min(max_records, self.config.max_records)
         return Chunk(
             source=self.name, partition=partition, start=position, end=min(position + size, end)
         )
