@@ -15,49 +15,65 @@ from typing import Any
 from deploy.status_line import StatusLine, progress_bar
 
 
+def _store_token(args: argparse.Namespace, command: str) -> tuple[str | None, int]:
+    """The job's token for a store process (None with --no-auth), or an exit code 2."""
+    import os
+
+    from deploy.cluster import TOKEN_ENV
+    from deploy.store_server import read_token
+
+    env_token = os.environ.get(TOKEN_ENV, "").strip()
+    if args.token_file is None and not env_token and not args.no_auth:
+        print(
+            f"streamrec store {command}: give the job's token with --token-file or ${TOKEN_ENV} "
+            "(or --no-auth for a loopback-only test shard)",
+            file=sys.stderr,
+        )
+        return None, 2
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        print(
+            f"streamrec store {command}: --metrics-port {args.metrics_port}: expected 0-65535 "
+            "(0: any free port)",
+            file=sys.stderr,
+        )
+        return None, 2
+    if args.no_auth:
+        return None, 0
+    return (read_token(args.token_file) if args.token_file is not None else env_token), 0
+
+
+def _snapshots(args: argparse.Namespace, command: str) -> tuple[Any, int]:
+    """The --snapshots location (None when not given), or an exit code 2."""
+    if args.snapshots is None:
+        return None, 0
+    from embedding_store.errors import CheckpointError
+    from embedding_store.location import Location
+
+    try:
+        mirror = Location.parse(args.snapshots)
+        mirror.check()
+    except CheckpointError as exc:
+        print(f"streamrec store {command}: --snapshots {exc}", file=sys.stderr)
+        return None, 2
+    return mirror, 0
+
+
 def _store_serve(args: argparse.Namespace) -> int:
     # Imported here, not above: `--help` must not pay for the job config's imports.
     from deploy.config import ConfigError, load_config
-    from deploy.store_server import read_token, serve
+    from deploy.store_server import serve
 
     try:
         job = load_config(args.config)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         return 2
-    import os
-
-    from deploy.cluster import TOKEN_ENV
-
-    env_token = os.environ.get(TOKEN_ENV, "").strip()
-    if args.token_file is None and not env_token and not args.no_auth:
-        print(
-            f"streamrec store serve: give the job's token with --token-file or ${TOKEN_ENV} "
-            "(or --no-auth for a loopback-only test shard)",
-            file=sys.stderr,
-        )
-        return 2
-    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
-        print(
-            f"streamrec store serve: --metrics-port {args.metrics_port}: expected 0-65535 "
-            "(0: any free port)",
-            file=sys.stderr,
-        )
-        return 2
-    token = None
-    if not args.no_auth:
-        token = read_token(args.token_file) if args.token_file is not None else env_token
-    mirror = None
-    if args.snapshots is not None:
-        from embedding_store.errors import CheckpointError
-        from embedding_store.location import Location
-
-        try:
-            mirror = Location.parse(args.snapshots)
-            mirror.check()
-        except CheckpointError as exc:
-            print(f"streamrec store serve: --snapshots {exc}", file=sys.stderr)
-            return 2
+    token, code = _store_token(args, "serve")
+    if code:
+        return code
+    mirror, code = _snapshots(args, "serve")
+    if code:
+        return code
     return serve(
         job.store,
         host=args.host,
@@ -430,6 +446,38 @@ def _s3(args: argparse.Namespace) -> int:
     return 0
 
 
+def _store_replica(args: argparse.Namespace) -> int:
+    from deploy.config import ConfigError, load_config
+    from deploy.store_server import serve_replica
+
+    try:
+        job = load_config(args.config)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    token, code = _store_token(args, "replica")
+    if code:
+        return code
+    mirror, code = _snapshots(args, "replica")
+    if code:
+        return code
+    if not args.poll_s > 0:
+        print(f"streamrec store replica: --poll-s: must be > 0, got {args.poll_s}", file=sys.stderr)
+        return 2
+    return serve_replica(
+        job.store,
+        follow=args.follow,
+        host=args.host,
+        port=args.port,
+        token=token,
+        data_dir=args.data_dir,
+        snapshots=mirror,
+        poll_s=args.poll_s,
+        metrics_port=args.metrics_port,
+        advertise=args.advertise_host,
+    )
+
+
 def _store_reshard(args: argparse.Namespace) -> int:
     from deploy.config import ConfigError, load_config
     from deploy.reshard import ReshardError, reshard
@@ -577,6 +625,60 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     serve.set_defaults(func=_store_serve)
+    replica = store_sub.add_parser(
+        "replica",
+        help="serve a read-only replica of one store shard, for prediction servers",
+        description=(
+            "Serve a read-only copy of the training shard at --follow, which follows its "
+            "changes every --poll-s seconds (the rows pushed and evicted since the version it "
+            "holds), so that prediction servers read fresh rows without loading the shards "
+            "that train. With --snapshots (the training shard's --data-dir or --snapshots URL) "
+            "it starts from the newest checkpoint there, serving even while the training shard "
+            "is down. `streamrec store health` answers SYNCING until it has caught up, then "
+            "SERVING. An id without a row is read as the table's initial row."
+        ),
+    )
+    replica.add_argument(
+        "--config", type=Path, required=True, help="job YAML (its `store:` section)"
+    )
+    replica.add_argument(
+        "--follow", required=True, metavar="HOST:PORT", help="the training shard to follow"
+    )
+    replica.add_argument("--port", type=int, default=0, help="port to listen on (0: any free port)")
+    replica.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    replica.add_argument(
+        "--advertise-host", metavar="HOST", help="the host name clients reach this replica by"
+    )
+    replica.add_argument(
+        "--data-dir",
+        type=Path,
+        required=True,
+        help="where the snapshot is fetched to (the replica writes nothing else)",
+    )
+    replica.add_argument(
+        "--snapshots",
+        metavar="DIR_OR_URL",
+        help="the training shard's checkpoints (its --data-dir or --snapshots URL) to start from",
+    )
+    replica.add_argument(
+        "--poll-s",
+        type=float,
+        default=0.1,
+        metavar="S",
+        help="seconds between two rounds of asking the training shard what changed (0.1)",
+    )
+    replica.add_argument(
+        "--token-file",
+        type=Path,
+        help="file holding the job's auth token (default: $STREAMREC_STORE_TOKEN)",
+    )
+    replica.add_argument(
+        "--no-auth", action="store_true", help="no token either way (tests on loopback)"
+    )
+    replica.add_argument(
+        "--metrics-port", type=int, metavar="N", help="also serve Prometheus metrics on this port"
+    )
+    replica.set_defaults(func=_store_replica)
     resh = store_sub.add_parser(
         "reshard",
         help="lay the job's newest checkpoint out on another number of shards",

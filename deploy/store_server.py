@@ -109,5 +109,105 @@ def serve(
     return 0
 
 
+def serve_replica(
+    config: StoreConfig,
+    *,
+    follow: str,
+    host: str,
+    port: int,
+    token: str | None,
+    data_dir: Path,
+    snapshots: Location | None = None,
+    poll_s: float = 0.1,
+    metrics_port: int | None = None,
+    advertise: str | None = None,
+    grace_s: float = 2.0,
+) -> int:
+    """Serve a read-only replica of the training shard at ``follow`` until SIGTERM/SIGINT.
+
+    With ``snapshots`` (the training shard's data dir or snapshot mirror) the
+    replica starts from its newest checkpoint, so it serves even while the
+    training shard is down, and asks only for the rows changed since; the
+    checkpoint is fetched into ``data_dir``. Health answers SYNCING until every
+    table has caught up, then SERVING. Nothing is written back: on a stop the
+    replica just exits 0.
+    """
+    import threading
+
+    from embedding_store.client import GrpcTransport, RetryPolicy
+    from embedding_store.errors import CheckpointError
+    from embedding_store.replica import ShardFollower
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    try:
+        shard = StoreShard.open(config, data_dir, mirror=snapshots, read_only=True)
+    except CheckpointError as exc:
+        # An unreadable snapshot (say, one the training shard is collecting) only costs
+        # a copy from the shard itself.
+        print(f"streamrec store replica: not starting from the snapshots: {exc}", flush=True)
+        shard = StoreShard(config, read_only=True)
+    restored = sum(len(t) for t in shard.tables.values())
+    # Few quick attempts: a round that fails is tried again a poll later anyway.
+    source = GrpcTransport(
+        follow,
+        token=token,
+        max_message_bytes=config.max_message_bytes,
+        retry=RetryPolicy(attempts=2, timeout_s=30.0),
+        shared_memory=False,
+    )
+    follower = ShardFollower(shard, source, poll_s=poll_s)
+    servicer = EmbeddingStoreServicer(shard, health=follower.health)
+    server, bound = make_server(shard, host=host, port=port, token=token, servicer=servicer)
+    metrics = None
+    if metrics_port is not None:
+        from monitoring.store_metrics import serve_store_metrics
+
+        label = f"{advertise or host}:{bound}"
+        try:
+            metrics = serve_store_metrics(f"{host}:{metrics_port}", label, servicer.stats)
+        except OSError as exc:
+            server.stop(None)
+            msg = f"--metrics-port {metrics_port}: {exc}"
+            raise SystemExit(msg) from exc
+        print(f"streamrec store replica: metrics on {metrics.url} (shard={label})", flush=True)
+    signals: list[int] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        signals.append(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    stop = threading.Event()
+    thread = threading.Thread(target=follower.run, args=(stop,), name="replica-follow", daemon=True)
+    thread.start()
+    print(
+        f"streamrec store replica: serving {len(config.tables)} table(s) on {host}:{bound} "
+        f"(following {follow} every {poll_s:g}s; {restored} rows from snapshots"
+        f"{f' {snapshots}' if snapshots is not None else ''}; "
+        f"up in {time.perf_counter() - started:.2f}s)",
+        flush=True,
+    )
+    announced = False
+    while not signals:
+        if not announced and follower.caught_up.is_set():
+            announced = True
+            st = follower.stats
+            print(
+                f"streamrec store replica: caught up with {follow} "
+                f"({st.copies} table(s) copied, {st.rows_applied} rows applied)",
+                flush=True,
+            )
+        time.sleep(0.1)
+    stop.set()
+    server.stop(grace_s).wait()
+    thread.join(timeout=grace_s + 30)
+    source.close()
+    if metrics is not None:
+        metrics.close()
+    print("streamrec store replica: stopped", flush=True)
+    return 0
+
+
 if __name__ == "__main__":  # pragma: no cover - used via the CLI
     sys.exit("run `streamrec store serve --help`")

@@ -71,6 +71,7 @@ from embedding_store.types import (
     ShardRows,
     ShardStats,
     StoreConfig,
+    TableChanges,
     TableConfig,
     TableStats,
 )
@@ -85,6 +86,7 @@ from embedding_store.wire import (
     SHARED_PUSH_METHOD,
     TO_PB,
     SharedCall,
+    decode_ids,
     decode_matrix,
     decode_row_state,
     decode_rows,
@@ -98,6 +100,7 @@ from embedding_store.wire import (
 
 T = TypeVar("T")
 U64 = npt.NDArray[np.uint64]
+F32 = npt.NDArray[np.float32]
 Rows = npt.NDArray[np.floating]
 Wait = Callable[[], T]
 
@@ -711,6 +714,26 @@ class GrpcTransport:
         return RestoreResult(
             manifests=tuple(r.manifests), rows=r.rows, rows_by_table=dict(r.rows_by_table)
         )
+
+    def changes(self, table: str, epoch: str, since: int) -> TableChanges:
+        """The shard's rows of ``table`` changed since ``since`` (``EmbeddingTable.changes``)."""
+        r = self._call("Changes", pb.ChangesRequest(table=table, epoch=epoch, since=since))
+        return TableChanges(
+            epoch=r.epoch,
+            version=r.version,
+            complete=r.complete,
+            ids=decode_ids(r.ids, "ChangesResponse.ids"),
+            weights=decode_matrix(r.rows, r.dim, "float32", "ChangesResponse.rows"),
+            removed=decode_ids(r.removed, "ChangesResponse.removed"),
+            changed_at=r.changed_at,
+        )
+
+    def rows_page(self, table: str, cursor: int, count: int) -> tuple[U64, F32, int]:
+        """The shard's rows of ``table`` in slots ``[cursor, cursor + count)``, next cursor."""
+        r = self._call("RowsPage", pb.RowsPageRequest(table=table, cursor=cursor, count=count))
+        ids = decode_ids(r.ids, "RowsPageResponse.ids")
+        weights = decode_matrix(r.rows, r.dim, "float32", "RowsPageResponse.rows")
+        return ids, weights.astype(np.float32, copy=False), int(r.next_cursor)
 
     def stats(self) -> ShardStats:
         r = self._call("Stats", pb.StatsRequest())

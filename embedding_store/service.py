@@ -61,6 +61,7 @@ from embedding_store.wire import (
     decode_matrix,
     decode_push,
     decode_shared,
+    encode_ids,
     encode_matrix,
     row_dtype,
     row_state_frames,
@@ -226,8 +227,17 @@ def _region(area: mmap.mmap, offset: int, length: int, what: str) -> memoryview:
 class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
     """Serves one ``StoreShard`` over gRPC, timing its Lookup and Push calls."""
 
-    def __init__(self, shard: StoreShard, *, allow_dirs: tuple[Path, ...] = ()) -> None:
+    def __init__(
+        self,
+        shard: StoreShard,
+        *,
+        allow_dirs: tuple[Path, ...] = (),
+        health: Callable[[], str] | None = None,
+    ) -> None:
+        """``health``: the status Health answers ("SERVING" when not given); a serving
+        replica answers "SYNCING" until it has caught up with its training shard."""
         self.shard = shard
+        self._health = health
         # Folders besides the data dir that Checkpoint and Restore may name.
         self.allow_dirs = tuple(Path(d).resolve() for d in allow_dirs)
         self.lookup_latency = LatencyHistogram()
@@ -542,9 +552,50 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
         return resp
 
     @_errors_to_status
+    def Changes(
+        self, request: pb.ChangesRequest, context: grpc.ServicerContext
+    ) -> pb.ChangesResponse:
+        c = self.shard.changes(request.table, request.epoch, request.since)
+        dim = self.shard.table(request.table).dim
+        complete = c.complete
+        # Rows changed since a version too far back to send in one message: the
+        # replica copies the table page by page instead.
+        size = c.ids.shape[0] * (dim * 4 + 8) + c.removed.shape[0] * 8
+        if size > self.shard.config.max_message_bytes:
+            complete = False
+        if not complete:
+            return pb.ChangesResponse(
+                epoch=c.epoch, version=c.version, complete=False, dim=dim, changed_at=c.changed_at
+            )
+        return pb.ChangesResponse(
+            epoch=c.epoch,
+            version=c.version,
+            complete=True,
+            dim=dim,
+            ids=encode_ids(c.ids),
+            rows=encode_matrix(c.weights, "float32"),
+            removed=encode_ids(c.removed),
+            changed_at=c.changed_at,
+        )
+
+    @_errors_to_status
+    def RowsPage(
+        self, request: pb.RowsPageRequest, context: grpc.ServicerContext
+    ) -> pb.RowsPageResponse:
+        table = self.shard.table(request.table)
+        limit = self.shard.config.max_message_bytes // (table.dim * 4 + 8)
+        ids, weights, nxt = self.shard.rows_page(
+            request.table, request.cursor, max(1, min(request.count, limit))
+        )
+        return pb.RowsPageResponse(
+            dim=table.dim, ids=encode_ids(ids), rows=encode_matrix(weights, "float32"),
+            next_cursor=nxt,
+        )  # fmt: skip
+
+    @_errors_to_status
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
         return pb.HealthResponse(
-            status="SERVING",
+            status="SERVING" if self._health is None else self._health(),
             dims={name: t.dim for name, t in self.shard.tables.items()},
             row_dtype=TO_PB[self.shard.config.row_dtype],
             incarnation=self.shard.incarnation,

@@ -35,7 +35,7 @@ from embedding_store import persistence
 from embedding_store.errors import CheckpointError, InvalidRequest, UnknownTable
 from embedding_store.hashing import shard_of
 from embedding_store.location import Location
-from embedding_store.table import MAX_STEP, EmbeddingTable
+from embedding_store.table import MAX_STEP, EmbeddingTable, apply_changes
 from embedding_store.types import (
     CheckpointKind,
     CheckpointResult,
@@ -45,9 +45,12 @@ from embedding_store.types import (
     RowState,
     ShardStats,
     StoreConfig,
+    TableChanges,
 )
 
 F32 = npt.NDArray[np.float32]
+CHANGE_LOGS_KEY = "change_logs"  # in a checkpoint's metadata
+U64 = npt.NDArray[np.uint64]
 
 
 class _PendingPush:
@@ -67,11 +70,17 @@ class StoreShard:
         *,
         data_dir: Path | str | None = None,
         mirror: Location | None = None,
+        read_only: bool = False,
     ) -> None:
         """``mirror``: where the checkpoints of ``data_dir`` are copied, so that this shard
         can be restarted on another host (see :mod:`embedding_store.mirror`).
+
+        ``read_only``: a serving replica (see :mod:`embedding_store.replica`): lookups
+        change nothing and read an id without a row as its initial row; pushes and
+        checkpoints are refused. Its rows come from ``apply_changes`` and ``restore``.
         """
         self.config = config
+        self.read_only = read_only
         self.data_dir = Path(data_dir) if data_dir is not None else None
         if mirror is not None and self.data_dir is None:
             msg = "a snapshot mirror needs the shard's data dir (its checkpoints are copied)"
@@ -87,11 +96,19 @@ class StoreShard:
         self._checkpoint_lock = threading.Lock()
         # (directory, seq of the newest checkpoint there, deltas since its full)
         self._chain: tuple[Path, int, int] | None = None
+        # The training shard's change logs at the cut of the checkpoint restored last
+        # (table -> (epoch, version)): where a replica restored from it follows on.
+        self.restored_logs: dict[str, tuple[str, int]] = {}
         self._last_checkpoint: CheckpointResult | None = None
 
     @classmethod
     def open(
-        cls, config: StoreConfig, data_dir: Path | str, *, mirror: Location | None = None
+        cls,
+        config: StoreConfig,
+        data_dir: Path | str,
+        *,
+        mirror: Location | None = None,
+        read_only: bool = False,
     ) -> StoreShard:
         """A shard persisted in ``data_dir``: restored from it when it holds a checkpoint.
 
@@ -99,7 +116,7 @@ class StoreShard:
         disk, or a shard that ran on another host since), that one is fetched and
         restored: the mirror is the truth.
         """
-        shard = cls(config, data_dir=data_dir, mirror=mirror)
+        shard = cls(config, data_dir=data_dir, mirror=mirror, read_only=read_only)
         local = persistence.list_manifests(Path(data_dir))
         if mirror is not None:
             remote = snapshot_mirror.newest_seq(mirror)
@@ -146,6 +163,14 @@ class StoreShard:
         tables = [(name, self.table(name)) for name in requests]
         out = out or {}
         result = {}
+        if self.read_only:
+            for name, t in tables:
+                rows, _ = t.read(requests[name])
+                dest = out.get(name)
+                if dest is not None:
+                    dest[...] = rows
+                result[name] = dest if dest is not None else rows.astype(dtype, copy=False)
+            return result
         for name, t in tables:
             dest = out.get(name)
             if dest is None and dtype != "float32":
@@ -170,6 +195,7 @@ class StoreShard:
         so a bad request changes nothing. ``into``: per table, filled with the
         pushed rows as they are after the push (a retried request's too).
         """
+        self._refuse_if_replica("push")
         checked = []
         for name, (ids, g) in grads.items():
             table = self.table(name)
@@ -250,6 +276,7 @@ class StoreShard:
         table is cut consistently; calls on other tables may go on meanwhile
         (callers that need one cut across tables pause their traffic first).
         """
+        self._refuse_if_replica("checkpoint")
         target = self._resolve_dir(directory, "checkpoint")
         with self._checkpoint_lock:
             start = time.perf_counter()
@@ -273,6 +300,11 @@ class StoreShard:
             else:
                 assert chain is not None
                 actual = "delta" if chain[2] < self.config.full_checkpoint_every else "full"
+            # Read before the cut: a replica that starts from this checkpoint follows
+            # the changes since then, a few it already holds included.
+            logs = {n: p for n, t in self._tables.items() if (p := t.log_position()) is not None}
+            if logs:
+                metadata = {**(metadata or {}), CHANGE_LOGS_KEY: logs}
             snaps = []
             for name, table in self._tables.items():
                 rows, tombs, clock = table.export(dirty_only=actual == "delta")
@@ -390,6 +422,9 @@ class StoreShard:
         self._tables = fresh
         # The next checkpoint must be full: these rows were never written by this shard.
         self._chain = None
+        newest = chains[-1][-1] if len(chains) == 1 and chains[0] else None
+        logs = newest.metadata.get(CHANGE_LOGS_KEY, {}) if newest is not None else {}
+        self.restored_logs = {n: (str(e), int(v)) for n, (e, v) in logs.items()}
         return RestoreResult(
             manifests=tuple(str(m.path) for chain in chains for m in chain),
             rows=sum(len(t) for t in fresh.values()),
@@ -425,6 +460,35 @@ class StoreShard:
                     rows = rows.select(shard_of(rows.ids, num_shards) == shard_index)
                 table.load(rows)
             table.set_clock(int(tinfo["clock"]))
+
+    # --- serving replicas -----------------------------------------------------------
+
+    def _refuse_if_replica(self, what: str) -> None:
+        if self.read_only:
+            msg = f"{what}: this shard is a read-only serving replica; ask the training shard"
+            raise InvalidRequest(msg)
+
+    def changes(self, table: str, epoch: str, since: int) -> TableChanges:
+        """``table``'s rows changed since version ``since`` of its log ``epoch``."""
+        return self.table(table).changes(epoch, since)
+
+    def rows_page(self, table: str, cursor: int, count: int) -> tuple[U64, F32, int]:
+        """``table``'s rows stored in slots ``[cursor, cursor + count)`` and the next cursor."""
+        return self.table(table).rows_page(cursor, count)
+
+    def apply_changes(
+        self, table: str, ids: npt.NDArray[np.uint64], weights: F32, removed: npt.NDArray[np.uint64]
+    ) -> None:
+        """Write rows and remove ids in a replica's ``table`` (what a follower received)."""
+        apply_changes(self.table(table), ids, weights, removed)
+
+    def replace_table(self, table: EmbeddingTable) -> None:
+        """Swap in a replica's new copy of a table (lookups go on on the old one meanwhile)."""
+        if not self.read_only:
+            msg = "replace_table: only a read-only serving replica's tables are replaced so"
+            raise InvalidRequest(msg)
+        self.table(table.name)
+        self._tables = {**self._tables, table.name: table}
 
     def stats(self) -> ShardStats:
         """Counters of every table, and of the shard."""

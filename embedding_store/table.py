@@ -40,6 +40,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from embedding_store.changes import ChangeLog
 from embedding_store.errors import CheckpointError, InvalidRequest
 from embedding_store.hashing import (
     init_params,
@@ -54,6 +55,7 @@ from embedding_store.types import (
     ProbabilityAdmission,
     PushResult,
     RowState,
+    TableChanges,
     TableConfig,
     TableStats,
 )
@@ -148,6 +150,24 @@ MAX_STEP = 1 << 40
 
 
 _S32 = np.uint64(32)
+
+
+@nb.njit(nogil=True, cache=True)
+def _gather_or_init(
+    weights: F32, rows: I64, keys: I64, seed: np.uint64, kind: int, a: float, b: float, out: F32
+) -> None:
+    """``out[i] = weights[rows[i]]``; the id's initial row where ``rows[i] < 0``."""
+    n = rows.shape[0]
+    dim = weights.shape[1]
+    for i in range(n):
+        if i + _AHEAD < n and rows[i + _AHEAD] >= 0:
+            _prefetch(weights, rows[i + _AHEAD])
+        r = rows[i]
+        if r < 0:
+            init_row(out[i], np.uint64(keys[i]), seed, kind, a, b)
+        else:
+            for j in range(dim):
+                out[i, j] = weights[r, j]
 
 
 @nb.njit(nogil=True, cache=True, inline="always")
@@ -735,6 +755,8 @@ class EmbeddingTable:
             else np.zeros((0, 1), dtype=np.uint32)
         )
         self.clock = 0
+        # Made when a serving replica first asks what changed (see ``changes``).
+        self._log: ChangeLog | None = None
         self._counters = dict.fromkeys(
             (
                 "lookups",
@@ -748,6 +770,7 @@ class EmbeddingTable:
                 "overflow",
                 "dropped_not_admitted",
                 "rejected_nonfinite",
+                "unknown_reads",
             ),
             0,
         )
@@ -980,6 +1003,8 @@ class EmbeddingTable:
                         into.weights, into.state, into.row_step,
                     )  # fmt: skip
             applied = keys.shape[0] - absent - nonfinite
+            if self._log is not None:
+                self._log.record(keys)
             self._counters["pushes"] += 1
             self._counters["push_ids"] += keys.shape[0]
             self._counters["dropped_not_admitted"] += absent
@@ -1039,6 +1064,107 @@ class EmbeddingTable:
             into.row_step,
         )  # fmt: skip
 
+    # --- serving ------------------------------------------------------------------
+
+    def read(self, ids: npt.ArrayLike, out: F32 | None = None) -> tuple[F32, int]:
+        """Rows for ``ids`` as a server reads them: changing nothing, and an id
+        without a row read as the row a training lookup would create for it.
+
+        Returns the rows and how many ids had no row (counted as ``unknown_reads``).
+
+        >>> t = EmbeddingTable("t", TableConfig(dim=2, optimizer={"kind": "sgd", "lr": 1.0}))
+        >>> rows, unknown = t.read([7])
+        >>> unknown, bool((rows == t.lookup([7])).all()), len(t)
+        (1, True, 1)
+        """
+        keys = _as_ids(ids).view(np.int64)
+        n = keys.shape[0]
+        if out is None:
+            out = np.empty((n, self.dim), dtype=np.float32)
+        rows = np.empty(n, dtype=np.int64)
+        kind, a, b = self._init
+        with self._lock:
+            unknown = _probe(self._buckets, keys, self.clock, False, rows)
+            _gather_or_init(self._weights, rows, keys, self._seed, kind, a, b, out)
+            self._counters["unknown_reads"] += unknown
+        return out, int(unknown)
+
+    def changes(self, epoch: str, since: int) -> TableChanges:
+        """The rows changed after version ``since`` of the log ``epoch``, as they are now.
+
+        A follower that holds the table as of ``(epoch, since)`` applies the rows
+        and removes the ``removed`` ids to hold it as of the returned version.
+        When the log does not reach back there (another epoch, too far behind,
+        or no log yet: one is started now), ``complete`` is False: copy the
+        table with :meth:`rows_page` and follow from the returned version.
+
+        >>> t = EmbeddingTable("t", TableConfig(dim=1, optimizer={"kind": "sgd", "lr": 1.0}))
+        >>> first = t.changes("", 0)
+        >>> first.complete, first.version
+        (False, 0)
+        >>> _ = t.lookup([3, 4]); _ = t.push([3], np.ones((1, 1), np.float32)); _ = t.remove([4])
+        >>> c = t.changes(first.epoch, 0)
+        >>> c.complete, c.version, c.ids.tolist(), c.removed.tolist()
+        (True, 2, [3], [4])
+        """
+        with self._lock:
+            if self._log is None:
+                self._log = ChangeLog(self.config.change_log_ids)
+            log = self._log
+            keys = log.since(since) if epoch == log.epoch else None
+            if keys is None:
+                empty = np.zeros(0, dtype=np.uint64)
+                return TableChanges(
+                    epoch=log.epoch, version=log.version, complete=False, ids=empty,
+                    weights=np.zeros((0, self.dim), np.float32), removed=empty,
+                    changed_at=log.changed_at,
+                )  # fmt: skip
+            rows = np.empty(keys.shape[0], dtype=np.int64)
+            _probe(self._buckets, keys, self.clock, False, rows)
+            present = rows >= 0
+            kept = rows[present]
+            weights = np.empty((kept.shape[0], self.dim), dtype=np.float32)
+            _gather(self._weights, kept, weights)
+            return TableChanges(
+                epoch=log.epoch, version=log.version, complete=True,
+                ids=keys[present].view(np.uint64), weights=weights,
+                removed=keys[~present].view(np.uint64), changed_at=log.changed_at,
+            )  # fmt: skip
+
+    def log_position(self) -> tuple[str, int] | None:
+        """(epoch, version) of the change log now; None while no replica follows."""
+        with self._lock:
+            return None if self._log is None else (self._log.epoch, self._log.version)
+
+    def rows_page(self, cursor: int, count: int) -> tuple[U64, F32, int]:
+        """The ids and weights of the rows stored in slots ``[cursor, cursor + count)``,
+        and the next cursor (``-1`` after the last slot).
+
+        Slots never move (a growing index does not renumber them), so paging
+        through them while pushes go on misses no row that existed throughout;
+        a follower copies a table page by page this way and then applies the
+        changes since the version it asked for first.
+
+        >>> t = EmbeddingTable("t", TableConfig(dim=1))
+        >>> _ = t.lookup([10, 11, 12])
+        >>> ids, _, nxt = t.rows_page(0, 2); ids.tolist(), nxt
+        ([10, 11], 2)
+        >>> ids, _, nxt = t.rows_page(2, 2); ids.tolist(), nxt
+        ([12], -1)
+        """
+        if cursor < 0 or count < 1:
+            msg = f"rows_page: cursor must be >= 0 and count >= 1, got {cursor}, {count}"
+            raise InvalidRequest(msg)
+        with self._lock:
+            end = cursor + count
+            slot = self._buckets[:, ROW]
+            sel = np.flatnonzero((slot >= cursor) & (slot < end))
+            sel = sel[np.argsort(slot[sel], kind="stable")]
+            ids = self._buckets[sel, KEY].view(np.uint64)
+            weights = self._weights[self._buckets[sel, ROW]]
+            nxt = end if end < int(self._alloc[2]) else -1
+            return ids, weights, nxt
+
     # --- eviction and expiry ----------------------------------------------------
 
     def _delete(self, keys: I64) -> int:
@@ -1051,6 +1177,8 @@ class EmbeddingTable:
         deleted, n_tomb = _delete_keys(self._buckets, keys, self._alloc, self._free, tomb)
         if n_tomb:
             self._tombstones.append(tomb[:n_tomb].copy())
+        if deleted and self._log is not None:
+            self._log.record(keys)
         return int(deleted)
 
     def _evict_lru(self, n: int, protect_clock: int | None = None) -> int:
@@ -1178,6 +1306,26 @@ class EmbeddingTable:
             self._row_step[rows] = batch.row_step
             self._buckets[:, META] |= np.where(self._buckets[:, ROW] >= 0, DIRTY, 0)
 
+    def load_weights(self, ids: npt.NDArray[np.uint64], weights: F32) -> None:
+        """Insert or overwrite the weights of ``ids`` (a serving replica's rows: their
+        optimizer state is not kept)."""
+        keys = np.ascontiguousarray(ids).view(np.int64)
+        n = keys.shape[0]
+        with self._lock:
+            present = np.empty(n, dtype=np.int64)
+            missing = _probe(self._buckets, keys, 0, False, present)
+            if len(self) + missing > self.config.capacity:
+                msg = (
+                    f"table {self.name!r}: {len(self) + missing} rows on a replica whose "
+                    f"capacity is {self.config.capacity}"
+                )
+                raise CheckpointError(msg)
+            self._reserve(missing)
+            rows = np.empty(n, dtype=np.int64)
+            zeros = np.zeros(n, dtype=np.int64)
+            _upsert(self._buckets, keys, self._alloc, self._free, zeros, zeros, rows)
+            self._weights[rows] = weights
+
     def remove(self, ids: npt.ArrayLike) -> int:
         """Delete the rows of ``ids`` (restore applies tombstones with this)."""
         keys = _as_ids(ids).view(np.int64)
@@ -1208,3 +1356,26 @@ class EmbeddingTable:
                 clock=self.clock,
                 **self._counters,
             )
+
+
+def apply_changes(
+    table: EmbeddingTable,
+    ids: npt.NDArray[np.uint64],
+    weights: F32,
+    removed: npt.NDArray[np.uint64],
+) -> None:
+    """Apply a follower's received changes to a replica's ``table``: removals, then rows.
+
+    >>> src = EmbeddingTable("t", TableConfig(dim=1, optimizer={"kind": "sgd", "lr": 1.0}))
+    >>> copy = EmbeddingTable("t", src.config)
+    >>> _ = src.changes("", 0); epoch = src.changes("", 0).epoch
+    >>> _ = src.lookup([1, 2]); _ = src.push([1, 2], np.ones((2, 1), np.float32))
+    >>> c = src.changes(epoch, 0)
+    >>> apply_changes(copy, c.ids, c.weights, c.removed)
+    >>> bool((copy.read([1, 2])[0] == src.read([1, 2])[0]).all())
+    True
+    """
+    if removed.shape[0]:
+        table.remove(removed)
+    if ids.shape[0]:
+        table.load_weights(ids, weights)

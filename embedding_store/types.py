@@ -190,6 +190,12 @@ class TableConfig(_Strict):
     ttl_steps: int | None = Field(None, ge=1, description="rows unseen for this many steps expire")
     weight_clip: float | None = Field(None, gt=0.0, description="clamp weights to [-c, c]")
     seed: int = Field(0, ge=0, lt=1 << 63)
+    change_log_ids: int = Field(
+        1 << 20,
+        ge=1,
+        description="ids a shard remembers as changed for its serving replicas (8 bytes each); "
+        "a replica further behind copies the table again",
+    )
 
 
 class StoreConfig(_Strict):
@@ -354,6 +360,25 @@ class TableStats:
     overflow: int
     dropped_not_admitted: int
     rejected_nonfinite: int
+    unknown_reads: int = 0  # ids a server read that had no row (served their initial row)
+
+
+@dataclass(frozen=True)
+class TableChanges:
+    """A table's rows changed since a version, as a serving replica receives them.
+
+    ``complete`` False: the log does not reach back to the version asked for;
+    the replica copies the table and follows from ``version``. ``changed_at``:
+    the wall time of the log's newest version (how fresh the training shard is).
+    """
+
+    epoch: str
+    version: int
+    complete: bool
+    ids: npt.NDArray[np.uint64]
+    weights: npt.NDArray[np.float32]
+    removed: npt.NDArray[np.uint64]
+    changed_at: float
 
 
 @dataclass(frozen=True)

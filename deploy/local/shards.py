@@ -57,6 +57,7 @@ class ShardProcess:
     die_with_parent: bool = False
     allow_dirs: tuple[Path, ...] = ()
     snapshots: str | None = None  # the object-store URL its checkpoints are copied to
+    follow: str | None = None  # a serving replica's training shard (``store replica``)
 
     @property
     def address(self) -> str:
@@ -85,6 +86,7 @@ class ShardProcess:
         allow_dirs: tuple[Path, ...] = (),
         snapshots: str | None = None,
         env: dict[str, str] | None = None,
+        follow: str | None = None,
     ) -> ShardProcess:
         """Start a shard and wait until it serves (it may first restore from ``data_dir``).
 
@@ -95,6 +97,8 @@ class ShardProcess:
         port (0: any free one, read back from the log); None: no metrics.
         ``snapshots``: ``--snapshots URL`` (checkpoints copied to an object store).
         ``env``: the process's environment (default: this one's).
+        ``follow``: start a serving replica of the shard at this address instead
+        (``streamrec store replica``; ``snapshots`` is then where it starts from).
         """
         data_dir.mkdir(parents=True, exist_ok=True)
         log_path = data_dir.with_name(data_dir.name + ".log")
@@ -103,7 +107,7 @@ class ShardProcess:
             "-m",
             "deploy.cli",
             "store",
-            "serve",
+            "serve" if follow is None else "replica",
             "--config",
             str(config),
             "--data-dir",
@@ -118,6 +122,8 @@ class ShardProcess:
             argv += ["--metrics-port", str(metrics_port)]
         for d in allow_dirs:
             argv += ["--allow-dir", str(d)]
+        if follow is not None:
+            argv += ["--follow", follow]
         if snapshots is not None:
             argv += ["--snapshots", snapshots]
         with log_path.open("ab") as log:
@@ -162,6 +168,7 @@ class ShardProcess:
                     die_with_parent=die_with_parent,
                     allow_dirs=allow_dirs,
                     snapshots=snapshots,
+                    follow=follow,
                 )
             if proc.poll() is not None:
                 msg = f"store shard exited with code {proc.returncode}:\n{text[-4000:]}"
@@ -184,6 +191,7 @@ class ShardProcess:
             die_with_parent=self.die_with_parent,
             allow_dirs=self.allow_dirs,
             snapshots=self.snapshots,
+            follow=self.follow,
         )
 
     def stop(self, timeout_s: float = 60.0) -> int:

@@ -171,7 +171,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("name", "dim", "rows", "capacity", "memory_bytes", "clock", "lookups", "lookup_ids", "pushes", "push_ids", "admissions", "rejected_admissions", "evictions", "expirations", "overflow", "dropped_not_admitted", "rejected_nonfinite")
+    __slots__ = ("name", "dim", "rows", "capacity", "memory_bytes", "clock", "lookups", "lookup_ids", "pushes", "push_ids", "admissions", "rejected_admissions", "evictions", "expirations", "overflow", "dropped_not_admitted", "rejected_nonfinite", "unknown_reads")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -189,6 +189,7 @@ class TableStats(_message.Message):
     OVERFLOW_FIELD_NUMBER: _ClassVar[int]
     DROPPED_NOT_ADMITTED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_READS_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     rows: int
@@ -206,7 +207,8 @@ class TableStats(_message.Message):
     overflow: int
     dropped_not_admitted: int
     rejected_nonfinite: int
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., capacity: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., clock: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_ids: _Optional[int] = ..., pushes: _Optional[int] = ..., push_ids: _Optional[int] = ..., admissions: _Optional[int] = ..., rejected_admissions: _Optional[int] = ..., evictions: _Optional[int] = ..., expirations: _Optional[int] = ..., overflow: _Optional[int] = ..., dropped_not_admitted: _Optional[int] = ..., rejected_nonfinite: _Optional[int] = ...) -> None: ...
+    unknown_reads: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., capacity: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., clock: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_ids: _Optional[int] = ..., pushes: _Optional[int] = ..., push_ids: _Optional[int] = ..., admissions: _Optional[int] = ..., rejected_admissions: _Optional[int] = ..., evictions: _Optional[int] = ..., expirations: _Optional[int] = ..., overflow: _Optional[int] = ..., dropped_not_admitted: _Optional[int] = ..., rejected_nonfinite: _Optional[int] = ..., unknown_reads: _Optional[int] = ...) -> None: ...
 
 class LatencyHistogram(_message.Message):
     __slots__ = ("buckets", "counts", "sum_seconds", "count")
@@ -256,3 +258,55 @@ class HealthResponse(_message.Message):
     row_dtype: RowDtype
     incarnation: str
     def __init__(self, status: _Optional[str] = ..., dims: _Optional[_Mapping[str, int]] = ..., row_dtype: _Optional[_Union[RowDtype, str]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class ChangesRequest(_message.Message):
+    __slots__ = ("table", "epoch", "since")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    epoch: str
+    since: int
+    def __init__(self, table: _Optional[str] = ..., epoch: _Optional[str] = ..., since: _Optional[int] = ...) -> None: ...
+
+class ChangesResponse(_message.Message):
+    __slots__ = ("epoch", "version", "complete", "dim", "ids", "rows", "removed", "changed_at")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_AT_FIELD_NUMBER: _ClassVar[int]
+    epoch: str
+    version: int
+    complete: bool
+    dim: int
+    ids: bytes
+    rows: bytes
+    removed: bytes
+    changed_at: float
+    def __init__(self, epoch: _Optional[str] = ..., version: _Optional[int] = ..., complete: _Optional[bool] = ..., dim: _Optional[int] = ..., ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., removed: _Optional[bytes] = ..., changed_at: _Optional[float] = ...) -> None: ...
+
+class RowsPageRequest(_message.Message):
+    __slots__ = ("table", "cursor", "count")
+    TABLE_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    table: str
+    cursor: int
+    count: int
+    def __init__(self, table: _Optional[str] = ..., cursor: _Optional[int] = ..., count: _Optional[int] = ...) -> None: ...
+
+class RowsPageResponse(_message.Message):
+    __slots__ = ("dim", "ids", "rows", "next_cursor")
+    DIM_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    dim: int
+    ids: bytes
+    rows: bytes
+    next_cursor: int
+    def __init__(self, dim: _Optional[int] = ..., ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., next_cursor: _Optional[int] = ...) -> None: ...

@@ -64,6 +64,16 @@ class EmbeddingStoreStub:
                 request_serializer=embedding__store_dot_proto_dot_embedding__store__pb2.HealthRequest.SerializeToString,
                 response_deserializer=embedding__store_dot_proto_dot_embedding__store__pb2.HealthResponse.FromString,
                 _registered_method=True)
+        self.Changes = channel.unary_unary(
+                '/streamrec.embedding_store.v1.EmbeddingStore/Changes',
+                request_serializer=embedding__store_dot_proto_dot_embedding__store__pb2.ChangesRequest.SerializeToString,
+                response_deserializer=embedding__store_dot_proto_dot_embedding__store__pb2.ChangesResponse.FromString,
+                _registered_method=True)
+        self.RowsPage = channel.unary_unary(
+                '/streamrec.embedding_store.v1.EmbeddingStore/RowsPage',
+                request_serializer=embedding__store_dot_proto_dot_embedding__store__pb2.RowsPageRequest.SerializeToString,
+                response_deserializer=embedding__store_dot_proto_dot_embedding__store__pb2.RowsPageResponse.FromString,
+                _registered_method=True)
 
 
 class EmbeddingStoreServicer:
@@ -110,6 +120,21 @@ class EmbeddingStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Changes(self, request, context):
+        """A table's rows changed since a version of its change log: how a serving
+        replica follows a training shard (the first call starts the log).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RowsPage(self, request, context):
+        """A table's rows stored in a range of slots: a replica's first copy of a table.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_EmbeddingStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +167,16 @@ def add_EmbeddingStoreServicer_to_server(servicer, server):
                     servicer.Health,
                     request_deserializer=embedding__store_dot_proto_dot_embedding__store__pb2.HealthRequest.FromString,
                     response_serializer=embedding__store_dot_proto_dot_embedding__store__pb2.HealthResponse.SerializeToString,
+            ),
+            'Changes': grpc.unary_unary_rpc_method_handler(
+                    servicer.Changes,
+                    request_deserializer=embedding__store_dot_proto_dot_embedding__store__pb2.ChangesRequest.FromString,
+                    response_serializer=embedding__store_dot_proto_dot_embedding__store__pb2.ChangesResponse.SerializeToString,
+            ),
+            'RowsPage': grpc.unary_unary_rpc_method_handler(
+                    servicer.RowsPage,
+                    request_deserializer=embedding__store_dot_proto_dot_embedding__store__pb2.RowsPageRequest.FromString,
+                    response_serializer=embedding__store_dot_proto_dot_embedding__store__pb2.RowsPageResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -306,6 +341,60 @@ class EmbeddingStore:
             '/streamrec.embedding_store.v1.EmbeddingStore/Health',
             embedding__store_dot_proto_dot_embedding__store__pb2.HealthRequest.SerializeToString,
             embedding__store_dot_proto_dot_embedding__store__pb2.HealthResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Changes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/streamrec.embedding_store.v1.EmbeddingStore/Changes',
+            embedding__store_dot_proto_dot_embedding__store__pb2.ChangesRequest.SerializeToString,
+            embedding__store_dot_proto_dot_embedding__store__pb2.ChangesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RowsPage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/streamrec.embedding_store.v1.EmbeddingStore/RowsPage',
+            embedding__store_dot_proto_dot_embedding__store__pb2.RowsPageRequest.SerializeToString,
+            embedding__store_dot_proto_dot_embedding__store__pb2.RowsPageResponse.FromString,
             options,
             channel_credentials,
             insecure,
