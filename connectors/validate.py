@@ -217,7 +217,9 @@ def check(table: pa.Table, spec: FeatureSpec, marker: Marker | None = None) -> C
         columns[s.name] = _coerce_sparse(table, s, marker, absent)
     # The value pass.
     for name in spec.labels:
-        _check_label(columns[name], name, name in absent, marker)
+        # Scored records' labels are not used: absent or null they read as NaN.
+        if spec.labels_required:
+            _check_label(columns[name], name, name in absent, marker)
     for d in spec.dense:
         _check_dense(columns[d.name], d, marker)
     for s in spec.sparse:

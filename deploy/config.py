@@ -114,6 +114,22 @@ class ClusterConfig(_Strict):
     )
 
 
+class ServingConfig(_Strict):
+    """What the job publishes for prediction servers."""
+
+    publish_every_s: float | None = Field(
+        1.0,
+        gt=0,
+        description="rank 0 publishes the dense weights this often (None: never)",
+    )
+    dir: str | None = Field(
+        None,
+        description="where the dense weights are published (a path or URL every server "
+        "reaches); None: the checkpoint location's serving/",
+    )
+    keep: int = Field(3, ge=1, description="published versions kept")
+
+
 class JobConfig(_Strict):
     """A streamrec job: one YAML file, every section validated, unknown keys are errors."""
 
@@ -122,6 +138,7 @@ class JobConfig(_Strict):
     source: SourceConfig | None = None
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    serving: ServingConfig = Field(default_factory=ServingConfig)
     run_dir: Path = Field(Path("runs/job"), description="metrics, checkpoints, dead letters")
 
 

@@ -70,6 +70,7 @@ from trainer.loop import (
     pick_device,
     restore_job,
 )
+from trainer.publish import DensePublisher
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -175,6 +176,13 @@ def checkpoint_location(job: JobConfig) -> Location:
     """Where the job's manifests and dense states go: ``trainer.checkpoint.dir`` or the run's."""
     where = job.trainer.checkpoint.dir
     return Location.parse(where if where is not None else job.run_dir / "checkpoints")
+
+
+def serving_location(job: JobConfig) -> Location:
+    """Where rank 0 publishes the dense weights: ``serving.dir`` or the checkpoints' serving/."""
+    if job.serving.dir is not None:
+        return Location.parse(job.serving.dir)
+    return checkpoint_location(job).child("serving")
 
 
 # --- local services -----------------------------------------------------------------
@@ -454,6 +462,12 @@ def run_rank(
         deadletter = build_deadletter(job, rank)
         if deadletter is not None:
             stack.callback(deadletter.close)
+        publisher = None
+        if rank == 0 and job.serving.publish_every_s is not None:
+            publisher = DensePublisher(
+                serving_location(job), every_s=job.serving.publish_every_s, keep=job.serving.keep
+            )
+            stack.callback(publisher.close)
 
         def commit(m: JobManifest) -> None:
             if isinstance(source, KafkaSource):
@@ -571,6 +585,7 @@ def run_rank(
                 stats=stats,
                 step_threads=step_threads,
                 store_tables=job.store.tables,
+                publisher=publisher,
             )
             runner = StreamRunner(
                 dask,

@@ -26,6 +26,8 @@ same table always gives the same batch.
 
 from __future__ import annotations
 
+import math
+
 import numba as nb
 import numpy as np
 import numpy.typing as npt
@@ -207,8 +209,9 @@ def label_matrix(table: pa.Table, spec: FeatureSpec) -> F32:
     [[1.0, 0.0], [1.0, 1.0]]
     """
     out = np.empty((table.num_rows, len(spec.labels)), dtype=np.float32)
+    fill = None if spec.labels_required else math.nan
     for j, name in enumerate(spec.labels):
-        out[:, j] = _as_float64(_column(table, name, "label"), name, "label", None)
+        out[:, j] = _as_float64(_column(table, name, "label"), name, "label", fill)
     return out
 
 

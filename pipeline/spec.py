@@ -78,6 +78,19 @@ class FeatureSpec(_Strict):
     dense: list[DenseField] = Field(default_factory=list)
     sparse: list[SparseField] = Field(default_factory=list)
     max_record_bytes: int = Field(1 << 20, ge=64, description="larger records are bad")
+    labels_required: bool = Field(
+        True,
+        description="a record without a label is bad; False when records are scored, not "
+        "learned (a prediction server's): an absent or null label then reads as NaN",
+    )
+
+    def for_scoring(self) -> FeatureSpec:
+        """This spec for records that are scored: their labels may be absent.
+
+        >>> FeatureSpec(labels=["y"]).for_scoring().labels_required
+        False
+        """
+        return self.model_copy(update={"labels_required": False})
 
     @model_validator(mode="after")
     def _unique_names(self) -> FeatureSpec:

@@ -42,6 +42,7 @@ from trainer.ledger import Ledger
 from trainer.metrics import MetricsSnapshot, ProgressiveMetrics
 from trainer.models import build_model, field_dims, loss_fn, rate_logits
 from trainer.pooling import host_tensor, pool, row_grads, to_tensors
+from trainer.publish import DensePublisher
 from trainer.pusher import Pusher, PushFailed
 from trainer.split_step import SplitStep
 
@@ -398,6 +399,7 @@ class TrainLoop:
         stats: LoopStats | None = None,
         step_threads: int | None = None,
         store_tables: Mapping[str, TableConfig] | None = None,
+        publisher: DensePublisher | None = None,
     ) -> None:
         """``max_events``: this rank learns at most this many records (dead-lettered
         ones included) and then ends its stream (``stopped_by`` "max_events").
@@ -416,6 +418,7 @@ class TrainLoop:
         ``store_tables``: the store's table configs (the job's ``store.tables``), with
         which fresh rows predict what the push in flight does instead of waiting for
         it; None: an in-process store's own, else the push in flight is not waited for.
+        ``publisher``: publishes the dense weights for prediction servers (rank 0's).
         """
         self.config = config
         self.best_auc = best_auc
@@ -435,6 +438,7 @@ class TrainLoop:
         self.stop = stop or threading.Event()
         self.on_progress = on_progress
         self.store_changed = store_changed
+        self.publisher = publisher
         self.before_checkpoint = before_checkpoint
         self.initial_checkpoint = initial_checkpoint
         self.metrics = ProgressiveMetrics(window=config.metrics_window)
@@ -707,6 +711,12 @@ class TrainLoop:
                     exhausted, end_reason = True, "max_events"
             self.step += 1
             self.stats.steps += 1
+            if self.publisher is not None:
+                self.publisher.maybe_publish(
+                    step=self.step,
+                    samples=self.samples_before + self._learned,
+                    module=self.dense.module,
+                )
             # The staleness bound: the next lookup may miss at most this many pushes.
             try:
                 if in_rank_order:

@@ -22,10 +22,12 @@ from connectors.synthetic import (
     write_parquet,
 )
 from deploy.train_cli import ProgressLine, demo_job
+from embedding_store.location import Location
 from tests.conftest import streamrec, write_synthetic_job
 from tests.kafka_fixtures import KafkaForTests
 from trainer.checkpoint import CheckpointBook
 from trainer.ledger import ledger_entries
+from trainer.publish import published
 
 TRAINER: dict[str, Any] = {
     "mode": "hybrid",
@@ -88,6 +90,10 @@ def test_run_from_kafka_commits_what_it_learned_and_resumes_there(
     assert sum(m1.positions.values()) == 1500  # records, the bad ones included
     # Offsets are committed to the group exactly as far as the checkpoint learned.
     assert committed_offsets(source, m1.positions) == m1.positions
+    # Rank 0 published its dense weights for prediction servers as it trained.
+    serving = Location.parse(tmp_path / "run" / "checkpoints" / "serving")
+    first_published = published(serving)
+    assert first_published, "no dense weights published"
 
     # A continuous job on a topic that stops growing: exactly what is left, 4003 - 1500.
     second = streamrec("run", str(job), "--max-events", "2503")
@@ -96,6 +102,10 @@ def test_run_from_kafka_commits_what_it_learned_and_resumes_there(
     assert m2 is not None
     assert m2.positions == {f"{topic}/0": 2003, f"{topic}/1": 2000}
     assert m2.samples == 4000  # every good event learned once, across the two runs
+    # Versions count on across the job's runs: a server never goes back.
+    newest = published(serving)[-1]
+    assert newest.version > first_published[-1].version
+    assert newest.samples <= 4000
     dead = [
         json.loads(line)
         for f in (tmp_path / "run").glob("deadletter-rank*.jsonl")

@@ -1,0 +1,153 @@
+"""The serving model against the trainer's own forward, and published dense versions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from connectors.codecs import make_codec
+from connectors.types import Chunk, RawChunk
+from embedding_store.client import StoreClient
+from embedding_store.location import Location
+from embedding_store.replica import ShardFollower
+from embedding_store.shard import StoreShard
+from embedding_store.types import StoreConfig
+from pipeline.batch import build_batch
+from pipeline.spec import FeatureSpec
+from serving.model import DenseFollower, ServingModel
+from serving.types import BadRecords
+from trainer.config import TrainerConfig
+from trainer.loop import DenseModel
+from trainer.pooling import pool, to_tensors
+from trainer.publish import DensePublisher, published
+
+SPEC = FeatureSpec.model_validate(
+    {
+        "labels": ["click", "like"],
+        "dense": [{"name": "price"}],
+        "sparse": [
+            {"name": "user", "table": "users"},
+            {"name": "tags", "table": "tags", "type": "list_string", "pooling": "mean"},
+        ],
+    }
+)
+STORE = StoreConfig(
+    tables={
+        "users": {"dim": 4, "optimizer": {"kind": "sgd", "lr": 0.5}},
+        "tags": {"dim": 3, "optimizer": {"kind": "sgd", "lr": 0.5}},
+    }
+)
+RECORDS = [
+    b'{"user": "u1", "price": 2.5, "tags": ["a", "b"]}',
+    b'{"user": "u2", "price": 0.5, "tags": []}',
+    b'{"user": "u1", "price": 1.0, "tags": ["c"], "click": 1}',
+]
+
+
+def _trainer_forward(dense: DenseModel, training: StoreShard, records: list[bytes]) -> np.ndarray:
+    """What the trainer computes for these records: its batch, its rows, its module."""
+    n = len(records)
+    raw = RawChunk(Chunk("s", "p", 0, n), np.arange(n), records)
+    table, bad = make_codec("json").decode(raw, SPEC.for_scoring())
+    assert not bad
+    batch = build_batch(table, SPEC.for_scoring())
+    for name, tb in batch.tables.items():
+        tb.rows = training.peek({name: tb.unique_ids})[name].weights
+    with torch.no_grad():
+        bt = to_tensors(batch, SPEC)
+        return torch.sigmoid(dense.module(bt.dense, pool(bt, SPEC))).numpy()
+
+
+def test_serving_agrees_with_the_trainers_forward_and_follows_new_versions(
+    tmp_path: Path,
+) -> None:
+    config = TrainerConfig()
+    training = StoreShard(STORE)
+    replica = StoreShard(STORE, read_only=True)
+    follower = ShardFollower(replica, training)
+    dims = {n: t.dim for n, t in STORE.tables.items()}
+    dense = DenseModel(config, SPEC, dims, torch.device("cpu"))
+    where = Location.parse(tmp_path / "serving")
+    publisher = DensePublisher(where, every_s=0.0)
+    dense_follower = DenseFollower(where, config, SPEC, dims)
+    with StoreClient.from_shards([replica]) as rows:
+        model = ServingModel("m", SPEC, make_codec("json"), rows, dense_follower)
+        assert not model.ready()
+        publisher.maybe_publish(step=3, samples=30, module=dense.module)
+        publisher.close()
+        assert dense_follower.refresh()
+        assert model.ready()
+
+        # Learn the records' rows on the training shard; the replica follows.
+        n = len(RECORDS)
+        raw = RawChunk(Chunk("s", "p", 0, n), np.arange(n), RECORDS)
+        batch = build_batch(
+            make_codec("json").decode(raw, SPEC.for_scoring())[0], SPEC.for_scoring()
+        )
+        for name, tb in batch.tables.items():
+            training.lookup({name: tb.unique_ids})
+            grads = np.ones((tb.unique_ids.shape[0], STORE.tables[name].dim), np.float32)
+            training.push({name: (tb.unique_ids, grads * 0.3)})
+        assert follower.sync_once()
+
+        got = model.predict(RECORDS)
+        want = _trainer_forward(dense, training, RECORDS)
+        for j, head in enumerate(SPEC.labels):
+            np.testing.assert_allclose(got.probabilities[head], want[:, j], atol=1e-5)
+        assert got.parameters["dense_version"] == 1
+        assert got.parameters["dense_step"] == 3
+        assert got.parameters["samples_learned"] == 30
+
+        # A newer version is swapped in whole; an older one never comes back.
+        with torch.no_grad():
+            for p in dense.module.parameters():
+                p.add_(0.1)
+        publisher = DensePublisher(where, every_s=0.0)
+        publisher.maybe_publish(step=9, samples=90, module=dense.module)
+        publisher.close()
+        assert dense_follower.refresh()
+        after = model.predict(RECORDS)
+        assert after.parameters["dense_version"] == 2
+        want = _trainer_forward(dense, training, RECORDS)
+        np.testing.assert_allclose(after.probabilities["click"], want[:, 0], atol=1e-5)
+        assert not np.allclose(after.probabilities["click"], got.probabilities["click"])
+        assert [d.version for d in published(where)] == [1, 2]
+
+
+def test_bad_records_name_their_index_field_and_reason(tmp_path: Path) -> None:
+    config = TrainerConfig()
+    dims = {n: t.dim for n, t in STORE.tables.items()}
+    dense = DenseModel(config, SPEC, dims, torch.device("cpu"))
+    where = Location.parse(tmp_path / "serving")
+    publisher = DensePublisher(where, every_s=0.0)
+    publisher.maybe_publish(step=1, samples=1, module=dense.module)
+    publisher.close()
+    follower = DenseFollower(where, config, SPEC, dims)
+    follower.refresh()
+    with StoreClient.from_shards([StoreShard(STORE, read_only=True)]) as rows:
+        model = ServingModel("m", SPEC, make_codec("json"), rows, follower)
+        with pytest.raises(BadRecords) as caught:
+            model.predict([RECORDS[0], b'{"user": 5}', b"{not json"])
+    errors = caught.value.errors
+    assert [(e.index, e.field, e.reason) for e in errors] == [
+        (1, "user", "sparse_wrong_type"),
+        (2, None, "not_json"),
+    ]
+
+
+def test_a_publisher_started_again_counts_on_from_the_newest_version(tmp_path: Path) -> None:
+    where = Location.parse(tmp_path)
+    module = torch.nn.Linear(2, 1)
+    for step in (5, 6):
+        publisher = DensePublisher(where, every_s=0.0, keep=1)
+        assert publisher.maybe_publish(step=step, samples=step, module=module)
+        publisher.close()
+    [only] = published(where)
+    assert (only.version, only.step) == (2, 6)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["DENSE-000000000002.json", "dense-000000000002.pt"], names
+    assert json.loads((tmp_path / names[0]).read_text())["file"] == names[1]
