@@ -972,10 +972,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     torchrun.set_defaults(func=lambda a: _exec_stock(stock_command(a)))
 
+    from deploy.serve_cli import add_commands as add_serving_commands
     from deploy.train_cli import add_commands
     from monitoring.report import add_report_command
 
     add_commands(sub)
+    add_serving_commands(sub)
     add_report_command(sub)
     return parser
 

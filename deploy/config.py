@@ -128,6 +128,20 @@ class ServingConfig(_Strict):
         "reaches); None: the checkpoint location's serving/",
     )
     keep: int = Field(3, ge=1, description="published versions kept")
+    store: str | None = Field(
+        None,
+        description="grpc://host:port,... of the serving replicas (`streamrec store replica`), "
+        "one per training shard in shard order, that `streamrec serve` reads rows from; None: "
+        "cluster.store (the training shards themselves)",
+    )
+    model_name: str = Field("streamrec", pattern=r"^[A-Za-z0-9_.-]+$", description="in URLs")
+    host: str = Field("127.0.0.1", description="the address `streamrec serve` binds")
+    port: int = Field(8000, ge=0, le=65535, description="its HTTP port (0: any free one)")
+    token_file: Path | None = Field(
+        None, description="requests must carry `Authorization: Bearer <this file's token>`"
+    )
+    max_request_bytes: int = Field(16 << 20, ge=1024, description="larger requests get 413")
+    poll_s: float = Field(0.2, gt=0, description="how often a server looks for new weights")
 
 
 class JobConfig(_Strict):

@@ -26,10 +26,12 @@ from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
+import pyarrow as pa
 import torch
 
 from connectors.codecs import Codec
-from connectors.types import Chunk, RawChunk
+from connectors.types import BadRecord, Chunk, RawChunk
+from connectors.validate import POSITION, validate
 from embedding_store.location import Location
 from pipeline.batch import build_batch
 from pipeline.spec import FeatureSpec
@@ -128,6 +130,35 @@ class DenseFollower:
             self._thread.join(timeout=10)
 
 
+class DenseSource(Protocol):
+    """Where a model's dense network comes from: the newest published, or a fixed one."""
+
+    @property
+    def current(self) -> DenseVersion | None: ...
+
+
+@dataclass(frozen=True)
+class FixedDense:
+    """One dense version that never changes (scoring a file from a job checkpoint)."""
+
+    current: DenseVersion
+
+
+@dataclass(frozen=True)
+class Scored:
+    """A batch's good records scored, and its bad ones.
+
+    ``positions``: each scored record's index in the batch; ``probabilities``:
+    ``[len(positions), heads]``; ``labels`` likewise (NaN where a record has none).
+    """
+
+    positions: npt.NDArray[np.int64]
+    probabilities: npt.NDArray[np.float32]
+    labels: npt.NDArray[np.float32]
+    bad: list[BadRecord]
+    parameters: dict[str, int | float | str]
+
+
 class ServingModel:
     """Scores records as the trainer would, with the newest parameters it has."""
 
@@ -137,18 +168,17 @@ class ServingModel:
         spec: FeatureSpec,
         codec: Codec,
         rows: RowReader,
-        dense: DenseFollower,
+        dense: DenseSource,
         *,
-        sparse_version: object = None,
+        labels_required: bool = False,
     ) -> None:
-        """``sparse_version``: a callable giving the rows' version for responses (optional)."""
+        """``labels_required``: records without labels are bad (evaluating, not serving)."""
         self.name = name
-        self.spec = spec.for_scoring()
+        self.spec = spec if labels_required else spec.for_scoring()
         self.heads = tuple(spec.labels)
         self.codec = codec
         self.rows = rows
         self.dense = dense
-        self._sparse_version = sparse_version
 
     def ready(self) -> bool:
         return self.dense.current is not None
@@ -160,17 +190,41 @@ class ServingModel:
             "heads": list(self.heads),
         }
 
-    def predict(self, records: Sequence[bytes]) -> Prediction:
-        """One probability per head for each record; ``BadRecords`` names every bad one."""
+    def _version(self) -> DenseVersion:
         version = self.dense.current
         if version is None:
             msg = "no dense weights published yet"
             raise RuntimeError(msg)
+        return version
+
+    def score_records(self, records: Sequence[bytes]) -> Scored:
+        """Decode and score ``records`` (bytes in the job's format); bad ones are returned."""
+        version = self._version()
         n = len(records)
         raw = RawChunk(Chunk("serve", "request", 0, n), np.arange(n, dtype=np.int64), records)
         table, bad = self.codec.decode(raw, self.spec)
-        if bad:
-            raise BadRecords([RecordError(b.position, b.field, b.reason, b.detail) for b in bad])
+        return self._score(table, bad, version)
+
+    def score_table(self, table: pa.Table) -> Scored:
+        """Validate and score an Arrow table of records (a Parquet file's rows)."""
+        version = self._version()
+        n = table.num_rows
+        raw = RawChunk(Chunk("file", "rows", 0, n), np.arange(n, dtype=np.int64), table=table)
+        good, bad = validate(table, self.spec, raw)
+        return self._score(good, bad, version)
+
+    def _score(self, table: pa.Table, bad: list[BadRecord], version: DenseVersion) -> Scored:
+        entry = version.entry
+        parameters: dict[str, int | float | str] = {
+            "dense_version": entry.version,
+            "dense_step": entry.step,
+            "samples_learned": entry.samples,
+        }
+        positions = np.asarray(table.column(POSITION).to_numpy(), dtype=np.int64)
+        heads = len(self.heads)
+        if table.num_rows == 0:
+            empty = np.zeros((0, heads), np.float32)
+            return Scored(positions, empty, empty, bad, parameters)
         batch = build_batch(table, self.spec)
         if batch.tables:
             rows = self.rows.lookup(
@@ -181,16 +235,17 @@ class ServingModel:
         with torch.no_grad():
             bt = to_tensors(batch, self.spec)
             logits = version.module(bt.dense, pool(bt, self.spec))
-            probs = torch.sigmoid(logits).numpy()
-        entry = version.entry
-        parameters: dict[str, int | float | str] = {
-            "dense_version": entry.version,
-            "dense_step": entry.step,
-            "samples_learned": entry.samples,
-        }
-        if callable(self._sparse_version):
-            parameters["sparse_version"] = self._sparse_version()
+            probs = torch.sigmoid(logits).numpy().astype(np.float32, copy=False)
+        return Scored(positions, probs, batch.labels, bad, parameters)
+
+    def predict(self, records: Sequence[bytes]) -> Prediction:
+        """One probability per head for each record; ``BadRecords`` names every bad one."""
+        scored = self.score_records(records)
+        if scored.bad:
+            raise BadRecords(
+                [RecordError(b.position, b.field, b.reason, b.detail) for b in scored.bad]
+            )
         return Prediction(
-            probabilities={h: probs[:, j].astype(np.float32) for j, h in enumerate(self.heads)},
-            parameters=parameters,
+            probabilities={h: scored.probabilities[:, j] for j, h in enumerate(self.heads)},
+            parameters=scored.parameters,
         )

@@ -1,57 +1,189 @@
-"""The types a prediction server and the model behind it share.
+"""Types of the prediction server, all in one module: the model protocol, its results, errors.
 
->>> err = RecordError(index=2, field="user", reason="sparse_wrong_type", detail="...")
->>> str(BadRecords([err]))
-"record 2: field 'user': sparse_wrong_type (...)"
+A model is anything with the shape of :class:`Predictor`; the protocol layer
+(``oip.py``) and the HTTP shell (``http.py``) know nothing else about it.
+
+>>> import numpy as np
+>>> p = Prediction({"click": np.array([0.25], np.float32)}, {"dense_version": 7})
+>>> p.n, p.parameters["dense_version"]
+(1, 7)
+>>> err = BadRecords([RecordError(2, "user_id", "missing_field", "no key 'user_id'")])
+>>> str(err)
+'bad record at index 2, field "user_id": missing_field (no key \\'user_id\\')'
+>>> OipError(400, 'inputs[0].datatype: expected "BYTES", got "FP32"').status
+400
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
+__all__ = [
+    "BadRecords",
+    "EncodedResponse",
+    "InferRequest",
+    "OipError",
+    "Prediction",
+    "Predictor",
+    "RecordError",
+    "RequestedOutput",
+]
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What a model returns for ``n`` records.
+
+    ``probabilities`` holds one float32 array of shape ``[n]`` per label head;
+    ``parameters`` travels to the client as the response's ``parameters``
+    (e.g. ``dense_version``, ``sparse_version``, ``samples_learned``).
+    """
+
+    probabilities: Mapping[str, npt.NDArray[np.float32]]
+    parameters: Mapping[str, int | float | str] = field(default_factory=dict)
+
+    @property
+    def n(self) -> int:
+        """The number of records scored (the length of the first head's array; 0 if none)."""
+        for values in self.probabilities.values():
+            return int(values.shape[0])
+        return 0
+
+
+@dataclass(frozen=True, slots=True)
 class RecordError:
-    """One bad record of a request: its index, the field at fault and the reason."""
+    """Why one record of a request could not be scored.
+
+    ``reason`` is a short machine-readable kind (``"not_json"``, ``"missing_field"``,
+    ``"nan"``, ...); ``field`` is ``None`` when the record as a whole is bad.
+    """
 
     index: int
     field: str | None
-    reason: str  # the dead-letter reasons: "not_json", "sparse_wrong_type", ...
+    reason: str
     detail: str
+
+    def to_json(self) -> dict[str, object]:
+        """The record's entry in a 400 response's ``records`` list.
+
+        >>> RecordError(0, None, "not_json", "Expecting value").to_json()
+        {'index': 0, 'field': None, 'reason': 'not_json', 'detail': 'Expecting value'}
+        """
+        return {
+            "index": self.index,
+            "field": self.field,
+            "reason": self.reason,
+            "detail": self.detail,
+        }
+
+    def describe(self) -> str:
+        """One line naming the record's index, field and reason.
+
+        >>> RecordError(3, None, "not_json", "Expecting value").describe()
+        'bad record at index 3: not_json (Expecting value)'
+        """
+        where = (
+            f"index {self.index}"
+            if self.field is None
+            else (f'index {self.index}, field "{self.field}"')
+        )
+        detail = f" ({self.detail})" if self.detail else ""
+        return f"bad record at {where}: {self.reason}{detail}"
 
 
 class BadRecords(ValueError):
-    """A request's records that cannot be scored (every one, in request order)."""
+    """``Predictor.predict`` raises it when records of the request cannot be scored.
+
+    The server answers 400 listing every error; nothing of the request is scored.
+    """
 
     def __init__(self, errors: Sequence[RecordError]) -> None:
-        self.errors = list(errors)
-        first = self.errors[0]
-        where = f"field {first.field!r}: " if first.field else ""
-        more = f" and {len(self.errors) - 1} more" if len(self.errors) > 1 else ""
-        super().__init__(f"record {first.index}: {where}{first.reason} ({first.detail}){more}")
+        if not errors:
+            msg = "BadRecords: errors is empty; raise it with at least one RecordError"
+            raise ValueError(msg)
+        self.errors: list[RecordError] = list(errors)
+        super().__init__(
+            self.errors[0].describe()
+            + (f" (and {len(self.errors) - 1} more bad records)" if len(self.errors) > 1 else "")
+        )
 
 
-@dataclass(frozen=True)
-class Prediction:
-    """One probability per record for each label head, and the versions that made them."""
+class OipError(Exception):
+    """A request the protocol layer refuses: ``status`` is the HTTP status to answer.
 
-    probabilities: Mapping[str, npt.NDArray[np.float32]]
-    parameters: Mapping[str, int | float | str]
+    ``message`` names the field and the value at fault; ``reason`` is the label
+    the server counts the error under (``streamrec_serve_errors_total``).
+    """
+
+    def __init__(self, status: int, message: str, reason: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.reason = reason
 
 
+@runtime_checkable
 class Predictor(Protocol):
-    """What a prediction server serves."""
+    """The model behind the server (read-only properties accept plain attributes too)."""
+
+    @property
+    def name(self) -> str:
+        """The model name in URLs (``/v2/models/{name}/infer``)."""
+        ...
+
+    @property
+    def heads(self) -> tuple[str, ...]:
+        """Label heads, one output each."""
+        ...
+
+    def ready(self) -> bool:
+        """False until the parameters are loaded, or while they are catching up."""
+        ...
+
+    def predict(self, records: Sequence[bytes]) -> Prediction:
+        """Score records (each in the job's own format); raises :class:`BadRecords`."""
+        ...
+
+    def metadata(self) -> Mapping[str, object]:
+        """Extra model metadata (versions etc.); a ``"version"`` key names the model version."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class RequestedOutput:
+    """One entry of a request's ``outputs``: a head, and whether to send it as binary data."""
 
     name: str
-    heads: tuple[str, ...]
+    binary: bool = False
 
-    def ready(self) -> bool: ...
 
-    def predict(self, records: Sequence[bytes]) -> Prediction: ...
+@dataclass(frozen=True, slots=True)
+class InferRequest:
+    """A checked infer request.
 
-    def metadata(self) -> Mapping[str, object]: ...
+    ``outputs`` is ``None`` when the request named none (every head is sent,
+    as binary data when ``binary_output``, the request's ``binary_data_output``).
+    """
+
+    id: str | None
+    records: list[bytes]
+    outputs: tuple[RequestedOutput, ...] | None = None
+    binary_output: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedResponse:
+    """A response body; ``header_length`` is the JSON part's length when binary data follows."""
+
+    body: bytes
+    header_length: int | None = None
+
+    @property
+    def content_type(self) -> str:
+        """``application/json``, or ``application/octet-stream`` when binary data follows."""
+        return "application/json" if self.header_length is None else "application/octet-stream"

@@ -741,6 +741,14 @@ class TrainLoop:
                 last_report = time.monotonic()
         if self.config.mode == "async":
             self.sync.average()  # the job ends with one dense network, not one per rank
+        if self.publisher is not None and self.publisher.step != self.step:
+            # Servers get the weights the job ends with (its last checkpoint's).
+            self.publisher.maybe_publish(
+                step=self.step,
+                samples=self.samples_before + self._learned,
+                module=self.dense.module,
+                force=True,
+            )
         if (
             self.checkpointer is not None
             and self.config.checkpoint.on_exit

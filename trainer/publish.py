@@ -86,16 +86,25 @@ class DensePublisher:
         self._pool = cf.ThreadPoolExecutor(1, thread_name_prefix="streamrec-publish")
         self._pending: cf.Future[None] | None = None
         self.failures = 0
+        self.step = -1  # of the newest version published by this publisher
 
-    def maybe_publish(self, *, step: int, samples: int, module: torch.nn.Module) -> bool:
-        """Publish now when ``every_s`` has passed and the previous one is written."""
+    def maybe_publish(
+        self, *, step: int, samples: int, module: torch.nn.Module, force: bool = False
+    ) -> bool:
+        """Publish now when ``every_s`` has passed and the previous one is written.
+
+        ``force``: publish in any case, after the one in flight (the job's last state).
+        """
         now = time.monotonic()
-        if now - self._last < self.every_s:
+        if not force and now - self._last < self.every_s:
             return False
         if self._pending is not None and not self._pending.done():
-            return False  # a slow store: skip, never queue up copies of the weights
+            if not force:
+                return False  # a slow store: skip, never queue up copies of the weights
+            self._pending.result()
         self._last = now
         self.version += 1
+        self.step = step
         state = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
         entry = PublishedDense(
             version=self.version,

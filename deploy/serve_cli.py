@@ -1,0 +1,315 @@
+"""``streamrec score`` and ``streamrec evaluate``: a file scored with a job's parameters."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from deploy.status_line import StatusLine, progress_bar
+
+
+def _model(args: argparse.Namespace, command: str, *, labels_required: bool) -> Any:
+    """The job's ServingModel with the parameters asked for, or an exit code."""
+    from connectors.codecs import make_codec
+    from deploy.config import ConfigError, load_config
+    from deploy.job import build_codec, checkpoint_location
+    from embedding_store.client import StoreClient
+    from serving.model import FixedDense, ServingModel
+    from serving.offline import OfflineError, checkpoint_dense, checkpoint_rows, pick_checkpoint
+    from trainer.checkpoint import CheckpointBook, JobCheckpointError
+
+    try:
+        job = load_config(args.job)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    if job.features is None:
+        print(f"streamrec {command}: {args.job} has no `features:` section", file=sys.stderr)
+        return 2
+    dims = {name: t.dim for name, t in job.store.tables.items()}
+    book = CheckpointBook(checkpoint_location(job))
+    try:
+        manifest = pick_checkpoint(book, args.checkpoint)
+        dense = checkpoint_dense(book, manifest, job.trainer, job.features, dims)
+        shards = args.shards or [
+            str(job.run_dir / "store" / f"shard-{i:03d}") for i in range(len(manifest.shard_seqs))
+        ]
+        rows = StoreClient.from_shards([checkpoint_rows(job.store, manifest, shards)])
+    except (OfflineError, JobCheckpointError, OSError) as exc:
+        print(f"streamrec {command}: {exc}", file=sys.stderr)
+        return 2
+    codec = build_codec(job) or make_codec("json")
+    print(
+        f"streamrec {command}: checkpoint step {manifest.step} ({manifest.samples:,} samples "
+        f"learned) from {book.location}",
+        flush=True,
+    )
+    return ServingModel(
+        "streamrec", job.features, codec, rows, FixedDense(dense), labels_required=labels_required
+    )
+
+
+def _score_with_progress(model: Any, path: Path, batch: int) -> Any:
+    from serving.offline import count_records, score_file
+
+    total = max(1, count_records(path))
+    status = StatusLine(sys.stdout)
+
+    def show(done: int) -> None:
+        status.show(f"{progress_bar(done / total)} {done:,}/{total:,} records")
+
+    scores = score_file(model, path, batch=batch, on_progress=show)
+    status.done()
+    return scores
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    from serving.offline import OfflineError, write_scores
+
+    model = _model(args, "score", labels_required=False)
+    if isinstance(model, int):
+        return model
+    try:
+        scores = _score_with_progress(model, args.source, args.batch)
+    except OfflineError as exc:
+        print(f"streamrec score: {exc}", file=sys.stderr)
+        return 2
+    rejected = write_scores(scores, args.out)
+    scored = scores.records - len(scores.bad)
+    print(f"streamrec score: {scored:,} of {scores.records:,} records scored into {args.out}")
+    if rejected is not None:
+        print(
+            f"streamrec score: {len(scores.bad):,} bad records not scored, with their reasons, "
+            f"in {rejected}"
+        )
+    return 0
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    from serving.offline import OfflineError, evaluate_scores
+
+    model = _model(args, "evaluate", labels_required=True)
+    if isinstance(model, int):
+        return model
+    try:
+        scores = _score_with_progress(model, args.source, args.batch)
+    except OfflineError as exc:
+        print(f"streamrec evaluate: {exc}", file=sys.stderr)
+        return 2
+    result = evaluate_scores(scores)
+    reasons: dict[str, int] = {}
+    for b in scores.bad:
+        reasons[b.reason] = reasons.get(b.reason, 0) + 1
+    for head, m in result.items():
+        fmt = {k: "-" if v is None else f"{v:.4f}" for k, v in m.items() if k != "samples"}
+        print(
+            f"{head}: AUC {fmt['auc']}, logloss {fmt['logloss']}, calibration "
+            f"{fmt['calibration']} over {m['samples']:,} records"
+        )
+    if reasons:
+        listed = ", ".join(f"{r} {n}" for r, n in sorted(reasons.items()))
+        print(f"streamrec evaluate: {len(scores.bad):,} bad records left out ({listed})")
+    if args.json is not None:
+        body = {"heads": result, "records": scores.records, "bad": reasons}
+        args.json.write_text(json.dumps(body, indent=1) + "\n")
+    return 0
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("job", type=Path, help="the job YAML")
+    parser.add_argument(
+        "--from",
+        dest="source",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="records: a JSON-lines file in the job's format, or a Parquet file (.parquet)",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        type=int,
+        metavar="STEP",
+        help="the job checkpoint at this step (default: the newest)",
+    )
+    parser.add_argument(
+        "--shards",
+        nargs="+",
+        metavar="DIR_OR_URL",
+        help=(
+            "each store shard's checkpoint folder (data dir or snapshot URL), in shard order "
+            "(default: the local job's run_dir/store/shard-NNN)"
+        ),
+    )
+    parser.add_argument("--batch", type=int, default=4096, help="records scored at once (4096)")
+
+
+def add_commands(sub: Any) -> None:
+    """Add ``score`` and ``evaluate`` to the ``streamrec`` parser."""
+    score = sub.add_parser(
+        "score",
+        help="score a file of records with a job checkpoint's parameters",
+        description=(
+            "Score every record of a JSON-lines or Parquet file with one job checkpoint's "
+            "dense weights and store rows (restored in this process: the job need not run), "
+            "with the job's own decoding, hashing and pooling. Writes a Parquet file with the "
+            "record's position and one probability per label head; bad records go, with "
+            "their reasons, to OUT.rejected.jsonl. Labels are not needed."
+        ),
+    )
+    _common(score)
+    score.add_argument("--to", dest="out", type=Path, required=True, metavar="OUT.parquet")
+    score.set_defaults(func=cmd_score)
+    evaluate = sub.add_parser(
+        "evaluate",
+        help="AUC, logloss and calibration per head on a held-out file, without training",
+        description=(
+            "Score a labelled held-out file as `streamrec score` does and print AUC, logloss "
+            "and calibration (mean prediction over mean label) per label head. Records without "
+            "a label are left out and counted by reason."
+        ),
+    )
+    _common(evaluate)
+    evaluate.add_argument("--json", type=Path, metavar="PATH", help="also write the figures here")
+    evaluate.set_defaults(func=cmd_evaluate)
+    add_serve_command(sub)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from connectors.codecs import make_codec
+    from deploy.config import ConfigError, load_config
+    from deploy.job import build_codec, serving_location
+    from embedding_store.client import StoreClient
+    from embedding_store.errors import StoreError
+    from serving.http import InferenceServer
+    from serving.model import DenseFollower, ServingModel
+
+    try:
+        job = load_config(args.job)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    cfg = job.serving
+    if job.features is None:
+        print(f"streamrec serve: {args.job} has no `features:` section", file=sys.stderr)
+        return 2
+    store = args.store or cfg.store or job.cluster.store
+    if store is None:
+        print(
+            "streamrec serve: give the serving replicas with --store grpc://HOST:PORT,... "
+            "(or serving.store in the job YAML)",
+            file=sys.stderr,
+        )
+        return 2
+    token = None
+    token_file = args.token_file or cfg.token_file
+    if token_file is not None:
+        from deploy.store_server import read_token
+
+        token = read_token(token_file)
+    store_token = None
+    store_token_file = args.store_token_file or job.cluster.token_file
+    if store_token_file is not None:
+        from deploy.store_server import read_token
+
+        store_token = read_token(store_token_file)
+    try:
+        rows = StoreClient.connect(store, token=store_token)
+    except (StoreError, ValueError) as exc:
+        print(f"streamrec serve: --store {store}: {exc}", file=sys.stderr)
+        return 2
+    dims = {name: t.dim for name, t in job.store.tables.items()}
+    where = serving_location(job)
+    dense = DenseFollower(where, job.trainer, job.features, dims, poll_s=cfg.poll_s)
+    dense.start()
+    model = ServingModel(cfg.model_name, job.features, build_codec(job) or make_codec("json"),
+                         rows, dense)  # fmt: skip
+    port = cfg.port if args.port is None else args.port
+    server = InferenceServer(
+        model,
+        host=args.host or cfg.host,
+        port=port,
+        token=token,
+        max_request_bytes=cfg.max_request_bytes,
+    )
+    try:
+        url = server.start()
+    except OSError as exc:
+        print(f"streamrec serve: cannot listen on port {port}: {exc}", file=sys.stderr)
+        return 2
+    auth = f" -H 'Authorization: Bearer {token}'" if token is not None else ""
+    example = _example_record(job)
+    print(
+        f"streamrec serve: model {cfg.model_name!r} on {url} (rows from {store}, dense weights "
+        f"from {where}; ready once a version is published)\n"
+        f"  curl -s {url}/v2/models/{cfg.model_name}/infer{auth} -H 'Content-Type: "
+        f"application/json' -d '{example}'",
+        flush=True,
+    )
+    import signal
+    import threading
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    announced = False
+    while not stop.wait(0.2):
+        if not announced and model.ready():
+            current = dense.current
+            assert current is not None
+            print(f"streamrec serve: ready with dense version {current.entry.version}", flush=True)
+            announced = True
+    server.stop()
+    dense.close()
+    rows.close()
+    print("streamrec serve: stopped", flush=True)
+    return 0
+
+
+def _example_record(job: Any) -> str:
+    """A one-record infer request body for the job's features (JSON, for the curl line)."""
+    record: dict[str, object] = {}
+    for d in job.features.dense:
+        record[d.name] = 1.0
+    for s in job.features.sparse:
+        record[s.name] = 1 if s.type == "int" else (["a"] if s.type.startswith("list") else "a")
+    body = {
+        "inputs": [
+            {"name": "records", "datatype": "BYTES", "shape": [1], "data": [json.dumps(record)]}
+        ]
+    }
+    return json.dumps(body, separators=(",", ":"))
+
+
+def add_serve_command(sub: Any) -> None:
+    """Add ``serve`` to the ``streamrec`` parser."""
+    serve = sub.add_parser(
+        "serve",
+        help="answer predictions over HTTP (Open Inference Protocol) while the job trains",
+        description=(
+            "Serve the job's model over HTTP in the Open Inference Protocol (KServe v2, as "
+            "Triton and MLServer speak it): POST /v2/models/NAME/infer with an input `records` "
+            "(BYTES, one record in the job's format per element) gives one FP32 output per "
+            "label head, and the versions used in the response's parameters. Rows come from "
+            "the serving replicas (--store), the dense weights from the newest version rank 0 "
+            "published (serving.dir); /v2/health/ready answers 200 once one is loaded. "
+            "Prometheus metrics at /metrics."
+        ),
+    )
+    serve.add_argument("job", type=Path, help="the job YAML (its features:, store: and serving:)")
+    serve.add_argument(
+        "--store", metavar="grpc://HOST:PORT,...", help="the serving replicas (serving.store)"
+    )
+    serve.add_argument("--host", help="address to bind (serving.host, 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="HTTP port (serving.port, 8000; 0: any free)")
+    serve.add_argument(
+        "--token-file", type=Path, help="require this token from clients (serving.token_file)"
+    )
+    serve.add_argument(
+        "--store-token-file",
+        type=Path,
+        help="the store's token, for the replicas (cluster.token_file)",
+    )
+    serve.set_defaults(func=cmd_serve)

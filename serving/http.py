@@ -1,0 +1,598 @@
+"""The HTTP shell of ``streamrec serve``: tornado handlers around the pure ``oip`` functions.
+
+Endpoints (the Open Inference Protocol, KServe v2): ``GET /v2/health/live``,
+``GET /v2/health/ready``, ``GET /v2``, ``GET /v2/models/{name}[/versions/{v}]``,
+``.../ready``, ``POST .../infer``, and ``GET /metrics`` (Prometheus text, from a
+registry of the server's own). With a token, every endpoint but
+``/v2/health/live`` needs ``Authorization: Bearer <token>``.
+
+Input never causes a 500: the protocol layer turns whatever is wrong with a
+request into a 400 naming the field and the value; an exception inside the
+model is a 500, logged with its traceback, and the server keeps serving.
+
+>>> import urllib.request, numpy as np
+>>> from serving.types import Prediction
+>>> class Constant:
+...     name, heads = "const", ("click",)
+...     def ready(self): return True
+...     def metadata(self): return {}
+...     def predict(self, records):
+...         return Prediction({"click": np.full(len(records), 0.5, np.float32)})
+>>> with InferenceServer(Constant()) as server:
+...     body = (b'{"inputs": [{"name": "records", "datatype": "BYTES", "shape": [1],'
+...             b' "data": ["{}"]}]}')
+...     reply = urllib.request.urlopen(server.url + "/v2/models/const/infer", body)
+...     reply.read()
+b'{"model_name":"const","id":"","parameters":{},"outputs":[{"name":"click","datatype":"FP32","shape":[1],"data":[0.5]}]}'
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import importlib.metadata
+import logging
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, ClassVar, Final
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import generate_latest
+from tornado.http1connection import HTTP1Connection
+from tornado.httpserver import HTTPServer
+from tornado.netutil import bind_sockets
+from tornado.web import Application, RequestHandler, stream_request_body
+
+from serving import oip
+from serving.types import BadRecords, OipError, Predictor
+
+__all__ = ["InferenceServer", "ServeMetrics", "make_app"]
+
+log = logging.getLogger("streamrec.serve")
+
+# Infer latency buckets, in seconds: a batch-1 request takes well under 5 ms.
+LATENCY_BUCKETS: Final = (
+    0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5,
+)  # fmt: skip
+# A refused request's body up to this size is read and dropped, so that a client that
+# sends its whole body before reading still sees the answer; a larger one is cut off.
+DRAIN_LIMIT: Final = 64 << 20
+_JSON: Final = "application/json"
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("streamrec")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+class ServeMetrics:
+    """The server's Prometheus metrics, in a registry of their own (never the global one)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "streamrec_serve_requests",
+            "HTTP requests answered, by endpoint and status code.",
+            ["endpoint", "code"],
+            registry=self.registry,
+        )
+        self.infer_latency = Histogram(
+            "streamrec_serve_infer_latency_seconds",
+            "Time from an infer request's headers to its answer.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.errors = Counter(
+            "streamrec_serve_errors",
+            "Requests refused or failed, by reason (bad_records, invalid_request, ...).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.bad_records = Counter(
+            "streamrec_serve_bad_records",
+            "Records a model refused, by the record error's reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.records = Counter(
+            "streamrec_serve_records_scored", "Records scored.", registry=self.registry
+        )
+        # labels() hashes and locks; the children are looked up once each.
+        self._requests: dict[tuple[str, int], Counter] = {}
+
+    def count_request(self, endpoint: str, code: int) -> None:
+        """Count one answered request."""
+        child = self._requests.get((endpoint, code))
+        if child is None:
+            child = self._requests[endpoint, code] = self.requests.labels(endpoint, str(code))
+        child.inc()
+
+    def exposition(self) -> bytes:
+        """The Prometheus text of every metric."""
+        return generate_latest(self.registry)
+
+
+class _Shared:
+    """What every handler of one server reads."""
+
+    __slots__ = ("max_request_bytes", "metrics", "predictor", "token", "version")
+
+    def __init__(
+        self,
+        predictor: Predictor,
+        token: str | None,
+        max_request_bytes: int,
+        metrics: ServeMetrics,
+    ) -> None:
+        self.predictor = predictor
+        self.token = None if token is None else token.encode()
+        self.max_request_bytes = max_request_bytes
+        self.metrics = metrics
+        self.version = _version()
+
+
+class _Handler(RequestHandler):
+    endpoint: ClassVar[str] = "unknown"
+    public: ClassVar[bool] = False  # answered without the token
+
+    def initialize(self, shared: _Shared) -> None:
+        self.shared = shared
+
+    def compute_etag(self) -> str | None:
+        return None  # no hashing of every body
+
+    def _authorized(self) -> bool:
+        token = self.shared.token
+        if token is None or self.public:
+            return True
+        scheme, _, credentials = self.request.headers.get("Authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            credentials.strip().encode("latin-1"), token
+        )
+
+    def _unauthorized_message(self) -> str:
+        self.set_header("WWW-Authenticate", 'Bearer realm="streamrec"')
+        return 'missing or wrong bearer token: send the header "Authorization: Bearer <token>"'
+
+    def prepare(self) -> None:
+        if not self._authorized():
+            self._fail(401, self._unauthorized_message(), "unauthorized")
+
+    def _send(self, status: int, body: bytes, content_type: str = _JSON) -> None:
+        self.set_status(status)
+        self.set_header("Content-Type", content_type)
+        self.finish(body)
+
+    def _fail(self, status: int, message: str, reason: str) -> None:
+        self.shared.metrics.errors.labels(reason).inc()
+        self._send(status, oip.error_body(message))
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        # What tornado itself refuses (405, an invalid URL) or an exception that escaped.
+        if status_code >= 500:
+            message = f"internal error answering {self.request.method} {self.request.path}; "
+            message += "see the server log"
+        else:
+            message = f"{self._reason}: {self.request.method} {self.request.path}"
+        self.shared.metrics.errors.labels(
+            "internal" if status_code >= 500 else f"http_{status_code}"
+        ).inc()
+        self.set_header("Content-Type", _JSON)
+        self.finish(oip.error_body(message))
+
+    def on_finish(self) -> None:
+        self.shared.metrics.count_request(self.endpoint, self.get_status())
+
+    def _json(self, status: int, doc: object) -> None:
+        self._send(status, oip.dumps(doc))
+
+
+class _NotFound(_Handler):
+    endpoint = "unknown"
+
+    def prepare(self) -> None:
+        super().prepare()
+        if not self._finished:
+            message = (
+                f"no endpoint {self.request.method} {self.request.path}; this server answers "
+                "GET /v2, /v2/health/live, /v2/health/ready, /v2/models/{name}, "
+                "/v2/models/{name}/ready, /metrics and POST /v2/models/{name}/infer"
+            )
+            self._fail(404, message, "not_found")
+
+
+class _Live(_Handler):
+    endpoint = "health_live"
+    public = True
+
+    def get(self) -> None:
+        self._send(200, b'{"live":true}')
+
+
+class _Ready(_Handler):
+    endpoint = "health_ready"
+
+    def get(self) -> None:
+        ready = self.shared.predictor.ready()
+        self._send(200 if ready else 503, b'{"ready":true}' if ready else b'{"ready":false}')
+
+
+class _ServerMetadata(_Handler):
+    endpoint = "server_metadata"
+
+    def get(self) -> None:
+        self._json(200, oip.server_metadata(self.shared.version))
+
+
+class _Metrics(_Handler):
+    endpoint = "metrics"
+
+    def get(self) -> None:
+        self._send(200, self.shared.metrics.exposition(), CONTENT_TYPE_LATEST)
+
+
+class _ModelHandler(_Handler):
+    def _model_error(self, name: str | None, version: str | None) -> str | None:
+        """Why the URL's model (and version) is not this server's; ``None`` when it is."""
+        predictor = self.shared.predictor
+        if name != predictor.name:
+            return f'unknown model "{name}"; this server serves "{predictor.name}"'
+        if version is None:
+            return None
+        known = predictor.metadata().get("version")
+        if known is not None and str(known) == version:
+            return None
+        have = (
+            "no numbered version (leave /versions/... out)"
+            if known is None
+            else (f'version "{known}"')
+        )
+        return f'model "{name}" has no version "{version}"; it serves {have}'
+
+
+class _ModelMetadata(_ModelHandler):
+    endpoint = "model_metadata"
+
+    def get(self, name: str, version: str | None) -> None:
+        error = self._model_error(name, version)
+        if error is not None:
+            self._fail(404, error, "unknown_model")
+            return
+        predictor = self.shared.predictor
+        self._json(200, oip.model_metadata(predictor.name, predictor.heads, predictor.metadata()))
+
+
+class _ModelReady(_ModelHandler):
+    endpoint = "model_ready"
+
+    def get(self, name: str, version: str | None) -> None:
+        error = self._model_error(name, version)
+        if error is not None:
+            self._fail(404, error, "unknown_model")
+            return
+        ready = self.shared.predictor.ready()
+        self._json(200 if ready else 503, {"name": name, "ready": ready})
+
+
+@stream_request_body
+class _Infer(_ModelHandler):
+    """``POST /v2/models/{name}/infer``: refusals are decided from the headers alone.
+
+    The body streams in through ``data_received`` so that a request over
+    ``max_request_bytes`` is answered 413 from its Content-Length before any of
+    it is read. The rest is then read and dropped (up to ``DRAIN_LIMIT``; a client
+    that sends its whole body before reading sees the answer), or, when the client
+    asked ``Expect: 100-continue`` or claims more, the connection is closed.
+    """
+
+    endpoint = "infer"
+    SUPPORTED_METHODS = ("POST",)  # anything else is a 405 before prepare() looks at it
+
+    def initialize(self, shared: _Shared) -> None:
+        super().initialize(shared)
+        self._start = time.perf_counter()
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._refused = False
+        self._length: int | None = None
+        self._chunked = False
+
+    def prepare(self) -> None:
+        headers = self.request.headers
+        length_header = headers.get("Content-Length", "")
+        self._length = int(length_header) if length_header.isdigit() else None
+        self._chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
+        limit = self.shared.max_request_bytes
+        if not self._authorized():
+            self._refuse(401, self._unauthorized_message(), "unauthorized")
+        elif self._length is not None and self._length > limit:
+            message = (
+                f"request body of {self._length} bytes (Content-Length) is over this server's "
+                f"limit of {limit} bytes (max_request_bytes); send fewer records per request"
+            )
+            self._refuse(413, message, "too_large")
+        elif headers.get("Content-Encoding", "identity").lower() != "identity":
+            message = (
+                f'Content-Encoding "{headers["Content-Encoding"]}" is not supported; '
+                f"send the request uncompressed"
+            )
+            self._refuse(415, message, "invalid_request")
+        else:
+            args = self.path_args
+            error = self._model_error(args[0], args[1] if len(args) > 1 else None)
+            if error is not None:
+                self._refuse(404, error, "unknown_model")
+            elif self._chunked:
+                self._set_connection_limit(DRAIN_LIMIT)  # counted in data_received instead
+
+    def _set_connection_limit(self, size: int) -> None:
+        connection = self.request.connection
+        if isinstance(connection, HTTP1Connection):
+            connection.set_max_body_size(size)
+
+    def _refuse(self, status: int, message: str, reason: str, *, reading: bool = False) -> None:
+        """Answer now; the body (if any) is dropped as it comes, or the connection closed."""
+        self._refused = True
+        self._chunks = []
+        self.shared.metrics.errors.labels(reason).inc()
+        body = oip.error_body(message)
+        self.set_status(status)
+        self.set_header("Content-Type", _JSON)
+        length = self._length or 0
+        expects_body = reading or length > 0 or self._chunked
+        continue_asked = self.request.headers.get("Expect", "").lower() == "100-continue"
+        if not expects_body or (continue_asked and not reading) or length > DRAIN_LIMIT:
+            # Tornado closes the connection after the answer when the body was not read;
+            # lifting its limit keeps it from appending a bare "400 Bad Request" to ours.
+            self._set_connection_limit(max(length, self.shared.max_request_bytes))
+            self.finish(body)
+            return
+        self._set_connection_limit(max(length, DRAIN_LIMIT) if self._chunked else length)
+        self.set_header("Content-Length", str(len(body)))
+        self.write(body)
+        self.flush()  # the answer goes out now; post() finishes once the body is dropped
+
+    def data_received(self, chunk: bytes) -> None:
+        if self._refused:
+            return
+        self._size += len(chunk)
+        if self._size > self.shared.max_request_bytes:  # chunked: no Content-Length to check
+            message = (
+                f"request body over this server's limit of {self.shared.max_request_bytes} "
+                f"bytes (max_request_bytes); send fewer records per request"
+            )
+            self._refuse(413, message, "too_large", reading=True)
+            return
+        self._chunks.append(chunk)
+
+    def post(self, name: str, version: str | None) -> None:
+        if self._refused:
+            if not self._finished:
+                self.finish()
+            return
+        chunks = self._chunks
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self._chunks = []
+        predictor = self.shared.predictor
+        if not predictor.ready():
+            message = f'model "{name}" is not ready (parameters loading or catching up); retry'
+            self._fail(503, message, "not_ready")
+            return
+        try:
+            request = oip.parse_infer_request(
+                body, predictor.heads, self.request.headers.get(oip.HEADER_LENGTH)
+            )
+        except OipError as e:
+            self._fail(e.status, e.message, e.reason)
+            return
+        n = len(request.records)
+        # The model runs here, on the IOLoop's thread: its forward pass at batch 1 is
+        # far shorter than a hand-off to a thread pool and back would be, and one
+        # server process per core scales better than threads under the GIL.
+        try:
+            prediction = predictor.predict(request.records)
+            response = oip.infer_response(
+                predictor.name, predictor.heads, request, prediction, version
+            )
+        except BadRecords as e:
+            metrics = self.shared.metrics
+            metrics.errors.labels("bad_records").inc()
+            for error in e.errors:
+                metrics.bad_records.labels(error.reason).inc()
+            _, reply = oip.bad_records_body(e.errors, n)
+            self._send(400, reply)
+            return
+        except Exception as e:
+            log.exception('model "%s" failed on a request of %d records', name, n)
+            message = (
+                f'model "{name}" failed on {n} records ({type(e).__name__}); see the server log'
+            )
+            self._fail(500, message, "internal")
+            return
+        self.shared.metrics.records.inc(n)
+        if response.header_length is not None:
+            self.set_header(oip.HEADER_LENGTH, str(response.header_length))
+        self._send(200, response.body, response.content_type)
+
+    def on_finish(self) -> None:
+        super().on_finish()
+        self.shared.metrics.infer_latency.observe(time.perf_counter() - self._start)
+
+
+def _log_request(handler: RequestHandler) -> None:
+    # Tornado's access log costs a formatted line per request; only failures are logged.
+    status = handler.get_status()
+    if status >= 500:
+        request = handler.request
+        log.warning("%d %s %s (%.1f ms)", status, request.method, request.path,
+                    1000 * request.request_time())  # fmt: skip
+
+
+_MODEL: Final = r"/v2/models/([^/]+)(?:/versions/([^/]+))?"
+
+
+def make_app(
+    predictor: Predictor,
+    *,
+    token: str | None = None,
+    max_request_bytes: int = 16 << 20,
+    metrics: ServeMetrics | None = None,
+) -> Application:
+    """The tornado application of the server (serve it with an ``HTTPServer``)."""
+    shared = _Shared(predictor, token, max_request_bytes, metrics or ServeMetrics())
+    args = {"shared": shared}
+    routes: Sequence[tuple[str, type[RequestHandler], dict[str, Any]]] = [
+        (r"/v2/health/live", _Live, args),
+        (r"/v2/health/ready", _Ready, args),
+        (r"/v2/?", _ServerMetadata, args),
+        (_MODEL, _ModelMetadata, args),
+        (_MODEL + r"/ready", _ModelReady, args),
+        (_MODEL + r"/infer", _Infer, args),
+        (r"/metrics", _Metrics, args),
+    ]
+    return Application(
+        list(routes),
+        default_handler_class=_NotFound,
+        default_handler_args=args,
+        log_function=_log_request,
+        compress_response=False,
+        serve_traceback=False,
+    )
+
+
+class InferenceServer:
+    """An Open Inference Protocol server of one model, its IOLoop on a thread of its own.
+
+    ``start()`` binds (``port=0``: a free port) and returns the URL; ``stop()``
+    closes the connections and the loop. Also a context manager.
+    """
+
+    def __init__(
+        self,
+        predictor: Predictor,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        max_request_bytes: int = 16 << 20,
+    ) -> None:
+        if not 0 <= port <= 65535:
+            msg = f"port: expected 0 (a free port) to 65535, got {port}"
+            raise ValueError(msg)
+        if token is not None and not token.strip():
+            msg = "token: empty; give None to serve without a token"
+            raise ValueError(msg)
+        if max_request_bytes < 1:
+            msg = f"max_request_bytes: expected a positive byte count, got {max_request_bytes}"
+            raise ValueError(msg)
+        self.predictor = predictor
+        self.host = host
+        self.metrics = ServeMetrics()
+        self.url: str | None = None
+        self.port: int | None = None
+        self._requested_port = port
+        self._token = token
+        self._max_request_bytes = max_request_bytes
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._startup_error: BaseException | None = None
+
+    def start(self) -> str:
+        """Bind, start serving on a thread, and return the URL (``http://host:port``)."""
+        if self._thread is not None:
+            msg = f"InferenceServer: already started at {self.url}"
+            raise RuntimeError(msg)
+        sockets = bind_sockets(self._requested_port, self.host)
+        self.port = int(sockets[0].getsockname()[1])
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.url = f"http://{host}:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        started = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run,
+            args=(self._loop, sockets, started),
+            name=f"streamrec-serve-{self.port}",
+            daemon=True,
+        )
+        self._thread.start()
+        started.wait()
+        if self._startup_error is not None:
+            self._thread.join()
+            self._thread = None
+            raise self._startup_error
+        return self.url
+
+    def _run(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sockets: list[socket.socket],
+        started: threading.Event,
+    ) -> None:
+        asyncio.set_event_loop(loop)
+        try:
+            server = loop.run_until_complete(self._open(sockets))
+        except BaseException as e:
+            self._startup_error = e
+            for sock in sockets:
+                sock.close()
+            loop.close()
+            started.set()
+            return
+        started.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(self._close(server))
+            loop.close()
+
+    async def _open(self, sockets: list[socket.socket]) -> HTTPServer:
+        app = make_app(
+            self.predictor,
+            token=self._token,
+            max_request_bytes=self._max_request_bytes,
+            metrics=self.metrics,
+        )
+        server = HTTPServer(app, max_body_size=self._max_request_bytes)
+        server.add_sockets(sockets)
+        return server
+
+    @staticmethod
+    async def _close(server: HTTPServer) -> None:
+        server.stop()
+        try:
+            await asyncio.wait_for(server.close_all_connections(), timeout=5)
+        except TimeoutError:
+            log.warning("connections still open 5 s after stop(); closing the loop anyway")
+        current = asyncio.current_task()
+        pending = [t for t in asyncio.all_tasks() if t is not current]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    def stop(self) -> None:
+        """Stop serving: close the listening sockets, the connections and the loop."""
+        thread, loop = self._thread, self._loop
+        if thread is None or loop is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        self._thread = None
+        self._loop = None
+
+    def __enter__(self) -> InferenceServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

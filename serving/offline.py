@@ -1,0 +1,247 @@
+"""Scoring and evaluating a file: ``streamrec score`` and ``streamrec evaluate``.
+
+The parameters are one job checkpoint's, so they are consistent: its dense
+state and, restored in this process, the rows of every store shard at the
+seq the checkpoint names (a read-only copy; the shards need not run). Or,
+with ``--store``, the rows of running shards or serving replicas and the
+newest published dense version, as a prediction server reads them.
+
+Records come from a JSON-lines file (one record per line, in the job's
+codec) or a Parquet file, in batches; bad records are not scored but written
+with their reasons next to the output, so nothing read is lost silently.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from connectors.types import BadRecord
+from embedding_store.location import Location
+from embedding_store.shard import StoreShard
+from embedding_store.types import StoreConfig
+from pipeline.spec import FeatureSpec
+from serving.model import DenseVersion, Scored, ServingModel
+from trainer.checkpoint import CheckpointBook, JobManifest
+from trainer.config import TrainerConfig
+from trainer.metrics import auc, logloss
+from trainer.models import build_model, field_dims
+from trainer.publish import PublishedDense
+
+I64 = npt.NDArray[np.int64]
+F32 = npt.NDArray[np.float32]
+
+
+class OfflineError(RuntimeError):
+    """A file or checkpoint that cannot be scored as asked (the message says why)."""
+
+
+def checkpoint_rows(store: StoreConfig, manifest: JobManifest, shards: list[str]) -> StoreShard:
+    """A read-only shard holding every row of the job checkpoint ``manifest``.
+
+    ``shards``: each store shard's checkpoint folder (its data dir or snapshot
+    URL), in shard order, as many as the checkpoint has seqs.
+    """
+    if len(shards) != len(manifest.shard_seqs):
+        msg = (
+            f"the checkpoint at step {manifest.step} has {len(manifest.shard_seqs)} store "
+            f"shard(s); {len(shards)} shard folder(s) given"
+        )
+        raise OfflineError(msg)
+    import tempfile
+
+    from embedding_store import mirror as snapshot_mirror
+
+    shard = StoreShard(store, read_only=True)
+    with tempfile.TemporaryDirectory(prefix="streamrec-score-") as scratch:
+        sources = []
+        for i, (where, seq) in enumerate(zip(shards, manifest.shard_seqs, strict=True)):
+            loc = Location.parse(where)
+            if loc.local is not None:
+                sources.append((loc.local, seq))
+            else:
+                local = Path(scratch) / f"shard-{i:03d}"
+                snapshot_mirror.fetch_chain(loc, local, seq)
+                sources.append((local, seq))
+        shard.restore_sources(sources, shard_index=0, num_shards=1)
+    return shard
+
+
+def checkpoint_dense(
+    book: CheckpointBook,
+    manifest: JobManifest,
+    config: TrainerConfig,
+    spec: FeatureSpec,
+    dims: dict[str, int],
+) -> DenseVersion:
+    """Rank 0's dense network as the checkpoint ``manifest`` holds it."""
+    state = book.load_dense(manifest)
+    try:
+        model_state = state["ranks"][0]["model"]
+    except (KeyError, IndexError, TypeError) as exc:
+        msg = f"{manifest.path}: no dense model state in it ({exc})"
+        raise OfflineError(msg) from exc
+    module = build_model(
+        config.model,
+        num_dense=len(spec.dense),
+        field_dims=field_dims(spec, dims),
+        num_tasks=len(spec.labels),
+        field_names=[f.name for f in spec.sparse],
+    )
+    module.load_state_dict(model_state)
+    module.eval()
+    entry = PublishedDense(
+        version=0, step=manifest.step, samples=manifest.samples, file="", created=manifest.created
+    )
+    return DenseVersion(entry, module)
+
+
+def pick_checkpoint(book: CheckpointBook, step: int | None) -> JobManifest:
+    """The checkpoint at ``step`` (None: the newest); errors list the ones there are."""
+    names = book.manifests()
+    if not names:
+        msg = f"no job checkpoint in {book.location}: train first, or give --store"
+        raise OfflineError(msg)
+    if step is None:
+        return book.read(names[-1])
+    for name in names:
+        if name == f"JOB-{step:012d}.json":
+            return book.read(name)
+    steps = [int(n[4:16]) for n in names]
+    msg = f"--checkpoint {step}: no such checkpoint in {book.location} (steps: {steps})"
+    raise OfflineError(msg)
+
+
+def read_batches(path: Path, batch: int) -> Iterator[tuple[int, list[bytes] | pa.Table]]:
+    """(first record's index, records) of ``path``: JSON-lines lines, or Parquet rows."""
+    if not path.is_file():
+        msg = f"--from {path}: no such file"
+        raise OfflineError(msg)
+    if path.suffix in {".parquet", ".pq"}:
+        try:
+            f = pq.ParquetFile(path)
+        except (OSError, pa.ArrowInvalid) as exc:
+            msg = f"--from {path}: not a readable Parquet file ({exc})"
+            raise OfflineError(msg) from exc
+        at = 0
+        for rb in f.iter_batches(batch_size=batch):
+            table = pa.Table.from_batches([rb])
+            yield at, table
+            at += table.num_rows
+        return
+    at = 0
+    lines: list[bytes] = []
+    with path.open("rb") as fh:
+        for line in fh:
+            lines.append(line.rstrip(b"\r\n"))
+            if len(lines) == batch:
+                yield at, lines
+                at += len(lines)
+                lines = []
+    if lines:
+        yield at, lines
+
+
+def count_records(path: Path) -> int:
+    """How many records ``path`` holds (for a progress bar)."""
+    if path.suffix in {".parquet", ".pq"}:
+        return int(pq.ParquetFile(path).metadata.num_rows)
+    with path.open("rb") as fh:
+        return sum(1 for _ in fh)
+
+
+@dataclass
+class FileScores:
+    """What scoring a file gave: the scored records' positions and scores, the bad ones."""
+
+    heads: tuple[str, ...]
+    positions: list[npt.NDArray[np.int64]] = field(default_factory=list)
+    probabilities: list[npt.NDArray[np.float32]] = field(default_factory=list)
+    labels: list[npt.NDArray[np.float32]] = field(default_factory=list)
+    bad: list[BadRecord] = field(default_factory=list)
+    records: int = 0
+
+    def add(self, first: int, scored: Scored) -> None:
+        self.positions.append(scored.positions + first)
+        self.probabilities.append(scored.probabilities)
+        self.labels.append(scored.labels)
+        self.bad += [replace(b, position=b.position + first) for b in scored.bad]
+
+    def arrays(
+        self,
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        width = len(self.heads)
+        if not self.positions:
+            empty = np.zeros((0, width), np.float32)
+            return np.zeros(0, np.int64), empty, empty
+        return (
+            np.concatenate(self.positions),
+            np.concatenate(self.probabilities),
+            np.concatenate(self.labels),
+        )
+
+
+def score_file(
+    model: ServingModel,
+    path: Path,
+    *,
+    batch: int = 4096,
+    on_progress: Callable[[int], None] | None = None,
+) -> FileScores:
+    """Score every record of ``path`` with ``model``, batch by batch."""
+    out = FileScores(model.heads)
+    for first, records in read_batches(path, batch):
+        if isinstance(records, pa.Table):
+            scored = model.score_table(records)
+            out.records += records.num_rows
+        else:
+            scored = model.score_records(records)
+            out.records += len(records)
+        out.add(first, scored)
+        if on_progress is not None:
+            on_progress(out.records)
+    return out
+
+
+def write_scores(scores: FileScores, out: Path) -> Path | None:
+    """``out`` (Parquet: ``position`` and one probability column per head) and, when
+    there are bad records, ``<out>.rejected.jsonl`` with their reasons; returns that path."""
+    positions, probs, _ = scores.arrays()
+    columns: dict[str, pa.Array] = {"position": pa.array(positions, pa.int64())}
+    for j, head in enumerate(scores.heads):
+        columns[head] = pa.array(probs[:, j], pa.float32())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), out)
+    if not scores.bad:
+        return None
+    rejected = out.with_name(out.name + ".rejected.jsonl")
+    with rejected.open("w") as fh:
+        for b in scores.bad:
+            fh.write(json.dumps(b.to_json()) + "\n")
+    return rejected
+
+
+def evaluate_scores(scores: FileScores) -> dict[str, dict[str, float | int | None]]:
+    """AUC, logloss and calibration (mean prediction / mean label) per head."""
+    _, probs, labels = scores.arrays()
+    result: dict[str, dict[str, float | int | None]] = {}
+    for j, head in enumerate(scores.heads):
+        y, p = labels[:, j].astype(np.float64), probs[:, j].astype(np.float64)
+        if y.size == 0:
+            result[head] = {"samples": 0, "auc": None, "logloss": None, "calibration": None}
+            continue
+        both = 0.0 < y.mean() < 1.0
+        result[head] = {
+            "samples": int(y.size),
+            "auc": auc(y, p) if both else None,
+            "logloss": logloss(y, p),
+            "calibration": float(p.mean() / y.mean()) if y.mean() > 0 else None,
+        }
+    return result

@@ -1,0 +1,198 @@
+"""`streamrec serve` as a user runs it: a training shard, a replica, the server, tritonclient.
+
+Real processes throughout: the shard restores the trained job's checkpoint, a
+serving replica follows it, and ``streamrec serve`` reads rows from the
+replica and the dense weights the job published.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+import tritonclient.http as triton
+from tritonclient.utils import InferenceServerException
+
+from connectors.codecs import make_codec
+from connectors.synthetic import SyntheticConfig, iter_json_lines
+from connectors.types import Chunk, RawChunk
+from deploy.config import load_config
+from deploy.job import serving_location
+from deploy.local.shards import ShardProcess
+from embedding_store.client import StoreClient
+from pipeline.batch import build_batch
+from serving.model import DenseFollower
+from tests.conftest import REPO_ROOT, streamrec
+from trainer.publish import DensePublisher, published
+
+_URL = re.compile(r"on http://(?P<host>[\d.]+):(?P<port>\d+) ")
+
+
+def _wait(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout_s}s")
+        time.sleep(0.05)
+
+
+class Server:
+    """A running ``streamrec serve`` and its log."""
+
+    def __init__(self, argv: list[str], log: Path) -> None:
+        self.log_path = log
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+        _wait(lambda: _URL.search(self.log()) is not None or self.proc.poll() is not None, "URL")
+        m = _URL.search(self.log())
+        assert m is not None, self.log()
+        self.address = f"{m.group('host')}:{m.group('port')}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> int:
+        self.proc.terminate()
+        return self.proc.wait(30)
+
+
+@pytest.fixture
+def services(trained: Path, tmp_path: Path) -> Iterator[tuple[ShardProcess, ShardProcess, Server]]:
+    job = load_config(trained)
+    token_file = job.run_dir / "store.token"
+    shard_dir = job.run_dir / "store" / "shard-000"
+    training = ShardProcess.start(trained, shard_dir, token_file=token_file)
+    replica = ShardProcess.start(
+        trained, tmp_path / "replica", token_file=token_file, follow=training.address,
+        snapshots=str(shard_dir),
+    )  # fmt: skip
+    argv = [sys.executable, "-m", "deploy.cli", "serve", str(trained), "--port", "0",
+            "--store", f"grpc://{replica.address}",
+            "--store-token-file", str(token_file)]  # fmt: skip
+    server = Server(argv, tmp_path / "serve.log")
+    try:
+        yield training, replica, server
+    finally:
+        server.stop()
+        replica.kill()
+        training.kill()  # no checkpoint: the trained job's shard folder stays as it was
+
+
+def _records(n: int, seed: int = 9) -> list[bytes]:
+    out = []
+    for line in iter_json_lines(SyntheticConfig(seed=seed), n):
+        record = json.loads(line)
+        record.pop("click")
+        out.append(json.dumps(record).encode())
+    return out
+
+
+def _infer(client: triton.InferenceServerClient, records: list[bytes], binary: bool = False):  # type: ignore[no-untyped-def]
+    inp = triton.InferInput("records", [len(records)], "BYTES")
+    inp.set_data_from_numpy(np.array(records, dtype=np.object_), binary_data=binary)
+    out = triton.InferRequestedOutput("click", binary_data=binary)
+    return client.infer("streamrec", [inp], outputs=[out])
+
+
+def test_serve_answers_as_score_does_and_follows_training(
+    trained: Path, services: tuple[ShardProcess, ShardProcess, Server], tmp_path: Path
+) -> None:
+    training, _, server = services
+    client = triton.InferenceServerClient(server.address)
+    _wait(client.is_server_ready, "ready")
+    assert client.is_server_live()
+    assert client.is_model_ready("streamrec")
+    meta = client.get_model_metadata("streamrec")
+    assert [o["name"] for o in meta["outputs"]] == ["click"]
+
+    records = _records(200)
+    served = _infer(client, records)
+    params = served.get_response()["parameters"]
+    job = load_config(trained)
+    newest = published(serving_location(job))[-1]
+    assert params["dense_version"] == newest.version
+    assert params["samples_learned"] == 3000
+
+    # `streamrec score` with the job's last checkpoint: the same rows and weights (the
+    # job publishes its last weights when it ends), so the same answers.
+    requests = tmp_path / "requests.jsonl"
+    requests.write_bytes(b"\n".join(records) + b"\n")
+    scored = streamrec("score", str(trained), "--from", str(requests), "--to",
+                       str(tmp_path / "s.parquet"))  # fmt: skip
+    assert scored.returncode == 0, scored.stdout + scored.stderr
+    offline = pq.read_table(tmp_path / "s.parquet").column("click").to_numpy()
+    np.testing.assert_allclose(served.as_numpy("click"), offline, atol=1e-5)
+    # The binary tensor extension (tritonclient's default) gives the same answers.
+    np.testing.assert_allclose(_infer(client, records, binary=True).as_numpy("click"), offline,
+                               atol=1e-6)  # fmt: skip
+
+    # A bad record: 400 naming its index, field and reason; the server goes on.
+    with pytest.raises(InferenceServerException) as caught:
+        _infer(client, [records[0], b'{"I1": "many"}'])
+    message = str(caught.value)
+    assert message.startswith("[400] bad record at index 1"), message
+    assert 'field "I1": dense_wrong_type' in message
+    assert client.is_server_ready()
+
+    # Training moves a row: the replica follows the shard, the server answers with it.
+    token = (job.run_dir / "store.token").read_text().strip()
+    before = served.as_numpy("click")
+    assert job.features is not None
+    spec = job.features.for_scoring()
+    raw = RawChunk(Chunk("s", "p", 0, 1), np.arange(1), records[:1])
+    batch = build_batch(make_codec("json").decode(raw, spec)[0], spec)  # the trainer's ids
+    with StoreClient.connect(f"grpc://{training.address}", token=token) as store:
+        for table, tb in batch.tables.items():
+            store.lookup({table: tb.unique_ids})  # as a training step does: rows are made
+            grads = np.full((tb.unique_ids.shape[0], job.store.tables[table].dim), 50.0)
+            store.push({table: (tb.unique_ids, grads.astype(np.float32))})
+
+    def moved() -> bool:
+        now = _infer(client, records[:1]).as_numpy("click")
+        return not np.isclose(now[0], before[0], atol=1e-6)
+
+    _wait(moved, "a pushed row served")
+    # Rows of other records did not move.
+    again = _infer(client, records[1:20]).as_numpy("click")
+    assert np.count_nonzero(~np.isclose(again, before[1:20], atol=1e-6)) < 19
+
+    # A new dense version is published: swapped in, and named in the answers.
+    dims = {n: t.dim for n, t in job.store.tables.items()}
+    assert job.features is not None
+    follower = DenseFollower(serving_location(job), job.trainer, job.features, dims)
+    assert follower.refresh()
+    assert follower.current is not None
+    module = follower.current.module
+    with torch.no_grad():
+        for p in module.parameters():
+            p.mul_(0.5)
+    publisher = DensePublisher(serving_location(job), every_s=0.0)
+    publisher.maybe_publish(step=newest.step + 1, samples=3001, module=module)
+    publisher.close()
+
+    def swapped() -> bool:
+        response = _infer(client, records[:1]).get_response()
+        return bool(response["parameters"]["dense_version"] == newest.version + 1)
+
+    _wait(swapped, "the new dense version served")
+    with urllib.request.urlopen(f"http://{server.address}/metrics", timeout=10) as reply:
+        metrics = reply.read().decode()
+    assert "streamrec_serve_records_scored_total" in metrics
+    assert server.stop() == 0
+    assert "stopped" in server.log()
+
+
+def test_serve_without_a_store_says_what_to_give(trained: Path) -> None:
+    out = streamrec("serve", str(trained), "--port", "0")
+    assert out.returncode == 2
+    assert "--store grpc://HOST:PORT" in out.stderr
