@@ -268,6 +268,54 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+class ServingBeside:
+    """A prediction server beside a local job (``demo --serve``): one serving replica per
+    store shard and ``streamrec serve``'s server in this process."""
+
+    def __init__(self, job: Any, store: str, token_file: Path, port: int) -> None:
+        from connectors.codecs import make_codec
+        from deploy.job import build_codec, serving_location
+        from deploy.local.shards import ShardProcess
+        from deploy.store_server import read_token
+        from embedding_store.client import StoreClient
+        from serving.http import InferenceServer
+        from serving.model import DenseFollower, ServingModel
+
+        self.replicas = []
+        for i, address in enumerate(store.removeprefix("grpc://").split(",")):
+            self.replicas.append(
+                ShardProcess.start(
+                    job.run_dir / "job.yaml",
+                    job.run_dir / "serving" / f"replica-{i:03d}",
+                    token_file=token_file,
+                    follow=address,
+                    die_with_parent=True,
+                )
+            )
+        replicas = "grpc://" + ",".join(r.address for r in self.replicas)
+        self.rows = StoreClient.connect(replicas, token=read_token(token_file))
+        dims = {name: t.dim for name, t in job.store.tables.items()}
+        self.dense = DenseFollower(
+            serving_location(job), job.trainer, job.features, dims, poll_s=job.serving.poll_s
+        )
+        self.dense.start()
+        codec = build_codec(job) or make_codec("json")
+        model = ServingModel(job.serving.model_name, job.features, codec, self.rows, self.dense)
+        self.server = InferenceServer(model, host=job.serving.host, port=port)
+        self.url = self.server.start()
+        self.curl = (
+            f"curl -s {self.url}/v2/models/{job.serving.model_name}/infer "
+            f"-H 'Content-Type: application/json' -d '{_example_record(job)}'"
+        )
+
+    def close(self) -> None:
+        self.server.stop()
+        self.dense.close()
+        self.rows.close()
+        for r in self.replicas:
+            r.stop()
+
+
 def _example_record(job: Any) -> str:
     """A one-record infer request body for the job's features (JSON, for the curl line)."""
     record: dict[str, object] = {}

@@ -138,7 +138,9 @@ def _train(
     max_time_s: float | None,
     total: int | None = None,
     next_steps: str = "",
+    serve_port: int | None = None,
 ) -> int:
+    """Run ``job``; with ``serve_port`` also serve predictions beside it (``--serve``)."""
     from connectors.kafka import KafkaUnavailable, UnknownTopic
     from deploy.config import ConfigError
     from deploy.job import JobError, run_job
@@ -154,9 +156,22 @@ def _train(
         print(f"store: {services.store}   run dir: {job.run_dir}")
         for i, url in enumerate(services.store_metrics):
             print(f"store shard {i} metrics: {url}")
+        if serve_port is not None:
+            from deploy.serve_cli import ServingBeside
+
+            token_file = job.cluster.token_file or job.run_dir / "store.token"
+            beside.append(ServingBeside(job, services.store, token_file, serve_port))
+            print(
+                f"predictions: {beside[0].url} (Open Inference Protocol; answers once the "
+                f"first weights are published, a second after the first step), e.g.\n"
+                f"  {beside[0].curl}",
+                flush=True,
+            )
 
     _say_resume(job)
     started = time.monotonic()
+    beside: list[Any] = []
+    trained = False
     try:
         stats, manifest = run_job(
             job,
@@ -166,6 +181,7 @@ def _train(
             on_progress=line,
             on_services=announce,
         )
+        trained = True
     except ConfigError as exc:
         line.done()
         print(f"streamrec: {exc}", file=sys.stderr)
@@ -176,6 +192,9 @@ def _train(
         elapsed = time.monotonic() - started
         print(f"streamrec: {exc} (after {elapsed:.1f}s)", file=sys.stderr)
         return 1
+    finally:
+        if beside and (stop.is_set() or not trained):
+            beside[0].close()  # the job failed or was stopped: its server goes too
     line.done()
     elapsed = time.monotonic() - started
     print(
@@ -212,6 +231,10 @@ def _train(
         print(f"checkpoint: {manifest.path} (step {manifest.step})")
     if next_steps:
         print(next_steps)
+    if beside and not stop.is_set():
+        print(f"still serving the trained model on {beside[0].url}; Ctrl-C stops it", flush=True)
+        stop.wait()
+        beside[0].close()
     return 0
 
 
@@ -231,6 +254,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         max_time_s=args.max_time,
         total=args.events,
         next_steps=demo_next_steps(args.run_dir),
+        serve_port=args.serve_port if args.serve else None,
     )
 
 
@@ -317,6 +341,18 @@ def add_commands(sub: Any) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="start from scratch (default) or resume the demo's checkpoint",
+    )
+    demo.add_argument(
+        "--serve",
+        action="store_true",
+        help=(
+            "also serve predictions over HTTP while it trains (a serving replica per shard, "
+            "the Open Inference Protocol; prints the URL and a curl line), and after it until "
+            "Ctrl-C"
+        ),
+    )
+    demo.add_argument(
+        "--serve-port", type=int, default=8000, help="the --serve port (8000; 0: any free one)"
     )
     demo.set_defaults(func=cmd_demo)
 

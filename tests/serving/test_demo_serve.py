@@ -1,0 +1,54 @@
+"""`streamrec demo --serve`: the URL and the curl line it prints work as printed."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from tests.conftest import REPO_ROOT
+
+
+def _run_curl_line(line: str) -> bytes:
+    """Run the printed curl line: with curl where it is installed, else replayed as is."""
+    argv = shlex.split(line)
+    if shutil.which("curl") is not None:
+        return subprocess.run(argv, capture_output=True, check=True, timeout=60).stdout
+    url = next(a for a in argv if a.startswith("http"))
+    body = argv[argv.index("-d") + 1].encode()
+    request = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return bytes(reply.read())
+
+
+def test_demo_serves_while_and_after_it_trains(tmp_path: Path) -> None:
+    log = tmp_path / "demo.log"
+    argv = [sys.executable, "-m", "deploy.cli", "demo", "--events", "20000", "--serve",
+            "--serve-port", "0", "--run-dir", str(tmp_path / "demo")]  # fmt: skip
+    with log.open("wb") as out:
+        proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        while "Ctrl-C stops it" not in log.read_text(errors="replace"):
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        text = log.read_text()
+        assert "predictions: http://127.0.0.1:" in text
+        [curl] = [line.strip() for line in text.splitlines() if line.strip().startswith("curl ")]
+        reply = json.loads(_run_curl_line(curl))
+        [output] = reply["outputs"]
+        assert output["name"] == "click"
+        assert 0.0 < output["data"][0] < 1.0
+        assert reply["parameters"]["samples_learned"] == 20000
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
