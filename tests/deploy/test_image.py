@@ -39,7 +39,7 @@ DOCKERIGNORE = REPO / ".dockerignore"
 # The install.sh steps the Dockerfile runs, in order, and so the ones the install test runs.
 STEPS = ["torch", "project", "check"]
 VENV = "/opt/streamrec"
-PORTS = {"7000", "9100", "8786", "8787", "8788", "29400"}
+PORTS = {"7000", "7100", "8000", "9100", "8786", "8787", "8788", "29400"}
 
 
 # ---- a small Dockerfile reader ----

@@ -5,6 +5,11 @@ Kubernetes objects are checked against the API's JSON schemas (strict: an unknow
 field is an error), the ``DaskCluster`` against the operator's own CRD schema, every
 container's command line against the real parsers (ours, dask's, torchrun's), and the
 job YAML in the ConfigMap against the job schema and against the objects it names.
+Prediction serving too: one replica Deployment per store shard following that shard
+(and starting from its snapshots), `streamrec serve` reading the replicas in shard
+order, the probes each role's server answers, what every Service, PodDisruptionBudget
+and HorizontalPodAutoscaler selects or targets, and, with the real HTTP server, that
+the paths the kubelet and Prometheus ask for without a token answer without one.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
 from functools import cache
 from importlib import resources
 from pathlib import Path, PurePosixPath
@@ -42,6 +49,8 @@ TARGETS = {
 # newest kubernetes-validate knows.
 K8S_VERSIONS = ("1.30.0", kubernetes_validate.latest_version())
 UID = 10001  # the image's user
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+WORKLOADS = {"StatefulSet", "Job", "Deployment"}
 
 Obj = dict[str, Any]
 
@@ -307,6 +316,85 @@ def env_value(c: Obj, name: str) -> Obj:
     return found[0]
 
 
+_VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def env_values(template: Obj, c: Obj) -> dict[str, str | None]:
+    """What each env variable of ``c`` holds, as far as the manifests say.
+
+    Literal values, and the pod's own labels (``fieldRef: metadata.labels['KEY']``,
+    which must exist: a missing label is an empty string); None where only the
+    cluster knows (the pod's name, a Secret).
+    """
+    labels = template["metadata"].get("labels", {})
+    values: dict[str, str | None] = {}
+    for e in c.get("env", []):
+        if "value" in e:
+            values[e["name"]] = str(e["value"])
+            continue
+        field = e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath", "")
+        label = re.fullmatch(r"metadata\.labels\['([^']+)'\]", field)
+        if label is not None:
+            assert label[1] in labels, f"env {e['name']}: the pod has no label {label[1]}"
+            values[e["name"]] = labels[label[1]]
+        else:
+            values[e["name"]] = None
+    return values
+
+
+def expand(text: str, values: Mapping[str, str | None]) -> str:
+    """``$(VAR)`` replaced as the kubelet does, where ``values`` knows VAR."""
+
+    def sub(m: re.Match[str]) -> str:
+        value = values.get(m[1])
+        return m[0] if value is None else value
+
+    return _VAR.sub(sub, text)
+
+
+def probe_port(c: Obj, probe: Obj) -> int:
+    """The container port an httpGet or tcpSocket probe knocks on (a name or a number)."""
+    handler = probe.get("httpGet") or probe.get("tcpSocket")
+    assert handler is not None, f"not an httpGet or tcpSocket probe: {probe}"
+    named = handler["port"]
+    return port(c, named) if isinstance(named, str) else int(named)
+
+
+def pod_templates(obj: Obj) -> Iterator[tuple[str, dict[str, str]]]:
+    """(workload, pod labels) of every kind of pod an object makes."""
+    if obj["kind"] in WORKLOADS:
+        yield obj["metadata"]["name"], obj["spec"]["template"]["metadata"].get("labels", {})
+    elif obj["kind"] == "DaskCluster":
+        for part in ("worker", "scheduler"):
+            labels = obj["spec"][part].get("metadata", {}).get("labels", {})
+            yield f"{obj['metadata']['name']}-{part}", labels
+
+
+def selected(objs: list[Obj], selector: Mapping[str, str]) -> list[str]:
+    """The workloads whose pods carry every label of ``selector``."""
+    assert selector, "an empty selector selects every pod"
+    return [
+        name
+        for obj in objs
+        for name, labels in pod_templates(obj)
+        if selector.items() <= labels.items()
+    ]
+
+
+def replica_floor(objs: list[Obj], workload: Obj) -> int:
+    """The fewest pods a workload runs: its replicas, else its autoscaler's minimum."""
+    if "replicas" in workload["spec"]:
+        return int(workload["spec"]["replicas"])
+    hpas = [
+        o
+        for o in objs
+        if o["kind"] == "HorizontalPodAutoscaler"
+        and o["spec"]["scaleTargetRef"]["kind"] == workload["kind"]
+        and o["spec"]["scaleTargetRef"]["name"] == workload["metadata"]["name"]
+    ]
+    return int(hpas[0]["spec"].get("minReplicas", 1)) if hpas else 1
+
+
 # --- 1. rendering -------------------------------------------------------------------
 
 
@@ -314,14 +402,27 @@ def env_value(c: Obj, name: str) -> Obj:
 def test_renders(target: str) -> None:
     objs = objects(target)
     kinds = sorted((o["kind"], o["metadata"]["name"]) for o in objs)
-    assert kinds == [
-        ("ConfigMap", "streamrec-job"),
-        ("DaskCluster", "streamrec-dask"),
-        ("Job", "streamrec-trainer"),
-        ("Service", "streamrec-store"),
-        ("Service", "streamrec-trainer"),
-        ("StatefulSet", "streamrec-store"),
+    shards = EXPECTED[target][0]
+    replicas = [
+        (kind, f"streamrec-replica-{i}")
+        for i in range(shards)
+        for kind in ("Deployment", "PodDisruptionBudget", "Service")
     ]
+    assert kinds == sorted(
+        [
+            ("ConfigMap", "streamrec-job"),
+            ("DaskCluster", "streamrec-dask"),
+            ("Job", "streamrec-trainer"),
+            ("Service", "streamrec-store"),
+            ("Service", "streamrec-trainer"),
+            ("StatefulSet", "streamrec-store"),
+            ("Deployment", "streamrec-serve"),
+            ("HorizontalPodAutoscaler", "streamrec-serve"),
+            ("PodDisruptionBudget", "streamrec-serve"),
+            ("Service", "streamrec-serve"),
+            *replicas,
+        ]
+    )
     # The user creates the Secrets (the store token, the S3 key): none ship here.
     assert not [o for o in objs if o["kind"] == "Secret"]
 
@@ -377,13 +478,24 @@ def test_every_command_line_parses(target: str) -> None:
         # The image's ENTRYPOINT is `streamrec`: containers give args only.
         assert "command" not in c, f"{role}/{c['name']}: set args, not command"
         ns, _stock = parse_role(c["args"])
-        seen.add(ns.command)
-        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        seen.add(" ".join([ns.command, getattr(ns, "store_command", None) or ""]).strip())
+        for probe in PROBES:
             exec_ = c.get(probe, {}).get("exec")
             if exec_ is not None:
                 assert exec_["command"][0] == "streamrec", exec_
                 parse_role(exec_["command"][1:])
-    assert seen == {"store", "dask", "torchrun"}
+    assert seen == {"store serve", "store replica", "serve", "dask", "torchrun"}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_every_probe_knocks_on_a_declared_port(target: str) -> None:
+    for role, _pod, c in containers(objects(target)):
+        for name in PROBES:
+            probe = c.get(name)
+            if probe is not None and "exec" not in probe:
+                assert probe_port(c, probe) in {p["containerPort"] for p in c["ports"]}, (
+                    f"{role}/{c['name']}: {name}"
+                )
 
 
 def test_command_line_checks_reject_a_bad_option() -> None:
@@ -598,10 +710,206 @@ def check_trainer(objs: list[Obj], job: JobConfig) -> tuple[int, int, int]:
     return hosts, ranks, gpus
 
 
+def check_no_gpu(template: Obj, c: Obj) -> None:
+    """Serving runs on CPU nodes, in every overlay."""
+    for kind in ("requests", "limits"):
+        assert "nvidia.com/gpu" not in c["resources"].get(kind, {}), f"{c['name']}: a GPU"
+    tolerations = template["spec"].get("tolerations", [])
+    assert not [t for t in tolerations if t.get("key") == "nvidia.com/gpu"], c["name"]
+
+
+def check_prometheus(template: Obj, c: Obj, port_: int) -> None:
+    annotations = template["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/port"] == str(port_)
+    assert annotations["prometheus.io/path"] == "/metrics"
+    assert port_ in {p["containerPort"] for p in c["ports"]}
+
+
+def check_replicas(objs: list[Obj], job: JobConfig) -> list[str]:
+    """One replica Deployment per store shard, each following and copying that shard.
+
+    Returns the address the servers read shard i's replicas by (its Service), in shard
+    order.
+    """
+    sts = one(objs, "StatefulSet", "streamrec-store")
+    store_c = container(sts["spec"]["template"]["spec"], "store")
+    store, _ = parse_role(store_c["args"])
+    shards = (job.cluster.store or "").removeprefix("grpc://").split(",")
+    deployments = [
+        o
+        for o in objs
+        if o["kind"] == "Deployment"
+        and o["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/component")
+        == "store-replica"
+    ]
+    by_shard: dict[int, str] = {}
+    for dep in deployments:
+        name = dep["metadata"]["name"]
+        template = dep["spec"]["template"]
+        pod = template["spec"]
+        c = container(pod, "replica")
+        ns, _ = parse_role(c["args"])
+        assert (ns.command, ns.store_command) == ("store", "replica"), name
+        values = env_values(template, c)
+
+        # --follow: the training shard of the same index, at its cluster.store address.
+        follow = expand(ns.follow, values)
+        assert follow in shards, f"{name}: --follow {follow} is no shard of cluster.store"
+        i = shards.index(follow)
+        assert name == f"streamrec-replica-{i}", f"{name}: --follow names shard {i}"
+        assert i not in by_shard, f"{name}: shard {i} already followed by {by_shard[i]}"
+        # --snapshots: that shard's own --snapshots URL (its pod name in place of POD_NAME).
+        shard_snapshots = expand(
+            store.snapshots or "", {"POD_NAME": f"{sts['metadata']['name']}-{i}"}
+        )
+        replica_snapshots = expand(ns.snapshots or "", values)
+        assert replica_snapshots == shard_snapshots, f"{name}: --snapshots of shard {i}"
+        assert "$(" not in replica_snapshots + follow, f"{name}: an unexpanded variable"
+        check_writable(pod, c, str(ns.data_dir))
+        assert "emptyDir" in mount_of(pod, c, str(ns.data_dir))[1], "--data-dir is scratch"
+        check_writable(pod, c, "/tmp")
+        if ns.snapshots:
+            check_s3_credentials(c)
+
+        # Its Service: ClusterIP (only ready, caught-up pods), the gRPC port.
+        svc = one(objs, "Service", name)
+        assert svc["spec"].get("clusterIP") != "None", f"{name}: a ClusterIP Service"
+        assert not svc["spec"].get("publishNotReadyAddresses"), f"{name}: only ready pods"
+        assert selected(objs, svc["spec"]["selector"]) == [name], f"Service {name}"
+        grpc = service_port(svc["spec"], "grpc")
+        assert grpc["port"] == ns.port == port(c, grpc["targetPort"])
+        assert ns.host == "0.0.0.0"
+        assert expand(ns.advertise_host, values) == name, "metrics: the address read by"
+        by_shard[i] = f"{name}:{grpc['port']}"
+
+        # Ready = caught up: `store health` on its own port, with the job's token.
+        health, _ = parse_role(c["readinessProbe"]["exec"]["command"][1:])
+        assert (health.command, health.store_command) == ("store", "health")
+        assert health.address == f"127.0.0.1:{ns.port}", f"{name}: readinessProbe's port"
+        assert str(health.token_file) == str(ns.token_file), f"{name}: readinessProbe's token"
+        assert c["readinessProbe"]["timeoutSeconds"] > health.timeout
+        # Alive = the gRPC port answers; it opens once the snapshot is restored, so the
+        # startup probe gives the replica as long as the shard's gives the shard.
+        for probe in ("livenessProbe", "startupProbe"):
+            assert probe_port(c, c[probe]) == ns.port, f"{name}: {probe}"
+            assert "tcpSocket" in c[probe], f"{name}: {probe}"
+        budget = {
+            n: p["startupProbe"]["periodSeconds"] * p["startupProbe"]["failureThreshold"]
+            for n, p in (("replica", c), ("shard", store_c))
+        }
+        assert budget["replica"] >= budget["shard"], f"{name}: startup {budget}"
+
+        check_config_mount(objs, pod, c, str(ns.config))
+        check_token_mount(pod, c, str(ns.token_file))
+        assert str(job.cluster.token_file) == str(ns.token_file)
+        check_prometheus(template, c, ns.metrics_port)
+        check_no_gpu(template, c)
+        # It holds the whole shard, optimizer state included, as the shard does.
+        assert quantity(c["resources"]["limits"]["memory"]) >= quantity(
+            store_c["resources"]["requests"]["memory"]
+        ), f"{name}: less memory than the shard it copies"
+
+        # Several identical copies; a rollout adds a caught-up one before taking one.
+        assert dep["spec"]["replicas"] >= 2, name
+        assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0, name
+        pdb = one(objs, "PodDisruptionBudget", name)
+        assert pdb["spec"]["minAvailable"] == 1, name
+        selector = pdb["spec"]["selector"]["matchLabels"]
+        assert selected(objs, selector) == [name], f"PodDisruptionBudget {name}"
+    assert sorted(by_shard) == list(range(len(shards))), "replicas: one Deployment per shard"
+    return [by_shard[i] for i in range(len(shards))]
+
+
+def serve_client_token(objs: list[Obj]) -> Path | None:
+    """The token `streamrec serve` asks of its clients (--token-file, serving.token_file)."""
+    dep = one(objs, "Deployment", "streamrec-serve")
+    ns, _ = parse_role(container(dep["spec"]["template"]["spec"], "serve")["args"])
+    token: Path | None = ns.token_file or job_config(objs).serving.token_file
+    return token
+
+
+def check_serve(objs: list[Obj], job: JobConfig, replicas: list[str]) -> tuple[int, int]:
+    """`streamrec serve` reads the replicas in shard order; returns the autoscaler's bounds."""
+    dep = one(objs, "Deployment", "streamrec-serve")
+    template = dep["spec"]["template"]
+    pod = template["spec"]
+    c = container(pod, "serve")
+    ns, _ = parse_role(c["args"])
+    assert ns.command == "serve"
+    # What `streamrec serve` makes of its flags and the job's serving: section.
+    store = ns.store or job.serving.store or job.cluster.store
+    assert store == "grpc://" + ",".join(replicas), (
+        "serve --store: one replica Service per shard, in shard order"
+    )
+    serve_port = job.serving.port if ns.port is None else ns.port
+    assert (ns.host or job.serving.host) == "0.0.0.0"
+    check_config_mount(objs, pod, c, str(ns.job))
+    store_token = ns.store_token_file or job.cluster.token_file
+    check_token_mount(pod, c, str(store_token))
+    assert str(store_token) == str(job.cluster.token_file), "the replicas ask the job's token"
+    client_token = serve_client_token(objs)
+    if client_token is not None:
+        mount_of(pod, c, str(client_token))
+    check_writable(pod, c, "/tmp")
+
+    # The dense weights: where the trainers publish them, in the object store.
+    from deploy.job import serving_location
+
+    assert job.serving.publish_every_s is not None, "the trainers must publish"
+    assert serving_location(job).url.startswith("s3://"), "every server must reach it"
+    check_s3_credentials(c)
+
+    # HTTP on one port: the Service's `http`, the probes, the metrics.
+    svc = one(objs, "Service", "streamrec-serve")
+    http = service_port(svc["spec"], "http")
+    assert http["port"] == serve_port == port(c, http["targetPort"]) == 8000
+    assert selected(objs, svc["spec"]["selector"]) == ["streamrec-serve"]
+    for probe, path in (
+        ("startupProbe", "/v2/health/live"),
+        ("livenessProbe", "/v2/health/live"),
+        ("readinessProbe", "/v2/health/ready"),  # 503 until weights and replicas answer
+    ):
+        assert c[probe]["httpGet"]["path"] == path, probe
+        assert probe_port(c, c[probe]) == serve_port, probe
+    check_prometheus(template, c, serve_port)
+    check_no_gpu(template, c)
+    threads = int(env_value(c, "OMP_NUM_THREADS")["value"])
+    assert 1 <= threads <= quantity(c["resources"]["limits"]["cpu"]), "OMP_NUM_THREADS"
+
+    # Autoscaled on CPU: the HPA owns the count, which needs CPU requests.
+    hpa = one(objs, "HorizontalPodAutoscaler", "streamrec-serve")
+    spec = hpa["spec"]
+    assert spec["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": dep["metadata"]["name"],
+    }, "the HPA scales the serve Deployment"
+    assert "replicas" not in dep["spec"], "the HPA owns the count: apply would reset it"
+    assert 2 <= spec["minReplicas"] <= spec["maxReplicas"], "minReplicas: at least 2 servers"
+    assert [
+        (m["type"], m["resource"]["name"], m["resource"]["target"]["type"]) for m in spec["metrics"]
+    ] == [("Resource", "cpu", "Utilization")]
+    assert 0 < spec["metrics"][0]["resource"]["target"]["averageUtilization"] <= 100
+    for every in pod["containers"]:
+        assert quantity(every["resources"]["requests"]["cpu"]) > 0, "CPU requests for the HPA"
+    assert dep["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+    pdb = one(objs, "PodDisruptionBudget", "streamrec-serve")
+    assert pdb["spec"]["minAvailable"] == 1
+    assert selected(objs, pdb["spec"]["selector"]["matchLabels"]) == ["streamrec-serve"]
+    return spec["minReplicas"], spec["maxReplicas"]
+
+
 EXPECTED = {  # shards, dask workers, trainer hosts, ranks per host, GPUs per host, image
     "base": (2, 2, 1, 1, 0, "streamrec"),
     "cpu-small": (2, 2, 1, 1, 0, "registry.example.com/streamrec:0.1.0"),
     "gpu": (8, 8, 2, 4, 4, "registry.example.com/streamrec-cuda:0.1.0"),
+}
+SERVING = {  # replicas per shard, serve min and max (the autoscaler's)
+    "base": (2, 2, 10),
+    "cpu-small": (2, 2, 4),
+    "gpu": (2, 2, 10),
 }
 
 
@@ -612,11 +920,43 @@ def test_job_yaml_agrees_with_the_objects(target: str) -> None:
     check_store(objs, job)
     check_scheduler(objs, job)
     world = check_trainer(objs, job)
+    replicas = check_replicas(objs, job)
+    bounds = check_serve(objs, job, replicas)
     shards, workers, hosts, ranks, gpus, image = EXPECTED[target]
     assert job.cluster.store_shards == shards
     assert one(objs, "DaskCluster", "streamrec-dask")["spec"]["worker"]["replicas"] == workers
     assert world == (hosts, ranks, gpus)
     assert {c["image"] for _, _, c in containers(objs)} == {image}
+    per_shard, low, high = SERVING[target]
+    assert replicas == [f"streamrec-replica-{i}:7100" for i in range(shards)]
+    counts = {one(objs, "Deployment", r.split(":")[0])["spec"]["replicas"] for r in replicas}
+    assert counts == {per_shard}
+    assert bounds == (low, high)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_selectors_select_their_own_pods(target: str) -> None:
+    """Each Service and PodDisruptionBudget selects the pods of its namesake workload only;
+    no controller's selector reaches another's pods; a drain can always evict one pod."""
+    objs = objects(target)
+    workloads = {o["metadata"]["name"]: o for o in objs if o["kind"] in WORKLOADS}
+    for obj in objs:
+        kind, name = obj["kind"], obj["metadata"]["name"]
+        if kind == "Service" and "selector" in obj["spec"]:
+            assert selected(objs, obj["spec"]["selector"]) == [name], f"Service {name}"
+            containers_ = workloads[name]["spec"]["template"]["spec"]["containers"]
+            for p in obj["spec"]["ports"]:
+                target_port = p.get("targetPort", p["port"])
+                declared = {q["name"] if isinstance(target_port, str) else q["containerPort"]
+                            for c in containers_ for q in c.get("ports", [])}  # fmt: skip
+                assert target_port in declared, f"Service {name}: targetPort {target_port}"
+        elif kind == "PodDisruptionBudget":
+            assert selected(objs, obj["spec"]["selector"]["matchLabels"]) == [name], name
+            assert replica_floor(objs, workloads[name]) > obj["spec"]["minAvailable"], (
+                f"PodDisruptionBudget {name}: no pod could ever be evicted"
+            )
+        elif kind in {"Deployment", "StatefulSet"}:
+            assert selected(objs, obj["spec"]["selector"]["matchLabels"]) == [name], name
 
 
 def test_agreement_checks_catch_a_mismatch() -> None:
@@ -653,6 +993,150 @@ def test_agreement_checks_catch_a_mismatch() -> None:
     trainer["resources"]["limits"]["nvidia.com/gpu"] = "8"
     with pytest.raises(AssertionError, match="ranks == gpus"):
         check_trainer(gpu, job_config(gpu))
+
+
+def test_serving_checks_catch_a_mismatch() -> None:
+    objs = objects("gpu")
+    job = job_config(objs)
+    replicas = check_replicas(objs, job)
+    check_serve(objs, job, replicas)
+
+    def serve_args(objs: list[Obj]) -> list[str]:
+        dep = one(objs, "Deployment", "streamrec-serve")
+        args: list[str] = container(dep["spec"]["template"]["spec"], "serve")["args"]
+        return args
+
+    def replica(objs: list[Obj], i: int) -> Obj:
+        dep = one(objs, "Deployment", f"streamrec-replica-{i}")
+        return container(dep["spec"]["template"]["spec"], "replica")
+
+    swapped = objects("gpu")
+    args = serve_args(swapped)
+    at = args.index("--store") + 1
+    addresses = args[at].removeprefix("grpc://").split(",")
+    addresses[2], addresses[3] = addresses[3], addresses[2]
+    args[at] = "grpc://" + ",".join(addresses)
+    with pytest.raises(AssertionError, match="serve --store"):
+        check_serve(swapped, job, check_replicas(swapped, job))
+    # Without --store, serve would read the training shards (cluster.store).
+    unset = objects("gpu")
+    args = serve_args(unset)
+    del args[args.index("--store") : args.index("--store") + 2]
+    with pytest.raises(AssertionError, match="serve --store"):
+        check_serve(unset, job, replicas)
+
+    # Replica 3 following shard 2, or starting from shard 2's snapshots.
+    crossed = objects("gpu")
+    env_value(replica(crossed, 3), "STORE_SHARD")["value"] = "streamrec-store-2"
+    with pytest.raises(AssertionError, match="--follow names shard 2"):
+        check_replicas(crossed, job)
+    crossed = objects("gpu")
+    args = replica(crossed, 3)["args"]
+    at = args.index("--snapshots") + 1
+    args[at] = args[at].replace("$(STORE_SHARD)", "streamrec-store-2")
+    with pytest.raises(AssertionError, match="--snapshots of shard 3"):
+        check_replicas(crossed, job)
+    elsewhere = objects("gpu")
+    args = replica(elsewhere, 0)["args"]
+    at = args.index("--snapshots") + 1
+    args[at] = args[at].replace("s3.example.com", "other.example.com")
+    with pytest.raises(AssertionError, match="--snapshots of shard 0"):
+        check_replicas(elsewhere, job)
+
+    missing = [o for o in objects("gpu") if o["metadata"]["name"] != "streamrec-replica-7"]
+    with pytest.raises(AssertionError, match="one Deployment per shard"):
+        check_replicas(missing, job)
+
+    probe = objects("gpu")
+    replica(probe, 1)["readinessProbe"]["exec"]["command"][4] = "127.0.0.1:7000"
+    with pytest.raises(AssertionError, match="readinessProbe"):
+        check_replicas(probe, job)
+
+    def retarget(hpa: Obj, serve: Obj) -> None:
+        hpa["spec"]["scaleTargetRef"]["name"] = "streamrec-store"
+
+    def no_cpu_request(hpa: Obj, serve: Obj) -> None:
+        serve["resources"]["requests"]["cpu"] = "0"
+
+    def one_server(hpa: Obj, serve: Obj) -> None:
+        hpa["spec"]["minReplicas"] = 1
+
+    for change, message in (
+        (retarget, "the HPA scales the serve Deployment"),
+        (no_cpu_request, "CPU requests"),
+        (one_server, "at least 2 servers"),
+    ):
+        changed = objects("gpu")
+        dep = one(changed, "Deployment", "streamrec-serve")
+        change(
+            one(changed, "HorizontalPodAutoscaler", "streamrec-serve"),
+            container(dep["spec"]["template"]["spec"], "serve"),
+        )
+        with pytest.raises(AssertionError, match=message):
+            check_serve(changed, job, replicas)
+
+    # A PDB whose selector matches no pod (a typo) protects nothing.
+    typo = objects("cpu-small")
+    pdb = one(typo, "PodDisruptionBudget", "streamrec-replica-1")
+    pdb["spec"]["selector"]["matchLabels"]["app.kubernetes.io/instance"] = "streamrec-replica-l"
+    with pytest.raises(AssertionError, match="PodDisruptionBudget streamrec-replica-1"):
+        check_replicas(typo, job_config(typo))
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_serve_answers_its_probes_and_scrapes_without_a_token(target: str) -> None:
+    """The kubelet's httpGet probes and an annotation-driven Prometheus scrape send no
+    token: the real HTTP server, configured as the manifests configure it (with a client
+    token where they give one), answers 200 on every such path without one."""
+    from serving.http import InferenceServer
+    from serving.types import Prediction
+
+    objs = objects(target)
+    dep = one(objs, "Deployment", "streamrec-serve")
+    template = dep["spec"]["template"]
+    c = container(template["spec"], "serve")
+    paths = {c[p]["httpGet"]["path"] for p in PROBES if "httpGet" in c.get(p, {})}
+    annotations = template["metadata"].get("annotations", {})
+    if annotations.get("prometheus.io/scrape") == "true":
+        paths.add(annotations["prometheus.io/path"])
+    assert {"/v2/health/live", "/v2/health/ready"} <= paths
+    token = None if serve_client_token(objs) is None else "k8s-test-token"
+
+    class Ready:
+        name, heads = "streamrec", ("click",)
+
+        def ready(self) -> bool:
+            return True
+
+        def metadata(self) -> dict[str, object]:
+            return {}
+
+        def predict(self, records: Sequence[bytes]) -> Prediction:
+            raise AssertionError("not asked")
+
+    def status(url: str) -> int:
+        try:
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                return int(reply.status)
+        except urllib.error.HTTPError as exc:
+            return int(exc.code)
+
+    with InferenceServer(Ready(), token=token) as server:
+        if token is not None:
+            assert status(f"{server.url}/v2") == 401, "the server does ask for its token"
+        answers = {path: status(server.url + path) for path in sorted(paths)}
+    assert answers == dict.fromkeys(sorted(paths), 200), (
+        f"without an Authorization header (serve's client token: {token})"
+    )
+
+
+def test_probe_check_catches_a_client_token() -> None:
+    """Until the server answers /v2/health/ready and /metrics without the client token,
+    serve's --token-file fails that check (the readiness probe would get 401)."""
+    objs = objects("cpu-small")
+    dep = one(objs, "Deployment", "streamrec-serve")
+    container(dep["spec"]["template"]["spec"], "serve")["args"] += ["--token-file", "/t/token"]
+    assert serve_client_token(objs) == Path("/t/token")
 
 
 @pytest.mark.parametrize("target", TARGETS)
