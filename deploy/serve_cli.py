@@ -177,14 +177,70 @@ def add_commands(sub: Any) -> None:
     add_serve_command(sub)
 
 
+class ServingStack:
+    """A job's prediction server: its model over the rows at ``store``, the newest
+    published dense weights, and what keeps both fresh."""
+
+    def __init__(
+        self,
+        job: Any,
+        store: str,
+        store_token: str | None,
+        *,
+        host: str,
+        port: int,
+        token: str | None = None,
+    ) -> None:
+        from connectors.codecs import make_codec
+        from deploy.job import build_codec, serving_location
+        from embedding_store.client import StoreClient
+        from serving.freshness import FreshnessCollector, SparseFreshness
+        from serving.http import InferenceServer
+        from serving.model import DenseFollower, ServingModel
+
+        cfg = job.serving
+        self.rows = StoreClient.connect(store, token=store_token)
+        dims = {name: t.dim for name, t in job.store.tables.items()}
+        self.where = serving_location(job)
+        self.dense = DenseFollower(self.where, job.trainer, job.features, dims, poll_s=cfg.poll_s)
+        self.dense.start()
+        self.sparse = SparseFreshness(self.rows)
+        self.sparse.start()
+        codec = build_codec(job) or make_codec("json")
+        self.model = ServingModel(
+            cfg.model_name, job.features, codec, self.rows, self.dense,
+            sparse_version=self.sparse.version,
+        )  # fmt: skip
+        self.server = InferenceServer(
+            self.model, host=host, port=port, token=token, max_request_bytes=cfg.max_request_bytes
+        )
+        self.server.metrics.registry.register(FreshnessCollector(self.sparse, self.dense))
+        try:
+            self.url = self.server.start()
+        except BaseException:
+            self.close(server=False)
+            raise
+        auth = f" -H 'Authorization: Bearer {token}'" if token is not None else ""
+        self.curl = (
+            f"curl -s {self.url}/v2/models/{cfg.model_name}/infer{auth} "
+            f"-H 'Content-Type: application/json' -d '{_example_record(job)}'"
+        )
+
+    def close(self, *, server: bool = True) -> None:
+        if server:
+            self.server.stop()
+        self.sparse.close()
+        self.dense.close()
+        self.rows.close()
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
-    from connectors.codecs import make_codec
+    import signal
+    import threading
+
     from deploy.config import ConfigError, load_config
-    from deploy.job import build_codec, serving_location
-    from embedding_store.client import StoreClient
+    from deploy.store_server import read_token
     from embedding_store.errors import StoreError
-    from serving.http import InferenceServer
-    from serving.model import DenseFollower, ServingModel
 
     try:
         job = load_config(args.job)
@@ -203,83 +259,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    token = None
     token_file = args.token_file or cfg.token_file
-    if token_file is not None:
-        from deploy.store_server import read_token
-
-        token = read_token(token_file)
-    store_token = None
+    token = read_token(token_file) if token_file is not None else None
     store_token_file = args.store_token_file or job.cluster.token_file
-    if store_token_file is not None:
-        from deploy.store_server import read_token
-
-        store_token = read_token(store_token_file)
+    store_token = read_token(store_token_file) if store_token_file is not None else None
+    port = cfg.port if args.port is None else args.port
     try:
-        rows = StoreClient.connect(store, token=store_token)
+        stack = ServingStack(
+            job, store, store_token, host=args.host or cfg.host, port=port, token=token
+        )
     except (StoreError, ValueError) as exc:
         print(f"streamrec serve: --store {store}: {exc}", file=sys.stderr)
         return 2
-    dims = {name: t.dim for name, t in job.store.tables.items()}
-    where = serving_location(job)
-    dense = DenseFollower(where, job.trainer, job.features, dims, poll_s=cfg.poll_s)
-    dense.start()
-    model = ServingModel(cfg.model_name, job.features, build_codec(job) or make_codec("json"),
-                         rows, dense)  # fmt: skip
-    port = cfg.port if args.port is None else args.port
-    server = InferenceServer(
-        model,
-        host=args.host or cfg.host,
-        port=port,
-        token=token,
-        max_request_bytes=cfg.max_request_bytes,
-    )
-    try:
-        url = server.start()
     except OSError as exc:
         print(f"streamrec serve: cannot listen on port {port}: {exc}", file=sys.stderr)
         return 2
-    auth = f" -H 'Authorization: Bearer {token}'" if token is not None else ""
-    example = _example_record(job)
     print(
-        f"streamrec serve: model {cfg.model_name!r} on {url} (rows from {store}, dense weights "
-        f"from {where}; ready once a version is published)\n"
-        f"  curl -s {url}/v2/models/{cfg.model_name}/infer{auth} -H 'Content-Type: "
-        f"application/json' -d '{example}'",
+        f"streamrec serve: model {cfg.model_name!r} on {stack.url} (rows from {store}, dense "
+        f"weights from {stack.where}; ready once a version is published)\n  {stack.curl}",
         flush=True,
     )
-    import signal
-    import threading
-
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     announced = False
     while not stop.wait(0.2):
-        if not announced and model.ready():
-            current = dense.current
-            assert current is not None
+        current = stack.dense.current
+        if not announced and current is not None:
             print(f"streamrec serve: ready with dense version {current.entry.version}", flush=True)
             announced = True
-    server.stop()
-    dense.close()
-    rows.close()
+    stack.close()
     print("streamrec serve: stopped", flush=True)
     return 0
 
 
 class ServingBeside:
     """A prediction server beside a local job (``demo --serve``): one serving replica per
-    store shard and ``streamrec serve``'s server in this process."""
+    store shard and a :class:`ServingStack` over them, in this process."""
 
     def __init__(self, job: Any, store: str, token_file: Path, port: int) -> None:
-        from connectors.codecs import make_codec
-        from deploy.job import build_codec, serving_location
         from deploy.local.shards import ShardProcess
         from deploy.store_server import read_token
-        from embedding_store.client import StoreClient
-        from serving.http import InferenceServer
-        from serving.model import DenseFollower, ServingModel
 
         self.replicas = []
         for i, address in enumerate(store.removeprefix("grpc://").split(",")):
@@ -293,25 +313,13 @@ class ServingBeside:
                 )
             )
         replicas = "grpc://" + ",".join(r.address for r in self.replicas)
-        self.rows = StoreClient.connect(replicas, token=read_token(token_file))
-        dims = {name: t.dim for name, t in job.store.tables.items()}
-        self.dense = DenseFollower(
-            serving_location(job), job.trainer, job.features, dims, poll_s=job.serving.poll_s
+        self.stack = ServingStack(
+            job, replicas, read_token(token_file), host=job.serving.host, port=port
         )
-        self.dense.start()
-        codec = build_codec(job) or make_codec("json")
-        model = ServingModel(job.serving.model_name, job.features, codec, self.rows, self.dense)
-        self.server = InferenceServer(model, host=job.serving.host, port=port)
-        self.url = self.server.start()
-        self.curl = (
-            f"curl -s {self.url}/v2/models/{job.serving.model_name}/infer "
-            f"-H 'Content-Type: application/json' -d '{_example_record(job)}'"
-        )
+        self.url, self.curl = self.stack.url, self.stack.curl
 
     def close(self) -> None:
-        self.server.stop()
-        self.dense.close()
-        self.rows.close()
+        self.stack.close()
         for r in self.replicas:
             r.stop()
 

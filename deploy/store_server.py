@@ -157,7 +157,7 @@ def serve_replica(
         shared_memory=False,
     )
     follower = ShardFollower(shard, source, poll_s=poll_s)
-    servicer = EmbeddingStoreServicer(shard, health=follower.health)
+    servicer = EmbeddingStoreServicer(shard, health=follower.health, current_at=follower.current_at)
     server, bound = make_server(shard, host=host, port=port, token=token, servicer=servicer)
     metrics = None
     if metrics_port is not None:

@@ -427,6 +427,12 @@ class GrpcTransport:
         self._dims = dict(r.dims)
         return dict(r.dims), FROM_PB.get(r.row_dtype, "float16")
 
+    def current_at(self) -> float:
+        """When the shard's rows were last current: now for a training shard, a serving
+        replica's newest round that caught up (0: not yet)."""
+        r = self._call("Health", pb.HealthRequest())
+        return time.time() if r.status == "SERVING" and r.current_at == 0.0 else r.current_at
+
     # --- the shared area ----------------------------------------------------------
 
     def _take_area(self, need: int) -> _SharedArea | None:
@@ -1142,6 +1148,12 @@ class StoreClient:
         (``restore`` does it for the caller's own client).
         """
         self._each(lambda i, t: t.accept_restart())
+
+    def current_at(self) -> float:
+        """The oldest of the shards' ``current_at``: every row read now is at least as
+        fresh as the training shards were then (a client over serving replicas)."""
+        times = [getattr(t, "current_at", time.time)() for t in self._transports]
+        return min(times)
 
     def close(self) -> None:
         """Close the channels (the shards themselves keep running)."""

@@ -195,6 +195,10 @@ class ShardFollower:
             self.sync_once()
             stop.wait(max(0.0, self.poll_s - (time.monotonic() - started)))
 
+    def current_at(self) -> float:
+        """Wall time of the newest round that brought every table current (0: none yet)."""
+        return self.stats.caught_up_at or 0.0
+
     def health(self) -> str:
         """What the replica's Health answers: SERVING once caught up, else SYNCING."""
         return "SERVING" if self.caught_up.is_set() else "SYNCING"

@@ -233,11 +233,14 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
         *,
         allow_dirs: tuple[Path, ...] = (),
         health: Callable[[], str] | None = None,
+        current_at: Callable[[], float] | None = None,
     ) -> None:
         """``health``: the status Health answers ("SERVING" when not given); a serving
-        replica answers "SYNCING" until it has caught up with its training shard."""
+        replica answers "SYNCING" until it has caught up with its training shard.
+        ``current_at``: a replica's time of its newest round that was current."""
         self.shard = shard
         self._health = health
+        self._current_at = current_at
         # Folders besides the data dir that Checkpoint and Restore may name.
         self.allow_dirs = tuple(Path(d).resolve() for d in allow_dirs)
         self.lookup_latency = LatencyHistogram()
@@ -599,6 +602,7 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
             dims={name: t.dim for name, t in self.shard.tables.items()},
             row_dtype=TO_PB[self.shard.config.row_dtype],
             incarnation=self.shard.incarnation,
+            current_at=0.0 if self._current_at is None else self._current_at(),
         )
 
 

@@ -3,8 +3,9 @@
 Endpoints (the Open Inference Protocol, KServe v2): ``GET /v2/health/live``,
 ``GET /v2/health/ready``, ``GET /v2``, ``GET /v2/models/{name}[/versions/{v}]``,
 ``.../ready``, ``POST .../infer``, and ``GET /metrics`` (Prometheus text, from a
-registry of the server's own). With a token, every endpoint but
-``/v2/health/live`` needs ``Authorization: Bearer <token>``.
+registry of the server's own). With a token, every endpoint but the probes'
+and the scraper's (``/v2/health/live``, ``/v2/health/ready``, ``/metrics``)
+needs ``Authorization: Bearer <token>``.
 
 Input never causes a 500: the protocol layer turns whatever is wrong with a
 request into a 400 naming the field and the value; an exception inside the
@@ -216,6 +217,7 @@ class _Live(_Handler):
 
 
 class _Ready(_Handler):
+    public = True  # a probe (the kubelet's) sends no token
     endpoint = "health_ready"
 
     def get(self) -> None:
@@ -231,6 +233,7 @@ class _ServerMetadata(_Handler):
 
 
 class _Metrics(_Handler):
+    public = True  # a scraper sends no token; the figures hold no records
     endpoint = "metrics"
 
     def get(self) -> None:

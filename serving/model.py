@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -171,14 +171,17 @@ class ServingModel:
         dense: DenseSource,
         *,
         labels_required: bool = False,
+        sparse_version: Callable[[], int] | None = None,
     ) -> None:
-        """``labels_required``: records without labels are bad (evaluating, not serving)."""
+        """``labels_required``: records without labels are bad (evaluating, not serving).
+        ``sparse_version``: the rows' version for responses (see ``serving.freshness``)."""
         self.name = name
         self.spec = spec if labels_required else spec.for_scoring()
         self.heads = tuple(spec.labels)
         self.codec = codec
         self.rows = rows
         self.dense = dense
+        self._sparse_version = sparse_version
 
     def ready(self) -> bool:
         return self.dense.current is not None
@@ -220,6 +223,8 @@ class ServingModel:
             "dense_step": entry.step,
             "samples_learned": entry.samples,
         }
+        if self._sparse_version is not None:
+            parameters["sparse_version"] = self._sparse_version()
         positions = np.asarray(table.column(POSITION).to_numpy(), dtype=np.int64)
         heads = len(self.heads)
         if table.num_rows == 0:

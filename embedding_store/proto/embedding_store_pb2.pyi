@@ -241,7 +241,7 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("status", "dims", "row_dtype", "incarnation")
+    __slots__ = ("status", "dims", "row_dtype", "incarnation", "current_at")
     class DimsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -253,11 +253,13 @@ class HealthResponse(_message.Message):
     DIMS_FIELD_NUMBER: _ClassVar[int]
     ROW_DTYPE_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CURRENT_AT_FIELD_NUMBER: _ClassVar[int]
     status: str
     dims: _containers.ScalarMap[str, int]
     row_dtype: RowDtype
     incarnation: str
-    def __init__(self, status: _Optional[str] = ..., dims: _Optional[_Mapping[str, int]] = ..., row_dtype: _Optional[_Union[RowDtype, str]] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    current_at: float
+    def __init__(self, status: _Optional[str] = ..., dims: _Optional[_Mapping[str, int]] = ..., row_dtype: _Optional[_Union[RowDtype, str]] = ..., incarnation: _Optional[str] = ..., current_at: _Optional[float] = ...) -> None: ...
 
 class ChangesRequest(_message.Message):
     __slots__ = ("table", "epoch", "since")
