@@ -92,6 +92,11 @@ _TABLE_COUNTERS: tuple[tuple[str, Callable[[TableStats], int], str], ...] = (
         lambda t: t.expirations,
         "Rows removed because they were unseen for ttl_steps.",
     ),
+    (
+        "streamrec_store_unknown_reads_total",
+        lambda t: t.unknown_reads,
+        "Ids a serving replica read without a row (served the table's initial row).",
+    ),
 )
 
 

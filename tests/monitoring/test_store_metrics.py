@@ -49,6 +49,7 @@ TABLE_FAMILIES = {
     "streamrec_store_rejected_admissions_total": "counter",
     "streamrec_store_evictions_total": "counter",
     "streamrec_store_expirations_total": "counter",
+    "streamrec_store_unknown_reads_total": "counter",
 }
 SHARD_FAMILIES = {
     "streamrec_store_duplicate_pushes_total": "counter",
