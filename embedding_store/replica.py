@@ -19,7 +19,9 @@ when the shard is back). A :class:`ShardFollower` keeps a read-only
 
 The replica is *caught up* once every table has been brought to a version the
 training shard answered after the follower started; until then its Health
-answers SYNCING (a readiness probe fails). An id the replica has no row for
+answers SYNCING (a readiness probe fails), and a replica that restored no
+checkpoint refuses reads (UNAVAILABLE: clients retry) rather than answer
+every id with an initial row. An id the replica has no row for
 is read as the table's initial row, as a training lookup would create it,
 and counted (``unknown_reads``).
 
@@ -114,6 +116,10 @@ class ShardFollower:
         self._positions: dict[str, tuple[str, int]] = dict(replica.restored_logs)
         self._current: set[str] = set()  # tables brought current since this follower started
         self.caught_up = threading.Event()
+        if not self._positions:
+            # Nothing restored: until the first copy, a read would get initial rows for
+            # every id (a model's worth of wrong answers), so reads are refused instead.
+            replica.unavailable = "this serving replica is copying its training shard; ask again"
         self.stats = FollowStats()
 
     @property
@@ -184,6 +190,7 @@ class ShardFollower:
         self.stats.rounds += 1
         if ok and self._current >= set(self.replica.tables):
             self.stats.caught_up_at = self._clock()
+            self.replica.unavailable = None
             self.caught_up.set()
             return True
         return False

@@ -45,7 +45,13 @@ from typing import Any, TypeVar
 import grpc
 import numpy as np
 
-from embedding_store.errors import CheckpointError, InvalidRequest, MessageTooLarge, UnknownTable
+from embedding_store.errors import (
+    CheckpointError,
+    InvalidRequest,
+    MessageTooLarge,
+    StoreUnavailable,
+    UnknownTable,
+)
 from embedding_store.latency import LatencyHistogram
 from embedding_store.proto import embedding_store_pb2 as pb
 from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
@@ -122,6 +128,8 @@ def _errors_to_status(
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except MessageTooLarge as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except StoreUnavailable as exc:  # a replica with nothing to serve yet: ask again
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         raise AssertionError("unreachable: context.abort raises")  # pragma: no cover
 
     return wrapper

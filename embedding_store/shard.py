@@ -32,7 +32,12 @@ import numpy.typing as npt
 
 from embedding_store import mirror as snapshot_mirror
 from embedding_store import persistence
-from embedding_store.errors import CheckpointError, InvalidRequest, UnknownTable
+from embedding_store.errors import (
+    CheckpointError,
+    InvalidRequest,
+    StoreUnavailable,
+    UnknownTable,
+)
 from embedding_store.hashing import shard_of
 from embedding_store.location import Location
 from embedding_store.table import MAX_STEP, EmbeddingTable, apply_changes
@@ -81,6 +86,8 @@ class StoreShard:
         """
         self.config = config
         self.read_only = read_only
+        # A replica's reason to refuse reads (it holds nothing yet); None: it serves.
+        self.unavailable: str | None = None
         self.data_dir = Path(data_dir) if data_dir is not None else None
         if mirror is not None and self.data_dir is None:
             msg = "a snapshot mirror needs the shard's data dir (its checkpoints are copied)"
@@ -164,6 +171,8 @@ class StoreShard:
         out = out or {}
         result = {}
         if self.read_only:
+            if self.unavailable is not None:
+                raise StoreUnavailable(self.unavailable)
             for name, t in tables:
                 rows, _ = t.read(requests[name])
                 dest = out.get(name)

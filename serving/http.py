@@ -48,7 +48,7 @@ from tornado.netutil import bind_sockets
 from tornado.web import Application, RequestHandler, stream_request_body
 
 from serving import oip
-from serving.types import BadRecords, OipError, Predictor
+from serving.types import BadRecords, ModelUnavailable, OipError, Predictor
 
 __all__ = ["InferenceServer", "ServeMetrics", "make_app"]
 
@@ -410,6 +410,9 @@ class _Infer(_ModelHandler):
                 metrics.bad_records.labels(error.reason).inc()
             _, reply = oip.bad_records_body(e.errors, n)
             self._send(400, reply)
+            return
+        except ModelUnavailable as e:
+            self._fail(503, f'model "{name}" cannot answer now: {e}; retry', "unavailable")
             return
         except Exception as e:
             log.exception('model "%s" failed on a request of %d records', name, n)

@@ -32,10 +32,11 @@ import torch
 from connectors.codecs import Codec
 from connectors.types import BadRecord, Chunk, RawChunk
 from connectors.validate import POSITION, validate
+from embedding_store.errors import StoreUnavailable
 from embedding_store.location import Location
 from pipeline.batch import build_batch
 from pipeline.spec import FeatureSpec
-from serving.types import BadRecords, Prediction, RecordError
+from serving.types import BadRecords, ModelUnavailable, Prediction, RecordError
 from trainer.config import TrainerConfig
 from trainer.models import DenseNet, build_model, field_dims
 from trainer.pooling import pool, to_tensors
@@ -232,9 +233,12 @@ class ServingModel:
             return Scored(positions, empty, empty, bad, parameters)
         batch = build_batch(table, self.spec)
         if batch.tables:
-            rows = self.rows.lookup(
-                {t: tb.unique_ids for t, tb in batch.tables.items()}, train=False
-            )
+            try:
+                rows = self.rows.lookup(
+                    {t: tb.unique_ids for t, tb in batch.tables.items()}, train=False
+                )
+            except StoreUnavailable as exc:
+                raise ModelUnavailable(str(exc)) from exc
             for t, tb in batch.tables.items():
                 tb.rows = np.asarray(rows[t], dtype=np.float32)
         with torch.no_grad():

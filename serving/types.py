@@ -96,6 +96,11 @@ class RecordError:
         return f"bad record at {where}: {self.reason}{detail}"
 
 
+class ModelUnavailable(RuntimeError):
+    """The model cannot answer now (its rows' replicas do not answer): the server says
+    503, which clients and load balancers retry, never 500."""
+
+
 class BadRecords(ValueError):
     """``Predictor.predict`` raises it when records of the request cannot be scored.
 

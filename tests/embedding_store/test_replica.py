@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from deploy.local.shards import ShardProcess
 from embedding_store.client import RetryPolicy, StoreClient
-from embedding_store.errors import InvalidRequest
+from embedding_store.errors import InvalidRequest, StoreUnavailable
 from embedding_store.replica import ShardFollower
 from embedding_store.shard import StoreShard
 from embedding_store.table import EmbeddingTable
@@ -228,10 +228,15 @@ def test_a_replica_answers_syncing_until_it_reaches_its_training_shard(
     start_shards.track(replica)
     assert "SYNCING" in _health(replica.address, token_file)
     token = token_file.read_text().strip()
-    with StoreClient.connect(f"grpc://{replica.address}", token=token, retry=FAST) as serve:
-        ids = np.array([7, 8], U64)
-        # Served meanwhile, from what it holds: nothing yet, so the initial rows.
-        np.testing.assert_array_equal(_read(serve, "item", ids), _initial("item", ids))
+    ids = np.array([7, 8], U64)
+    # It holds nothing yet: reads are refused (retryable), not answered wrong.
+    with (
+        StoreClient.connect(f"grpc://{replica.address}", token=token, retry=FAST) as serve,
+        pytest.raises(StoreUnavailable, match="copying its training shard"),
+    ):
+        _read(serve, "item", ids)
     back = training.restart()
     start_shards.track(back)
     _wait_until(lambda: "SERVING" in _health(replica.address, token_file), "caught up")
+    with StoreClient.connect(f"grpc://{replica.address}", token=token, retry=FAST) as serve:
+        np.testing.assert_array_equal(_read(serve, "item", ids), _initial("item", ids))

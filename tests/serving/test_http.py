@@ -19,7 +19,7 @@ import tritonclient.utils as tritonclient_utils
 
 from serving.http import InferenceServer
 from serving.oip import encode_bytes_tensor
-from serving.types import BadRecords, Prediction, Predictor, RecordError
+from serving.types import BadRecords, ModelUnavailable, Prediction, Predictor, RecordError
 
 InferenceServerException = tritonclient_utils.InferenceServerException
 
@@ -519,3 +519,25 @@ def test_servers_have_their_own_registries_and_stop_closes_the_port(ranker: Fake
 def test_constructor_checks(ranker: FakeRanker, kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         InferenceServer(ranker, **kwargs)
+
+
+class Unavailable(FakeRanker):
+    def predict(self, records: Sequence[bytes]) -> Prediction:
+        raise ModelUnavailable("the rows' replicas do not answer")
+
+
+def test_a_model_that_cannot_answer_now_gets_503_and_the_server_goes_on() -> None:
+    with InferenceServer(Unavailable()) as server:
+        c = triton(server)
+        try:
+            status, message = raise_status(
+                c.infer, "ranker", [records_input(RECORDS, binary=False)]
+            )
+            assert status == "503"
+            assert "the rows' replicas do not answer" in message
+            assert c.is_server_live()
+        finally:
+            c.close()
+        code, body, _ = request(server, "/metrics")
+        assert code == 200
+        assert b'streamrec_serve_errors_total{reason="unavailable"} 1.0' in body
