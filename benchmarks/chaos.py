@@ -13,6 +13,14 @@ supervisor: it brings it back on the same port after ``--outage-s``). The job
 is never restarted by hand. A killed trainer rank ends a job (with the command
 to resume, see tests/trainer/test_job_faults.py), so it is not a victim here.
 
+With ``--serve`` the job is also served as a user would serve it: one
+serving replica per store shard (``streamrec store replica``), a prediction
+server over them, and a client sending ``--requests-per-s`` requests of 8
+records; replicas join the victims (the benchmark plays their supervisor: it
+starts a killed one again after ``--outage-s``, and it has recovered once it
+has caught up with its training shard again). Every request is counted by its
+answer, and the dense version in the answers must never go backwards.
+
 At the end (after ``--minutes``, or once the last of ``--kills`` has recovered:
 the producer writes on until then) the producer stops, the job catches up with the topic's end, gets
 Ctrl-C (SIGINT: last checkpoint, offsets committed) and the offsets are
@@ -28,7 +36,9 @@ still be learned during the outage).
 JSON keys: produced, learned_once, learned_twice, never_learned, kills,
 kills_by_kind, recoveries, recovery_s_p50, recovery_s_max, job_rollbacks,
 committed_equals_end, manual_restarts (always 0), stop_reason, exit_code,
-and the list of kills with their times.
+and the list of kills with their times; with ``--serve`` also serve_requests,
+serve_ok, serve_failed, serve_failed_by_status, dense_versions_served and
+dense_version_backwards.
 """
 
 from __future__ import annotations
@@ -56,6 +66,7 @@ if str(REPO_ROOT) not in sys.path:
 from common import print_figures, write_json  # noqa: E402
 
 KINDS = ("shard", "worker", "broker")
+SERVE_KINDS = (*KINDS, "replica")
 
 
 @dataclass
@@ -84,7 +95,108 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--catch-up-s", type=float, default=300.0, help="max wait at the end")
     parser.add_argument("--work-dir", type=Path, default=None, help="default: a temporary one")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser.add_argument(
+        "--serve", action="store_true", help="serve the job too, and kill serving replicas"
+    )
+    parser.add_argument("--requests-per-s", type=float, default=20.0, help="with --serve")
     return parser.parse_args(argv)
+
+
+class Serving:
+    """Replicas of the job's shards, a prediction server over them, and a client."""
+
+    def __init__(self, job_path: Path, store: str, token_file: Path, work: Path, rate: float):
+        from deploy.config import load_config
+        from deploy.local.shards import ShardProcess
+        from deploy.serve_cli import ServingStack
+        from deploy.store_server import read_token
+
+        self.replicas = [
+            ShardProcess.start(job_path, work / f"replica-{i}", token_file=token_file, follow=a)
+            for i, a in enumerate(store.removeprefix("grpc://").split(","))
+        ]
+        job = load_config(job_path)
+        addresses = "grpc://" + ",".join(r.address for r in self.replicas)
+        self.stack = ServingStack(job, addresses, read_token(token_file), host="127.0.0.1", port=0)
+        self.rate = rate
+        self.statuses: dict[int, int] = {}
+        self.versions: list[int] = []
+        self.backwards = 0
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._requests, name="chaos-client", daemon=True)
+        self.thread.start()
+
+    def _requests(self) -> None:
+        import json
+        import urllib.error
+        import urllib.request
+
+        from connectors.synthetic import SyntheticConfig, iter_json_lines
+
+        lines = iter_json_lines(SyntheticConfig(seed=99), 1 << 40)
+        url = f"{self.stack.url}/v2/models/streamrec/infer"
+        t0, sent = time.monotonic(), 0
+        while not self.stopped.is_set():
+            records = [next(lines).decode() for _ in range(8)]
+            body = json.dumps(
+                {
+                    "inputs": [
+                        {"name": "records", "datatype": "BYTES", "shape": [8], "data": records}
+                    ]
+                }
+            ).encode()
+            try:
+                with urllib.request.urlopen(url, body, timeout=30) as reply:
+                    status, doc = reply.status, json.loads(reply.read())
+                version = int(doc["parameters"]["dense_version"])
+                if self.versions and version < self.versions[-1]:
+                    self.backwards += 1
+                self.versions.append(version)
+            except urllib.error.HTTPError as exc:
+                status = exc.code
+            except OSError:
+                status = 0  # no answer at all
+            self.statuses[status] = self.statuses.get(status, 0) + 1
+            sent += 1
+            ahead = t0 + sent / self.rate - time.monotonic()
+            if ahead > 0:
+                self.stopped.wait(ahead)
+
+    def kill_replica(self, kill: Kill, outage_s: float, started: float) -> None:
+        i = random.randrange(len(self.replicas))
+        victim = self.replicas[i]
+        caught_up = victim.log().count("caught up with")
+        kill.pid = int(victim.proc.pid)
+        victim.kill()
+
+        def bring_back() -> None:
+            time.sleep(outage_s)
+            fresh = victim.restart()
+            self.replicas[i] = fresh
+            while fresh.log().count("caught up with") <= caught_up:
+                time.sleep(0.1)
+            kill.recovery_s = time.monotonic() - started - kill.at_s
+
+        threading.Thread(target=bring_back, name="replica-supervisor", daemon=True).start()
+
+    def figures(self) -> dict[str, Any]:
+        ok = self.statuses.get(200, 0)
+        total = sum(self.statuses.values())
+        return {
+            "serve_requests": total,
+            "serve_ok": ok,
+            "serve_failed": total - ok,
+            "serve_failed_by_status": {str(k): v for k, v in self.statuses.items() if k != 200},
+            "dense_versions_served": len(set(self.versions)),
+            "dense_version_backwards": self.backwards,
+        }
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=60)
+        self.stack.close()
+        for r in self.replicas:
+            r.kill()
 
 
 def write_job(work: Path, bootstrap: str, topic: str, batch_size: int) -> Path:
@@ -246,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
     kafka = LocalKafka.start(work / "kafka")
     job_proc: subprocess.Popen[bytes] | None = None
     producer: Producer | None = None
+    serving: Serving | None = None
     try:
         topic = "chaos"
         kafka.create_topic(topic, partitions=2)
@@ -267,6 +380,15 @@ def main(argv: list[str] | None = None) -> int:
                 msg = f"the job did not start training; see {log_path}"
                 raise RuntimeError(msg)
             time.sleep(0.5)
+        if args.serve:
+            found = re.search(r"store: (grpc://\S+)", log_path.read_text(errors="replace"))
+            if found is None:
+                msg = f"the job printed no store address; see {log_path}"
+                raise RuntimeError(msg)
+            serving = Serving(
+                job, found.group(1), run_dir / "store.token", work, args.requests_per_s
+            )
+        kinds = SERVE_KINDS if args.serve else KINDS
         kills: list[Kill] = []
         bag: list[str] = []
         until = time.monotonic() + args.minutes * 60
@@ -286,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
             learned = learned_count(run_dir)
             rollbacks = rollback_count(run_dir)
             for k in pending:
+                if k.kind == "replica":
+                    continue  # its supervisor times it: until it has caught up again
                 if k.kind == "shard" and rollbacks > k.rollbacks_at_kill:
                     k.ready = True
                 if k.ready and learned > k.learned_at_kill:
@@ -294,13 +418,17 @@ def main(argv: list[str] | None = None) -> int:
             # One component down at a time: the next kill waits for the last recovery.
             more = args.kills is None or len(kills) < args.kills
             if now >= next_kill and not pending and more:
-                bag = bag or random.sample(KINDS, len(KINDS))
+                bag = bag or random.sample(kinds, len(kinds))
                 kill = Kill(bag.pop(), time.monotonic() - started, 0, learned)
                 kill.rollbacks_at_kill = rollback_count(run_dir)
                 # Steps already under way may still be learned before the job notices
                 # the lost shard; they are rolled back and do not count as recovery.
                 kill.ready = kill.kind != "shard"
-                kill_one(kill, job_proc, kafka, args.outage_s, run_dir)
+                if kill.kind == "replica":
+                    assert serving is not None
+                    serving.kill_replica(kill, args.outage_s, started)
+                else:
+                    kill_one(kill, job_proc, kafka, args.outage_s, run_dir)
                 kills.append(kill)
                 print(f"killed the {kill.kind} (pid {kill.pid}) at {kill.at_s:.0f}s")
                 next_kill = time.monotonic() + args.kill_every_s
@@ -324,8 +452,15 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.5)
         now = time.monotonic()
         for k in kills:
+            if k.kind == "replica":
+                continue
             if k.recovery_s is None and k.ready and learned_count(run_dir) > k.learned_at_kill:
                 k.recovery_s = now - started - k.at_s
+        serve_figures = {}
+        if serving is not None:
+            serving.close()
+            serve_figures = serving.figures()
+            serving = None
         if job_proc.poll() is None:
             job_proc.send_signal(signal.SIGINT)
         try:
@@ -343,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             "produced": sum(ends.values()),
             **count_offsets(run_dir, ends),
             "kills": len(kills),
-            "kills_by_kind": {kind: sum(k.kind == kind for k in kills) for kind in KINDS},
+            "kills_by_kind": {kind: sum(k.kind == kind for k in kills) for kind in kinds},
             "recoveries": len(recovered),
             "recovery_s_p50": round(statistics.median(recovered), 2) if recovered else None,
             "recovery_s_max": round(max(recovered), 2) if recovered else None,
@@ -357,12 +492,15 @@ def main(argv: list[str] | None = None) -> int:
             "kill_every_s": args.kill_every_s,
             "work_dir": str(work),
             "kill_log": [asdict(k) for k in kills],
+            **serve_figures,
         }
         print_figures({k: v for k, v in figures.items() if k != "kill_log"}, str)
         if args.json is not None:
             write_json(args.json, figures, announce=True)
         return 0
     finally:
+        if serving is not None:
+            serving.close()
         if producer is not None:
             producer.stopped.set()
         if job_proc is not None and job_proc.poll() is None:

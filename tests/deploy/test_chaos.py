@@ -1,4 +1,5 @@
-"""The chaos benchmark's short run: three SIGKILLs (a store shard, a Dask worker, the broker).
+"""The chaos benchmark's short run: four SIGKILLs (a store shard, a Dask worker, the broker
+and a serving replica), with the job served while it trains.
 
 ``benchmarks/chaos.py`` runs a continuous `streamrec run` from a real local
 Kafka while a producer writes, kills one component of each kind in a random
@@ -17,7 +18,7 @@ from pathlib import Path
 from tests.conftest import REPO_ROOT
 
 
-def test_three_kills_lose_nothing_and_learn_nothing_twice(tmp_path: Path) -> None:
+def test_four_kills_lose_nothing_learn_nothing_twice_and_serve_on(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
     run = subprocess.run(
         [
@@ -28,7 +29,8 @@ def test_three_kills_lose_nothing_and_learn_nothing_twice(tmp_path: Path) -> Non
             "--kill-every-s",
             "9",
             "--kills",
-            "3",
+            "4",
+            "--serve",
             "--rate",
             "600",
             "--seed",
@@ -46,9 +48,9 @@ def test_three_kills_lose_nothing_and_learn_nothing_twice(tmp_path: Path) -> Non
     assert run.returncode == 0, run.stdout + run.stderr
     figures = json.loads(out.read_text())
     log = (tmp_path / "work" / "job.log").read_text(errors="replace")[-4000:]
-    assert figures["kills"] == 3, figures
-    assert figures["kills_by_kind"] == {"shard": 1, "worker": 1, "broker": 1}
-    assert figures["recoveries"] == 3, (figures, log)
+    assert figures["kills"] == 4, figures
+    assert figures["kills_by_kind"] == {"shard": 1, "worker": 1, "broker": 1, "replica": 1}
+    assert figures["recoveries"] == 4, (figures, log)
     assert figures["produced"] > 0
     assert figures["never_learned"] == 0, (figures, log)
     assert figures["learned_twice"] == 0, (figures, log)
@@ -58,3 +60,10 @@ def test_three_kills_lose_nothing_and_learn_nothing_twice(tmp_path: Path) -> Non
     assert figures["manual_restarts"] == 0
     assert figures["exit_code"] == 0, log
     assert figures["stop_reason"] == "signal", log
+    # Served throughout: the killed replica's reads waited or got a 503 (retryable),
+    # never a wrong or failed answer otherwise, and no server went back a version.
+    assert figures["serve_requests"] > 100, figures
+    assert set(figures["serve_failed_by_status"]) <= {"503"}, figures
+    assert figures["serve_failed"] < figures["serve_requests"] * 0.05, figures
+    assert figures["dense_versions_served"] > 1, figures
+    assert figures["dense_version_backwards"] == 0, figures
