@@ -190,7 +190,10 @@ class ServingStack:
         host: str,
         port: int,
         token: str | None = None,
+        scheduler: str | None = None,
     ) -> None:
+        """``scheduler``: a Dask scheduler with the streamrec plugin to report to (its
+        dashboard page then shows this server); None: no reports."""
         from connectors.codecs import make_codec
         from deploy.job import build_codec, serving_location
         from embedding_store.client import StoreClient
@@ -220,15 +223,51 @@ class ServingStack:
         except BaseException:
             self.close(server=False)
             raise
+        self._client: Any = None
+        self._reporter: Any = None
+        if scheduler is not None:
+            self._report_to(scheduler, host, cfg.model_name)
         auth = f" -H 'Authorization: Bearer {token}'" if token is not None else ""
         self.curl = (
             f"curl -s {self.url}/v2/models/{cfg.model_name}/infer{auth} "
             f"-H 'Content-Type: application/json' -d '{_example_record(job)}'"
         )
 
+    def _report_to(self, scheduler: str, host: str, name: str) -> None:
+        import logging
+        import socket
+
+        from distributed import Client
+
+        from monitoring.serve_reporter import ServeReporter
+        from monitoring.types import TOPIC
+
+        try:
+            self._client = Client(  # type: ignore[no-untyped-call]
+                scheduler, timeout="5s", set_as_default=False
+            )
+        except (OSError, TimeoutError) as exc:
+            logging.getLogger(__name__).warning(
+                "serving without reports to the dashboard: scheduler %s: %s", scheduler, exc
+            )
+            return
+        # A name per server: with --host 0.0.0.0 every host's URL would read the same.
+        where = socket.getfqdn() if host in {"0.0.0.0", "::"} else host
+        client = self._client
+        self._reporter = ServeReporter(
+            lambda report: client.log_event(TOPIC, report),
+            f"http://{where}:{self.server.port}/v2/models/{name}",
+            self.server.metrics.registry,
+        )
+        self._reporter.start()
+
     def close(self, *, server: bool = True) -> None:
+        if getattr(self, "_reporter", None) is not None:
+            self._reporter.close()
         if server:
             self.server.stop()
+        if getattr(self, "_client", None) is not None:
+            self._client.close()
         self.sparse.close()
         self.dense.close()
         self.rows.close()
@@ -266,7 +305,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     port = cfg.port if args.port is None else args.port
     try:
         stack = ServingStack(
-            job, store, store_token, host=args.host or cfg.host, port=port, token=token
+            job,
+            store,
+            store_token,
+            host=args.host or cfg.host,
+            port=port,
+            token=token,
+            scheduler=job.cluster.scheduler,
         )
     except (StoreError, ValueError) as exc:
         print(f"streamrec serve: --store {store}: {exc}", file=sys.stderr)
@@ -297,7 +342,9 @@ class ServingBeside:
     """A prediction server beside a local job (``demo --serve``): one serving replica per
     store shard and a :class:`ServingStack` over them, in this process."""
 
-    def __init__(self, job: Any, store: str, token_file: Path, port: int) -> None:
+    def __init__(
+        self, job: Any, store: str, token_file: Path, port: int, scheduler: str | None = None
+    ) -> None:
         from deploy.local.shards import ShardProcess
         from deploy.store_server import read_token
 
@@ -314,7 +361,12 @@ class ServingBeside:
             )
         replicas = "grpc://" + ",".join(r.address for r in self.replicas)
         self.stack = ServingStack(
-            job, replicas, read_token(token_file), host=job.serving.host, port=port
+            job,
+            replicas,
+            read_token(token_file),
+            host=job.serving.host,
+            port=port,
+            scheduler=scheduler,
         )
         self.url, self.curl = self.stack.url, self.stack.curl
 

@@ -160,7 +160,9 @@ def _train(
             from deploy.serve_cli import ServingBeside
 
             token_file = job.cluster.token_file or job.run_dir / "store.token"
-            beside.append(ServingBeside(job, services.store, token_file, serve_port))
+            beside.append(
+                ServingBeside(job, services.store, token_file, serve_port, services.scheduler)
+            )
             print(
                 f"predictions: {beside[0].url} (Open Inference Protocol; answers once the "
                 f"first weights are published, a second after the first step), e.g.\n"

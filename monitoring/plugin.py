@@ -1,13 +1,15 @@
 """The "streamrec" page of the Dask dashboard, and the job's figures on ``/metrics``.
 
-``StreamrecPlugin`` is a scheduler plugin: trainers send their reports as Dask
-events on the ``streamrec`` topic (``Reporter`` does it about once a second),
-the plugin folds them into a ``MonitorState``, and serves, from the
+``StreamrecPlugin`` is a scheduler plugin: trainers and prediction servers
+send their reports as Dask events on the ``streamrec`` topic (``Reporter`` and
+``ServeReporter`` do it about once a second), the plugin folds them into a
+``MonitorState``, and serves, from the
 scheduler's own HTTP server (the dashboard's port, 8787 by default):
 
 - ``/streamrec``: the live page (it asks for ``/streamrec/data.json`` once a
   second), also linked from the dashboard's menu bar;
-- ``/streamrec/data.json``: the state, as the page reads it;
+- ``/streamrec/data.json``: the state, as the page reads it (``servers``: the
+  prediction servers that reported, by URL);
 - the ``streamrec_*`` metrics, added to the scheduler's existing ``/metrics``.
 
 Register it once per cluster: ``client.register_plugin(StreamrecPlugin())``

@@ -4,7 +4,9 @@
 families (pure); ``JobMetricsCollector`` hands them to a prometheus_client
 registry. The store shards' families come from ``monitoring.store_metrics``,
 the same function each shard process uses for its own ``/metrics``, so a
-figure has one name wherever it is scraped.
+figure has one name wherever it is scraped. The prediction servers' figures
+that their own ``/metrics`` cannot give (requests/s and the p99 of the last
+report interval) and their freshness gauges are here too, labelled ``server``.
 
 >>> from monitoring.state import MonitorState
 >>> state = MonitorState()
@@ -180,6 +182,8 @@ def job_metric_families(state: MonitorState, now: float) -> list[Metric]:
             m.add_metric([], float(value))
             out.append(m)
 
+    out += serve_metric_families(state, now)
+
     if state.store is not None:
         # Labelled by address, as each shard labels its own /metrics.
         out += merge_families(
@@ -188,6 +192,52 @@ def job_metric_families(state: MonitorState, now: float) -> list[Metric]:
             for fam in store_metric_families(s["address"], shard_stats_from_report(s))
         )
     return out
+
+
+def serve_metric_families(state: MonitorState, now: float) -> list[Metric]:
+    """Per prediction server: rates and p99 of its last report interval, and its ages.
+
+    The ages keep the names of the server's own gauges (``serving.freshness``),
+    with a ``server`` label; its counters and histogram are not repeated here
+    (scrape the server for them).
+    """
+    specs = (
+        ("requests_per_second", "Infer requests per second over the last report interval."),
+        ("records_per_second", "Records scored per second over the last report interval."),
+        ("errors_per_second", "Requests refused or failed per second, last report interval."),
+        (
+            "infer_latency_p99_seconds",
+            "p99 infer latency over the last report interval "
+            "(histogram bucket bound; the largest finite bound when above it).",
+        ),
+        ("dense_version", "The published dense version served."),
+        ("dense_age_seconds", "Seconds since the dense version served was published."),
+        (
+            "sparse_age_seconds",
+            "Seconds since the rows served were last current with the training shards.",
+        ),
+        ("report_age_seconds", "Seconds since this server last reported."),
+    )
+    g = {
+        name: GaugeMetricFamily(f"streamrec_serve_{name}", doc, labels=["server"])
+        for name, doc in specs
+    }
+    for url, s in state.serving(now, points=1).items():
+        p99 = s["p99_ms"]
+        values = {
+            "requests_per_second": s["requests_per_s"],
+            "records_per_second": s["records_per_s"],
+            "errors_per_second": s["errors_per_s"],
+            "infer_latency_p99_seconds": None if p99 is None else p99 / 1000.0,
+            "dense_version": s["dense_version"],
+            "dense_age_seconds": s["dense_age_s"],
+            "sparse_age_seconds": s["sparse_age_s"],
+            "report_age_seconds": s["age_s"],
+        }
+        for name, value in values.items():
+            if value is not None:
+                g[name].add_metric([url], float(value))
+    return list(g.values())
 
 
 def _buckets(counts: dict[str, int], bound: int) -> tuple[list[tuple[str, float]], float]:

@@ -1,10 +1,11 @@
 """``MonitorState``: the reports of a running job, folded into what the page shows.
 
 A pure state machine: ``receive(report)`` with the dicts of ``monitoring.types``,
-``snapshot()`` for the page's JSON. Rates (samples/s, events/s) come from the
-difference of two reports of the same rank, so a report that is late or lost
-costs resolution, never a wrong figure. Nothing here does I/O or reads a clock
-of its own: the scheduler plugin is the thin shell around it.
+``snapshot()`` for the page's JSON. Rates (samples/s, events/s; a server's
+requests/s and its p99 latency) come from the difference of two reports of the
+same rank or server, so a report that is late or lost costs resolution, never
+a wrong figure. Nothing here does I/O or reads a clock of its own: the
+scheduler plugin is the thin shell around it.
 
 >>> state = MonitorState()
 >>> base = dict(kind="trainer", rank=0, step=1, loss=0.6, auc=0.7, logloss=0.6,
@@ -27,10 +28,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from monitoring.types import LatencyReport, StoreReport, TrainerReport
+from monitoring.types import LatencyReport, ServeReport, StoreReport, TrainerReport
 from monitoring.wire import latency_from_report
 
 SERIES = ("t", "samples_per_s", "events_per_s", "loss", "auc", "wait_share")
+SERVE_SERIES = ("t", "requests_per_s", "records_per_s", "errors_per_s", "p99_ms")
 
 
 @dataclass
@@ -40,12 +42,19 @@ class _Rank:
 
 
 @dataclass
+class _Server:
+    last: ServeReport
+    series: dict[str, deque[float | None]]
+
+
+@dataclass
 class MonitorState:
-    """Every rank's recent history and the store's last counters."""
+    """Every rank's and server's recent history, and the store's last counters."""
 
     history: int = 3600  # points kept per rank (an hour at one report a second)
     ranks: dict[int, _Rank] = field(default_factory=dict)
     store: StoreReport | None = None
+    servers: dict[str, _Server] = field(default_factory=dict)
     reports: int = 0
     rejected: int = 0
 
@@ -56,6 +65,9 @@ class MonitorState:
             self._trainer(cast(TrainerReport, report))
         elif kind == "store":
             self.store = cast(StoreReport, report)
+        elif kind == "serve" and ServeReport.__required_keys__ <= report.keys():
+            # Checked: a server of another version must not break the page of all of them.
+            self._serve(cast(ServeReport, report))
         else:
             self.rejected += 1
             return
@@ -88,6 +100,38 @@ class MonitorState:
         }
         for k in SERIES:
             rank.series[k].append(point[k])
+
+    def _serve(self, report: ServeReport) -> None:
+        server = self.servers.get(report["server"])
+        if server is None:
+            series: dict[str, deque[float | None]] = {
+                k: deque(maxlen=self.history) for k in SERVE_SERIES
+            }
+            self.servers[report["server"]] = _Server(report, series)
+            return
+        prev = server.last
+        dt = report["time"] - prev["time"]
+        if dt <= 0:
+            return  # out of order: the newer report already stands
+        server.last = report
+        dr = report["requests_total"] - prev["requests_total"]
+        dn = report["records_total"] - prev["records_total"]
+        de = report["errors_total"] - prev["errors_total"]
+        same_buckets = report["latency_buckets"] == prev["latency_buckets"]
+        counts = [
+            c - p for c, p in zip(report["latency_counts"], prev["latency_counts"], strict=False)
+        ]
+        if dr < 0 or dn < 0 or de < 0 or (same_buckets and any(d < 0 for d in counts)):
+            return  # a restarted server (its counters went back): no rate this once
+        point = {
+            "t": report["time"],
+            "requests_per_s": dr / dt,
+            "records_per_s": dn / dt,
+            "errors_per_s": de / dt,
+            "p99_ms": _p99_ms(report["latency_buckets"], counts) if same_buckets else None,
+        }
+        for k in SERVE_SERIES:
+            server.series[k].append(point[k])
 
     # --- what the page and /metrics read ---------------------------------------------
 
@@ -207,6 +251,49 @@ class MonitorState:
         cp = max(cps, key=lambda c: c["step"])
         return {**cp, "age_s": max(0.0, now - cp["time"])}
 
+    def serving(self, now: float, points: int = 900) -> dict[str, dict[str, Any]]:
+        """Per prediction server (by URL): its series, last rates and freshness at ``now``.
+
+        The rates and the p99 are those of the last interval between two reports
+        (None until there are two, and p99 None for an interval without
+        requests); the ages are the reported ones plus the report's own age, so a
+        server that stops reporting shows ever older figures, never fresh ones.
+
+        >>> state = MonitorState()
+        >>> base = dict(kind="serve", server="http://s:1", errors_total=0, dense_version=3,
+        ...     dense_age_s=5.0, sparse_age_s=0.5, latency_buckets=[0.001, 0.01, math.inf])
+        >>> state.receive({**base, "time": 10.0, "requests_total": 0, "records_total": 0,
+        ...     "latency_counts": [0, 0, 0]})
+        >>> state.receive({**base, "time": 12.0, "requests_total": 200, "records_total": 400,
+        ...     "latency_counts": [150, 199, 200]})
+        >>> s = state.serving(now=13.0)["http://s:1"]
+        >>> s["requests_per_s"], s["p99_ms"], s["dense_age_s"], s["sparse_age_s"]
+        (100.0, 10.0, 6.0, 1.5)
+        """
+        out = {}
+        for url, s in sorted(self.servers.items()):
+            last, series = s.last, s.series
+            age = max(0.0, now - last["time"])
+
+            def latest(key: str, series: dict[str, deque[float | None]] = series) -> Any:
+                return series[key][-1] if series[key] else None
+
+            out[url] = {
+                "series": {k: list(v)[-points:] for k, v in series.items()},
+                "requests_per_s": latest("requests_per_s"),
+                "records_per_s": latest("records_per_s"),
+                "errors_per_s": latest("errors_per_s"),
+                "p99_ms": latest("p99_ms"),
+                "requests_total": last["requests_total"],
+                "errors_total": last["errors_total"],
+                "records_total": last["records_total"],
+                "dense_version": last["dense_version"],
+                "dense_age_s": _aged(last["dense_age_s"], age),
+                "sparse_age_s": _aged(last["sparse_age_s"], age),
+                "age_s": age,
+            }
+        return out
+
     def snapshot(self, now: float, points: int = 900) -> dict[str, Any]:
         """Everything the page draws, JSON-able; ``points`` per series at most."""
         ranks = {}
@@ -234,8 +321,33 @@ class MonitorState:
             "partitions": self.partitions(),
             "shards": self.shards(),
             "checkpoint": self.checkpoint(now),
+            "servers": self.serving(now, points),
             "reports": self.reports,
         }
+
+
+def _p99_ms(bounds: list[float], deltas: list[int]) -> float | None:
+    """The smallest bound with 99% of the interval's requests at or below it, in ms.
+
+    ``deltas`` are the cumulative bucket counts of the interval (one report's
+    minus the previous one's). None without requests. When the p99 lies in the
+    +Inf bucket, the largest finite bound (as Prometheus' ``histogram_quantile``
+    does): the p99 is at least that.
+    """
+    if not deltas or len(deltas) != len(bounds) or deltas[-1] <= 0:
+        return None
+    total = deltas[-1]
+    for bound, cum in zip(bounds, deltas, strict=True):
+        if cum * 100 >= total * 99:  # in integers: no rounding at the threshold
+            if math.isinf(bound):
+                finite = [b for b in bounds if math.isfinite(b)]
+                return finite[-1] * 1000.0 if finite else None
+            return bound * 1000.0
+    return None
+
+
+def _aged(age_s: float | None, since_report_s: float) -> float | None:
+    return None if age_s is None else age_s + since_report_s
 
 
 def _stale_share(hist: dict[int, int]) -> float | None:

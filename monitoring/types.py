@@ -1,10 +1,11 @@
-"""What trainers send to the scheduler's streamrec plugin, as plain msgpack-able dicts.
+"""What trainers and servers send to the scheduler's streamrec plugin, as plain dicts.
 
 A trainer rank sends a ``TrainerReport`` about once a second through Dask's
 event log (``Client.log_event("streamrec", report)``); rank 0 also sends a
-``StoreReport`` with every store shard's counters. Plain dicts, because Dask
-events travel as msgpack: no classes of ours have to be importable where the
-scheduler runs to carry them, only to draw them.
+``StoreReport`` with every store shard's counters; a prediction server sends
+a ``ServeReport`` (``monitoring.serve_reporter``) on the same topic. Plain
+dicts, because Dask events travel as msgpack: no classes of ours have to be
+importable where the scheduler runs to carry them, only to draw them.
 
 >>> r = TrainerReport(kind="trainer", rank=0, time=1.0, step=3, samples_total=30,
 ...     events_total=31, loss=0.5, auc=0.7, logloss=0.5, calibration=1.0,
@@ -114,3 +115,24 @@ class StoreReport(TypedDict):
     kind: Literal["store"]
     time: float
     shards: list[ShardReport]
+
+
+class ServeReport(TypedDict):
+    """One prediction server, now; the counters are cumulative since it started.
+
+    ``latency_counts[i]`` infer requests took at most ``latency_buckets[i]``
+    seconds (the server's histogram as it is, the last bound +Inf): the
+    scheduler takes the p99 of each interval from the difference of two reports.
+    """
+
+    kind: Literal["serve"]
+    server: str  # the server's URL, http://host:port: one server, one line on the page
+    time: float  # unix s
+    requests_total: int  # infer requests answered, whatever their status code
+    errors_total: int  # requests refused or failed, every endpoint and reason
+    records_total: int  # records scored
+    latency_buckets: list[float]  # upper bounds, seconds, ascending, the last +Inf
+    latency_counts: list[int]  # cumulative, one per bound
+    dense_version: int | None  # the published dense version served; None: none yet
+    dense_age_s: float | None  # seconds since that version was published
+    sparse_age_s: float | None  # seconds since the rows served were last current

@@ -1,15 +1,17 @@
 """The streamrec page of the Dask dashboard and ``/metrics``: a real scheduler, a real job.
 
-The first test registers the plugin on an in-process scheduler and feeds it
-reports through Dask's event log, as trainers do. The others run a real
-``streamrec run`` (store shard processes, Dask worker processes, a trainer) and
-watch it: ``/metrics`` of the scheduler and of every shard move while it trains,
-and headless Chromium shows the page with live values.
+The first tests register the plugin on an in-process scheduler and feed it
+reports through Dask's event log, as trainers and prediction servers do (one
+of them a real server whose ``ServeReporter`` sends them). The others run a
+real ``streamrec run`` (store shard processes, Dask worker processes, a
+trainer) and watch it: ``/metrics`` of the scheduler and of every shard move
+while it trains, and headless Chromium shows the page with live values.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -19,6 +21,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from connectors.synthetic import synthetic_store_section
 from monitoring.plugin import StreamrecPlugin
+from monitoring.serve_reporter import ServeReporter
 from monitoring.types import TOPIC
 from tests.conftest import REPO_ROOT, STREAMREC, write_synthetic_job
 from tests.monitoring.test_state import FRESH, store_report, trainer
@@ -59,6 +63,69 @@ def wait_until(what: str, check: Callable[[], Any], timeout: float = 60) -> Any:
             return value
         time.sleep(0.25)
     pytest.fail(f"{what}: not within {timeout} s")
+
+
+@contextmanager
+def chromium(tmp_path: Path) -> Iterator[Any]:
+    """Headless Chromium driven by selenium, closed at the end."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    setup = "Chromium is part of the test set-up (`make test` installs Debian's chromium)"
+    assert shutil.which(CHROMIUM), setup
+    assert shutil.which(CHROMEDRIVER), setup
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        f"--user-data-dir={tmp_path / 'chromium-profile'}",
+        "--window-size=1400,1800",
+    ):
+        options.add_argument(arg)
+    browser = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    try:
+        yield browser
+    finally:
+        browser.quit()
+
+
+# The page rebuilds its charts and tables every second: these read them in the page,
+# in one script call each, so an element replaced between a lookup and a read
+# (StaleElementReferenceException) cannot happen.
+
+
+def cells(browser: Any, table: str) -> list[list[str]]:
+    """A table's body, row by row, as the page shows it."""
+    rows: list[list[str]] = browser.execute_script(
+        "return Array.from(document.querySelectorAll(arguments[0]))"
+        ".map(r => Array.from(r.cells).map(c => c.textContent.trim()));",
+        f"#{table} tbody tr",
+    )
+    return rows
+
+
+def text(browser: Any, element_id: str) -> str:
+    """An element's text, as the page shows it."""
+    value: str = browser.execute_script(
+        "return document.getElementById(arguments[0]).textContent.trim();", element_id
+    )
+    return value
+
+
+def chart(browser: Any, svg_id: str) -> tuple[int, float | None]:
+    """A chart's points drawn, and the last value of its last line."""
+    points, last = browser.execute_script(
+        "const e = document.getElementById(arguments[0]);"
+        "return [e.getAttribute('data-points'), e.getAttribute('data-last')];",
+        svg_id,
+    )
+    return int(points or 0), float(last) if last else None
 
 
 def test_plugin_serves_the_page_its_data_and_metrics() -> None:
@@ -98,6 +165,142 @@ def test_plugin_serves_the_page_its_data_and_metrics() -> None:
         assert metrics[key] == 995
         # The dashboard's own pages link to it from their menu bar.
         assert 'href="streamrec"' in get(f"{base}/status")
+
+
+class Constant:
+    """A model that answers 0.5 to every record: the server's own code, nothing else."""
+
+    name, heads = "const", ("click",)
+
+    def ready(self) -> bool:
+        return True
+
+    def metadata(self) -> dict[str, Any]:
+        return {}
+
+    def predict(self, records: Any) -> Any:
+        import numpy as np
+
+        from serving.types import Prediction
+
+        return Prediction({"click": np.full(len(records), 0.5, np.float32)})
+
+
+DASH = "\N{EN DASH}"  # what the page shows for no figure
+
+INFER_BODY = b'{"inputs": [{"name": "records", "datatype": "BYTES", "shape": [1], "data": ["{}"]}]}'
+
+
+def test_the_page_shows_serving_in_a_real_browser(tmp_path: Path) -> None:
+    from serving.http import InferenceServer
+
+    fixed = "http://10.0.0.7:8080"  # a server whose reports are written out here
+    with (
+        LocalCluster(
+            n_workers=1, processes=False, dashboard_address="127.0.0.1:0", threads_per_worker=1
+        ) as cluster,
+        Client(cluster) as client,
+        chromium(tmp_path) as browser,
+    ):
+        client.register_plugin(StreamrecPlugin())
+        base = f"http://127.0.0.1:{cluster.scheduler.http_server.port}"
+        browser.get(f"{base}/streamrec")
+        wait_until("the page's first update", lambda: "updated" in text(browser, "status"), 30)
+        # No server has reported: no Serving section.
+        assert browser.execute_script("return document.getElementById('serving').hidden;")
+
+        # A real server, its registry read and sent by a ServeReporter as `serve` wires it.
+        stop = threading.Event()
+        with InferenceServer(Constant()) as server:
+            assert server.url is not None
+            infer = f"{server.url}/v2/models/const/infer"
+
+            def load() -> None:
+                while not stop.is_set():
+                    urllib.request.urlopen(infer, INFER_BODY, timeout=10).read()
+                    time.sleep(0.005)
+
+            loader = threading.Thread(target=load, daemon=True)
+            loader.start()
+            reporter = ServeReporter(
+                lambda report: client.log_event(TOPIC, report), server.url, server.metrics.registry
+            )
+            reporter.start()
+            try:
+                # And one whose figures are known: five reports a second apart, each
+                # interval 100 requests/s (the last one 99 of 100 within 5 ms), 2 errors/s,
+                # 300 records/s.
+                now = time.time()
+                for i in range(-4, 1):
+                    n = 1100 + 100 * i
+                    client.log_event(
+                        TOPIC,
+                        {
+                            "kind": "serve",
+                            "server": fixed,
+                            "time": now + i,
+                            "requests_total": n,
+                            "errors_total": 12 + 2 * i,
+                            "records_total": 3 * n,
+                            "latency_buckets": [0.001, 0.005, 0.01, math.inf],
+                            "latency_counts": [n // 2, n - (i == 0), n, n],
+                            "dense_version": 7,
+                            "dense_age_s": 30.0,
+                            "sparse_age_s": 0.5,
+                        },
+                    )
+
+                def shown() -> dict[str, list[str]] | None:
+                    table = {row[0]: row for row in cells(browser, "servers")}
+                    real = table.get(server.url or "")
+                    ok = fixed in table and real is not None and real[1] not in (DASH, "0.0")
+                    return table if ok else None
+
+                table = wait_until("both servers on the page", shown, 30)
+                assert not browser.execute_script(
+                    "return document.getElementById('serving').hidden;"
+                )
+                row = table[fixed]
+                assert row[1:6] == ["100", "5.00", "2.0", "300", "7"]
+                dense_age, rows_age = (float(c.removesuffix(" s")) for c in row[6:8])
+                assert 30.0 <= dense_age < 40.0  # 30 s when reported, older since
+                assert 0.5 <= rows_age < 10.0
+                assert row[8].endswith(" s ago")
+                real = table[server.url]
+                assert float(real[1]) > 0  # requests/s
+                assert float(real[2]) > 0  # p99 ms
+                assert float(real[4]) > 0  # records/s, one per request
+                assert real[5:8] == ["none yet", DASH, DASH]  # no freshness collector here
+
+                # The head figures: all servers, the slowest and the stalest.
+                assert float(text(browser, "serve-requests-per-s").replace(",", "")) > 100
+                assert float(text(browser, "serve-p99")) >= 5.0
+                assert text(browser, "serve-dense-version") == "7"
+                assert 0.5 <= float(text(browser, "serve-rows-age").removesuffix(" s")) < 10
+                assert "2 server(s)" in text(browser, "status")
+                # Charts over time: requests/s and errors/s, and the p99, of both servers.
+                # 4 intervals of the known server, 1 and more of the real one.
+                wait_until("charts", lambda: chart(browser, "chart-serve-requests")[0] >= 10, 10)
+                assert chart(browser, "chart-serve-p99")[0] >= 5
+                legend = text(browser, "legend-serving")
+                assert fixed in legend
+                assert server.url in legend
+
+                data = json.loads(get(f"{base}/streamrec/data.json"))
+                assert data["servers"][fixed]["p99_ms"] == 5.0
+                assert data["servers"][server.url]["requests_total"] > 0
+                metrics = scrape(f"{base}/metrics")
+                assert metrics[("streamrec_serve_requests_per_second", (("server", fixed),))] == 100
+                key = ("streamrec_serve_infer_latency_p99_seconds", (("server", fixed),))
+                assert metrics[key] == 0.005
+                shot = tmp_path / "streamrec-serving.png"
+                assert browser.save_screenshot(str(shot))
+            finally:
+                reporter.close()
+                stop.set()
+                loader.join(timeout=10)
+        assert reporter.failures == 0
+        assert reporter.sent >= 2
 
 
 # --- a real job --------------------------------------------------------------------------
@@ -211,30 +414,10 @@ def shard_metric_urls(job: RunningJob) -> list[str]:
 
 
 def test_the_page_shows_live_values_in_a_real_browser(job: RunningJob, tmp_path: Path) -> None:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    setup = "Chromium is part of the test set-up (`make test` installs Debian's chromium)"
-    assert shutil.which(CHROMIUM), setup
-    assert shutil.which(CHROMEDRIVER), setup
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for arg in (
-        "--headless=new",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        f"--user-data-dir={tmp_path / 'chromium-profile'}",
-        "--window-size=1400,1800",
-    ):
-        options.add_argument(arg)
-    browser = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
-    try:
+    with chromium(tmp_path) as browser:
         base = dashboard(job)
         # Reached the way a user does: from the dashboard's menu bar.
         browser.get(f"{base}/status")
@@ -282,11 +465,11 @@ def test_the_page_shows_live_values_in_a_real_browser(job: RunningJob, tmp_path:
         assert column("shards", 2) == sorted(shard_addresses(job))
         assert column("partitions", 1) == ["synthetic/0", "synthetic/1"]
         WebDriverWait(browser, 30).until(lambda b: column("checkpoint", 1))
+        # No server reports to this job: no Serving section.
+        assert browser.execute_script("return document.getElementById('serving').hidden;")
         shot = tmp_path / "streamrec-page.png"
         assert browser.save_screenshot(str(shot))
         assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    finally:
-        browser.quit()
 
 
 def test_the_page_answers_as_soon_as_its_address_is_printed(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import fields
 from typing import Any
@@ -275,3 +276,163 @@ def test_metrics_expose_the_per_row_staleness_of_ranks_that_count_rows() -> None
         assert family.type == "counter"
         # Ranks 1 and 2 count no rows: no samples, rather than zeros that read as fresh.
         assert samples(family, "_total") == {(("rank", "0"),): value}
+
+
+# --- prediction servers -------------------------------------------------------------------
+
+BOUNDS = [0.001, 0.005, 0.01, math.inf]
+
+
+def serve(**over: Any) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "kind": "serve",
+        "server": "http://10.0.0.7:8080",
+        "time": 100.0,
+        "requests_total": 0,
+        "errors_total": 0,
+        "records_total": 0,
+        "latency_buckets": BOUNDS,
+        "latency_counts": [0, 0, 0, 0],
+        "dense_version": 7,
+        "dense_age_s": 30.0,
+        "sparse_age_s": 0.5,
+    }
+    return {**report, **over}
+
+
+def test_server_rates_come_from_two_reports_of_the_same_server() -> None:
+    state = MonitorState()
+    state.receive(serve(time=10.0, requests_total=100, records_total=300, errors_total=1))
+    state.receive(serve(server="http://other:1", time=10.0))
+    state.receive(serve(time=12.0, requests_total=500, records_total=1500, errors_total=5))
+    servers = state.snapshot(now=12.0)["servers"]
+    one = servers["http://10.0.0.7:8080"]
+    assert one["series"]["requests_per_s"] == [200.0]
+    assert one["series"]["records_per_s"] == [600.0]
+    assert one["series"]["errors_per_s"] == [2.0]
+    assert (one["requests_per_s"], one["records_per_s"], one["errors_per_s"]) == (200, 600, 2)
+    assert (one["requests_total"], one["errors_total"], one["records_total"]) == (500, 5, 1500)
+    # One report: the server is listed, with no rate yet.
+    other = servers["http://other:1"]
+    assert other["series"]["requests_per_s"] == []
+    assert (other["requests_per_s"], other["p99_ms"]) == (None, None)
+    assert state.reports == 3
+
+
+def test_p99_is_the_bucket_bound_of_the_last_interval_not_of_all_time() -> None:
+    state = MonitorState()
+    # Before: 1,000 slow requests (all above 5 ms).
+    state.receive(serve(time=10.0, requests_total=1000, latency_counts=[0, 0, 1000, 1000]))
+    # In the interval: 100 requests, 99 of them within 5 ms, one within 10 ms.
+    state.receive(serve(time=11.0, requests_total=1100, latency_counts=[50, 99, 1100, 1100]))
+    # Then 200, of which 3 above 10 ms: 197 / 200 < 99% within 10 ms: the +Inf bucket,
+    # shown as the largest finite bound (what Prometheus' histogram_quantile does).
+    state.receive(serve(time=12.0, requests_total=1300, latency_counts=[150, 249, 1297, 1300]))
+    # Exactly 99% within 1 ms reaches the threshold.
+    state.receive(serve(time=13.0, requests_total=1400, latency_counts=[249, 349, 1397, 1400]))
+    # No request at all: no p99, while the rate is 0.
+    state.receive(serve(time=14.0, requests_total=1400, latency_counts=[249, 349, 1397, 1400]))
+    s = state.serving(now=14.0)["http://10.0.0.7:8080"]
+    assert s["series"]["p99_ms"] == [5.0, 10.0, 1.0, None]
+    assert s["series"]["requests_per_s"] == [100.0, 200.0, 100.0, 0.0]
+    assert (s["p99_ms"], s["requests_per_s"]) == (None, 0.0)
+
+
+def test_a_restarted_server_or_a_late_report_gives_no_rate() -> None:
+    state = MonitorState()
+    state.receive(serve(time=10.0, requests_total=1000, latency_counts=[900, 1000, 1000, 1000]))
+    # Restarted: every counter from 0 again.
+    state.receive(serve(time=11.0, requests_total=10, latency_counts=[10, 10, 10, 10]))
+    # Late: older than the newest report; folded in, it would read as a restart.
+    state.receive(serve(time=10.5, requests_total=1050, latency_counts=[950, 1050, 1050, 1050]))
+    state.receive(serve(time=12.0, requests_total=110, latency_counts=[110, 110, 110, 110]))
+    s = state.serving(now=12.0)["http://10.0.0.7:8080"]
+    assert s["series"]["requests_per_s"] == [100.0]
+    assert s["series"]["p99_ms"] == [1.0]
+    assert s["requests_total"] == 110
+
+
+def test_a_histogram_going_back_alone_is_a_restart_and_new_buckets_give_no_p99() -> None:
+    state = MonitorState()
+    state.receive(serve(time=10.0, requests_total=5, latency_counts=[5, 5, 5, 5]))
+    # A restart that answered as many requests since: only the histogram says so.
+    state.receive(serve(time=11.0, requests_total=6, latency_counts=[0, 6, 6, 6]))
+    # A server that changed its buckets: rates, but no p99 from counts that do not match.
+    state.receive(
+        serve(
+            time=12.0, requests_total=16, latency_buckets=[0.002, math.inf], latency_counts=[16, 16]
+        )
+    )
+    s = state.serving(now=12.0)["http://10.0.0.7:8080"]
+    assert s["series"]["requests_per_s"] == [10.0]
+    assert s["series"]["p99_ms"] == [None]
+
+
+def test_serving_freshness_is_the_latest_reported_aged_to_now() -> None:
+    state = MonitorState()
+    state.receive(serve(time=10.0, dense_version=6, dense_age_s=100.0, sparse_age_s=2.0))
+    state.receive(serve(time=11.0, dense_version=7, dense_age_s=1.0, sparse_age_s=0.25))
+    state.receive(serve(time=10.5, dense_version=6, dense_age_s=100.5, sparse_age_s=2.5))  # late
+    s = state.serving(now=14.0)["http://10.0.0.7:8080"]
+    assert (s["dense_version"], s["dense_age_s"], s["sparse_age_s"], s["age_s"]) == (
+        7,
+        4.0,
+        3.25,
+        3.0,
+    )
+    # A server with nothing published yet and rows never current: None, not 0.
+    state.receive(
+        serve(server="http://new:1", dense_version=None, dense_age_s=None, sparse_age_s=None)
+    )
+    new = state.serving(now=101.0)["http://new:1"]
+    assert (new["dense_version"], new["dense_age_s"], new["sparse_age_s"]) == (None, None, None)
+
+
+def test_server_history_is_bounded_and_the_snapshot_is_json() -> None:
+    state = MonitorState(history=5)
+    for i in range(20):
+        n = 10 * i
+        state.receive(serve(time=float(i), requests_total=n, latency_counts=[n, n, n, n]))
+    snap = state.snapshot(now=20.0, points=3)
+    assert len(state.servers["http://10.0.0.7:8080"].series["t"]) == 5
+    assert snap["servers"]["http://10.0.0.7:8080"]["series"]["t"] == [17.0, 18.0, 19.0]
+    assert json.loads(json.dumps(snap, allow_nan=False))["servers"]  # the page's data.json
+
+
+def test_a_serve_report_without_every_field_is_rejected() -> None:
+    state = MonitorState()
+    incomplete = serve()
+    del incomplete["sparse_age_s"]
+    state.receive(incomplete)
+    assert (state.rejected, state.reports, state.servers) == (1, 0, {})
+    assert state.snapshot(now=100.0)["servers"] == {}
+
+
+def test_metrics_expose_every_server_labelled_by_its_url() -> None:
+    state = MonitorState()
+    state.receive(serve(time=10.0))
+    state.receive(
+        serve(time=12.0, requests_total=200, errors_total=2, latency_counts=[198, 200, 200, 200])
+    )
+    state.receive(
+        serve(server="http://new:1", dense_version=None, dense_age_s=None, sparse_age_s=None)
+    )
+    registry = CollectorRegistry()
+    registry.register(JobMetricsCollector(state, lambda: 13.0))
+    text = generate_latest(registry).decode()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+    one = (("server", "http://10.0.0.7:8080"),)
+    assert samples[("streamrec_serve_requests_per_second", one)] == 100
+    assert samples[("streamrec_serve_errors_per_second", one)] == 1
+    assert samples[("streamrec_serve_infer_latency_p99_seconds", one)] == 0.001
+    assert samples[("streamrec_serve_dense_version", one)] == 7
+    assert samples[("streamrec_serve_dense_age_seconds", one)] == 31
+    assert samples[("streamrec_serve_sparse_age_seconds", one)] == 1.5
+    assert samples[("streamrec_serve_report_age_seconds", one)] == 1
+    # The new server: only what it has (a report age), no made-up zeros.
+    new = [name for name, labels in samples if labels == (("server", "http://new:1"),)]
+    assert new == ["streamrec_serve_report_age_seconds"]
