@@ -724,15 +724,14 @@ class GrpcTransport:
     def changes(self, table: str, epoch: str, since: int) -> TableChanges:
         """The shard's rows of ``table`` changed since ``since`` (``EmbeddingTable.changes``)."""
         r = self._call("Changes", pb.ChangesRequest(table=table, epoch=epoch, since=since))
-        return TableChanges(
-            epoch=r.epoch,
-            version=r.version,
-            complete=r.complete,
-            ids=decode_ids(r.ids, "ChangesResponse.ids"),
-            weights=decode_matrix(r.rows, r.dim, "float32", "ChangesResponse.rows"),
-            removed=decode_ids(r.removed, "ChangesResponse.removed"),
-            changed_at=r.changed_at,
+        return _table_changes(r)
+
+    def changes_many(self, asks: Sequence[tuple[str, str, int]]) -> list[TableChanges]:
+        """:meth:`changes` of several ``(table, epoch, since)`` in one call."""
+        request = pb.ChangesManyRequest(
+            tables=[pb.ChangesRequest(table=t, epoch=e, since=s) for t, e, s in asks]
         )
+        return [_table_changes(r) for r in self._call("ChangesMany", request).tables]
 
     def rows_page(self, table: str, cursor: int, count: int) -> tuple[U64, F32, int]:
         """The shard's rows of ``table`` in slots ``[cursor, cursor + count)``, next cursor."""
@@ -771,6 +770,18 @@ class GrpcTransport:
         if area is not None:
             self._detach(area)
         self._channel.close()
+
+
+def _table_changes(r: pb.ChangesResponse) -> TableChanges:
+    return TableChanges(
+        epoch=r.epoch,
+        version=r.version,
+        complete=r.complete,
+        ids=decode_ids(r.ids, "ChangesResponse.ids"),
+        weights=decode_matrix(r.rows, r.dim, "float32", "ChangesResponse.rows"),
+        removed=decode_ids(r.removed, "ChangesResponse.removed"),
+        changed_at=r.changed_at,
+    )
 
 
 def latency_from_pb(r: pb.LatencyHistogram) -> LatencySnapshot:

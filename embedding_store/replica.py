@@ -48,7 +48,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -74,6 +74,8 @@ class ChangeSource(Protocol):
     ``GrpcTransport`` over the network."""
 
     def changes(self, table: str, epoch: str, since: int) -> TableChanges: ...
+
+    def changes_many(self, asks: Sequence[tuple[str, str, int]]) -> list[TableChanges]: ...
 
     def rows_page(self, table: str, cursor: int, count: int) -> tuple[U64, F32, int]: ...
 
@@ -130,10 +132,12 @@ class ShardFollower:
         """(epoch, version) of the training shard's log that the replica holds ``table`` at."""
         return self._positions.get(table)
 
-    def sync_table(self, name: str) -> None:
-        """Bring one table to the training shard's current version."""
-        epoch, since = self._positions.get(name, ("", 0))
-        changes = self.source.changes(name, epoch, since)
+    def sync_table(self, name: str, changes: TableChanges | None = None) -> None:
+        """Bring one table to the training shard's current version (``changes``: what
+        the shard answered for it already)."""
+        if changes is None:
+            epoch, since = self._positions.get(name, ("", 0))
+            changes = self.source.changes(name, epoch, since)
         if changes.complete:
             self._apply(self.replica.table(name), changes)
         else:
@@ -178,15 +182,23 @@ class ShardFollower:
         A table that fails is logged and tried again next round; the others go on.
         """
         ok = True
-        for name in self.replica.tables:
+        names = list(self.replica.tables)
+        answers: dict[str, TableChanges] = {}
+        try:
+            # One call for every table: a call per table cost the training shard about
+            # 18% of a core at 26 tables and 10 rounds a second, nearly all overhead.
+            asks = [(n, *self._positions.get(n, ("", 0))) for n in names]
+            answers = dict(zip(names, self.source.changes_many(asks), strict=True))
+        except StoreError as exc:
+            self._failed(exc)
+            self.stats.rounds += 1
+            return False
+        for name in names:
             try:
-                self.sync_table(name)
+                self.sync_table(name, answers[name])
             except StoreError as exc:
                 ok = False
-                self.stats.errors += 1
-                if str(exc) != self.stats.last_error:
-                    log.warning("replica: following table %r: %s", name, exc)
-                self.stats.last_error = str(exc)
+                self._failed(exc, name)
         self.stats.rounds += 1
         if ok and self._current >= set(self.replica.tables):
             self.stats.caught_up_at = self._clock()
@@ -194,6 +206,13 @@ class ShardFollower:
             self.caught_up.set()
             return True
         return False
+
+    def _failed(self, exc: StoreError, table: str | None = None) -> None:
+        self.stats.errors += 1
+        if str(exc) != self.stats.last_error:
+            what = f"table {table!r}" if table is not None else "the training shard"
+            log.warning("replica: following %s: %s", what, exc)
+        self.stats.last_error = str(exc)
 
     def run(self, stop: threading.Event) -> None:
         """Follow until ``stop`` is set, a round every ``poll_s``."""

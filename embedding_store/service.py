@@ -566,6 +566,27 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
     def Changes(
         self, request: pb.ChangesRequest, context: grpc.ServicerContext
     ) -> pb.ChangesResponse:
+        return self._changes(request, self.shard.config.max_message_bytes)[0]
+
+    @_errors_to_status
+    def ChangesMany(
+        self, request: pb.ChangesManyRequest, context: grpc.ServicerContext
+    ) -> pb.ChangesManyResponse:
+        room = self.shard.config.max_message_bytes
+        answers = []
+        for r in request.tables:
+            answer, size = self._changes(r, room)
+            if size > room:  # after the tables before it, no room: next round
+                answer = pb.ChangesResponse(
+                    epoch=r.epoch, version=r.since, complete=True, dim=answer.dim
+                )
+                size = 0
+            room -= size
+            answers.append(answer)
+        return pb.ChangesManyResponse(tables=answers)
+
+    def _changes(self, request: pb.ChangesRequest, room: int) -> tuple[pb.ChangesResponse, int]:
+        """One table's answer and the bytes its rows take (0 when it sends none)."""
         c = self.shard.changes(request.table, request.epoch, request.since)
         dim = self.shard.table(request.table).dim
         complete = c.complete
@@ -575,9 +596,12 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
         if size > self.shard.config.max_message_bytes:
             complete = False
         if not complete:
-            return pb.ChangesResponse(
+            incomplete = pb.ChangesResponse(
                 epoch=c.epoch, version=c.version, complete=False, dim=dim, changed_at=c.changed_at
             )
+            return incomplete, 0
+        if size > room:
+            return pb.ChangesResponse(dim=dim), size
         return pb.ChangesResponse(
             epoch=c.epoch,
             version=c.version,
@@ -587,7 +611,7 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
             rows=encode_matrix(c.weights, "float32"),
             removed=encode_ids(c.removed),
             changed_at=c.changed_at,
-        )
+        ), size
 
     @_errors_to_status
     def RowsPage(

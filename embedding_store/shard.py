@@ -481,6 +481,10 @@ class StoreShard:
         """``table``'s rows changed since version ``since`` of its log ``epoch``."""
         return self.table(table).changes(epoch, since)
 
+    def changes_many(self, asks: Sequence[tuple[str, str, int]]) -> list[TableChanges]:
+        """:meth:`changes` of several ``(table, epoch, since)``."""
+        return [self.changes(t, e, s) for t, e, s in asks]
+
     def rows_page(self, table: str, cursor: int, count: int) -> tuple[U64, F32, int]:
         """``table``'s rows stored in slots ``[cursor, cursor + count)`` and the next cursor."""
         return self.table(table).rows_page(cursor, count)

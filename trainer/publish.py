@@ -103,21 +103,24 @@ class DensePublisher:
                 return False  # a slow store: skip, never queue up copies of the weights
             self._pending.result()
         self._last = now
-        self.version += 1
         self.step = step
         state = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
-        entry = PublishedDense(
-            version=self.version,
-            step=step,
-            samples=samples,
-            file=f"dense-{self.version:012d}.pt",
-            created=time.time(),
-        )
-        self._pending = self._pool.submit(self._write, entry, state)
+        self._pending = self._pool.submit(self._write, step, samples, time.time(), state)
         return True
 
-    def _write(self, entry: PublishedDense, state: dict[str, Any]) -> None:
+    def _write(self, step: int, samples: int, created: float, state: dict[str, Any]) -> None:
         try:
+            # After the newest there, whoever wrote it: a second publisher into the same
+            # place (a job restarted while its old rank 0 still writes) never reuses one.
+            newest = published(self.location)
+            self.version = max(self.version, newest[-1].version if newest else 0) + 1
+            entry = PublishedDense(
+                version=self.version,
+                step=step,
+                samples=samples,
+                file=f"dense-{self.version:012d}.pt",
+                created=created,
+            )
             buffer = io.BytesIO()
             torch.save(state, buffer)
             self.location.write_bytes(entry.file, buffer.getvalue())
@@ -129,7 +132,12 @@ class DensePublisher:
                 self.location.delete(old.file)
         except (OSError, CheckpointError) as exc:
             self.failures += 1
-            log.warning("publishing dense version %d failed: %s", entry.version, exc)
+            log.warning("publishing the dense weights of step %d failed: %s", step, exc)
+
+    def flush(self) -> None:
+        """Wait until the publish in flight is written (or has failed)."""
+        if self._pending is not None:
+            self._pending.result()
 
     def close(self) -> None:
         """Wait for the publish in flight."""

@@ -312,3 +312,15 @@ class RowsPageResponse(_message.Message):
     rows: bytes
     next_cursor: int
     def __init__(self, dim: _Optional[int] = ..., ids: _Optional[bytes] = ..., rows: _Optional[bytes] = ..., next_cursor: _Optional[int] = ...) -> None: ...
+
+class ChangesManyRequest(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[ChangesRequest]
+    def __init__(self, tables: _Optional[_Iterable[_Union[ChangesRequest, _Mapping]]] = ...) -> None: ...
+
+class ChangesManyResponse(_message.Message):
+    __slots__ = ("tables",)
+    TABLES_FIELD_NUMBER: _ClassVar[int]
+    tables: _containers.RepeatedCompositeFieldContainer[ChangesResponse]
+    def __init__(self, tables: _Optional[_Iterable[_Union[ChangesResponse, _Mapping]]] = ...) -> None: ...

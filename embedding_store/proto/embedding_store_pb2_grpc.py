@@ -69,6 +69,11 @@ class EmbeddingStoreStub:
                 request_serializer=embedding__store_dot_proto_dot_embedding__store__pb2.ChangesRequest.SerializeToString,
                 response_deserializer=embedding__store_dot_proto_dot_embedding__store__pb2.ChangesResponse.FromString,
                 _registered_method=True)
+        self.ChangesMany = channel.unary_unary(
+                '/streamrec.embedding_store.v1.EmbeddingStore/ChangesMany',
+                request_serializer=embedding__store_dot_proto_dot_embedding__store__pb2.ChangesManyRequest.SerializeToString,
+                response_deserializer=embedding__store_dot_proto_dot_embedding__store__pb2.ChangesManyResponse.FromString,
+                _registered_method=True)
         self.RowsPage = channel.unary_unary(
                 '/streamrec.embedding_store.v1.EmbeddingStore/RowsPage',
                 request_serializer=embedding__store_dot_proto_dot_embedding__store__pb2.RowsPageRequest.SerializeToString,
@@ -128,6 +133,13 @@ class EmbeddingStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ChangesMany(self, request, context):
+        """Changes of several tables in one call (a replica's round over every table).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RowsPage(self, request, context):
         """A table's rows stored in a range of slots: a replica's first copy of a table.
         """
@@ -172,6 +184,11 @@ def add_EmbeddingStoreServicer_to_server(servicer, server):
                     servicer.Changes,
                     request_deserializer=embedding__store_dot_proto_dot_embedding__store__pb2.ChangesRequest.FromString,
                     response_serializer=embedding__store_dot_proto_dot_embedding__store__pb2.ChangesResponse.SerializeToString,
+            ),
+            'ChangesMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChangesMany,
+                    request_deserializer=embedding__store_dot_proto_dot_embedding__store__pb2.ChangesManyRequest.FromString,
+                    response_serializer=embedding__store_dot_proto_dot_embedding__store__pb2.ChangesManyResponse.SerializeToString,
             ),
             'RowsPage': grpc.unary_unary_rpc_method_handler(
                     servicer.RowsPage,
@@ -368,6 +385,33 @@ class EmbeddingStore:
             '/streamrec.embedding_store.v1.EmbeddingStore/Changes',
             embedding__store_dot_proto_dot_embedding__store__pb2.ChangesRequest.SerializeToString,
             embedding__store_dot_proto_dot_embedding__store__pb2.ChangesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChangesMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/streamrec.embedding_store.v1.EmbeddingStore/ChangesMany',
+            embedding__store_dot_proto_dot_embedding__store__pb2.ChangesManyRequest.SerializeToString,
+            embedding__store_dot_proto_dot_embedding__store__pb2.ChangesManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

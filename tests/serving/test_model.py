@@ -151,3 +151,15 @@ def test_a_publisher_started_again_counts_on_from_the_newest_version(tmp_path: P
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["DENSE-000000000002.json", "dense-000000000002.pt"], names
     assert json.loads((tmp_path / names[0]).read_text())["file"] == names[1]
+
+
+def test_two_publishers_into_one_place_never_reuse_a_version(tmp_path: Path) -> None:
+    where = Location.parse(tmp_path)
+    first = DensePublisher(where, every_s=0.0)
+    second = DensePublisher(where, every_s=0.0)  # made before the first published
+    for step, publisher in enumerate([first, second, first, second]):
+        publisher.maybe_publish(step=step, samples=step, module=torch.nn.Linear(2, 1), force=True)
+        publisher.flush()  # one after the other
+    first.close()
+    second.close()
+    assert [(d.version, d.step) for d in published(where)][-3:] == [(2, 1), (3, 2), (4, 3)]
