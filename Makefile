@@ -17,7 +17,7 @@ PEERS_SPEC ?= torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0
 PYTEST_ARGS ?= -n 2 --dist loadfile
 DEMO_ARGS ?=
 
-.PHONY: install browser lint typecheck proto proto-check test test-only demo s3 bench-store bench-pipeline bench-e2e bench-chaos bench-scale bench-quality clean
+.PHONY: install browser lint typecheck proto proto-check test test-only demo s3 bench-store bench-pipeline bench-e2e bench-chaos bench-scale bench-quality bench-serve clean
 
 install: $(STAMP)
 
@@ -78,6 +78,9 @@ bench-store: install
 
 bench-quality: install
 	$(BIN)/python benchmarks/quality.py --json bench-results/quality.json
+
+bench-serve: install
+	$(BIN)/python benchmarks/serve.py --json bench-results/serve.json
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info

@@ -1,0 +1,1252 @@
+"""Serving: `streamrec serve`'s latency, throughput and freshness, and what it costs training.
+
+    python benchmarks/serve.py --json bench-results/serve.json     # the full run (~6 minutes)
+    python benchmarks/serve.py --smoke --json /tmp/serve.json      # every figure, tiny sizes
+
+Real processes throughout, on loopback, as a user deploys them: ``--shards``
+training store shards (``streamrec store serve``), one serving replica per
+shard following it (``streamrec store replica --follow``, polling every 0.1 s),
+``streamrec serve JOB --store grpc://REPLICAS --port 0`` as a subprocess, and
+the hybrid job on the synthetic Criteo-like stream (``streamrec run`` of a job
+with ``source: {kind: synthetic}``, ``cluster.store`` naming the training
+shards, checkpoints off, ``serving.dir`` where the server reads; the demo's
+model: 26 tables of dim 16, FFNN 512-256, batch 4096). The client is the real
+one, ``tritonclient.http`` (one ``InferenceServerClient`` per thread), with its
+default binary tensor extension for every figure (``tensor_encoding`` in the
+JSON); ``json_mode`` holds batch-64 latencies with JSON tensors for comparison.
+Requests carry the stream's own records (their labels dropped).
+
+In the order they run:
+
+1. **While training** (``*_while_training``): the job trains the endless stream
+   at full speed (its first steps are also what trains the served model); once
+   it reports samples, the figures of 2 and 3 below are taken with it running.
+   For the sparse stamp, records whose sparse values are strings the stream
+   never generates, so that training never moves those rows; as the job
+   publishes dense weights every second, a response on another dense version
+   than the one before the push is compared with this process's own forward of
+   that version over the rows as they were before the push (the server's
+   forward agrees with it to 1e-5). Dense freshness is taken on the job's own
+   publishes (rank 0's ``DensePublisher``, every second): from each publish to
+   the first response naming that version. (A second publisher into the job's
+   location would write version numbers that rank 0 writes again after it: each
+   counts on from what it found when it started.) The job is then stopped.
+2. **Server alone** (no training): batch 1, 64 and 512 records per request,
+   sequential requests for ``--seconds`` each: p50/p99 latency and requests/s;
+   then a sweep at batch 1 with 1, 2, 4 and 8 client threads.
+   ``requests_per_s_batch1`` is the best level of the sweep.
+3. **Sparse freshness**: for each of ``--sparse-repeats`` records, its ids as
+   the training path hashes them (the job's codec and ``build_batch``) are
+   looked up on the training shards with ``train=True`` (the rows exist), the
+   server's answer is taken, then a gradient of 50 is pushed on every row of
+   the record; ``t0`` is when the push is acknowledged, ``t1`` when a response
+   of the server to that record first differs. **Dense freshness**: for each of
+   ``--dense-repeats``, the served weights scaled by 1.01 (or back) are
+   published with ``DensePublisher`` into the job's serving location; from the
+   publish call's start to the first response naming the new ``dense_version``.
+4. **Training slowdown**: the same job on the same ``--samples`` events, with
+   and without a client thread sending 100 requests/s of batch 64 through the
+   server, alternated over ``--repeat`` rounds (the order flips each round);
+   ``training_slowdown`` is the median samples/s with load over the median
+   without. Samples/s as ``benchmarks/e2e.py`` reads it from the job's metrics
+   file: from its first progress report to its last (start-up left out).
+
+Per-core figures divide by ``os.cpu_count()`` (``cpus`` in the JSON). On a
+2-core machine every process above shares the same two cores: the client too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import ExitStack, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from common import print_figures, write_json, write_token
+from e2e import load, measured_rate, read_metrics
+
+if TYPE_CHECKING:
+    from deploy.config import JobConfig
+    from deploy.local.shards import ShardProcess
+    from embedding_store.client import StoreClient
+    from serving.model import ServingModel
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MODEL = "streamrec"  # serving.model_name's default
+HEAD = "click"
+SEED = 0
+PARTITIONS = 2
+DIM = 16
+HIDDEN = [512, 256]
+BATCH = 4096
+BATCH_SIZES = (1, 64, 512)
+SWEEP = (1, 2, 4, 8)
+LOAD_RPS = 100.0
+LOAD_BATCH = 64
+PUSH_GRAD = 50.0
+STAMP_STEP = 1_000_000_000  # the step our own dense publishes carry, to tell them apart
+TENSOR_ENCODING = "binary (tritonclient.http binary_data=True, its default)"
+
+# key -> (comparison, bound). Per-core figures divide by os.cpu_count().
+TARGETS: dict[str, tuple[str, float]] = {
+    "p99_ms_batch1": ("<=", 5.0),
+    "requests_per_s_batch1_per_core": (">=", 1000.0),
+    "samples_per_s_batch512_per_core": (">=", 25_000.0),
+    "sparse_freshness_s_p99": ("<=", 2.0),
+    "dense_freshness_s_p99": ("<=", 5.0),
+    "sparse_freshness_s_p99_while_training": ("<=", 2.0),
+    "dense_freshness_s_p99_while_training": ("<=", 5.0),
+    "training_slowdown": (">=", 0.9),
+}
+
+_URL = re.compile(r"on http://(?P<host>[\d.]+):(?P<port>\d+) ")
+_SUMMARY = re.compile(r"trained ([\d,]+) samples in \d+ steps, [\d.]+s \(([\d,]+) samples/s")
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            msg = f"{what}: not within {timeout_s:.0f}s"
+            raise TimeoutError(msg)
+        time.sleep(0.05)
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    return float(np.percentile(np.asarray(values, dtype=np.float64), q))
+
+
+def _die_with_parent() -> None:
+    from deploy.local.shards import signal_when_parent_dies
+
+    signal_when_parent_dies(signal.SIGTERM)
+
+
+# --- the job and its processes ---------------------------------------------------------
+
+
+def write_job(
+    tmp: Path,
+    name: str,
+    *,
+    store: str,
+    shards: int,
+    token_file: Path,
+    events: int | None,
+    hidden: list[int],
+) -> Path:
+    """``tmp/<name>.yaml``: the demo's hybrid job over the shards at ``store``.
+
+    Every job of the run shares the serving location (``tmp/serving``) and the
+    checkpoint folder (checkpoints are off); each has a run directory of its own
+    (metrics files are appended to). ``events``: in all (None: endless).
+    """
+    import yaml
+
+    from deploy.config import JobConfig
+    from deploy.train_cli import demo_job
+
+    raw = demo_job(
+        tmp / "runs" / name, events=events or 1, partitions=PARTITIONS, seed=SEED, dim=DIM
+    ).model_dump(mode="json")
+    raw["source"] = {
+        **raw["source"],
+        "events": None if events is None else -(-events // PARTITIONS),
+        "deadletter": "none",
+    }
+    raw["trainer"] = {
+        **raw["trainer"],
+        "mode": "hybrid",
+        "batch_size": BATCH,
+        "log_every_s": 1.0,
+        "model": {"kind": "ffnn", "hidden": hidden},
+        "checkpoint": {"enabled": False, "on_exit": False, "dir": str(tmp / "checkpoints")},
+    }
+    raw["cluster"] = {
+        **raw["cluster"],
+        "store": store,
+        "store_shards": shards,
+        "token_file": str(token_file),
+        "dashboard_address": ":0",
+    }
+    raw["serving"] = {**raw["serving"], "publish_every_s": 1.0, "dir": str(tmp / "serving")}
+    JobConfig.model_validate(raw)  # refuse here, not in a subprocess
+    path = tmp / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return path
+
+
+class Server:
+    """A running ``streamrec serve`` and its log."""
+
+    def __init__(self, argv: list[str], log: Path) -> None:
+        self.log_path = log
+        with log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                argv,
+                cwd=REPO_ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509
+            )
+        wait_for(
+            lambda: _URL.search(self.log()) is not None or self.proc.poll() is not None,
+            "streamrec serve printing its URL",
+        )
+        m = _URL.search(self.log())
+        if m is None:
+            msg = f"streamrec serve exited ({self.proc.returncode}):\n{self.log()[-3000:]}"
+            raise RuntimeError(msg)
+        self.address = f"{m.group('host')}:{m.group('port')}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class TrainingRun:
+    """``streamrec run JOB`` in a subprocess; its rate read from its metrics file."""
+
+    def __init__(self, job_file: Path, max_events: int | None) -> None:
+        import yaml
+
+        run_dir = Path(yaml.safe_load(job_file.read_text())["run_dir"])
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = run_dir.with_name(run_dir.name + ".log")
+        argv = [sys.executable, "-m", "deploy.cli", "run", str(job_file)]
+        if max_events is not None:
+            argv += ["--max-events", str(max_events)]
+        self.started = time.monotonic()
+        with self.log_path.open("wb") as out:
+            self.proc = subprocess.Popen(
+                argv,
+                cwd=REPO_ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509
+            )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def reports(self) -> list[dict[str, Any]]:
+        """Rank 0's progress reports so far (a line being written is left out)."""
+        path = self.run_dir / "metrics-rank0.jsonl"
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                break
+        return out
+
+    def training(self, reports: int = 2) -> bool:
+        """True once ``reports`` progress reports with samples have come (it trains)."""
+        if self.proc.poll() is not None:
+            msg = f"streamrec run exited ({self.proc.returncode}):\n{self.log()[-3000:]}"
+            raise RuntimeError(msg)
+        return sum(1 for r in self.reports() if r["samples"] > 0) >= reports
+
+    def stop(self, timeout_s: float = 120.0) -> int:
+        """SIGTERM: the job finishes its step and exits (checkpoints are off)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            code = self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            msg = f"streamrec run did not end within {timeout_s:.0f}s"
+            raise TimeoutError(msg) from None
+        if code != 0:
+            msg = f"streamrec run exited ({code}):\n{self.log()[-3000:]}"
+            raise RuntimeError(msg)
+        return code
+
+    def rate(self) -> dict[str, Any]:
+        """samples/s: the metrics file's (first report to last), else the summary's overall."""
+        lines = read_metrics(self.run_dir)
+        m = _SUMMARY.search(self.log())
+        overall = float(m.group(2).replace(",", "")) if m else 0.0
+        out: dict[str, Any] = {"overall_samples_per_s": overall}
+        if 0 in lines:
+            rate, median, timed_samples, timed_s, total = measured_rate(lines)
+            out |= {
+                "metrics_samples_per_s": round(rate, 1),
+                "median_interval_samples_per_s": round(median, 1),
+                "timed_samples": timed_samples,
+                "timed_s": round(timed_s, 2),
+                "samples": total,
+            }
+        # Too short a run for two reports (the smoke test): the summary's overall rate.
+        out["samples_per_s"] = out.get("metrics_samples_per_s") or overall
+        out["from"] = "metrics" if out.get("metrics_samples_per_s") else "summary"
+        return out
+
+
+# --- requests ---------------------------------------------------------------------------
+
+
+def stream_records(n: int, partition: int = 1) -> list[bytes]:
+    """``n`` records of the job's stream (the same world of ids), labels dropped."""
+    from connectors.synthetic import SyntheticConfig, iter_json_lines
+
+    out = []
+    config = SyntheticConfig(seed=SEED, partitions=PARTITIONS)
+    for line in iter_json_lines(config, n, partition=partition):
+        record = json.loads(line)
+        record.pop(HEAD)
+        out.append(json.dumps(record).encode())
+    return out
+
+
+def stamp_records(n: int) -> list[bytes]:
+    """Records whose every sparse value is a string the stream never generates (it
+    generates 8 hex digits): rows no training step touches."""
+    from connectors.synthetic import synthetic_feature_spec
+
+    sparse = [f.name for f in synthetic_feature_spec().sparse]
+    out = []
+    for i, line in enumerate(stream_records(n, partition=0)):
+        record = json.loads(line)
+        for name in sparse:
+            record[name] = f"serve-bench-{os.getpid()}-{i}-{name}"
+        out.append(json.dumps(record).encode())
+    return out
+
+
+@dataclass
+class Request:
+    """One prepared infer request (its tensors are reused)."""
+
+    records: list[bytes]
+    inputs: list[Any]
+    outputs: list[Any]
+
+
+def make_request(records: list[bytes], binary: bool = True) -> Request:
+    import tritonclient.http as triton
+
+    inp = triton.InferInput("records", [len(records)], "BYTES")
+    inp.set_data_from_numpy(np.array(records, dtype=np.object_), binary_data=binary)
+    return Request(records, [inp], [triton.InferRequestedOutput(HEAD, binary_data=binary)])
+
+
+def requests_of(records: list[bytes], batch: int, count: int, binary: bool = True) -> list[Request]:
+    """``count`` requests of ``batch`` records each, taken in turn from ``records``."""
+    out = []
+    for i in range(count):
+        start = (i * batch) % max(1, len(records) - batch + 1)
+        out.append(make_request(records[start : start + batch], binary))
+    return out
+
+
+def client_for(address: str) -> Any:
+    """A ``tritonclient.http.InferenceServerClient`` (one per thread)."""
+    import tritonclient.http as triton
+
+    return triton.InferenceServerClient(address, connection_timeout=30.0, network_timeout=60.0)
+
+
+def infer(client: Any, req: Request) -> tuple[np.ndarray, dict[str, Any]]:
+    result = client.infer(MODEL, req.inputs, outputs=req.outputs)
+    return result.as_numpy(HEAD), result.get_response().get("parameters", {})
+
+
+def sequential(
+    address: str, reqs: list[Request], seconds: float, warmup: int = 5
+) -> dict[str, Any]:
+    """Requests one after the other for ``seconds``: latencies (ms) and requests/s."""
+    client = client_for(address)
+    try:
+        for i in range(warmup):
+            infer(client, reqs[i % len(reqs)])
+        lat = []
+        t0 = time.perf_counter()
+        end = t0 + seconds
+        i = 0
+        while True:
+            ta = time.perf_counter()
+            if ta >= end and i >= 3:
+                break
+            client.infer(MODEL, reqs[i % len(reqs)].inputs, outputs=reqs[i % len(reqs)].outputs)
+            lat.append(time.perf_counter() - ta)
+            i += 1
+        elapsed = time.perf_counter() - t0
+    finally:
+        client.close()
+    ms = [x * 1000 for x in lat]
+    return {
+        "requests": len(lat),
+        "p50_ms": pct(ms, 50),
+        "p99_ms": pct(ms, 99),
+        "mean_ms": statistics.fmean(ms),
+        "requests_per_s": len(lat) / elapsed,
+    }
+
+
+def concurrent(address: str, reqs: list[Request], threads: int, seconds: float) -> dict[str, Any]:
+    """``threads`` client threads, each with its own client, for ``seconds``."""
+    barrier = threading.Barrier(threads + 1)
+    lat: list[list[float]] = [[] for _ in range(threads)]
+    ends = [0.0] * threads
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        client = client_for(address)
+        try:
+            for i in range(3):
+                infer(client, reqs[(k + i) % len(reqs)])
+            barrier.wait()
+            end = time.perf_counter() + seconds
+            i = k
+            mine = lat[k]
+            while True:
+                ta = time.perf_counter()
+                if ta >= end and len(mine) >= 3:
+                    break
+                req = reqs[i % len(reqs)]
+                client.infer(MODEL, req.inputs, outputs=req.outputs)
+                mine.append(time.perf_counter() - ta)
+                i += 1
+            ends[k] = time.perf_counter()
+        except BaseException as exc:
+            errors.append(exc)
+            barrier.abort()
+        finally:
+            client.close()
+
+    pool = [threading.Thread(target=work, args=(k,), daemon=True) for k in range(threads)]
+    for t in pool:
+        t.start()
+    with suppress(threading.BrokenBarrierError):
+        barrier.wait()
+    t0 = time.perf_counter()
+    for t in pool:
+        t.join()
+    if errors:
+        raise errors[0]
+    elapsed = max(ends) - t0
+    ms = [x * 1000 for per in lat for x in per]
+    return {
+        "threads": threads,
+        "requests_per_s": len(ms) / elapsed,
+        "p50_ms": pct(ms, 50),
+        "p99_ms": pct(ms, 99),
+    }
+
+
+class Load(threading.Thread):
+    """Sends ``rate`` requests/s (paced, never bursting to catch up) until stopped."""
+
+    def __init__(self, address: str, reqs: list[Request], rate: float) -> None:
+        super().__init__(name="serve-load", daemon=True)
+        self.address, self.reqs, self.rate = address, reqs, rate
+        self.stop_event = threading.Event()
+        self.lat: list[float] = []
+        self.errors = 0
+        self.elapsed = 0.0
+
+    def run(self) -> None:
+        client = client_for(self.address)
+        period = 1.0 / self.rate
+        t0 = nxt = time.perf_counter()
+        i = 0
+        try:
+            while not self.stop_event.is_set():
+                now = time.perf_counter()
+                if now < nxt:
+                    self.stop_event.wait(nxt - now)
+                    continue
+                req = self.reqs[i % len(self.reqs)]
+                i += 1
+                ta = time.perf_counter()
+                try:
+                    client.infer(MODEL, req.inputs, outputs=req.outputs)
+                    self.lat.append(time.perf_counter() - ta)
+                except Exception:
+                    self.errors += 1
+                nxt = max(nxt + period, time.perf_counter() - period)
+        finally:
+            self.elapsed = time.perf_counter() - t0
+            client.close()
+
+    def finish(self) -> dict[str, Any]:
+        self.stop_event.set()
+        self.join()
+        ms = [x * 1000 for x in self.lat]
+        return {
+            "requests": len(ms),
+            "errors": self.errors,
+            "requests_per_s": len(ms) / self.elapsed if self.elapsed else 0.0,
+            "p50_ms": pct(ms, 50) if ms else None,
+            "p99_ms": pct(ms, 99) if ms else None,
+        }
+
+
+# --- freshness --------------------------------------------------------------------------
+
+
+class FrozenRows:
+    """A ``RowReader`` of one record's rows as they were (the ids must be the same)."""
+
+    def __init__(self, rows: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        self.rows = dict(rows)
+
+    def lookup(self, ids: Mapping[str, Any], *, train: bool = False) -> dict[str, np.ndarray]:
+        out = {}
+        for table, wanted in ids.items():
+            have, rows = self.rows[table]
+            if not np.array_equal(np.asarray(wanted, dtype=np.uint64), have):
+                msg = f"table {table}: not the ids of the record"
+                raise KeyError(msg)
+            out[table] = rows
+        return out
+
+
+class LocalForward:
+    """This process's forward of a published dense version over given rows: what the
+    server answers for a record with those rows on that version."""
+
+    def __init__(self, job: JobConfig) -> None:
+        from connectors.codecs import make_codec
+        from deploy.job import build_codec, serving_location
+
+        assert job.features is not None
+        self.job = job
+        self.spec = job.features
+        self.codec = build_codec(job) or make_codec("json")
+        self.location = serving_location(job)
+        self.dims = {n: t.dim for n, t in job.store.tables.items()}
+        self._versions: dict[int, Any] = {}
+
+    def version(self, v: int) -> Any:
+        """The loaded ``DenseVersion`` numbered ``v`` (None when it is gone)."""
+        from serving.model import DenseVersion
+        from trainer.models import build_model, field_dims
+        from trainer.publish import load_weights, published
+
+        if v not in self._versions:
+            entry = next((e for e in published(self.location) if e.version == v), None)
+            if entry is None:
+                return None
+            module = build_model(
+                self.job.trainer.model,
+                num_dense=len(self.spec.dense),
+                field_dims=field_dims(self.spec, self.dims),
+                num_tasks=len(self.spec.labels),
+                field_names=[f.name for f in self.spec.sparse],
+            )
+            try:
+                module.load_state_dict(load_weights(self.location, entry))
+            except FileNotFoundError:
+                return None  # deleted (keep) between the listing and the read
+            module.eval()
+            self._versions[v] = DenseVersion(entry, module)
+        return self._versions[v]
+
+    def predict(self, record: bytes, rows: FrozenRows, v: int) -> float | None:
+        from serving.model import FixedDense, ServingModel
+
+        version = self.version(v)
+        if version is None:
+            return None
+        model: ServingModel = ServingModel(
+            "local", self.spec, self.codec, rows, FixedDense(version)
+        )
+        return float(model.predict([record]).probabilities[HEAD][0])
+
+
+def record_ids(job: JobConfig, record: bytes) -> dict[str, np.ndarray]:
+    """The record's ids per table, hashed by the training path's own code."""
+    from connectors.codecs import make_codec
+    from connectors.types import Chunk, RawChunk
+    from deploy.job import build_codec
+    from pipeline.batch import build_batch
+
+    assert job.features is not None
+    spec = job.features.for_scoring()
+    codec = build_codec(job) or make_codec("json")
+    raw = RawChunk(Chunk("s", "p", 0, 1), np.arange(1), [record])
+    table, bad = codec.decode(raw, spec)
+    if bad:
+        msg = f"bad stamp record: {bad[0]}"
+        raise ValueError(msg)
+    batch = build_batch(table, spec)
+    return {t: tb.unique_ids for t, tb in batch.tables.items()}
+
+
+def sparse_freshness(
+    address: str,
+    store: StoreClient,
+    job: JobConfig,
+    records: list[bytes],
+    *,
+    timeout_s: float,
+    log: bool,
+) -> dict[str, Any]:
+    """Push on a record's rows in the training shards; time until the server answers with them.
+
+    Every row of the record (one per table) gets the gradient; ``t1`` is the first
+    response equal (to 1e-5) to this process's forward of the served dense version
+    over the rows as the push left them (``push(return_rows=True)``): every pushed
+    row served. ``first_change`` is the first response that differs from the answer
+    over the rows as they were (the server's own answer before the push on its
+    version; this process's forward on another): some row served. The replica
+    follows one table after another, so the first comes sooner.
+    """
+    client = client_for(address)
+    local = LocalForward(job)
+    times: list[float] = []
+    first_change: list[float] = []
+    effects: list[float] = []
+    polls: list[int] = []
+    timeouts = 0
+    swaps = 0  # dense versions swapped in while a stamp was polled for
+    check: list[float] = []  # |server - local| on the version before the push, per record
+    try:
+        for i, record in enumerate(records):
+            ids = record_ids(job, record)
+            rows = store.lookup(ids, train=True)  # as a training step does: rows are made
+            before = FrozenRows({t: (ids[t], np.asarray(rows[t])) for t in ids})
+            req = make_request([record])
+            p0, params0 = infer(client, req)
+            d0 = params0["dense_version"]
+            old: dict[int, float | None] = {d0: float(p0[0])}
+            new: dict[int, float | None] = {}
+            grads = {
+                t: (ids[t], np.full((ids[t].shape[0], store.dims[t]), PUSH_GRAD, np.float32))
+                for t in ids
+            }
+            result = store.push(grads, return_rows=True)
+            t0 = time.perf_counter()
+            assert result.rows is not None
+            after = FrozenRows(
+                {t: (ids[t], result.rows[t].weights.astype(store.row_dtype)) for t in ids}
+            )
+            first: float | None = None
+            n = 0
+            while True:
+                p, params = infer(client, req)
+                t1 = time.perf_counter()
+                n += 1
+                served = float(p[0])
+                d = params["dense_version"]
+                if d not in old:
+                    swaps += 1
+                    old[d] = local.predict(record, before, d)
+                if d not in new:
+                    new[d] = local.predict(record, after, d)
+                o, w = old[d], new[d]
+                if (
+                    o is not None
+                    and first is None
+                    and abs(served - o) > (1e-6 if d == d0 else 1e-5)
+                ):
+                    first = t1 - t0
+                # The push moves the answer by far more than the 1e-5 they agree to.
+                if (
+                    o is not None
+                    and w is not None
+                    and first is not None
+                    and abs(served - w) <= 1e-5 < abs(w - o) / 2
+                ):
+                    times.append(t1 - t0)
+                    first_change.append(first)
+                    effects.append(abs(w - o))
+                    break
+                if t1 - t0 > timeout_s:
+                    timeouts += 1
+                    times.append(t1 - t0)
+                    first_change.append(first if first is not None else t1 - t0)
+                    break
+            polls.append(n)
+            reference = local.predict(record, before, d0)
+            if i < 3 and reference is not None:
+                check.append(abs(reference - float(p0[0])))
+            if log and (i + 1) % 10 == 0:
+                say(f"    sparse {i + 1}/{len(records)}: p50 {statistics.median(times):.3f}s")
+    finally:
+        client.close()
+    return {
+        "p50_s": pct(times, 50),
+        "p99_s": pct(times, 99),
+        "max_s": max(times),
+        "mean_s": statistics.fmean(times),
+        "first_change_p50_s": pct(first_change, 50),
+        "first_change_p99_s": pct(first_change, 99),
+        "repeats": len(times),
+        "timeouts": timeouts,
+        "polls_median": statistics.median(polls),
+        "prediction_moved_by_min": min(effects) if effects else None,
+        "dense_swaps_while_polling": swaps,
+        "local_vs_server_max_abs": max(check) if check else None,
+    }
+
+
+def dense_freshness(
+    address: str, job: JobConfig, record: bytes, repeats: int, *, timeout_s: float, log: bool
+) -> dict[str, Any]:
+    """Publish a new dense version (the served one, scaled); time until a response names it.
+
+    Each publisher starts after the newest version it finds, as a job's does. While
+    the job trains, its rank 0 publishes too, on a count of its own: it may write
+    the same version number after ours (``served_ours`` counts the answers that
+    came from our weights, told by their step).
+    """
+    import torch
+
+    from deploy.job import serving_location
+    from trainer.publish import DensePublisher
+
+    local = LocalForward(job)
+    where = serving_location(job)
+    client = client_for(address)
+    req = make_request([record])
+    times: list[float] = []
+    ours = 0
+    timeouts = 0
+    try:
+        for i in range(repeats):
+            time.sleep(random.uniform(0.0, 0.3))  # another phase of the server's poll
+            _, params = infer(client, req)
+            served = local.version(params["dense_version"])
+            if served is None:
+                continue
+            module = served.module
+            scale = 1.01 if i % 2 == 0 else 1 / 1.01
+            with torch.no_grad():
+                for p in module.parameters():
+                    p.mul_(scale)
+            publisher = DensePublisher(where, every_s=0.0, keep=job.serving.keep)
+            t0 = time.perf_counter()
+            publisher.maybe_publish(step=STAMP_STEP + i, samples=0, module=module)
+            version = publisher.version
+            local._versions.pop(params["dense_version"], None)  # scaled in place
+            while True:
+                _, params = infer(client, req)
+                t1 = time.perf_counter()
+                if params["dense_version"] >= version:
+                    times.append(t1 - t0)
+                    ours += params["dense_step"] == STAMP_STEP + i
+                    break
+                if t1 - t0 > timeout_s:
+                    timeouts += 1
+                    times.append(t1 - t0)
+                    break
+                time.sleep(0.002)
+            publisher.close()
+            if log and (i + 1) % 5 == 0:
+                say(f"    dense {i + 1}/{repeats}: p50 {statistics.median(times):.3f}s")
+    finally:
+        client.close()
+    return {
+        "p50_s": pct(times, 50),
+        "p99_s": pct(times, 99),
+        "max_s": max(times),
+        "mean_s": statistics.fmean(times),
+        "repeats": len(times),
+        "timeouts": timeouts,
+        "served_ours": int(ours),
+        "published_by": "this process (DensePublisher)",
+    }
+
+
+def job_dense_freshness(
+    address: str, job: JobConfig, record: bytes, versions: int, *, timeout_s: float, log: bool
+) -> dict[str, Any]:
+    """While the job trains: its rank 0 publishes every ``serving.publish_every_s``; from
+    each publish (its manifest's ``created``, taken in ``maybe_publish`` as the weights
+    are copied) to the first response naming that version or a newer one.
+
+    Our own publisher would collide with rank 0's: it counts versions on from what
+    it found when it started, so it writes the number after ours again.
+    """
+    from deploy.job import serving_location
+    from trainer.publish import published
+
+    where = serving_location(job)
+    client = client_for(address)
+    req = make_request([record])
+    created: dict[int, float] = {}
+    seen: dict[int, float] = {}
+    every = job.serving.publish_every_s or 1.0
+    try:
+        listed = published(where)
+        after = listed[-1].version if listed else 0
+        deadline = time.monotonic() + timeout_s + (versions + 1) * every * 3
+        while len(seen) < versions and time.monotonic() < deadline:
+            for entry in published(where):
+                if entry.version > after and entry.version not in created:
+                    created[entry.version] = entry.created
+            _, params = infer(client, req)
+            now = time.time()
+            for v in created:
+                if v <= params["dense_version"] and v not in seen:
+                    seen[v] = now
+                    if log and len(seen) % 5 == 0:
+                        say(f"    dense {len(seen)}/{versions}")
+            time.sleep(0.002)
+    finally:
+        client.close()
+    times = [seen[v] - created[v] for v in sorted(seen)]
+    if not times:
+        msg = f"no version the job published after {after} was served within the time"
+        raise RuntimeError(msg)
+    return {
+        "p50_s": pct(times, 50),
+        "p99_s": pct(times, 99),
+        "max_s": max(times),
+        "mean_s": statistics.fmean(times),
+        "repeats": len(times),
+        "timeouts": len(created) - len(seen) if len(seen) < versions else 0,
+        "published_by": "the job's rank 0",
+    }
+
+
+# --- the phases --------------------------------------------------------------------------
+
+
+@dataclass
+class Setup:
+    """What every phase uses."""
+
+    address: str
+    job: JobConfig
+    training_store: StoreClient
+    args: argparse.Namespace
+    log: bool
+    reqs: dict[int, list[Request]] = field(default_factory=dict)
+    fresh_records: list[bytes] = field(default_factory=list)
+    stamps: list[bytes] = field(default_factory=list)
+
+
+def latency_phase(s: Setup, suffix: str, out: dict[str, Any]) -> None:
+    """Batches 1, 64, 512 one after the other, then the batch-1 sweep."""
+    detail: dict[str, Any] = {}
+    for b in BATCH_SIZES:
+        r = sequential(s.address, s.reqs[b], s.args.seconds)
+        detail[f"batch{b}"] = r
+        out[f"p50_ms_batch{b}{suffix}"] = r["p50_ms"]
+        out[f"p99_ms_batch{b}{suffix}"] = r["p99_ms"]
+        if s.log:
+            say(
+                f"  batch {b:>3}{suffix}: p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  "
+                f"{r['requests_per_s']:,.0f} requests/s  ({r['requests']} requests)"
+            )
+    out[f"samples_per_s_batch512{suffix}"] = 512 * detail["batch512"]["requests_per_s"]
+    sweep = []
+    for threads in s.args.sweep:
+        r = concurrent(s.address, s.reqs[1], threads, s.args.seconds)
+        sweep.append({k: r[k] for k in ("threads", "requests_per_s", "p99_ms", "p50_ms")})
+        if s.log:
+            say(
+                f"  batch 1, {threads} threads{suffix}: {r['requests_per_s']:,.0f} requests/s  "
+                f"p99 {r['p99_ms']:.2f} ms"
+            )
+    out[f"sweep{suffix}"] = sweep
+    best = max(sweep, key=lambda r: r["requests_per_s"])
+    out[f"requests_per_s_batch1{suffix}"] = best["requests_per_s"]
+    out[f"requests_per_s_batch1_sequential{suffix}"] = detail["batch1"]["requests_per_s"]
+    out[f"latency{suffix}"] = detail
+
+
+def freshness_phase(s: Setup, suffix: str, records: list[bytes], out: dict[str, Any]) -> None:
+    sp = sparse_freshness(
+        s.address, s.training_store, s.job, records, timeout_s=s.args.timeout_s, log=s.log
+    )
+    out[f"sparse_freshness_s_p50{suffix}"] = sp["p50_s"]
+    out[f"sparse_freshness_s_p99{suffix}"] = sp["p99_s"]
+    out[f"sparse_freshness{suffix}"] = sp
+    if s.log:
+        say(
+            f"  sparse freshness{suffix}: p50 {sp['p50_s']:.3f}s  p99 {sp['p99_s']:.3f}s  "
+            f"max {sp['max_s']:.3f}s over {sp['repeats']} records ({sp['timeouts']} timeouts)"
+        )
+    measure = job_dense_freshness if suffix else dense_freshness
+    dn = measure(
+        s.address,
+        s.job,
+        s.fresh_records[0],
+        s.args.dense_repeats,
+        timeout_s=s.args.timeout_s,
+        log=s.log,
+    )
+    out[f"dense_freshness_s_p50{suffix}"] = dn["p50_s"]
+    out[f"dense_freshness_s_p99{suffix}"] = dn["p99_s"]
+    out[f"dense_freshness{suffix}"] = dn
+    if s.log:
+        say(
+            f"  dense freshness{suffix}: p50 {dn['p50_s']:.3f}s  p99 {dn['p99_s']:.3f}s  "
+            f"max {dn['max_s']:.3f}s over {dn['repeats']} versions ({dn['timeouts']} timeouts, "
+            f"published by {dn['published_by']})"
+        )
+
+
+def json_mode(s: Setup, out: dict[str, Any]) -> None:
+    """Batch 64 with JSON tensors: what the binary extension saves."""
+    reqs = requests_of(s.fresh_records, 64, 8, binary=False)
+    r = sequential(s.address, reqs, max(0.2, s.args.seconds / 2))
+    out["json_mode"] = {"p50_ms_batch64": r["p50_ms"], "p99_ms_batch64": r["p99_ms"]}
+    if s.log:
+        say(f"  batch  64, JSON tensors: p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms")
+
+
+def slowdown_phase(
+    s: Setup, tmp: Path, store: str, shards: int, token_file: Path, out: dict[str, Any]
+) -> None:
+    """The same job on the same events with and without 100 requests/s of batch 64."""
+    step = BATCH * PARTITIONS
+    samples = -(-s.args.samples // step) * step
+    out["slowdown_samples"] = samples
+    load_reqs = requests_of(s.fresh_records, LOAD_BATCH, 16)
+    runs: dict[str, list[dict[str, Any]]] = {"with": [], "without": []}
+    for r in range(s.args.repeat):
+        order = ("without", "with") if r % 2 == 0 else ("with", "without")
+        for kind in order:
+            # The same job but for its run directory (metrics files are appended to).
+            name = f"slowdown-{kind}-{r}"
+            job_file = write_job(
+                tmp, name, store=store, shards=shards, token_file=token_file, events=samples,
+                hidden=s.args.hidden,
+            )  # fmt: skip
+            before = load()
+            run = TrainingRun(job_file, samples)
+            loader = Load(s.address, load_reqs, LOAD_RPS) if kind == "with" else None
+            if loader is not None:
+                loader.start()
+            try:
+                run.wait(s.args.job_timeout_s)
+            finally:
+                served = loader.finish() if loader is not None else None
+            rate = run.rate()
+            rate |= {"round": r, "load_before": before, "load_after": load()}
+            if served is not None:
+                rate["serving_load"] = served
+            runs[kind].append(rate)
+            if s.log:
+                extra = ""
+                if served is not None:
+                    extra = (
+                        f", load {served['requests_per_s']:.0f} requests/s of batch {LOAD_BATCH}"
+                        f" (p99 {served['p99_ms']:.1f} ms)"
+                    )
+                say(
+                    f"  round {r + 1} {kind:<7}: {rate['samples_per_s']:,.0f} samples/s "
+                    f"({rate['from']}){extra}"
+                )
+    with_rate = statistics.median(x["samples_per_s"] for x in runs["with"])
+    without_rate = statistics.median(x["samples_per_s"] for x in runs["without"])
+    out["training_samples_per_s_with_load"] = with_rate
+    out["training_samples_per_s_without_load"] = without_rate
+    out["training_slowdown"] = with_rate / without_rate
+    out["load_requests_per_s_achieved"] = statistics.median(
+        x["serving_load"]["requests_per_s"] for x in runs["with"]
+    )
+    out["slowdown_runs"] = runs
+
+
+def while_training_phase(s: Setup, run: TrainingRun, out: dict[str, Any]) -> None:
+    """The job trains the endless stream; the serving figures are taken meanwhile."""
+    try:
+        client = client_for(s.address)
+        try:
+            wanted = 1 if s.args.smoke else 2
+            wait_for(
+                lambda: run.training(wanted) and client.is_model_ready(MODEL),
+                "the job training and the server ready",
+                s.args.job_timeout_s,
+            )
+        finally:
+            client.close()
+        t0 = time.monotonic()
+        out["while_training_startup_s"] = round(t0 - run.started, 1)
+        if s.log:
+            say(f"  the job trains ({out['while_training_startup_s']}s after its start)")
+        latency_phase(s, "_while_training", out)
+        freshness_phase(s, "_while_training", s.stamps, out)
+        if not run.training():  # still running: it did not die meanwhile
+            msg = "the job stopped while the serving figures were taken"
+            raise RuntimeError(msg)
+        out["while_training_measured_s"] = round(time.monotonic() - t0, 1)
+    finally:
+        code = run.stop()
+    reports = run.reports()
+    last = reports[-1] if reports else {}
+    out["while_training_job"] = {
+        "exit_code": code,
+        "samples": last.get("samples"),
+        "rate": run.rate(),
+    }
+    if s.log:
+        say(f"  the job stopped (exit {code}) after {last.get('samples', 0):,} samples")
+
+
+# --- main --------------------------------------------------------------------------------
+
+
+def summarize(out: dict[str, Any], cpus: int) -> None:
+    if "requests_per_s_batch1" in out:
+        out["requests_per_s_batch1_per_core"] = out["requests_per_s_batch1"] / cpus
+    if "samples_per_s_batch512" in out:
+        out["samples_per_s_batch512_per_core"] = out["samples_per_s_batch512"] / cpus
+    for suffix in ("_while_training",):
+        if f"requests_per_s_batch1{suffix}" in out:
+            out[f"requests_per_s_batch1_per_core{suffix}"] = (
+                out[f"requests_per_s_batch1{suffix}"] / cpus
+            )
+        if f"samples_per_s_batch512{suffix}" in out:
+            out[f"samples_per_s_batch512_per_core{suffix}"] = (
+                out[f"samples_per_s_batch512{suffix}"] / cpus
+            )
+    targets = {}
+    for key, (op, bound) in TARGETS.items():
+        value = out.get(key)
+        met = None if value is None else (value <= bound if op == "<=" else value >= bound)
+        targets[key] = {"target": f"{op} {bound:g}", "value": value, "met": met}
+    out["targets"] = targets
+
+
+def show(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:,.4f}" if abs(v) < 10 else f"{v:,.1f}"
+    return str(v)
+
+
+def print_table(out: dict[str, Any]) -> None:
+    keys = [
+        "cpus",
+        "p50_ms_batch1", "p99_ms_batch1", "p50_ms_batch64", "p99_ms_batch64",
+        "p50_ms_batch512", "p99_ms_batch512",
+        "requests_per_s_batch1", "requests_per_s_batch1_per_core",
+        "samples_per_s_batch512", "samples_per_s_batch512_per_core",
+        "sparse_freshness_s_p50", "sparse_freshness_s_p99",
+        "dense_freshness_s_p50", "dense_freshness_s_p99",
+    ]  # fmt: skip
+    keys += [f"{k}_while_training" for k in keys[1:]]
+    keys += [
+        "training_samples_per_s_without_load",
+        "training_samples_per_s_with_load",
+        "training_slowdown",
+        "load_requests_per_s_achieved",
+    ]
+    say("")
+    print_figures({k: out[k] for k in keys if k in out}, show)
+    for suffix in ("", "_while_training"):
+        if f"sweep{suffix}" in out:
+            levels = ", ".join(
+                f"{r['threads']}: {r['requests_per_s']:,.0f}/s p99 {r['p99_ms']:.2f} ms"
+                for r in out[f"sweep{suffix}"]
+            )
+            say(f"sweep{suffix} (threads: requests/s, p99): {levels}")
+    say("")
+    for key, t in out.get("targets", {}).items():
+        verdict = {True: "met", False: "MISSED", None: "not measured"}[t["met"]]
+        value = "-" if t["value"] is None else show(t["value"])
+        say(f"{key:<40} {value:>12}  (target {t['target']}): {verdict}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--json", type=Path, default=Path("bench-results/serve.json"))
+    parser.add_argument("--seconds", type=float, default=5.0, help="per latency measurement")
+    parser.add_argument(
+        "--samples", type=int, default=1_000_000, help="events of each training_slowdown run"
+    )
+    parser.add_argument(
+        "--repeat", type=int, default=2, help="training_slowdown rounds (with and without load)"
+    )
+    parser.add_argument("--sparse-repeats", type=int, default=30, help="records stamped")
+    parser.add_argument("--dense-repeats", type=int, default=10, help="versions published")
+    parser.add_argument("--sweep", type=int, nargs="+", default=list(SWEEP), help="threads")
+    parser.add_argument("--shards", type=int, default=2, help="training shards (one replica each)")
+    parser.add_argument("--hidden", type=int, nargs="+", default=HIDDEN, help="FFNN widths")
+    parser.add_argument("--timeout-s", type=float, default=15.0, help="per freshness repeat")
+    parser.add_argument("--job-timeout-s", type=float, default=300.0, help="per training job")
+    parser.add_argument("--keep", type=Path, default=None, help="keep the run folder here")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every figure at tiny sizes (seconds): 0.3 s per latency measurement, 16k "
+        "events, 1 round, 3 stamps, 2 versions, sweep 1 2, 1 shard",
+    )
+    parser.add_argument("--quiet", action="store_true")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.seconds = min(args.seconds, 0.3)
+        args.samples = min(args.samples, 16_384)
+        args.repeat = 1
+        args.sparse_repeats = min(args.sparse_repeats, 3)
+        args.dense_repeats = min(args.dense_repeats, 2)
+        args.sweep = [1, 2]
+        args.shards = 1
+    log = not args.quiet
+    cpus = os.cpu_count() or 1
+    out: dict[str, Any] = {
+        "cpus": cpus,
+        "tensor_encoding": TENSOR_ENCODING,
+        "seconds_per_latency_measurement": args.seconds,
+        "samples": args.samples,
+        "repeat": args.repeat,
+        "shards": args.shards,
+        "replicas": args.shards,
+        "model": {"kind": "ffnn", "hidden": args.hidden, "dim": DIM, "tables": 26},
+        "batch_size": BATCH,
+        "load_requests_per_s": LOAD_RPS,
+        "load_batch": LOAD_BATCH,
+        "smoke": args.smoke,
+        "load_before": load(),
+    }
+    t_all = time.monotonic()
+
+    def save() -> None:
+        out["total_s"] = round(time.monotonic() - t_all, 1)
+        out["load_after"] = load()
+        summarize(out, cpus)
+        if args.json:
+            write_json(args.json, out)
+
+    from deploy.config import load_config
+    from deploy.local.shards import ShardProcess
+    from embedding_store.client import StoreClient
+
+    with ExitStack() as stack:
+        if args.keep is not None:
+            tmp = args.keep
+            tmp.mkdir(parents=True, exist_ok=True)
+        else:
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-serve-")))
+        token_file = write_token(tmp / "store.token")
+        token = token_file.read_text().strip()
+        # The shards read the store section alone; the same job file for all.
+        first = write_job(
+            tmp, "shards", store="grpc://127.0.0.1:1", shards=args.shards,
+            token_file=token_file, events=None, hidden=args.hidden,
+        )  # fmt: skip
+        t = time.monotonic()
+        training: list[ShardProcess] = []
+        replicas: list[ShardProcess] = []
+        for i in range(args.shards):
+            shard = ShardProcess.start(
+                first, tmp / "store" / f"shard-{i:03d}", token_file=token_file,
+                die_with_parent=True,
+            )  # fmt: skip
+            stack.callback(shard.kill)
+            training.append(shard)
+        for i, shard in enumerate(training):
+            replica = ShardProcess.start(
+                first, tmp / "store" / f"replica-{i:03d}", token_file=token_file,
+                follow=shard.address, die_with_parent=True,
+            )  # fmt: skip
+            stack.callback(replica.kill)
+            replicas.append(replica)
+        store = "grpc://" + ",".join(s.address for s in training)
+        # The job starts first (its start-up takes longest); the server answers once it
+        # published its first weights.
+        job_file = write_job(
+            tmp, "while-training", store=store, shards=args.shards, token_file=token_file,
+            events=None, hidden=args.hidden,
+        )  # fmt: skip
+        run = TrainingRun(job_file, None)
+        stack.callback(run.stop)
+        serve_file = write_job(
+            tmp, "serve", store=store, shards=args.shards, token_file=token_file, events=None,
+            hidden=args.hidden,
+        )  # fmt: skip
+        job = load_config(serve_file)
+        argv = [sys.executable, "-m", "deploy.cli", "serve", str(serve_file), "--port", "0",
+                "--store", "grpc://" + ",".join(r.address for r in replicas),
+                "--store-token-file", str(token_file)]  # fmt: skip
+        server = Server(argv, tmp / "serve.log")
+        stack.callback(server.stop)
+        out["setup_s"] = round(time.monotonic() - t, 1)
+        training_store = stack.enter_context(StoreClient.connect(store, token=token))
+        s = Setup(server.address, job, training_store, args, log)
+        s.fresh_records = stream_records(max(4096, 512 * 4))
+        s.reqs = {
+            1: requests_of(s.fresh_records, 1, 256),
+            64: requests_of(s.fresh_records, 64, 16),
+            512: requests_of(s.fresh_records, 512, 4),
+        }
+        s.stamps = stamp_records(args.sparse_repeats)
+        if log:
+            say(
+                f"{args.shards} training shards, {args.shards} replicas and `streamrec serve` "
+                f"on {server.address} ({out['setup_s']}s); {cpus} cores, load {load()}"
+            )
+
+        say("while training (the job trains the served model as it goes):")
+        while_training_phase(s, run, out)
+        save()
+
+        say("server alone:")
+        client = client_for(server.address)
+        wait_for(lambda: client.is_model_ready(MODEL), "the server ready")
+        client.close()
+        latency_phase(s, "", out)
+        json_mode(s, out)
+        save()
+        # Records of the trained stream, ids the job learned; each its own.
+        start = 1000
+        records = s.fresh_records[start : start + args.sparse_repeats]
+        freshness_phase(s, "", records, out)
+        save()
+
+        say(
+            f"training_slowdown: {args.repeat} round(s) with and without {LOAD_RPS:.0f} "
+            f"requests/s of batch {LOAD_BATCH}:"
+        )
+        slowdown_phase(s, tmp, store, args.shards, token_file, out)
+        save()
+        serve_log = server.log()
+        out["server_errors_logged"] = serve_log.count("Traceback")
+    print_table(out)
+    say(f"load average before {out['load_before']}, after {out['load_after']}")
+    say(f"total {out['total_s']}s")
+    if args.json:
+        say(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""``benchmarks/serve.py --smoke``: every serving figure, at tiny sizes.
+
+The whole script runs as in its full run (a training shard, its replica,
+``streamrec serve`` and ``streamrec run`` as processes, tritonclient as the
+client), with latency measurements of 0.3 s, 3 sparse stamps, 2 dense versions
+and one round of 16k-event jobs for the training slowdown. Every figure must be
+written and finite; none is compared with a speed.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from tests.benchmarks.smoke import assert_positive, run_benchmark
+
+LATENCY = [
+    "p50_ms_batch1",
+    "p99_ms_batch1",
+    "p50_ms_batch64",
+    "p99_ms_batch64",
+    "p99_ms_batch512",
+    "requests_per_s_batch1",
+    "samples_per_s_batch512",
+]
+FRESHNESS = [
+    "sparse_freshness_s_p50",
+    "sparse_freshness_s_p99",
+    "dense_freshness_s_p50",
+    "dense_freshness_s_p99",
+]
+
+
+def test_every_serving_figure_is_reported(tmp_path: Path) -> None:
+    figures = run_benchmark("serve.py", tmp_path / "serve.json", "--smoke", timeout=600)
+    keys = LATENCY + FRESHNESS
+    keys += [f"{k}_while_training" for k in keys]
+    keys += ["requests_per_s_batch1_per_core", "samples_per_s_batch512_per_core"]
+    keys += ["training_slowdown", "training_samples_per_s_with_load"]
+    keys += ["training_samples_per_s_without_load", "cpus"]
+    assert_positive(figures, keys)
+    assert figures["tensor_encoding"].startswith("binary")
+    for suffix in ("", "_while_training"):
+        sweep = figures[f"sweep{suffix}"]
+        assert [level["threads"] for level in sweep] == [1, 2]
+        for level in sweep:
+            assert_positive(level, ["requests_per_s", "p99_ms"])
+        best = max(level["requests_per_s"] for level in sweep)
+        assert figures[f"requests_per_s_batch1{suffix}"] == best
+    # Each stamp and each published version was seen by the server, none timed out.
+    for suffix in ("", "_while_training"):
+        assert figures[f"sparse_freshness{suffix}"]["timeouts"] == 0
+        assert figures[f"dense_freshness{suffix}"]["timeouts"] == 0
+    assert figures["slowdown_runs"]["with"][0]["serving_load"]["requests"] > 0
+    for target in figures["targets"].values():
+        assert target["met"] in (True, False)
+        assert math.isfinite(target["value"])
