@@ -58,7 +58,9 @@ def published(location: Location) -> list[PublishedDense]:
     for name in sorted(n for n in location.names() if _MANIFEST.match(n)):
         try:
             out.append(PublishedDense(**json.loads(location.read_bytes(name))))
-        except (CheckpointError, ValueError, TypeError) as exc:
+        except FileNotFoundError:
+            continue  # collected by the publisher since it was listed: an older version
+        except (CheckpointError, OSError, ValueError, TypeError) as exc:
             log.warning("skipping unreadable %s/%s: %s", location, name, exc)
     return out
 

@@ -163,3 +163,26 @@ def test_two_publishers_into_one_place_never_reuse_a_version(tmp_path: Path) -> 
     first.close()
     second.close()
     assert [(d.version, d.step) for d in published(where)][-3:] == [(2, 1), (3, 2), (4, 3)]
+
+
+def test_a_version_collected_between_listing_and_reading_is_skipped(tmp_path: Path) -> None:
+    """The publisher deletes old versions while a server lists them: not an error."""
+    where = Location.parse(tmp_path)
+    publisher = DensePublisher(where, every_s=0.0)
+    for step in range(2):
+        publisher.maybe_publish(step=step, samples=step, module=torch.nn.Linear(2, 1), force=True)
+        publisher.flush()
+    publisher.close()
+
+    class Collecting:
+        """The folder as listed, with the oldest manifest gone before it is read."""
+
+        def names(self) -> list[str]:
+            return where.names()
+
+        def read_bytes(self, name: str) -> bytes:
+            if name == "DENSE-000000000001.json":
+                raise FileNotFoundError(name)
+            return where.read_bytes(name)
+
+    assert [d.version for d in published(Collecting())] == [2]  # type: ignore[arg-type]
