@@ -66,17 +66,26 @@ def _score_with_progress(model: Any, path: Path, batch: int) -> Any:
     return scores
 
 
-def cmd_score(args: argparse.Namespace) -> int:
-    from serving.offline import OfflineError, write_scores
+def _scored(args: argparse.Namespace, command: str, *, labels_required: bool) -> Any:
+    """The file's scores with the parameters asked for, or an exit code."""
+    from serving.offline import OfflineError
 
-    model = _model(args, "score", labels_required=False)
+    model = _model(args, command, labels_required=labels_required)
     if isinstance(model, int):
         return model
     try:
-        scores = _score_with_progress(model, args.source, args.batch)
+        return _score_with_progress(model, args.source, args.batch)
     except OfflineError as exc:
-        print(f"streamrec score: {exc}", file=sys.stderr)
+        print(f"streamrec {command}: {exc}", file=sys.stderr)
         return 2
+
+
+def cmd_score(args: argparse.Namespace) -> int:
+    from serving.offline import write_scores
+
+    scores = _scored(args, "score", labels_required=False)
+    if isinstance(scores, int):
+        return scores
     rejected = write_scores(scores, args.out)
     scored = scores.records - len(scores.bad)
     print(f"streamrec score: {scored:,} of {scores.records:,} records scored into {args.out}")
@@ -89,20 +98,14 @@ def cmd_score(args: argparse.Namespace) -> int:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> int:
-    from serving.offline import OfflineError, evaluate_scores
+    from connectors.validate import count_reasons
+    from serving.offline import evaluate_scores
 
-    model = _model(args, "evaluate", labels_required=True)
-    if isinstance(model, int):
-        return model
-    try:
-        scores = _score_with_progress(model, args.source, args.batch)
-    except OfflineError as exc:
-        print(f"streamrec evaluate: {exc}", file=sys.stderr)
-        return 2
+    scores = _scored(args, "evaluate", labels_required=True)
+    if isinstance(scores, int):
+        return scores
     result = evaluate_scores(scores)
-    reasons: dict[str, int] = {}
-    for b in scores.bad:
-        reasons[b.reason] = reasons.get(b.reason, 0) + 1
+    reasons = count_reasons(scores.bad)
     for head, m in result.items():
         fmt = {k: "-" if v is None else f"{v:.4f}" for k, v in m.items() if k != "samples"}
         print(

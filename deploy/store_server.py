@@ -17,11 +17,17 @@ import sys
 import time
 from pathlib import Path
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from embedding_store.location import Location
 from embedding_store.service import EmbeddingStoreServicer, make_server
 from embedding_store.shard import StoreShard
 from embedding_store.types import StoreConfig
+
+if TYPE_CHECKING:
+    import grpc
+
+    from monitoring.store_metrics import MetricsServer
 
 
 def read_token(path: Path) -> str:
@@ -32,6 +38,50 @@ def read_token(path: Path) -> str:
         return read_token_file(path, "--token-file")
     except ClusterError as exc:
         raise SystemExit(str(exc)) from exc
+
+
+def _serve_metrics(
+    servicer: EmbeddingStoreServicer,
+    server: grpc.Server,
+    host: str,
+    bound: int,
+    metrics_port: int | None,
+    advertise: str | None,
+    who: str,
+) -> MetricsServer | None:
+    """``/metrics`` of the shard at ``metrics_port`` (None: none); a taken port ends it."""
+    if metrics_port is None:
+        return None
+    from monitoring.store_metrics import serve_store_metrics  # only when asked for
+
+    label = f"{advertise or host}:{bound}"
+    try:
+        metrics = serve_store_metrics(f"{host}:{metrics_port}", label, servicer.stats)
+    except OSError as exc:
+        server.stop(None)
+        msg = f"--metrics-port {metrics_port}: {exc}"
+        raise SystemExit(msg) from exc
+    # Printed before the "serving" line: a launcher that waits for that line
+    # finds the metrics URL already in the log.
+    print(f"streamrec {who}: metrics on {metrics.url} (shard={label})", flush=True)
+    return metrics
+
+
+def _signals_received() -> list[int]:
+    """The SIGTERMs and SIGINTs received from now on, appended as they come.
+
+    A plain list, not an Event: a handler that takes a lock deadlocks when a
+    second signal lands while the main thread is inside that same lock (seen:
+    SIGTERM from the dying parent and one from the test, back to back).
+    """
+    signals: list[int] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        signals.append(signum)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    return signals
 
 
 def serve(
@@ -61,30 +111,8 @@ def serve(
     restored = sum(len(t) for t in shard.tables.values())
     servicer = EmbeddingStoreServicer(shard, allow_dirs=allow_dirs)
     server, bound = make_server(shard, host=host, port=port, token=token, servicer=servicer)
-    metrics = None
-    if metrics_port is not None:
-        from monitoring.store_metrics import serve_store_metrics  # only when asked for
-
-        label = f"{advertise or host}:{bound}"
-        try:
-            metrics = serve_store_metrics(f"{host}:{metrics_port}", label, servicer.stats)
-        except OSError as exc:
-            server.stop(None)
-            msg = f"--metrics-port {metrics_port}: {exc}"
-            raise SystemExit(msg) from exc
-        # Printed before the "serving" line: a launcher that waits for that line
-        # finds the metrics URL already in the log.
-        print(f"streamrec store: metrics on {metrics.url} (shard={label})", flush=True)
-    # A plain list, not an Event: a handler that takes a lock deadlocks when a
-    # second signal lands while the main thread is inside that same lock (seen:
-    # SIGTERM from the dying parent and one from the test, back to back).
-    signals: list[int] = []
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        signals.append(signum)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    metrics = _serve_metrics(servicer, server, host, bound, metrics_port, advertise, "store")
+    signals = _signals_received()
     print(
         f"streamrec store: serving {len(config.tables)} table(s) on {host}:{bound} "
         f"(data dir {data_dir}{f', snapshots {mirror}' if mirror is not None else ''}, "
@@ -159,25 +187,10 @@ def serve_replica(
     follower = ShardFollower(shard, source, poll_s=poll_s)
     servicer = EmbeddingStoreServicer(shard, health=follower.health, current_at=follower.current_at)
     server, bound = make_server(shard, host=host, port=port, token=token, servicer=servicer)
-    metrics = None
-    if metrics_port is not None:
-        from monitoring.store_metrics import serve_store_metrics
-
-        label = f"{advertise or host}:{bound}"
-        try:
-            metrics = serve_store_metrics(f"{host}:{metrics_port}", label, servicer.stats)
-        except OSError as exc:
-            server.stop(None)
-            msg = f"--metrics-port {metrics_port}: {exc}"
-            raise SystemExit(msg) from exc
-        print(f"streamrec store replica: metrics on {metrics.url} (shard={label})", flush=True)
-    signals: list[int] = []
-
-    def on_signal(signum: int, frame: FrameType | None) -> None:
-        signals.append(signum)
-
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    metrics = _serve_metrics(
+        servicer, server, host, bound, metrics_port, advertise, "store replica"
+    )
+    signals = _signals_received()
     stop = threading.Event()
     thread = threading.Thread(target=follower.run, args=(stop,), name="replica-follow", daemon=True)
     thread.start()

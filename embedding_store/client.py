@@ -189,6 +189,10 @@ class ShardTransport(Protocol):
         """Take the shard's current process as the one to train against (see ShardRestarted)."""
         ...
 
+    def current_at(self) -> float:
+        """When the shard's rows were last current (a serving replica's newest round)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -219,6 +223,10 @@ class InprocTransport:
 
     def accept_restart(self) -> None:
         """A shard object in this process cannot restart."""
+
+    def current_at(self) -> float:
+        """A shard in this process is read as it is: current now."""
+        return time.time()
 
     def start_lookup(
         self,
@@ -1163,8 +1171,7 @@ class StoreClient:
     def current_at(self) -> float:
         """The oldest of the shards' ``current_at``: every row read now is at least as
         fresh as the training shards were then (a client over serving replicas)."""
-        times = [getattr(t, "current_at", time.time)() for t in self._transports]
-        return min(times)
+        return min(t.current_at() for t in self._transports)
 
     def close(self) -> None:
         """Close the channels (the shards themselves keep running)."""
