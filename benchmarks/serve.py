@@ -6,7 +6,9 @@
 Real processes throughout, on loopback, as a user deploys them: ``--shards``
 training store shards (``streamrec store serve``), one serving replica per
 shard following it (``streamrec store replica --follow``, polling every 0.1 s),
-``streamrec serve JOB --store grpc://REPLICAS --port 0`` as a subprocess, and
+``streamrec serve JOB --store grpc://REPLICAS --port 0`` as a subprocess (with
+``--rows follow``: no replica processes, ``streamrec serve JOB --follow
+grpc://SHARDS``, replicas in the server's process), and
 the hybrid job on the synthetic Criteo-like stream (``streamrec run`` of a job
 with ``source: {kind: synthetic}``, ``cluster.store`` naming the training
 shards, checkpoints off, ``serving.dir`` where the server reads; the demo's
@@ -1100,6 +1102,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dense-repeats", type=int, default=10, help="versions published")
     parser.add_argument("--sweep", type=int, nargs="+", default=list(SWEEP), help="threads")
     parser.add_argument("--shards", type=int, default=2, help="training shards (one replica each)")
+    parser.add_argument(
+        "--rows",
+        choices=("replicas", "follow"),
+        default="replicas",
+        help="where the server reads rows: a replica process per shard (--store), or "
+        "replicas in the server's process (--follow)",
+    )
     parser.add_argument("--hidden", type=int, nargs="+", default=HIDDEN, help="FFNN widths")
     parser.add_argument("--timeout-s", type=float, default=15.0, help="per freshness repeat")
     parser.add_argument("--job-timeout-s", type=float, default=300.0, help="per training job")
@@ -1130,6 +1139,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeat": args.repeat,
         "shards": args.shards,
         "replicas": args.shards,
+        "rows": args.rows,
         "model": {"kind": "ffnn", "hidden": args.hidden, "dim": DIM, "tables": 26},
         "batch_size": BATCH,
         "load_requests_per_s": LOAD_RPS,
@@ -1173,7 +1183,7 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             stack.callback(shard.kill)
             training.append(shard)
-        for i, shard in enumerate(training):
+        for i, shard in enumerate(training if args.rows == "replicas" else []):
             replica = ShardProcess.start(
                 first, tmp / "store" / f"replica-{i:03d}", token_file=token_file,
                 follow=shard.address, die_with_parent=True,
@@ -1194,9 +1204,13 @@ def main(argv: list[str] | None = None) -> int:
             hidden=args.hidden,
         )  # fmt: skip
         job = load_config(serve_file)
+        rows = (
+            ["--store", "grpc://" + ",".join(r.address for r in replicas)]
+            if args.rows == "replicas"
+            else ["--follow", store]
+        )
         argv = [sys.executable, "-m", "deploy.cli", "serve", str(serve_file), "--port", "0",
-                "--store", "grpc://" + ",".join(r.address for r in replicas),
-                "--store-token-file", str(token_file)]  # fmt: skip
+                *rows, "--store-token-file", str(token_file)]  # fmt: skip
         server = Server(argv, tmp / "serve.log")
         stack.callback(server.stop)
         out["setup_s"] = round(time.monotonic() - t, 1)
@@ -1211,7 +1225,9 @@ def main(argv: list[str] | None = None) -> int:
         s.stamps = stamp_records(args.sparse_repeats)
         if log:
             say(
-                f"{args.shards} training shards, {args.shards} replicas and `streamrec serve` "
+                f"{args.shards} training shards, "
+                f"{f'{args.shards} replicas' if replicas else 'replicas in the server'} "
+                "and `streamrec serve` "
                 f"on {server.address} ({out['setup_s']}s); {cpus} cores, load {load()}"
             )
 

@@ -194,8 +194,11 @@ class ServingStack:
         port: int,
         token: str | None = None,
         scheduler: str | None = None,
+        follow: bool = False,
     ) -> None:
-        """``scheduler``: a Dask scheduler with the streamrec plugin to report to (its
+        """``store``: the serving replicas, or with ``follow`` the training shards, which
+        this process then follows itself (see :mod:`serving.replicas`).
+        ``scheduler``: a Dask scheduler with the streamrec plugin to report to (its
         dashboard page then shows this server); None: no reports."""
         from connectors.codecs import make_codec
         from deploy.job import build_codec, serving_location
@@ -203,9 +206,15 @@ class ServingStack:
         from serving.freshness import FreshnessCollector, SparseFreshness
         from serving.http import InferenceServer
         from serving.model import DenseFollower, ServingModel
+        from serving.replicas import LocalReplicas
 
         cfg = job.serving
-        self.rows = StoreClient.connect(store, token=store_token)
+        self.replicas: LocalReplicas | None = None
+        if follow:
+            self.replicas = LocalReplicas.follow(job.store, store, token=store_token)
+            self.rows = self.replicas.rows
+        else:
+            self.rows = StoreClient.connect(store, token=store_token)
         dims = {name: t.dim for name, t in job.store.tables.items()}
         self.where = serving_location(job)
         self.dense = DenseFollower(self.where, job.trainer, job.features, dims, poll_s=cfg.poll_s)
@@ -273,7 +282,10 @@ class ServingStack:
             self._client.close()
         self.sparse.close()
         self.dense.close()
-        self.rows.close()
+        if self.replicas is not None:
+            self.replicas.close()
+        else:
+            self.rows.close()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -293,7 +305,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if job.features is None:
         print(f"streamrec serve: {args.job} has no `features:` section", file=sys.stderr)
         return 2
-    store = args.store or cfg.store or job.cluster.store
+    if args.follow is not None and args.store is not None:
+        print("streamrec serve: give --store or --follow, not both", file=sys.stderr)
+        return 2
+    store = args.follow or args.store or cfg.store or job.cluster.store
     if store is None:
         print(
             "streamrec serve: give the serving replicas with --store grpc://HOST:PORT,... "
@@ -315,15 +330,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
             port=port,
             token=token,
             scheduler=job.cluster.scheduler,
+            follow=args.follow is not None,
         )
     except (StoreError, ValueError) as exc:
-        print(f"streamrec serve: --store {store}: {exc}", file=sys.stderr)
+        flag = "--follow" if args.follow is not None else "--store"
+        print(f"streamrec serve: {flag} {store}: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"streamrec serve: cannot listen on port {port}: {exc}", file=sys.stderr)
         return 2
     print(
-        f"streamrec serve: model {cfg.model_name!r} on {stack.url} (rows from {store}, dense "
+        f"streamrec serve: model {cfg.model_name!r} on {stack.url} (rows "
+        f"{'following ' if args.follow else 'from '}{store}, dense "
         f"weights from {stack.where}; ready once a version is published)\n  {stack.curl}",
         flush=True,
     )
@@ -412,6 +430,15 @@ def add_serve_command(sub: Any) -> None:
     serve.add_argument("job", type=Path, help="the job YAML (its features:, store: and serving:)")
     serve.add_argument(
         "--store", metavar="grpc://HOST:PORT,...", help="the serving replicas (serving.store)"
+    )
+    serve.add_argument(
+        "--follow",
+        metavar="grpc://HOST:PORT,...",
+        help=(
+            "follow the training shards from this process instead of reading serving "
+            "replicas: rows are read from memory (lowest latency; each server then holds "
+            "a copy of every table)"
+        ),
     )
     serve.add_argument("--host", help="address to bind (serving.host, 127.0.0.1)")
     serve.add_argument("--port", type=int, help="HTTP port (serving.port, 8000; 0: any free)")

@@ -203,10 +203,19 @@ class InprocTransport:
     shard's work and the dtype casts) and ``stats()`` reports them.
     """
 
-    def __init__(self, shard: StoreShard, pool: ThreadPoolExecutor | None, name: str) -> None:
+    def __init__(
+        self,
+        shard: StoreShard,
+        pool: ThreadPoolExecutor | None,
+        name: str,
+        current_at: Callable[[], float] | None = None,
+    ) -> None:
+        """``current_at``: when a replica's rows were last current (its follower's);
+        None: the shard is read as it is, current now."""
         self.shard = shard
         self.address = name
         self._pool = pool
+        self._current_at = current_at
         self.lookup_latency = LatencyHistogram()
         self.push_latency = LatencyHistogram()
 
@@ -225,8 +234,7 @@ class InprocTransport:
         """A shard object in this process cannot restart."""
 
     def current_at(self) -> float:
-        """A shard in this process is read as it is: current now."""
-        return time.time()
+        return time.time() if self._current_at is None else self._current_at()
 
     def start_lookup(
         self,
@@ -639,6 +647,7 @@ class GrpcTransport:
         return_rows: bool = False,
         deferred: bool = False,
     ) -> Wait[PushResult]:
+        rows_of = (list(grads), [len(i) for i, _ in grads.values()]) if return_rows else None
         if self._frames:
             payload = encode_push(
                 grads, request_id=request_id, dtype=dtype, return_rows=return_rows
@@ -652,7 +661,7 @@ class GrpcTransport:
                     )()
 
                 def read(reply: bytes, area: _SharedArea, at: int) -> PushResult:
-                    return self._push_result(pb.PushResponse.FromString(reply), return_rows)
+                    return self._push_result(pb.PushResponse.FromString(reply), rows_of)
 
                 return self._shared(
                     "PushShared", self._push_shared, area, payload, deferred, network, read
@@ -667,7 +676,7 @@ class GrpcTransport:
                     return self.start_push(
                         grads, request_id, dtype, return_rows=return_rows, deferred=True
                     )()
-                return self._push_result(pb.PushResponse.FromString(data), return_rows)
+                return self._push_result(pb.PushResponse.FromString(data), rows_of)
 
             return applied
         request = pb.PushRequest(
@@ -680,14 +689,17 @@ class GrpcTransport:
             return_rows=return_rows,
         )
         wait = self._start("Push", request, deferred=deferred)
-        return lambda: self._push_result(wait(), return_rows)
+        return lambda: self._push_result(wait(), rows_of)
 
-    def _push_result(self, r: pb.PushResponse, return_rows: bool) -> PushResult:
+    def _push_result(
+        self, r: pb.PushResponse, rows_of: tuple[list[str], list[int]] | None
+    ) -> PushResult:
+        """``rows_of``: the pushed tables and their row counts, when rows were asked for."""
         self._check_incarnation(r.incarnation, "push")
         rows = None
-        if return_rows and r.rows:  # a shard leaves out a reply too large to send
+        if rows_of is not None and r.rows:  # a shard leaves out a reply too large to send
             try:
-                rows = decode_row_state(r.rows, r.state, r.row_steps)
+                rows = decode_row_state(r.rows, *rows_of)
             except InvalidRequest as exc:
                 msg = f"Push reply from shard {self.address}: {exc}"
                 raise InvalidRequest(msg) from None
@@ -912,14 +924,20 @@ class StoreClient:
         row_dtype: RowDtype | None = None,
         grad_dtype: RowDtype = "float32",
         latency_s: float = 0.0,
+        current_at: Sequence[Callable[[], float]] | None = None,
     ) -> StoreClient:
-        """A client over shard objects of this process."""
+        """A client over shard objects of this process; ``current_at``: per shard, when
+        its rows were last current (serving replicas; default: now)."""
         pool = (
             ThreadPoolExecutor(len(shards), thread_name_prefix="inproc-store")
             if len(shards) > 1
             else None
         )
-        transports = [InprocTransport(s, pool, f"inproc://shard-{i}") for i, s in enumerate(shards)]
+        clocks = list(current_at) if current_at is not None else [None] * len(shards)
+        transports = [
+            InprocTransport(s, pool, f"inproc://shard-{i}", clock)
+            for i, (s, clock) in enumerate(zip(shards, clocks, strict=True))
+        ]
         return cls(
             transports, row_dtype=row_dtype, grad_dtype=grad_dtype, pool=pool, latency_s=latency_s
         )

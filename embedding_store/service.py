@@ -70,7 +70,7 @@ from embedding_store.wire import (
     encode_ids,
     encode_matrix,
     row_dtype,
-    row_state_frames,
+    row_state_reply,
     rows_frame,
     rows_frame_size,
 )
@@ -410,9 +410,9 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
             # next lookup would get, and what its prediction of its next push starts from.
             with self._replies.hold(values * 4):
                 shapes = {k: (len(v), tables[k].dim, tables[k].state_width) for k, v in ids.items()}
-                w_frame, s_frame, step_array, into = row_state_frames(shapes)
+                reply, into = row_state_reply(shapes)
                 result = self.shard.push(grads, request_id=request_id or None, into=into)
-                rows, state, steps = bytes(w_frame), bytes(s_frame), step_array.tobytes()
+                rows, state, steps = bytes(reply), b"", b""
         return pb.PushResponse(
             applied=result.applied,
             dropped_not_admitted=result.dropped_not_admitted,

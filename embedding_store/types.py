@@ -247,6 +247,57 @@ class RowState:
         return RowState(self.weights[index], self.state[index], self.row_step[index])
 
 
+class FlatRows(Mapping[str, RowState]):
+    """Rows of several tables held back to back, as one push reply brings them: a
+    :class:`RowState` per table on demand (views), and all of them at once in
+    :attr:`flat` where every table has the same dim and state width.
+
+    >>> rows = FlatRows(["a", "b"], np.array([[1, 2, 0], [2, 2, 0]]), RowState(
+    ...     np.arange(6, dtype=np.float32), np.zeros(0, np.float32), np.array([1, 2, 3])))
+    >>> rows["b"].weights.tolist(), rows.flat.row_step.tolist(), list(rows)
+    ([[2.0, 3.0], [4.0, 5.0]], [1, 2, 3], ['a', 'b'])
+    """
+
+    def __init__(
+        self, names: Sequence[str], shapes: npt.NDArray[np.int64], packed: RowState
+    ) -> None:
+        """``shapes``: ``(rows, dim, state width)`` per table of ``names``; ``packed``: the
+        weights and state flat (1-D), the update counts, every table's in order.
+        """
+        self.names = list(names)
+        self.shapes = shapes
+        self.packed = packed
+        n, dims, widths = shapes[:, 0], shapes[:, 1], shapes[:, 2]
+        # Where each table's rows, weights and state begin in ``packed``.
+        starts = [np.cumsum(a) - a for a in (n, n * dims, n * widths)]
+        self._at = {name: i for i, name in enumerate(self.names)}
+        self._starts = np.stack(starts, axis=1).tolist()
+        self.flat: RowState | None = None
+        if self.names and bool((shapes[:, 1:] == shapes[0, 1:]).all()):
+            total, dim, width = int(n.sum()), int(dims[0]), int(widths[0])
+            self.flat = RowState(
+                packed.weights.reshape(total, dim),
+                packed.state.reshape(total, width),
+                packed.row_step,
+            )
+
+    def __getitem__(self, name: str) -> RowState:
+        i = self._at[name]
+        n, dim, width = (int(v) for v in self.shapes[i])
+        r, w, s = self._starts[i]
+        return RowState(
+            self.packed.weights[w : w + n * dim].reshape(n, dim),
+            self.packed.state[s : s + n * width].reshape(n, width),
+            self.packed.row_step[r : r + n],
+        )
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 @dataclass(frozen=True)
 class ShardRows:
     """One shard's part of a push reply's rows: per table, the pushed ids the shard

@@ -30,7 +30,7 @@ them with ``np.frombuffer``. Layout, all little-endian::
 A push's reply is the protobuf ``PushResponse`` (a few counters). A push may
 ask for the rows it changed back (flag ``1``): then the response holds exactly
 the pushed ids' rows as the shard holds them after the push, with their
-optimizer state (``row_state_frames``), which is how a trainer reads its own
+optimizer state (``row_state_reply``), which is how a trainer reads its own
 pushes fresh, and predicts the next, without another round trip.
 
 For a shard on the client's host the same frames go through a shared-memory
@@ -62,7 +62,7 @@ import numpy.typing as npt
 
 from embedding_store.errors import InvalidRequest
 from embedding_store.proto import embedding_store_pb2 as pb
-from embedding_store.types import RowDtype, RowState
+from embedding_store.types import FlatRows, RowDtype, RowState
 
 _LE_U64 = np.dtype("<u8")
 _DTYPES: dict[str, np.dtype[np.floating]] = {
@@ -373,7 +373,7 @@ def encode_push(
 ) -> bytes:
     """A Push frame: each table's ids, then its gradients rounded to ``dtype``.
 
-    ``return_rows``: ask for the pushed rows back (see ``row_state_frames``).
+    ``return_rows``: ask for the pushed rows back (see ``row_state_reply``).
 
     >>> ids, g = np.array([5], np.uint64), np.ones((1, 2), np.float32)
     >>> frame = decode_push(encode_push({"t": (ids, g)}, request_id="r", dtype="float32",
@@ -425,53 +425,80 @@ def decode_push(data: bytes | memoryview) -> PushFrame:
     )
 
 
-def row_state_frames(
+def row_state_reply(
     tables: Mapping[str, tuple[int, int, int]],
-) -> tuple[Frame, Frame, npt.NDArray[np.int64], dict[str, RowState]]:
-    """A push reply's rows for ``{table: (rows, dim, state width)}``, empty: frames of the
-    float32 weights and of the optimizer state, and the update counts (int64) of every
-    table back to back; and a writable :class:`RowState` view of each table's part to
-    fill them through.
+) -> tuple[bytearray, dict[str, RowState]]:
+    """A push reply's rows for ``{table: (rows, dim, state width)}``, empty, and a
+    writable :class:`RowState` view of each table's part to fill them through.
 
-    >>> w, s, steps, views = row_state_frames({"t": (2, 3, 1)})
+    The reply names no table: its tables are the push request's, in its order, so
+    that the trainer reads a reply with one parse however many tables it holds.
+    Layout (little-endian, sections padded to 8 bytes): the table count (int64),
+    ``(rows, dim, width)`` per table (int64), then the float32 weights, the float32
+    optimizer state and the update counts (int64) of every table back to back.
+
+    >>> buf, views = row_state_reply({"t": (2, 3, 1)})
     >>> views["t"].weights[:] = 1.0; views["t"].state[:] = 0.0; views["t"].row_step[:] = 4
-    >>> decode_row_state(bytes(w), bytes(s), steps.tobytes())["t"].row_step.tolist()
+    >>> decode_row_state(bytes(buf), ["t"], [2])["t"].row_step.tolist()
     [4, 4]
     """
-    weights, w_views = rows_frame({k: (n, d) for k, (n, d, _) in tables.items()}, "float32")
-    state, s_views = rows_frame({k: (n, w) for k, (n, _, w) in tables.items()}, "float32")
-    steps = np.empty(sum(n for n, _, _ in tables.values()), dtype="<i8")
-    views, at = {}, 0
-    for name, (n, _, _) in tables.items():
+    shapes = np.array([len(tables)] + [v for t in tables.values() for v in t], dtype="<i8")
+    counts, dims, widths = shapes[1::3], shapes[2::3], shapes[3::3]
+    n, w_size, s_size = int(counts.sum()), int(counts @ dims), int(counts @ widths)
+    w_at = shapes.nbytes + _pad8(shapes.nbytes)
+    s_at = w_at + 4 * w_size + _pad8(4 * w_size)
+    r_at = s_at + 4 * s_size + _pad8(4 * s_size)
+    buf = bytearray(r_at + 8 * n)
+    buf[: shapes.nbytes] = shapes.tobytes()
+    weights = np.frombuffer(buf, "<f4", w_size, w_at)
+    state = np.frombuffer(buf, "<f4", s_size, s_at)
+    steps = np.frombuffer(buf, "<i8", n, r_at)
+    views, row, w, s = {}, 0, 0, 0
+    for name, (k, dim, width) in tables.items():
         views[name] = RowState(
-            w_views[name],
-            s_views[name],
-            steps[at : at + n],
+            weights[w : w + k * dim].reshape(k, dim),
+            state[s : s + k * width].reshape(k, width),
+            steps[row : row + k],
         )
-        at += n
-    return weights, state, steps, views
+        row, w, s = row + k, w + k * dim, s + k * width
+    return buf, views
 
 
-def decode_row_state(weights: bytes, state: bytes, row_steps: bytes) -> dict[str, RowState]:
-    """``row_state_frames``' three parts back to ``{table: RowState}`` (read-only views of
-    them: a reply's rows are read once, into the trainer's cache or a merge).
+def decode_row_state(data: bytes, names: list[str], counts: list[int]) -> FlatRows:
+    """:func:`row_state_reply`'s bytes back to rows (read-only views of ``data``): the
+    reply to a push of ``counts`` rows of tables ``names``, in the request's order.
     """
-    w = decode_rows(weights, "float32")
-    s = decode_rows(state, "float32")
-    n = sum(v.shape[0] for v in w.values())
-    if list(w) != list(s) or any(w[k].shape[0] != s[k].shape[0] for k in w):
-        msg = "push reply: its weights and state name different tables or rows"
+    what = "push reply"
+    k = len(names)
+    head = 8 * (1 + 3 * k)
+    if len(data) < head or int.from_bytes(data[:8], "little", signed=True) != k:
+        msg = f"{what}: not the rows of {k} tables"
         raise InvalidRequest(msg)
-    if len(row_steps) != 8 * n:
-        msg = f"push reply: {len(row_steps)} bytes of update counts for {n} rows"
+    shapes = np.frombuffer(data, "<i8", 3 * k, 8).reshape(k, 3).astype(np.int64)
+    if shapes[:, 0].tolist() != counts:
+        msg = f"{what}: rows {shapes[:, 0].tolist()} for a push of {counts}"
         raise InvalidRequest(msg)
-    steps = np.frombuffer(row_steps, dtype="<i8").astype(np.int64, copy=False)
-    out, at = {}, 0
-    for name, rows in w.items():
-        k = rows.shape[0]
-        out[name] = RowState(rows, s[name], steps[at : at + k])
-        at += k
-    return out
+    if (shapes < 0).any() or (shapes > 1 << 40).any():
+        msg = f"{what}: impossible table shapes {shapes.tolist()}"
+        raise InvalidRequest(msg)
+    n = int(shapes[:, 0].sum())
+    w_size = int((shapes[:, 0] * shapes[:, 1]).sum())
+    s_size = int((shapes[:, 0] * shapes[:, 2]).sum())
+    w_at = head + _pad8(head)
+    s_at = w_at + 4 * w_size + _pad8(4 * w_size)
+    r_at = s_at + 4 * s_size + _pad8(4 * s_size)
+    if len(data) != r_at + 8 * n:
+        msg = f"{what}: {len(data):,} bytes for rows that take {r_at + 8 * n:,}"
+        raise InvalidRequest(msg)
+    return FlatRows(
+        names,
+        shapes,
+        RowState(
+            np.frombuffer(data, "<f4", w_size, w_at).astype(np.float32, copy=False),
+            np.frombuffer(data, "<f4", s_size, s_at).astype(np.float32, copy=False),
+            np.frombuffer(data, "<i8", n, r_at).astype(np.int64, copy=False),
+        ),
+    )
 
 
 # --- shared areas: the same frames through shared memory, for a shard on this host ----

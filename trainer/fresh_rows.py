@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -50,7 +50,7 @@ import numpy.typing as npt
 from embedding_store.hashing import init_params, init_rows, table_seed
 from embedding_store.optim import RowOptimizer, make_optimizer
 from embedding_store.table import update_rows
-from embedding_store.types import RowDtype, RowState, ShardRows, TableConfig
+from embedding_store.types import FlatRows, RowDtype, RowState, ShardRows, TableConfig
 from pipeline.types import TableBatch
 from trainer.row_cache import PushedRowCache, Remembered, RowIndex
 
@@ -148,6 +148,14 @@ class TableGroup:
 
     def remember(self, parts: Sequence[ShardRows], seq: int) -> None:
         """Keep the rows push ``seq`` left, as its reply brought them (shard by shard)."""
+        if all(
+            isinstance(part.rows, FlatRows)
+            and part.rows.flat is not None
+            and all(name in self.members for name in part.rows)
+            for part in parts
+        ):
+            self._remember_flat(parts, seq)
+            return
         pieces = [
             (i, part.ids[name], part.rows[name])
             for part in parts
@@ -163,6 +171,35 @@ class TableGroup:
             _concat([r.state for _, _, r in pieces]),
             _concat([r.row_step for _, _, r in pieces]),
         )
+        self._put(tab, ids, state, seq)
+
+    def _remember_flat(self, parts: Sequence[ShardRows], seq: int) -> None:
+        """:meth:`remember` of replies that hold only this group's tables, each back to
+        back (one reply is one piece: no copy of its rows per table).
+        """
+        tabs, ids, states = [], [], []
+        for part in parts:
+            rows = cast(FlatRows, part.rows)
+            if not rows.names:
+                continue
+            tabs.append(
+                np.repeat(
+                    np.array([self.members[name] for name in rows.names], np.int32),
+                    rows.shapes[:, 0],
+                )
+            )
+            ids.append(_concat([np.asarray(part.ids[name], np.uint64) for name in rows.names]))
+            states.append(cast(RowState, rows.flat))
+        if not ids:
+            return
+        state = RowState(
+            _concat([r.weights for r in states]),
+            _concat([r.state for r in states]),
+            _concat([r.row_step for r in states]),
+        )
+        self._put(_concat(tabs), _concat(ids), state, seq)
+
+    def _put(self, tab: I32, ids: U64, state: RowState, seq: int) -> None:
         if self.cache is None:
             dim, width = state.weights.shape[1], state.state.shape[1]
             self.cache = PushedRowCache(dim, width, max_rows=self.max_rows)

@@ -22,6 +22,7 @@ from embedding_store.errors import (
 )
 from embedding_store.proto import embedding_store_pb2 as pb
 from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
+from embedding_store.wire import decode_row_state
 from tests.conftest import grpc_address, streamrec
 
 RNG = np.random.default_rng(7)
@@ -254,6 +255,7 @@ def test_a_push_brings_back_the_rows_it_left(
             assert rows.row_step.tolist() == [1] * n
             assert rows.state.shape[0] == n
         # The same through the plain protobuf Push, one shard at a time.
+        steps = []
         for proc in procs:
             channel = grpc.insecure_channel(proc.address)
             stub = pb_grpc.EmbeddingStoreStub(channel)
@@ -273,9 +275,11 @@ def test_a_push_brings_back_the_rows_it_left(
                 metadata=(("authorization", f"Bearer {token}"),),
             )
             channel.close()
-            assert reply.rows
-            assert reply.state
-            assert len(reply.row_steps) == 8 * 5
+            rows = decode_row_state(reply.rows, ["item"], [5])["item"]
+            assert rows.weights.shape == (5, 4)
+            steps.append(rows.row_step)  # -1: an id the other shard holds
+            assert not reply.state and not reply.row_steps  # all of it is in rows
+        assert np.maximum.reduce(steps).tolist() == [2] * 5
 
 
 def test_a_push_whose_rows_are_too_large_to_send_back_is_still_applied(

@@ -66,25 +66,34 @@ class Server:
         return self.proc.wait(30)
 
 
-@pytest.fixture
-def services(trained: Path, tmp_path: Path) -> Iterator[tuple[ShardProcess, ShardProcess, Server]]:
+@pytest.fixture(params=["replica", "follow"])
+def services(
+    trained: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> Iterator[tuple[ShardProcess, Server]]:
+    """The training shard and a server that reads its rows from a replica process
+    (``--store``), or follows the shard itself (``--follow``)."""
     job = load_config(trained)
     token_file = job.run_dir / "store.token"
     shard_dir = job.run_dir / "store" / "shard-000"
     training = ShardProcess.start(trained, shard_dir, token_file=token_file)
-    replica = ShardProcess.start(
-        trained, tmp_path / "replica", token_file=token_file, follow=training.address,
-        snapshots=str(shard_dir),
-    )  # fmt: skip
-    argv = [sys.executable, "-m", "deploy.cli", "serve", str(trained), "--port", "0",
-            "--store", f"grpc://{replica.address}",
+    replica = None
+    if request.param == "replica":
+        replica = ShardProcess.start(
+            trained, tmp_path / "replica", token_file=token_file, follow=training.address,
+            snapshots=str(shard_dir),
+        )  # fmt: skip
+        rows = ["--store", f"grpc://{replica.address}"]
+    else:
+        rows = ["--follow", f"grpc://{training.address}"]
+    argv = [sys.executable, "-m", "deploy.cli", "serve", str(trained), "--port", "0", *rows,
             "--store-token-file", str(token_file)]  # fmt: skip
     server = Server(argv, tmp_path / "serve.log")
     try:
-        yield training, replica, server
+        yield training, server
     finally:
         server.stop()
-        replica.kill()
+        if replica is not None:
+            replica.kill()
         training.kill()  # no checkpoint: the trained job's shard folder stays as it was
 
 
@@ -105,9 +114,9 @@ def _infer(client: triton.InferenceServerClient, records: list[bytes], binary: b
 
 
 def test_serve_answers_as_score_does_and_follows_training(
-    trained: Path, services: tuple[ShardProcess, ShardProcess, Server], tmp_path: Path
+    trained: Path, services: tuple[ShardProcess, Server], tmp_path: Path
 ) -> None:
-    training, _, server = services
+    training, server = services
     client = triton.InferenceServerClient(server.address)
     _wait(client.is_server_ready, "ready")
     assert client.is_server_live()
@@ -198,3 +207,9 @@ def test_serve_without_a_store_says_what_to_give(trained: Path) -> None:
     out = streamrec("serve", str(trained), "--port", "0")
     assert out.returncode == 2
     assert "--store grpc://HOST:PORT" in out.stderr
+    both = streamrec("serve", str(trained), "--store", "grpc://a:1", "--follow", "grpc://b:2")
+    assert both.returncode == 2
+    assert "give --store or --follow, not both" in both.stderr
+    bad = streamrec("serve", str(trained), "--port", "0", "--follow", "shard:1")
+    assert bad.returncode == 2
+    assert "--follow shard:1: 'shard:1' is not grpc://HOST:PORT" in bad.stderr

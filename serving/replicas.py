@@ -1,0 +1,108 @@
+"""Serving replicas inside the prediction server: rows read in place, no network.
+
+``streamrec store replica`` runs a replica as a process of its own, which many
+servers share over gRPC. A server that follows the training shards itself
+(``streamrec serve --follow``) holds one read-only shard per training shard,
+each kept current by a :class:`~embedding_store.replica.ShardFollower` on a
+thread, and reads its rows from memory: a lookup is a hash probe instead of
+a round trip. Each server then holds a whole copy of the tables, so this
+suits tables that fit in a server's memory; the training shards' load grows
+with every server that follows them (one Changes call per shard per poll).
+
+Until a replica has its first copy its lookups are refused
+(``StoreUnavailable``: the server answers 503), as a replica process's are.
+
+>>> import numpy as np
+>>> from embedding_store.shard import StoreShard
+>>> from embedding_store.types import StoreConfig
+>>> config = StoreConfig(tables={"item": {"dim": 2}})
+>>> training = StoreShard(config)
+>>> _ = training.lookup({"item": np.array([3], np.uint64)})
+>>> replicas = LocalReplicas(config, [training], poll_s=0.05)
+>>> replicas.wait_caught_up(timeout_s=10)
+True
+>>> served = replicas.rows.lookup({"item": np.array([3], np.uint64)}, train=False)["item"]
+>>> now = training.lookup({"item": np.array([3], np.uint64)})["item"]
+>>> bool((served == now.astype(served.dtype)).all())  # rows travel in the store's row_dtype
+True
+>>> replicas.close()
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+from embedding_store.client import GrpcTransport, RetryPolicy, StoreClient
+from embedding_store.replica import ChangeSource, ShardFollower
+from embedding_store.shard import StoreShard
+from embedding_store.types import StoreConfig
+
+
+class LocalReplicas:
+    """One read-only shard per training shard in ``sources``, each following its own."""
+
+    def __init__(
+        self, config: StoreConfig, sources: Sequence[ChangeSource], *, poll_s: float = 0.1
+    ) -> None:
+        """``sources``: the training shards in shard order (``StoreShard`` objects, or
+        ``GrpcTransport``s: see :meth:`follow`)."""
+        self.sources = list(sources)
+        self.shards = [StoreShard(config, read_only=True) for _ in self.sources]
+        self.followers = [
+            ShardFollower(shard, source, poll_s=poll_s)
+            for shard, source in zip(self.shards, self.sources, strict=True)
+        ]
+        self.rows = StoreClient.from_shards(
+            self.shards,
+            row_dtype=config.row_dtype,
+            current_at=[f.current_at for f in self.followers],
+        )
+        self._stop = threading.Event()
+        self._threads = [
+            threading.Thread(target=f.run, args=(self._stop,), name=f"follow-{i}", daemon=True)
+            for i, f in enumerate(self.followers)
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @classmethod
+    def follow(
+        cls, config: StoreConfig, addresses: str, *, token: str | None, poll_s: float = 0.1
+    ) -> LocalReplicas:
+        """Replicas of the training shards at ``grpc://HOST:PORT,...`` (shard order)."""
+        hosts = [a for a in addresses.removeprefix("grpc://").split(",") if a]
+        if not addresses.startswith("grpc://") or not hosts:
+            msg = f"{addresses!r} is not grpc://HOST:PORT[,HOST:PORT...]"
+            raise ValueError(msg)
+        sources = [
+            GrpcTransport(
+                host,
+                token=token,
+                max_message_bytes=config.max_message_bytes,
+                # Few quick attempts: a round that fails is tried again a poll later.
+                retry=RetryPolicy(attempts=2, timeout_s=30.0),
+                shared_memory=False,
+            )
+            for host in hosts
+        ]
+        return cls(config, sources, poll_s=poll_s)
+
+    def caught_up(self) -> bool:
+        """Every replica has caught up with its training shard once."""
+        return all(f.caught_up.is_set() for f in self.followers)
+
+    def wait_caught_up(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        return all(f.caught_up.wait(max(0.0, deadline - time.monotonic())) for f in self.followers)
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=30)
+        self.rows.close()
+        for source in self.sources:
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
