@@ -224,7 +224,7 @@ class ServingStack:
         codec = build_codec(job) or make_codec("json")
         self.model = ServingModel(
             cfg.model_name, job.features, codec, self.rows, self.dense,
-            sparse_version=self.sparse.version,
+            sparse_version=self.sparse.version, rows_ready=self._rows_ready,
         )  # fmt: skip
         self.server = InferenceServer(
             self.model, host=host, port=port, token=token, max_request_bytes=cfg.max_request_bytes
@@ -244,6 +244,14 @@ class ServingStack:
             f"curl -s {self.url}/v2/models/{cfg.model_name}/infer{auth} "
             f"-H 'Content-Type: application/json' -d '{_example_record(job)}'"
         )
+
+    def _rows_ready(self) -> bool:
+        """Replicas in this process are ready once caught up and their version known."""
+        if self.replicas is None:
+            return True
+        if self.replicas.caught_up() and self.sparse.as_of is None:
+            self.sparse.poll()
+        return self.sparse.as_of is not None
 
     def _report_to(self, scheduler: str, host: str, name: str) -> None:
         import logging

@@ -173,9 +173,12 @@ class ServingModel:
         *,
         labels_required: bool = False,
         sparse_version: Callable[[], int] | None = None,
+        rows_ready: Callable[[], bool] | None = None,
     ) -> None:
         """``labels_required``: records without labels are bad (evaluating, not serving).
-        ``sparse_version``: the rows' version for responses (see ``serving.freshness``)."""
+        ``sparse_version``: the rows' version for responses (see ``serving.freshness``).
+        ``rows_ready``: whether the rows can be read yet (replicas in this process that
+        have caught up); None: the reader answers for itself."""
         self.name = name
         self.spec = spec if labels_required else spec.for_scoring()
         self.heads = tuple(spec.labels)
@@ -183,9 +186,11 @@ class ServingModel:
         self.rows = rows
         self.dense = dense
         self._sparse_version = sparse_version
+        self._rows_ready = rows_ready
 
     def ready(self) -> bool:
-        return self.dense.current is not None
+        rows = self._rows_ready is None or self._rows_ready()
+        return rows and self.dense.current is not None
 
     def metadata(self) -> Mapping[str, object]:
         current = self.dense.current
