@@ -141,6 +141,12 @@ class ServingConfig(_Strict):
         None, description="requests must carry `Authorization: Bearer <this file's token>`"
     )
     max_request_bytes: int = Field(16 << 20, ge=1024, description="larger requests get 413")
+    max_batch_records: int = Field(
+        4096,
+        ge=1,
+        description="requests that wait while the model runs are scored together in one call "
+        "of up to this many records (dynamic batching); 1: each request alone",
+    )
     poll_s: float = Field(0.2, gt=0, description="how often a server looks for new weights")
 
 

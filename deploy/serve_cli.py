@@ -227,7 +227,12 @@ class ServingStack:
             sparse_version=self.sparse.version, rows_ready=self._rows_ready,
         )  # fmt: skip
         self.server = InferenceServer(
-            self.model, host=host, port=port, token=token, max_request_bytes=cfg.max_request_bytes
+            self.model,
+            host=host,
+            port=port,
+            token=token,
+            max_request_bytes=cfg.max_request_bytes,
+            max_batch_records=cfg.max_batch_records,
         )
         self.server.metrics.registry.register(FreshnessCollector(self.sparse, self.dense))
         try:

@@ -48,6 +48,7 @@ from tornado.netutil import bind_sockets
 from tornado.web import Application, RequestHandler, stream_request_body
 
 from serving import oip
+from serving.batching import RequestBatcher
 from serving.types import BadRecords, ModelUnavailable, OipError, Predictor
 
 __all__ = ["InferenceServer", "ServeMetrics", "make_app"]
@@ -122,7 +123,7 @@ class ServeMetrics:
 class _Shared:
     """What every handler of one server reads."""
 
-    __slots__ = ("max_request_bytes", "metrics", "predictor", "token", "version")
+    __slots__ = ("batcher", "max_request_bytes", "metrics", "predictor", "token", "version")
 
     def __init__(
         self,
@@ -130,8 +131,10 @@ class _Shared:
         token: str | None,
         max_request_bytes: int,
         metrics: ServeMetrics,
+        batcher: RequestBatcher | None = None,
     ) -> None:
         self.predictor = predictor
+        self.batcher = batcher
         self.token = None if token is None else token.encode()
         self.max_request_bytes = max_request_bytes
         self.metrics = metrics
@@ -374,7 +377,7 @@ class _Infer(_ModelHandler):
             return
         self._chunks.append(chunk)
 
-    def post(self, name: str, version: str | None) -> None:
+    async def post(self, name: str, version: str | None) -> None:
         if self._refused:
             if not self._finished:
                 self.finish()
@@ -395,11 +398,14 @@ class _Infer(_ModelHandler):
             self._fail(e.status, e.message, e.reason)
             return
         n = len(request.records)
-        # The model runs here, on the IOLoop's thread: its forward pass at batch 1 is
-        # far shorter than a hand-off to a thread pool and back would be, and one
-        # server process per core scales better than threads under the GIL.
+        batcher = self.shared.batcher
         try:
-            prediction = predictor.predict(request.records)
+            # With a batcher the model runs on its thread, joined with the requests that
+            # wait with this one, and this loop goes on reading requests meanwhile.
+            if batcher is not None:
+                prediction = await asyncio.wrap_future(batcher.submit(request.records))
+            else:
+                prediction = predictor.predict(request.records)
             response = oip.infer_response(
                 predictor.name, predictor.heads, request, prediction, version
             )
@@ -449,9 +455,11 @@ def make_app(
     token: str | None = None,
     max_request_bytes: int = 16 << 20,
     metrics: ServeMetrics | None = None,
+    batcher: RequestBatcher | None = None,
 ) -> Application:
-    """The tornado application of the server (serve it with an ``HTTPServer``)."""
-    shared = _Shared(predictor, token, max_request_bytes, metrics or ServeMetrics())
+    """The tornado application of the server (serve it with an ``HTTPServer``);
+    ``batcher``: where the model runs (None: on the loop's thread, one request at a time)."""
+    shared = _Shared(predictor, token, max_request_bytes, metrics or ServeMetrics(), batcher)
     args = {"shared": shared}
     routes: Sequence[tuple[str, type[RequestHandler], dict[str, Any]]] = [
         (r"/v2/health/live", _Live, args),
@@ -487,7 +495,11 @@ class InferenceServer:
         port: int = 0,
         token: str | None = None,
         max_request_bytes: int = 16 << 20,
+        max_batch_records: int | None = 4096,
     ) -> None:
+        """``max_batch_records``: requests waiting together are scored in one call of up
+        to this many records (see :mod:`serving.batching`); None: each request alone, on
+        the server's loop."""
         if not 0 <= port <= 65535:
             msg = f"port: expected 0 (a free port) to 65535, got {port}"
             raise ValueError(msg)
@@ -505,6 +517,11 @@ class InferenceServer:
         self._requested_port = port
         self._token = token
         self._max_request_bytes = max_request_bytes
+        if max_batch_records is not None and max_batch_records < 1:
+            msg = f"max_batch_records: expected a positive record count, got {max_batch_records}"
+            raise ValueError(msg)
+        self._max_batch_records = max_batch_records
+        self._batcher: RequestBatcher | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._startup_error: BaseException | None = None
@@ -518,6 +535,8 @@ class InferenceServer:
         self.port = int(sockets[0].getsockname()[1])
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{host}:{self.port}"
+        if self._max_batch_records is not None:
+            self._batcher = RequestBatcher(self.predictor, max_records=self._max_batch_records)
         self._loop = asyncio.new_event_loop()
         started = threading.Event()
         self._thread = threading.Thread(
@@ -531,6 +550,7 @@ class InferenceServer:
         if self._startup_error is not None:
             self._thread.join()
             self._thread = None
+            self._close_batcher()
             raise self._startup_error
         return self.url
 
@@ -563,6 +583,7 @@ class InferenceServer:
             token=self._token,
             max_request_bytes=self._max_request_bytes,
             metrics=self.metrics,
+            batcher=self._batcher,
         )
         server = HTTPServer(app, max_body_size=self._max_request_bytes)
         server.add_sockets(sockets)
@@ -590,6 +611,12 @@ class InferenceServer:
         thread.join()
         self._thread = None
         self._loop = None
+        self._close_batcher()
+
+    def _close_batcher(self) -> None:
+        if self._batcher is not None:
+            self._batcher.close()
+            self._batcher = None
 
     def __enter__(self) -> InferenceServer:
         self.start()

@@ -87,11 +87,15 @@ def services(
         rows = ["--follow", f"grpc://{training.address}"]
     argv = [sys.executable, "-m", "deploy.cli", "serve", str(trained), "--port", "0", *rows,
             "--store-token-file", str(token_file)]  # fmt: skip
+    where = serving_location(job)
+    before = set(where.names())
     server = Server(argv, tmp_path / "serve.log")
     try:
         yield training, server
     finally:
         server.stop()
+        for name in set(where.names()) - before:  # the next test serves the job's own
+            where.delete(name)
         if replica is not None:
             replica.kill()
         training.kill()  # no checkpoint: the trained job's shard folder stays as it was

@@ -1,0 +1,151 @@
+"""Dynamic batching: requests that wait are joined, answered as if alone, and fail alone.
+
+The scorer here is a stand-in that records its calls and can be held busy;
+``test_a_server_joins_concurrent_requests`` runs the real HTTP server with a
+real client.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tritonclient.http as triton
+from tritonclient.utils import InferenceServerException
+
+from serving.batching import RequestBatcher
+from serving.http import InferenceServer
+from serving.types import BadRecords, Prediction, RecordError
+
+
+class Echo:
+    """Scores a record ``{"x": v}`` as ``v``; ``{"x": "bad"}`` is a bad record."""
+
+    name, heads = "echo", ("y",)
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+        self.release = threading.Event()
+        self.release.set()
+        self.entered = threading.Event()
+
+    def ready(self) -> bool:
+        return True
+
+    def metadata(self) -> dict[str, object]:
+        return {}
+
+    def predict(self, records: Sequence[bytes]) -> Prediction:
+        self.entered.set()
+        self.release.wait(10)
+        self.calls.append(len(records))
+        values = [json.loads(r)["x"] for r in records]
+        bad = [
+            RecordError(i, "x", "dense_wrong_type", "not a number")
+            for i, v in enumerate(values)
+            if v == "bad"
+        ]
+        if bad:
+            raise BadRecords(bad)
+        return Prediction({"y": np.array(values, np.float32)}, {"call": len(self.calls)})
+
+
+def _records(*values: object) -> list[bytes]:
+    return [json.dumps({"x": v}).encode() for v in values]
+
+
+def test_requests_that_wait_are_joined_and_answered_as_alone() -> None:
+    echo = Echo()
+    batcher = RequestBatcher(echo)
+    echo.release.clear()
+    first = batcher.submit(_records(1))
+    assert echo.entered.wait(10)  # the scorer is busy with the first request ...
+    waiting = [batcher.submit(_records(10 * k, 10 * k + 1)) for k in range(1, 4)]
+    echo.release.set()  # ... and the three that came meanwhile go in one call
+    assert first.result(10).probabilities["y"].tolist() == [1.0]
+    answers = [w.result(10) for w in waiting]
+    assert [a.probabilities["y"].tolist() for a in answers] == [[10, 11], [20, 21], [30, 31]]
+    assert echo.calls == [1, 6]
+    assert {a.parameters["call"] for a in answers} == {2}  # the versions of the shared call
+    assert batcher.joined == 3
+    batcher.close()
+
+
+def test_a_bad_record_fails_only_its_own_request() -> None:
+    echo = Echo()
+    batcher = RequestBatcher(echo)
+    echo.release.clear()
+    busy = batcher.submit(_records(0))
+    assert echo.entered.wait(10)
+    good = batcher.submit(_records(1, 2))
+    bad = batcher.submit(_records(3, "bad"))
+    echo.release.set()
+    busy.result(10)
+    assert good.result(10).probabilities["y"].tolist() == [1.0, 2.0]
+    with pytest.raises(BadRecords) as caught:
+        bad.result(10)
+    assert [(e.index, e.field) for e in caught.value.errors] == [(1, "x")]  # its own index
+    batcher.close()
+
+
+def test_a_request_that_would_overflow_a_call_waits_for_the_next() -> None:
+    echo = Echo()
+    batcher = RequestBatcher(echo, max_records=4)
+    echo.release.clear()
+    busy = batcher.submit(_records(0))
+    assert echo.entered.wait(10)
+    parts = [batcher.submit(_records(*range(n))) for n in (2, 2, 3)]
+    echo.release.set()
+    busy.result(10)
+    assert [len(p.result(10).probabilities["y"]) for p in parts] == [2, 2, 3]
+    assert echo.calls == [1, 4, 3]
+    batcher.close()
+    with pytest.raises(ValueError, match="max_records: expected at least 1, got 0"):
+        RequestBatcher(echo, max_records=0)
+
+
+def test_a_failing_scorer_fails_every_request_of_the_call_and_the_batcher_goes_on() -> None:
+    class Broken(Echo):
+        def predict(self, records: Sequence[bytes]) -> Prediction:
+            if json.loads(records[0])["x"] == "boom":
+                raise RuntimeError("boom")
+            return super().predict(records)
+
+    broken = Broken()
+    batcher = RequestBatcher(broken)
+    with pytest.raises(RuntimeError, match="boom"):
+        batcher.submit(_records("boom")).result(10)
+    assert batcher.submit(_records(5)).result(10).probabilities["y"].tolist() == [5.0]
+    batcher.close()
+
+
+def test_a_server_joins_concurrent_requests() -> None:
+    echo = Echo()
+    with InferenceServer(echo, max_batch_records=64) as server:
+        assert server.url is not None
+        address = server.url.removeprefix("http://")
+
+        def ask(k: int) -> list[float]:
+            client = triton.InferenceServerClient(address)
+            inp = triton.InferInput("records", [2], "BYTES")
+            inp.set_data_from_numpy(np.array(_records(k, k + 0.5), dtype=np.object_))
+            return list(client.infer("echo", [inp]).as_numpy("y"))
+
+        echo.release.clear()
+        with ThreadPoolExecutor(8) as pool:
+            answers = [pool.submit(ask, k) for k in range(16)]
+            assert echo.entered.wait(10)
+            echo.release.set()
+            got = [a.result(30) for a in answers]
+        assert got == [[k, k + 0.5] for k in range(16)]
+        assert len(echo.calls) < 16  # requests shared calls
+        assert sum(echo.calls) == 32
+        client = triton.InferenceServerClient(address)
+        inp = triton.InferInput("records", [1], "BYTES")
+        inp.set_data_from_numpy(np.array(_records("bad"), dtype=np.object_))
+        with pytest.raises(InferenceServerException, match=r"\[400\] bad record at index 0"):
+            client.infer("echo", [inp])
