@@ -62,9 +62,10 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from types import MappingProxyType
+from typing import Any, Final, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -138,6 +139,16 @@ class Checked:
     problems: list[Problem]
 
 
+_SPARSE_TYPES: Final[Mapping[str, pa.DataType]] = MappingProxyType(
+    {
+        "string": pa.string(),
+        "int": pa.int64(),
+        "list_string": pa.list_(pa.string()),
+        "list_int": pa.list_(pa.int64()),
+    }
+)
+
+
 def sparse_type(field: SparseField) -> pa.DataType:
     """The Arrow type of a sparse field's column.
 
@@ -145,12 +156,7 @@ def sparse_type(field: SparseField) -> pa.DataType:
     >>> sparse_type(SparseField(name="tags", table="t", type="list_int"))
     ListType(list<item: int64>)
     """
-    return {
-        "string": pa.string(),
-        "int": pa.int64(),
-        "list_string": pa.list_(pa.string()),
-        "list_int": pa.list_(pa.int64()),
-    }[field.type]
+    return _SPARSE_TYPES[field.type]
 
 
 def spec_schema(spec: FeatureSpec, *, position: bool = False) -> pa.Schema:
@@ -416,9 +422,15 @@ def _is_binary(t: pa.DataType) -> bool:
 
 
 def _column(table: pa.Table, name: str) -> pa.ChunkedArray | None:
-    if name not in table.column_names:
-        return None
-    col = table.column(name)
+    # The schema's index first: ``column_names`` builds a list of every name, which
+    # for a request of one record cost more than checking its values.
+    i = table.schema.get_field_index(name)  # -1: absent, or named twice
+    if i < 0:
+        if name not in table.column_names:
+            return None
+        col = table.column(name)  # twice: the error names it
+    else:
+        col = table.column(i)
     if pa.types.is_dictionary(col.type):
         # Parquet writes strings dictionary-encoded; the values are what we check.
         col = col.cast(col.type.value_type)

@@ -925,12 +925,15 @@ class StoreClient:
         grad_dtype: RowDtype = "float32",
         latency_s: float = 0.0,
         current_at: Sequence[Callable[[], float]] | None = None,
+        parallel: bool = True,
     ) -> StoreClient:
         """A client over shard objects of this process; ``current_at``: per shard, when
-        its rows were last current (serving replicas; default: now)."""
+        its rows were last current (serving replicas; default: now). ``parallel``: the
+        shards' parts of a call run on threads at once; False: one after the other on
+        the caller's thread (cheaper for the few rows of a prediction request)."""
         pool = (
             ThreadPoolExecutor(len(shards), thread_name_prefix="inproc-store")
-            if len(shards) > 1
+            if len(shards) > 1 and parallel
             else None
         )
         clocks = list(current_at) if current_at is not None else [None] * len(shards)

@@ -58,6 +58,8 @@ class LocalReplicas:
             self.shards,
             row_dtype=config.row_dtype,
             current_at=[f.current_at for f in self.followers],
+            # A request's rows are few: a hand-off to a thread per shard costs more.
+            parallel=False,
         )
         self._stop = threading.Event()
         self._threads = [

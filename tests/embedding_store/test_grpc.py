@@ -278,7 +278,8 @@ def test_a_push_brings_back_the_rows_it_left(
             rows = decode_row_state(reply.rows, ["item"], [5])["item"]
             assert rows.weights.shape == (5, 4)
             steps.append(rows.row_step)  # -1: an id the other shard holds
-            assert not reply.state and not reply.row_steps  # all of it is in rows
+            assert not reply.state  # all of it is in rows
+            assert not reply.row_steps
         assert np.maximum.reduce(steps).tolist() == [2] * 5
 
 
