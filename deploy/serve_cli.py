@@ -11,15 +11,12 @@ from typing import Any
 from deploy.status_line import StatusLine, progress_bar
 
 
-def _model(args: argparse.Namespace, command: str, *, labels_required: bool) -> Any:
-    """The job's ServingModel with the parameters asked for, or an exit code."""
-    from connectors.codecs import make_codec
+def _scored(args: argparse.Namespace, command: str, *, labels_required: bool) -> Any:
+    """The file's scores with the parameters asked for, or an exit code."""
     from deploy.config import ConfigError, load_config
-    from deploy.job import build_codec, checkpoint_location
-    from embedding_store.client import StoreClient
-    from serving.model import FixedDense, ServingModel
-    from serving.offline import OfflineError, checkpoint_dense, checkpoint_rows, pick_checkpoint
-    from trainer.checkpoint import CheckpointBook, JobCheckpointError
+    from deploy.scoring import ScoringParameters, load_model
+    from serving.offline import OfflineError
+    from trainer.checkpoint import JobCheckpointError
 
     try:
         job = load_config(args.job)
@@ -29,26 +26,24 @@ def _model(args: argparse.Namespace, command: str, *, labels_required: bool) -> 
     if job.features is None:
         print(f"streamrec {command}: {args.job} has no `features:` section", file=sys.stderr)
         return 2
-    dims = {name: t.dim for name, t in job.store.tables.items()}
-    book = CheckpointBook(checkpoint_location(job))
+    params = ScoringParameters(args.job, args.checkpoint, args.shards, labels_required)
+    on_cluster = args.workers > 0 or args.scheduler is not None
     try:
-        manifest = pick_checkpoint(book, args.checkpoint)
-        dense = checkpoint_dense(book, manifest, job.trainer, job.features, dims)
-        shards = args.shards or [
-            str(job.run_dir / "store" / f"shard-{i:03d}") for i in range(len(manifest.shard_seqs))
-        ]
-        rows = StoreClient.from_shards([checkpoint_rows(job.store, manifest, shards)])
+        if on_cluster:
+            return _score_on_cluster(args, command, job, params)
+        model, manifest, where = load_model(params, job)
+        _say_checkpoint(command, manifest, where)
+        return _score_with_progress(model, args.source, args.batch)
     except (OfflineError, JobCheckpointError, OSError) as exc:
         print(f"streamrec {command}: {exc}", file=sys.stderr)
         return 2
-    codec = build_codec(job) or make_codec("json")
+
+
+def _say_checkpoint(command: str, manifest: Any, where: str) -> None:
     print(
         f"streamrec {command}: checkpoint step {manifest.step} ({manifest.samples:,} samples "
-        f"learned) from {book.location}",
+        f"learned) from {where}",
         flush=True,
-    )
-    return ServingModel(
-        "streamrec", job.features, codec, rows, FixedDense(dense), labels_required=labels_required
     )
 
 
@@ -66,18 +61,45 @@ def _score_with_progress(model: Any, path: Path, batch: int) -> Any:
     return scores
 
 
-def _scored(args: argparse.Namespace, command: str, *, labels_required: bool) -> Any:
-    """The file's scores with the parameters asked for, or an exit code."""
-    from serving.offline import OfflineError
+def _score_on_cluster(args: argparse.Namespace, command: str, job: Any, params: Any) -> Any:
+    """Score the file's parts as tasks on a Dask cluster (see ``deploy.scoring``)."""
+    from distributed import Client
 
-    model = _model(args, command, labels_required=labels_required)
-    if isinstance(model, int):
-        return model
+    from deploy.job import checkpoint_location
+    from deploy.local.dask_cluster import local_dask_cluster
+    from deploy.scoring import score_on_cluster
+    from serving.offline import pick_checkpoint, plan_parts
+    from trainer.checkpoint import CheckpointBook
+
+    book = CheckpointBook(checkpoint_location(job))
+    _say_checkpoint(command, pick_checkpoint(book, args.checkpoint), str(book.location))
+    parts = plan_parts(args.source, args.part_records)
+    total = max(1, sum(p.records for p in parts))
+    cluster = None
+    if args.scheduler is None:
+        cluster = local_dask_cluster(
+            workers=args.workers, threads_per_worker=1, dashboard_address=":0",
+            log_path=job.run_dir / f"{command}-scheduler.log", scheduler_process=False,
+        )  # fmt: skip
+    address = args.scheduler if cluster is None else cluster.scheduler_address
+    where = f"the Dask cluster at {address}" if cluster is None else f"{args.workers} workers"
+    print(f"streamrec {command}: {len(parts):,} parts on {where}", flush=True)
+    status = StatusLine(sys.stdout)
+
+    def show(done: int) -> None:
+        status.show(f"{progress_bar(done / total)} {done:,}/{total:,} records")
+
     try:
-        return _score_with_progress(model, args.source, args.batch)
-    except OfflineError as exc:
-        print(f"streamrec {command}: {exc}", file=sys.stderr)
-        return 2
+        with Client(address, set_as_default=False) as client:  # type: ignore[no-untyped-call]
+            scores = score_on_cluster(
+                client, params, args.source, parts, tuple(job.features.labels),
+                batch=args.batch, on_progress=show,
+            )  # fmt: skip
+    finally:
+        if cluster is not None:
+            cluster.close()
+    status.done()
+    return scores
 
 
 def cmd_score(args: argparse.Namespace) -> int:
@@ -147,6 +169,27 @@ def _common(parser: argparse.ArgumentParser) -> None:
         ),
     )
     parser.add_argument("--batch", type=int, default=4096, help="records scored at once (4096)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="score on a local Dask cluster of N worker processes, each with its own copy of "
+        "the model (for large files; default 0: in this process)",
+    )
+    parser.add_argument(
+        "--scheduler",
+        metavar="ADDRESS",
+        help="score on this running Dask cluster instead (its workers must read the file "
+        "and the checkpoint where this command does)",
+    )
+    parser.add_argument(
+        "--part-records",
+        type=int,
+        default=262_144,
+        metavar="N",
+        help="records per task on a cluster (262,144; Parquet: whole row groups)",
+    )
 
 
 def add_commands(sub: Any) -> None:
@@ -156,7 +199,8 @@ def add_commands(sub: Any) -> None:
         help="score a file of records with a job checkpoint's parameters",
         description=(
             "Score every record of a JSON-lines or Parquet file with one job checkpoint's "
-            "dense weights and store rows (restored in this process: the job need not run), "
+            "dense weights and store rows (restored in this process, or in each worker with "
+            "--workers/--scheduler: the job need not run), "
             "with the job's own decoding, hashing and pooling. Writes a Parquet file with the "
             "record's position and one probability per label head; bad records go, with "
             "their reasons, to OUT.rejected.jsonl. Labels are not needed."

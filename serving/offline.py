@@ -2,9 +2,9 @@
 
 The parameters are one job checkpoint's, so they are consistent: its dense
 state and, restored in this process, the rows of every store shard at the
-seq the checkpoint names (a read-only copy; the shards need not run). Or,
-with ``--store``, the rows of running shards or serving replicas and the
-newest published dense version, as a prediction server reads them.
+seq the checkpoint names (a read-only copy; the shards need not run). A
+large file is cut into parts (:func:`plan_parts`) that Dask workers score
+with a model each (``deploy.scoring``).
 
 Records come from a JSON-lines file (one record per line, in the job's
 codec) or a Parquet file, in batches; bad records are not scored but written
@@ -124,14 +124,9 @@ def read_batches(path: Path, batch: int) -> Iterator[tuple[int, list[bytes] | pa
     if not path.is_file():
         msg = f"--from {path}: no such file"
         raise OfflineError(msg)
-    if path.suffix in {".parquet", ".pq"}:
-        try:
-            f = pq.ParquetFile(path)
-        except (OSError, pa.ArrowInvalid) as exc:
-            msg = f"--from {path}: not a readable Parquet file ({exc})"
-            raise OfflineError(msg) from exc
+    if _is_parquet(path):
         at = 0
-        for rb in f.iter_batches(batch_size=batch):
+        for rb in _parquet(path).iter_batches(batch_size=batch):
             table = pa.Table.from_batches([rb])
             yield at, table
             at += table.num_rows
@@ -149,9 +144,105 @@ def read_batches(path: Path, batch: int) -> Iterator[tuple[int, list[bytes] | pa
         yield at, lines
 
 
+@dataclass(frozen=True)
+class FilePart:
+    """A stretch of a file that one task scores: its first record's index in the file,
+    and where it lies (JSON lines: bytes ``[start, stop)``; Parquet: row groups)."""
+
+    first: int
+    records: int
+    start: int
+    stop: int
+
+
+def plan_parts(path: Path, records_per_part: int) -> list[FilePart]:
+    """``path`` cut into parts of about ``records_per_part`` records, in file order
+    (Parquet: whole row groups; JSON lines: whole lines).
+
+    >>> import tempfile
+    >>> f = Path(tempfile.mkdtemp()) / "r.jsonl"
+    >>> _ = f.write_bytes(b"a\\nbb\\nccc\\nd")
+    >>> [(p.first, p.records, p.start, p.stop) for p in plan_parts(f, 2)]
+    [(0, 2, 0, 5), (2, 2, 5, 10)]
+    """
+    if records_per_part < 1:
+        msg = f"records per part: expected at least 1, got {records_per_part}"
+        raise ValueError(msg)
+    if not path.is_file():
+        msg = f"--from {path}: no such file"
+        raise OfflineError(msg)
+    parts: list[FilePart] = []
+    if _is_parquet(path):
+        meta = _parquet(path).metadata
+        first = start = rows = 0
+        for g in range(meta.num_row_groups):
+            rows += meta.row_group(g).num_rows
+            if rows >= records_per_part or g == meta.num_row_groups - 1:
+                parts.append(FilePart(first, rows, start, g + 1))
+                first, start, rows = first + rows, g + 1, 0
+        return parts
+    first = start = at = lines = 0
+    with path.open("rb") as fh:
+        for line in fh:
+            at += len(line)
+            lines += 1
+            if lines == records_per_part:
+                parts.append(FilePart(first, lines, start, at))
+                first, start, lines = first + lines, at, 0
+    if lines:
+        parts.append(FilePart(first, lines, start, at))
+    return parts
+
+
+def read_part(
+    path: Path, part: FilePart, batch: int
+) -> Iterator[tuple[int, list[bytes] | pa.Table]]:
+    """:func:`read_batches` of one part: (record index in the file, records)."""
+    at = part.first
+    if _is_parquet(path):
+        groups = list(range(part.start, part.stop))
+        for rb in _parquet(path).iter_batches(batch_size=batch, row_groups=groups):
+            table = pa.Table.from_batches([rb])
+            yield at, table
+            at += table.num_rows
+        return
+    lines: list[bytes] = []
+    with path.open("rb") as fh:
+        fh.seek(part.start)
+        for line in fh:
+            if len(lines) == part.records - (at - part.first):
+                break
+            lines.append(line.rstrip(b"\r\n"))
+            if len(lines) == batch:
+                yield at, lines
+                at += len(lines)
+                lines = []
+    if lines:
+        yield at, lines
+
+
+def score_part(model: ServingModel, path: Path, part: FilePart, *, batch: int) -> FileScores:
+    """Score one part of ``path`` (positions are the records' indices in the whole file)."""
+    out = FileScores(model.heads)
+    _score_into(out, model, read_part(path, part, batch))
+    return out
+
+
+def _is_parquet(path: Path) -> bool:
+    return path.suffix in {".parquet", ".pq"}
+
+
+def _parquet(path: Path) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(path)
+    except (OSError, pa.ArrowInvalid) as exc:
+        msg = f"--from {path}: not a readable Parquet file ({exc})"
+        raise OfflineError(msg) from exc
+
+
 def count_records(path: Path) -> int:
     """How many records ``path`` holds (for a progress bar)."""
-    if path.suffix in {".parquet", ".pq"}:
+    if _is_parquet(path):
         return int(pq.ParquetFile(path).metadata.num_rows)
     with path.open("rb") as fh:
         return sum(1 for _ in fh)
@@ -173,6 +264,14 @@ class FileScores:
         self.probabilities.append(scored.probabilities)
         self.labels.append(scored.labels)
         self.bad += [replace(b, position=b.position + first) for b in scored.bad]
+
+    def merge(self, other: FileScores) -> None:
+        """Take ``other``'s records (scored elsewhere, positions already the file's)."""
+        self.positions += other.positions
+        self.probabilities += other.probabilities
+        self.labels += other.labels
+        self.bad += other.bad
+        self.records += other.records
 
     def arrays(
         self,
@@ -197,7 +296,17 @@ def score_file(
 ) -> FileScores:
     """Score every record of ``path`` with ``model``, batch by batch."""
     out = FileScores(model.heads)
-    for first, records in read_batches(path, batch):
+    _score_into(out, model, read_batches(path, batch), on_progress)
+    return out
+
+
+def _score_into(
+    out: FileScores,
+    model: ServingModel,
+    batches: Iterator[tuple[int, list[bytes] | pa.Table]],
+    on_progress: Callable[[int], None] | None = None,
+) -> None:
+    for first, records in batches:
         if isinstance(records, pa.Table):
             scored = model.score_table(records)
             out.records += records.num_rows
@@ -207,7 +316,6 @@ def score_file(
         out.add(first, scored)
         if on_progress is not None:
             on_progress(out.records)
-    return out
 
 
 def write_scores(scores: FileScores, out: Path) -> Path | None:

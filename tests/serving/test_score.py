@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 import torch
 
 from connectors.codecs import make_codec
@@ -108,3 +109,39 @@ def test_score_names_a_checkpoint_that_is_not_there(trained: Path, tmp_path: Pat
     assert result.returncode == 2
     assert "--checkpoint 99999: no such checkpoint" in result.stderr
     assert "steps: [" in result.stderr
+
+
+def test_score_and_evaluate_on_a_dask_cluster_agree_with_one_process(
+    trained: Path, tmp_path: Path
+) -> None:
+    lines = list(iter_json_lines(SyntheticConfig(seed=9), 300))
+    records = tmp_path / "requests.jsonl"
+    # No newline after the last record: the last part ends with the file.
+    records.write_bytes(b"\n".join([*lines[:150], b"{not json", *lines[150:]]))
+    here, there = tmp_path / "here.parquet", tmp_path / "there.parquet"
+    alone = streamrec("score", str(trained), "--from", str(records), "--to", str(here))
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    spread = streamrec("score", str(trained), "--from", str(records), "--to", str(there),
+                       "--workers", "2", "--part-records", "70", "--batch", "32")  # fmt: skip
+    assert spread.returncode == 0, spread.stdout + spread.stderr
+    assert "5 parts on 2 workers" in spread.stdout
+    assert "300 of 301 records scored" in spread.stdout
+    mine, theirs = pq.read_table(here), pq.read_table(there)
+    assert theirs.column("position").equals(mine.column("position"))
+    # Other batch sizes: the forward's sums in another order, the same to float32 rounding.
+    np.testing.assert_allclose(theirs.column("click"), mine.column("click"), atol=1e-6)
+    assert (tmp_path / "there.parquet.rejected.jsonl").read_text() == (
+        tmp_path / "here.parquet.rejected.jsonl"
+    ).read_text()
+    # Parquet parts are whole row groups; evaluate gives the same figures.
+    held_out = write_parquet(tmp_path / "held_out.parquet", SyntheticConfig(seed=2), 900, 100, 1)
+    assert pq.ParquetFile(held_out).metadata.num_row_groups == 9
+    figures = [tmp_path / "one.json", tmp_path / "many.json"]
+    for out, extra in zip(figures, ([], ["--workers", "2", "--part-records", "250"]), strict=True):
+        result = streamrec("evaluate", str(trained), "--from", str(held_out), "--json",
+                           str(out), *extra)  # fmt: skip
+        assert result.returncode == 0, result.stdout + result.stderr
+    one, many = (json.loads(f.read_text()) for f in figures)
+    assert (many["records"], many["bad"]) == (one["records"], one["bad"]) == (900, {})
+    for key, value in one["heads"]["click"].items():
+        assert many["heads"]["click"][key] == pytest.approx(value, abs=1e-6), key
