@@ -19,7 +19,7 @@ in :data:`connectors.validate.REASONS`.
 pack several rows per payload); it is for test data and ``streamrec produce``.
 
 Why a hand-written JSON scanner rather than a library: measured against
-well-kept libraries (issue 14), each put in the scanner's place with the rest
+well-kept libraries, each put in the scanner's place with the rest
 of ``JsonLinesCodec.decode`` unchanged, and each checked to give the scanner's
 good table and bad records on the timed records and on awkward ones. Events
 per second on 100,000 Criteo-like records (590 bytes each) in one chunk; "1%

@@ -1,1 +1,3 @@
-"""deploy package (built in a later issue)."""
+"""Running streamrec: the ``streamrec`` command line, the job config schema, the job runner
+(a rank's parts assembled, services started and checked, recovery), the local launchers
+of store shards, Dask clusters and Kafka, and the Kubernetes manifests (``deploy/k8s``)."""

@@ -625,6 +625,10 @@ class TrainLoop:
         queue_bound = self.config.effective_push_queue
         if self.initial_checkpoint:
             self.checkpoint()
+        # A deadline that passed while the job started still lets the source be asked
+        # once: a source that cannot be reached then says so (exit 1), rather than the
+        # job ending as if it had trained what there was.
+        asked = False
         while True:
             if self._failure is None and self.store_changed is not None:
                 changed = self.store_changed()
@@ -633,7 +637,9 @@ class TrainLoop:
             stop_reason = self.stop_reason()
             batch = None
             quiet = False
-            if not exhausted and not stop_reason and self._failure is None:
+            first_ask = not asked and stop_reason == "max_time"
+            if not exhausted and (not stop_reason or first_ask) and self._failure is None:
+                asked = True
                 t0 = time.perf_counter()
                 try:
                     item = next(batches, _END)
