@@ -124,30 +124,15 @@ def read_batches(path: Path, batch: int) -> Iterator[tuple[int, list[bytes] | pa
     if not path.is_file():
         msg = f"--from {path}: no such file"
         raise OfflineError(msg)
-    if _is_parquet(path):
-        at = 0
-        for rb in _parquet(path).iter_batches(batch_size=batch):
-            table = pa.Table.from_batches([rb])
-            yield at, table
-            at += table.num_rows
-        return
-    at = 0
-    lines: list[bytes] = []
-    with path.open("rb") as fh:
-        for line in fh:
-            lines.append(line.rstrip(b"\r\n"))
-            if len(lines) == batch:
-                yield at, lines
-                at += len(lines)
-                lines = []
-    if lines:
-        yield at, lines
+    groups = _parquet(path).metadata.num_row_groups if _is_parquet(path) else 0
+    yield from read_part(path, FilePart(0, -1, 0, groups), batch)
 
 
 @dataclass(frozen=True)
 class FilePart:
     """A stretch of a file that one task scores: its first record's index in the file,
-    and where it lies (JSON lines: bytes ``[start, stop)``; Parquet: row groups)."""
+    its records (-1: to the end of the file), and where it lies (JSON lines: bytes
+    ``[start, stop)``; Parquet: row groups)."""
 
     first: int
     records: int
@@ -207,12 +192,14 @@ def read_part(
             at += table.num_rows
         return
     lines: list[bytes] = []
+    taken = 0
     with path.open("rb") as fh:
         fh.seek(part.start)
         for line in fh:
-            if len(lines) == part.records - (at - part.first):
+            if taken == part.records:
                 break
             lines.append(line.rstrip(b"\r\n"))
+            taken += 1
             if len(lines) == batch:
                 yield at, lines
                 at += len(lines)
