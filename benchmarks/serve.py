@@ -285,13 +285,9 @@ class TrainingRun:
 
     def stop(self, timeout_s: float = 120.0) -> int:
         """SIGTERM: the job finishes its step and exits (checkpoints are off)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        from deploy.local.shards import terminate
+
+        return terminate(self.proc, timeout_s)
 
     def wait(self, timeout_s: float) -> int:
         try:

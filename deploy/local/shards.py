@@ -42,6 +42,17 @@ def _term_with_parent() -> None:
     signal_when_parent_dies(signal.SIGTERM)
 
 
+def terminate(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
+    """SIGTERM, then wait up to ``timeout_s`` (then SIGKILL); returns the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
 @dataclass
 class ShardProcess:
     """A running ``streamrec store serve`` process."""
@@ -196,13 +207,7 @@ class ShardProcess:
 
     def stop(self, timeout_s: float = 60.0) -> int:
         """SIGTERM (the shard checkpoints into its data dir), then wait; returns the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return self.proc.wait()
+        return terminate(self.proc, timeout_s)
 
     def kill(self) -> None:
         """``kill -9``: no checkpoint, no goodbye."""
