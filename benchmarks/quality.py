@@ -613,13 +613,16 @@ def run_key(dataset: str, mode: str, staleness: int | None) -> str:
     return f"{dataset}_{mode}" + (f"_s{staleness}" if mode.startswith("hybrid") else "")
 
 
-def plan_runs(modes: Sequence[str], staleness: Sequence[int]) -> list[tuple[str, int | None]]:
+_Run = tuple[str, int | None]
+
+
+def plan_runs(modes: Sequence[str], staleness: Sequence[int]) -> list[_Run]:
     """(mode, staleness) of each run on one data set, in order.
 
     >>> plan_runs(["plain", "hybrid", "async"], [1, 4])
     [('plain', None), ('hybrid', 1), ('hybrid', 4), ('async', None)]
     """
-    out: list[tuple[str, int | None]] = []
+    out: list[_Run] = []
     for mode in MODES:
         if mode not in modes:
             continue
@@ -628,6 +631,20 @@ def plan_runs(modes: Sequence[str], staleness: Sequence[int]) -> list[tuple[str,
         else:
             out.append((mode, None))
     return out
+
+
+def rounds_of(planned: Sequence[_Run], repeat: int) -> list[_Run]:
+    """``repeat`` rounds of the ``planned`` runs, every other round in reverse order.
+
+    A machine that speeds up over a benchmark (the broker's JIT warming, the page
+    cache filling) favours a round's later runs; reversing every other round gives
+    each run as many early places as late ones, so a ratio of medians is not the
+    order's.
+
+    >>> rounds_of([("sync", None), ("hybrid", 4)], 3)
+    [('sync', None), ('hybrid', 4), ('hybrid', 4), ('sync', None), ('sync', None), ('hybrid', 4)]
+    """
+    return [run for r in range(repeat) for run in (planned if r % 2 == 0 else planned[::-1])]
 
 
 def summarize(
@@ -791,7 +808,16 @@ def main(argv: list[str] | None = None) -> int:
         help="runs of each mode, in interleaved rounds; samples/s is their median (a 2-core "
         "machine varies by 10-20%% from one run to the next)",
     )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed streamrec runs per data set before the timed ones (the first "
+        "rounds on a fresh broker run slower; default 1)",
+    )
     args = parser.parse_args(argv)
+    if args.warmup < 0:
+        parser.error("--warmup: 0 or more")
     if args.repeat < 1:
         parser.error("--repeat: 1 or more")
     if any(s < 0 for s in args.staleness):
@@ -854,8 +880,11 @@ def main(argv: list[str] | None = None) -> int:
             results["datasets"][name] = {"events": n, "window": window, "about": ds.about}
             print(f"{name}: {n:,} events ({ds.about}); AUC over the last {window:,}", flush=True)
             planned = plan_runs(args.modes, args.staleness)
-            rounds = [run for _ in range(args.repeat) for run in planned]
-            for mode, staleness in rounds:
+            rounds: list[tuple[_Run, bool]] = [
+                (run, True) for run in rounds_of(planned, args.repeat)
+            ]
+            warm = [run for run in planned if run[0] != "plain"][: args.warmup]
+            for (mode, staleness), timed in [(run, False) for run in warm] + rounds:
                 key = run_key(name, mode, staleness)
                 t0 = time.monotonic()
                 before = load()
@@ -885,9 +914,13 @@ def main(argv: list[str] | None = None) -> int:
                             trainer_options=trainer_options,
                         )
                 except Exception as exc:  # one run failing must not lose the others' figures
+                    key = key if timed else f"{key}_warmup"
                     errors[key] = f"{type(exc).__name__}: {exc}"
                     print(f"  {key} FAILED: {errors[key]}", file=sys.stderr, flush=True)
                 else:
+                    if not timed:
+                        print(f"  {key:<24} warm-up ({time.monotonic() - t0:.0f}s)", flush=True)
+                        continue
                     r.extra["load_before"], r.extra["load_after"] = before, load()
                     repeats.setdefault(key, []).append(r)
                     runs[key] = median_result(repeats[key])

@@ -133,55 +133,74 @@ def _put(
     return made
 
 
+@nb.njit(nogil=True, cache=True, inline="always")
+def _probe_one(
+    keys: U64, tabs: I32, used: npt.NDArray[np.bool_], recent: I64, t: np.int32,
+    key: np.uint64, applied_before: int,
+) -> tuple[np.int64, int]:  # fmt: skip
+    """The slot of key ``(t, key)`` (-1: none) and how many of its pushes came after
+    ``applied_before``."""
+    b = _slot_of(keys, tabs, used, key, t, keys.shape[0] - 1)
+    if not used[b]:
+        return np.int64(-1), 0
+    after = 0
+    for j in range(recent.shape[1]):
+        if recent[b, j] > applied_before:
+            after += 1
+    return b, after
+
+
 @nb.njit(nogil=True, cache=True)
-def _probe(
-    keys: U64,
-    tabs: I32,
-    used: npt.NDArray[np.bool_],
-    recent: I64,
+def _read(
+    new: tuple[U64, I32, npt.NDArray[np.bool_], I64, F32, F32, I64, I64],
+    old: tuple[U64, I32, npt.NDArray[np.bool_], I64, F32, F32, I64, I64],
     tab: I32,
     ids: U64,
     applied_before: int,
-    slots: I64,
+    wanted: npt.NDArray[np.bool_],
     missed: I32,
-) -> None:
-    """Each key's slot (-1: none); its pushes after ``applied_before`` added to ``missed``."""
-    mask = keys.shape[0] - 1
-    for i in range(ids.shape[0]):
-        b = _slot_of(keys, tabs, used, ids[i], tab[i], mask)
-        if not used[b]:
-            slots[i] = -1
-            continue
-        slots[i] = b
-        for j in range(recent.shape[1]):
-            if recent[b, j] > applied_before:
-                missed[i] += 1
-
-
-@nb.njit(nogil=True, cache=True)
-def _gather(
-    weights: F32,
-    state: F32,
-    row_step: I64,
-    seq: I64,
-    slots: I64,
-    sel: I64,
+    at: I64,
     known: npt.NDArray[np.bool_],
     out_w: F32,
     out_s: F32,
     out_step: I64,
     out_seq: I64,
-) -> None:
-    """The rows at ``slots[sel]`` not known yet (a newer generation is read first)."""
-    for j in range(sel.shape[0]):
-        s = slots[sel[j]]
-        if s < 0 or known[j]:
+) -> int:
+    """:meth:`PushedRowCache.read` in one pass over the keys and both generations
+    (``new`` read first); returns how many keys' rows were written to the outputs."""
+    n = 0
+    for i in range(ids.shape[0]):
+        b_new, m_new = _probe_one(new[0], new[1], new[2], new[3], tab[i], ids[i], applied_before)
+        b_old, m_old = _probe_one(old[0], old[1], old[2], old[3], tab[i], ids[i], applied_before)
+        missed[i] = m_new + m_old
+        if missed[i] == 0 and not wanted[i]:
             continue
-        known[j] = True
-        out_w[j] = weights[s]
-        out_s[j] = state[s]
-        out_step[j] = row_step[s]
-        out_seq[j] = seq[s]
+        at[n] = i
+        known[n] = b_new >= 0 or b_old >= 0
+        if b_new >= 0:
+            _copy_row(new[4], new[5], new[6], new[7], b_new, out_w, out_s, out_step, out_seq, n)
+        elif b_old >= 0:
+            _copy_row(old[4], old[5], old[6], old[7], b_old, out_w, out_s, out_step, out_seq, n)
+        else:
+            out_w[n] = 0.0
+            out_s[n] = 0.0
+            out_step[n] = 0
+            out_seq[n] = 0
+        n += 1
+    return n
+
+
+@nb.njit(nogil=True, cache=True, inline="always")
+def _copy_row(
+    w: F32, s: F32, step: I64, seq: I64, b: np.int64,
+    out_w: F32, out_s: F32, out_step: I64, out_seq: I64, n: int,
+) -> None:  # fmt: skip
+    for j in range(w.shape[1]):
+        out_w[n, j] = w[b, j]
+    for j in range(s.shape[1]):
+        out_s[n, j] = s[b, j]
+    out_step[n] = step[b]
+    out_seq[n] = seq[b]
 
 
 class RowIndex:
@@ -231,6 +250,16 @@ class Remembered:
     rows: RowState  # the row as its newest push left it (zeros where not known)
     seq: I64  # that push's number (0 where not known)
 
+    def first(self, n: int) -> Remembered:
+        """The first ``n`` keys' part."""
+        rows = self.rows
+        return Remembered(
+            self.at[:n],
+            self.known[:n],
+            RowState(rows.weights[:n], rows.state[:n], rows.row_step[:n]),
+            self.seq[:n],
+        )
+
     @classmethod
     def nothing(cls, at: I64, dim: int, width: int) -> Remembered:
         """The keys at ``at``, of which nothing is known."""
@@ -278,17 +307,11 @@ class _Generation:
             np.ascontiguousarray(rows.row_step, np.int64), seq,
         )  # fmt: skip
 
-    def probe(self, tab: I32, ids: U64, applied_before: int, missed: I32) -> I64:
-        slots = np.empty(ids.shape[0], np.int64)
-        _probe(
-            self.keys, self.tabs, self.used, self.recent, tab, ids, applied_before, slots, missed
-        )
-        return slots
-
-    def gather(self, slots: I64, out: Remembered) -> None:
-        _gather(
-            self.weights, self.state, self.row_step, self.seq, slots, out.at, out.known,
-            out.rows.weights, out.rows.state, out.rows.row_step, out.seq,
+    def arrays(self) -> tuple[U64, I32, npt.NDArray[np.bool_], I64, F32, F32, I64, I64]:
+        """What :func:`_read` reads of the generation."""
+        return (
+            self.keys, self.tabs, self.used, self.recent,
+            self.weights, self.state, self.row_step, self.seq,
         )  # fmt: skip
 
     def grown(self, capacity: int) -> _Generation:
@@ -330,6 +353,7 @@ class PushedRowCache:
         self.lock = threading.Lock()
         self.current = _Generation(dim, width, 1024)
         self.previous: _Generation | None = None
+        self._empty = _Generation(dim, width, 1)  # read where there is no previous one
 
     def __len__(self) -> int:
         """Rows held (a row in both generations counts twice)."""
@@ -342,15 +366,27 @@ class PushedRowCache:
         lookup made when that push had landed missed); and what the cache holds of the
         keys that missed one or are ``wanted``.
         """
-        missed = np.zeros(ids.shape[0], np.int32)
+        n = ids.shape[0]
+        missed = np.empty(n, np.int32)
+        at = np.empty(n, np.int64)
+        out = Remembered(
+            at,
+            np.empty(n, np.bool_),
+            RowState(
+                np.empty((n, self.dim), np.float32),
+                np.empty((n, self.width), np.float32),
+                np.empty(n, np.int64),
+            ),
+            np.empty(n, np.int64),
+        )
         with self.lock:
-            gens = [g for g in (self.current, self.previous) if g is not None]
-            slots = [g.probe(tab, ids, applied_before, missed) for g in gens]
-            at = np.flatnonzero((missed > 0) | wanted)
-            out = Remembered.nothing(at, self.dim, self.width)
-            for g, found in zip(gens, slots, strict=True):
-                g.gather(found, out)
-        return missed, out
+            old = self.previous if self.previous is not None else self._empty
+            found = _read(
+                self.current.arrays(), old.arrays(), tab, ids, applied_before, wanted,
+                missed, at, out.known, out.rows.weights, out.rows.state, out.rows.row_step,
+                out.seq,
+            )  # fmt: skip
+        return missed, out.first(found)
 
     def put(self, tab: I32, ids: U64, rows: RowState, seq: int) -> None:
         """Keep ``rows`` (what push ``seq`` left) as the newest of their keys."""

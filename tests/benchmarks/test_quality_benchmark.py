@@ -38,6 +38,8 @@ def test_both_datasets_train_in_both_trainers_and_report(
         "hybrid",
         "--staleness",
         str(staleness),
+        "--warmup",
+        "0",
         "--bootstrap",
         kafka.bootstrap,
         "--api-version",
