@@ -668,7 +668,7 @@ class KafkaSource:
         """The group's committed offset; else (or when it left the log) ``auto_offset_reset``."""
         committed = self.committed(partition)
         beginning = self._offset(partition, "beginning")
-        end = self._offset(partition, "end")
+        end = self._log_end(partition)
         if committed is not None and beginning <= committed <= end:
             return committed
         if committed is not None:
@@ -684,9 +684,47 @@ class KafkaSource:
 
     def end_position(self, partition: str) -> int:
         """The log end offset now (one past the last record)."""
-        end = self._offset(partition, "end")
+        end = self._log_end(partition)
         self._ends[partition] = end
         return end
+
+    def _log_end(self, partition: str) -> int:
+        """One past the last record: the larger of the broker's two answers to it, the
+        ListOffsets "latest" offset and the high watermark of a Fetch from there.
+
+        Apache Kafka gives the same in both. A broker that answers ListOffsets with
+        the newest record batch's base offset plus one (Tansu 0.6) would leave the
+        rest of that batch unplanned until more records come, and a job told to
+        stop after them (``--max-events``) would wait for good.
+        """
+        end = self._offset(partition, "end")
+        if self.api_version() < (0, 11) or not self._plain_connection():
+            return end  # no record batches before 0.11; TLS/SASL: kafka-python's answer
+        topic, number = split_partition(partition)
+        try:
+            return max(end, self._high_watermark(topic, number, end))
+        except (OSError, _Transient) as exc:
+            # ListOffsets' answer stands; the next plan asks again.
+            log.debug("no high watermark of %s (%r): the log end is %d", partition, exc, end)
+            self._forget(topic, number)
+            return end
+
+    def _high_watermark(self, topic: str, partition: int, offset: int) -> int:
+        """The high watermark a Fetch from ``offset`` reports (-1: the broker said no)."""
+        version = kafka_fetch.fetch_version(self.api_version())
+        conn = self._connection(*self._leader(topic, partition))
+        body = conn.request(
+            lambda cid: kafka_fetch.encode_fetch_request(
+                # min_bytes 0: an answer at once; max_wait 1, not 0, which Tansu
+                # answers with no partitions at all.
+                cid, topic, partition, offset, max_bytes=1, max_wait_ms=1, min_bytes=0,
+                version=version,
+            )
+        )  # fmt: skip
+        for part in kafka_fetch.decode_fetch_response(body, version):
+            if part.topic == topic and part.partition == partition and part.error_code == 0:
+                return part.high_watermark
+        return -1
 
     def plan(self, partition: str, position: int, max_records: int) -> Chunk | None:
         """``[position, min(position + max_records, log end))``; None when nothing is new.
@@ -821,17 +859,20 @@ class KafkaSource:
 
     def _raw_applies(self, partition: str) -> bool:
         """Whether ``reader: raw`` reads ``partition`` here (else kafka-python does)."""
-        if self.config.reader != "raw":
+        if self.config.reader != "raw" or not self._plain_connection():
             return False
-        options = self.config.client_options
-        if options.get("security_protocol", "PLAINTEXT") != "PLAINTEXT" or any(
-            options.get(k) for k in ("proxy_url", "socks5_proxy")
-        ):
-            return False  # TLS, SASL and proxies: kafka-python's connections
         with self._lock:
             if partition in self._not_raw:
                 return False
         return self.api_version() < (0, 11)  # message format v2 is kafka-python's
+
+    def _plain_connection(self) -> bool:
+        """Whether this module's own connections reach the brokers (TLS, SASL and
+        proxies are kafka-python's alone)."""
+        options = self.config.client_options
+        return options.get("security_protocol", "PLAINTEXT") == "PLAINTEXT" and not any(
+            options.get(k) for k in ("proxy_url", "socks5_proxy")
+        )
 
     def _request_timeout_s(self) -> float:
         """How long the raw reader waits for an answer: as kafka-python would, plus the

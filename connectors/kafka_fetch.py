@@ -47,6 +47,7 @@ U8 = npt.NDArray[np.uint8]
 
 FETCH_API_KEY = 1
 METADATA_API_KEY = 3
+API_VERSIONS_API_KEY = 18
 CLIENT_ID = b"streamrec-raw"
 # The smallest message: crc, magic, attributes, key length, value length.
 _MIN_MESSAGE = 4 + 1 + 1 + 4 + 4
@@ -70,13 +71,18 @@ class ProtocolError(OSError):
 
 
 def fetch_version(api_version: tuple[int, ...]) -> int:
-    """The Fetch version for a broker: 2 from 0.10 (message format v1), 1 on 0.9, else 0.
+    """The Fetch version for a broker: 4 from 0.11 (record batches, the last stable
+    offset), 2 from 0.10 (message format v1), 1 on 0.9, else 0.
 
     A lower version than the broker's would make it convert every message down.
 
     >>> fetch_version((0, 9)), fetch_version((0, 10, 1)), fetch_version((0, 8, 2))
     (1, 2, 0)
+    >>> fetch_version((3, 9))
+    4
     """
+    if api_version >= (0, 11):
+        return 4
     if api_version >= (0, 10):
         return 2
     return 1 if api_version >= (0, 9) else 0
@@ -106,25 +112,61 @@ def encode_fetch_request(
     min_bytes: int = 1,
     version: int = 1,
 ) -> bytes:
-    """A Fetch request (v0-v2) for one topic-partition from ``offset``, size-prefixed.
+    """A Fetch request (v0-v4) for one topic-partition from ``offset``, size-prefixed.
 
     The broker answers once it has ``min_bytes`` or after ``max_wait_ms``, with at
     most ``max_bytes`` of the partition's log (possibly ending in a partial message).
+    From v3 the response as a whole is capped at ``max_bytes`` too; v4 reads
+    uncommitted (isolation level 0), as kafka-python's consumer does by default.
 
     >>> req = encode_fetch_request(7, "t", 0, 42, max_bytes=1024, max_wait_ms=100)
     >>> len(req), req[4:6], req[-12:]
     (66, b'\\x00\\x01', b'\\x00\\x00\\x00\\x00\\x00\\x00\\x00*\\x00\\x00\\x04\\x00')
+    >>> len(encode_fetch_request(7, "t", 0, 42, max_bytes=1024, max_wait_ms=100, version=4))
+    71
     """
-    if not 0 <= version <= 2:
-        msg = f"this reader speaks Fetch v0-v2, not v{version}"
+    if not 0 <= version <= 4:
+        msg = f"this reader speaks Fetch v0-v4, not v{version}"
         raise ValueError(msg)
     body = (
         struct.pack(">iii", -1, max_wait_ms, min_bytes)  # replica id -1: a consumer
+        + (struct.pack(">i", max_bytes) if version >= 3 else b"")
+        + (struct.pack(">b", 0) if version >= 4 else b"")
         + struct.pack(">i", 1)
         + _string(topic.encode())
         + struct.pack(">iiqi", 1, partition, offset, max_bytes)
     )
     return _request(FETCH_API_KEY, version, correlation_id, body)
+
+
+def encode_api_versions_request(correlation_id: int) -> bytes:
+    """An ApiVersions v0 request (brokers from 0.10), size-prefixed.
+
+    >>> encode_api_versions_request(1)[4:8]
+    b'\\x00\\x12\\x00\\x00'
+    """
+    return _request(API_VERSIONS_API_KEY, 0, correlation_id, b"")
+
+
+def decode_api_versions_response(
+    body: bytes | bytearray | memoryview,
+) -> dict[int, tuple[int, int]]:
+    """``{api key: (lowest, highest version)}`` from an ApiVersions v0 response ``body``.
+
+    >>> body = struct.pack(">ihi", 1, 0, 1) + struct.pack(">hhh", 1, 0, 17)
+    >>> decode_api_versions_response(body)
+    {1: (0, 17)}
+    """
+    cur = _Cursor(body, 4)
+    error = cur.int(">h")
+    if error:
+        msg = f"ApiVersions answered error code {error}"
+        raise ProtocolError(msg)
+    out: dict[int, tuple[int, int]] = {}
+    for _ in range(cur.int(">i")):
+        key, low, high = cur.take(">hhh")
+        out[key] = (low, high)
+    return out
 
 
 def encode_metadata_request(correlation_id: int, topics: list[str]) -> bytes:
@@ -180,6 +222,7 @@ class FetchedPartition:
     high_watermark: int
     set_start: int
     set_end: int
+    last_stable_offset: int = -1  # v4 on: where committed transactions end
 
 
 def decode_fetch_response(
@@ -195,6 +238,9 @@ def decode_fetch_response(
     >>> [part] = decode_fetch_response(body, 1)
     >>> part.error_code, part.high_watermark, body[part.set_start : part.set_end]
     (0, 10, b'abc')
+
+    From v4 each partition also carries its last stable offset and the aborted
+    transactions in the records returned (skipped here: this reader reads uncommitted).
     """
     cur = _Cursor(body, 4)
     if version >= 1:
@@ -203,13 +249,21 @@ def decode_fetch_response(
     for _ in range(cur.int(">i")):
         topic = cur.string()
         for _ in range(cur.int(">i")):
-            partition, error, high_watermark, size = cur.take(">ihqi")
+            partition, error, high_watermark = cur.take(">ihq")
+            stable = -1
+            if version >= 4:
+                stable = cur.int(">q")
+                aborted = cur.int(">i")  # -1: null
+                cur.pos += 16 * max(aborted, 0)  # producer id, first offset
+            size = cur.int(">i")
             start = cur.pos
             if size < 0 or start + size > len(body):
                 msg = f"a Fetch response's message set runs past its end ({size} bytes at {start})"
                 raise ProtocolError(msg)
             cur.pos += size
-            out.append(FetchedPartition(topic, partition, error, high_watermark, start, cur.pos))
+            out.append(
+                FetchedPartition(topic, partition, error, high_watermark, start, cur.pos, stable)
+            )
     return out
 
 

@@ -1,8 +1,10 @@
 """Kafka for tests: one real broker for the whole session, a uuid-named topic per test.
 
-Also a ``restartable`` broker per test module (for tests that stop it), and the
-helpers the Kafka tests share: :func:`make_kafka_source`, :func:`read_partition`
-and ``SLOW_READS``.
+Also a ``restartable`` broker per test module (for tests that stop it), a
+session's ``tansu`` (a modern-protocol broker, :mod:`deploy.local.tansu`), the
+``broker`` fixture that runs a test once on each of the two, and the helpers
+the Kafka tests share: :func:`make_kafka_source`, :func:`read_partition` and
+``SLOW_READS``.
 
 By default the session starts a :class:`~deploy.local.kafka.LocalKafka` (Kafka
 0.9.0.1 on free loopback ports; needs Java and, the first time, npm). To test
@@ -34,6 +36,7 @@ from typing import Any
 import pytest
 
 from connectors.kafka import KafkaSource, KafkaSourceConfig, resolve_api_version
+from deploy.local import tansu as local_tansu
 from deploy.local.kafka import (
     API_VERSION,
     CACHE_ENV,
@@ -64,6 +67,7 @@ class KafkaForTests:
     api_version: ApiVersion
     zookeeper: str | None = None
     local: LocalKafka | None = None  # None when the session uses an outside Kafka
+    kind: str = "kafka"  # or "tansu"
 
     def _tools(self) -> dict[str, Any]:
         """Which Kafka and Java run deploy's topic tools: a LocalKafka's own, else the defaults."""
@@ -101,6 +105,12 @@ class KafkaForTests:
             finally:
                 admin.close()
             wait_for_partitions(self.bootstrap, name, partitions, api_version=self.api_version)
+
+    def new_topic(self, partitions: int = 1, *, config: Mapping[str, str] | None = None) -> str:
+        """A fresh uuid-named topic with ``partitions`` partitions, ready."""
+        name = f"test-{uuid.uuid4().hex[:12]}"
+        self.create_topic(name, partitions, config=config)
+        return name
 
     def add_partitions(self, name: str, partitions: int) -> None:
         """Grow ``name`` to ``partitions`` partitions and wait until the new ones are ready."""
@@ -159,12 +169,26 @@ def kafka_topic(kafka: KafkaForTests) -> Callable[..., str]:
     with its temporary folder at the end of the session.
     """
 
-    def make(partitions: int = 1, *, config: Mapping[str, str] | None = None) -> str:
-        name = f"test-{uuid.uuid4().hex[:12]}"
-        kafka.create_topic(name, partitions, config=config)
-        return name
+    return kafka.new_topic
 
-    return make
+
+@pytest.fixture(scope="session")
+def tansu(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaForTests]:
+    """A Tansu broker for the session (log in memory): Kafka's modern protocol."""
+    local = local_tansu.LocalTansu.start(tmp_path_factory.mktemp("tansu"))
+    try:
+        yield KafkaForTests(local.bootstrap, local_tansu.API_VERSION, kind="tansu")
+    finally:
+        local.stop()
+
+
+@pytest.fixture(params=["kafka-0.9", "tansu"])
+def broker(request: pytest.FixtureRequest) -> KafkaForTests:
+    """The test runs twice: on the session's Kafka 0.9 and on the session's Tansu."""
+    found: KafkaForTests = request.getfixturevalue(
+        "kafka" if request.param == "kafka-0.9" else "tansu"
+    )
+    return found
 
 
 @pytest.fixture(scope="module")

@@ -164,6 +164,31 @@ def test_responses_that_end_early_are_protocol_errors() -> None:
     assert isinstance(kf.ProtocolError("x"), OSError)  # transient to the reader
 
 
+def test_a_v4_response_gives_the_last_stable_offset_and_skips_aborted_transactions() -> None:
+    body = struct.pack(">ii", 7, 0) + struct.pack(">ih", 1, 1) + b"t"
+    body += struct.pack(">i", 2)  # two partitions
+    body += struct.pack(">ihqq", 0, 0, 50, 40) + struct.pack(">i", 2)
+    body += struct.pack(">qqqq", 11, 3, 12, 9)  # two aborted transactions
+    body += struct.pack(">i", 3) + b"abc"
+    body += struct.pack(">ihqq", 1, 6, -1, -1) + struct.pack(">ii", -1, 0)  # null list
+    first, second = kf.decode_fetch_response(body, 4)
+    assert (first.high_watermark, first.last_stable_offset) == (50, 40)
+    assert body[first.set_start : first.set_end] == b"abc"
+    assert (second.partition, second.error_code, second.set_end - second.set_start) == (1, 6, 0)
+    request = kf.encode_fetch_request(1, "t", 0, 5, max_bytes=9, max_wait_ms=1, version=4)
+    assert request[4:8] == struct.pack(">hh", kf.FETCH_API_KEY, 4)
+    with pytest.raises(ValueError, match="v0-v4"):
+        kf.encode_fetch_request(1, "t", 0, 5, max_bytes=9, max_wait_ms=1, version=5)
+
+
+def test_api_versions_are_asked_and_an_error_answer_is_a_protocol_error() -> None:
+    assert kf.decode_api_versions_response(
+        struct.pack(">ihi", 1, 0, 2) + struct.pack(">hhhhhh", 1, 4, 17, 18, 0, 4)
+    ) == {1: (4, 17), 18: (0, 4)}
+    with pytest.raises(kf.ProtocolError, match="error code 35"):
+        kf.decode_api_versions_response(struct.pack(">ihi", 1, 35, 0))
+
+
 def test_the_reader_setting_is_validated_and_defaults_to_raw() -> None:
     base = {"bootstrap_servers": "127.0.0.1:9092", "topics": ["t"], "group_id": "g"}
     assert KafkaSourceConfig(**base).reader == "raw"

