@@ -862,9 +862,7 @@ class KafkaSource:
         if self.config.reader != "raw" or not self._plain_connection():
             return False
         with self._lock:
-            if partition in self._not_raw:
-                return False
-        return self.api_version() < (0, 11)  # message format v2 is kafka-python's
+            return partition not in self._not_raw
 
     def _plain_connection(self) -> bool:
         """Whether this module's own connections reach the brokers (TLS, SASL and
@@ -1085,7 +1083,12 @@ class _RawReads:
             # leader); OFFSET_OUT_OF_RANGE goes to read()'s own handling.
             raise for_code(part.error_code)(f"fetching {self.topic}/{self.partition} @{position}")
         found = kafka_fetch.parse_message_set(
-            body, part.set_start, part.set_end, from_offset=position, to_offset=end
+            body,
+            part.set_start,
+            part.set_end,
+            from_offset=position,
+            to_offset=end,
+            check_crcs=self.check_crcs,
         )
         if self.check_crcs and len(found) and (bad := found.bad_crcs(body)):
             raise CorruptRecordError(f"{self.topic}/{self.partition}: offsets {bad[:5]} fail CRC")

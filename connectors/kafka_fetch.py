@@ -1,14 +1,17 @@
-"""Kafka's Fetch and Metadata requests by hand, and a compiled message-set parser.
+"""Kafka's Fetch, Metadata and ApiVersions requests by hand, and a compiled parser
+of what a Fetch returns: legacy message sets and record batches.
 
 kafka-python turns every record into a ``ConsumerRecord`` (several Python
 objects, about 6 µs each); a chunk of 20,000 records then costs more to *read*
-than to decode. The Fetch request of the protocol is small and has not changed
-for the brokers this reader serves (before 0.11: message format v0/v1), so
-:class:`~connectors.kafka.KafkaSource` sends it itself and parses the answer's
-message set in one numba pass into ``offsets`` and value ``[start, end)`` spans
-over the response buffer. kafka-python still does everything else (offsets,
-commits, producing, version detection) and reads what this module does not
-handle (compressed message sets, TLS/SASL, brokers 0.11+).
+than to decode. The Fetch request of the protocol is small and stable (v4 from
+Kafka 0.11 to 4.x), so :class:`~connectors.kafka.KafkaSource` sends it itself
+and parses the answer in one numba pass into ``offsets`` and value ``[start,
+end)`` spans over the response buffer: legacy messages (magic 0 and 1, brokers
+before 0.11) and uncompressed record batches (magic 2: varint-framed records,
+headers skipped, CRC-32C checked per batch, control batches of transactions
+skipped). kafka-python still does everything else (offsets, commits,
+producing, version detection) and reads what this module does not handle
+(compressed message sets and batches, TLS/SASL).
 
 The module is a pure core — :func:`encode_fetch_request`,
 :func:`decode_fetch_response`, :func:`parse_message_set`,
@@ -53,14 +56,40 @@ CLIENT_ID = b"streamrec-raw"
 _MIN_MESSAGE = 4 + 1 + 1 + 4 + 4
 # An entry's header before the message: offset and size.
 _ENTRY_HEADER = 8 + 4
-# The attribute bits naming a codec (gzip 1, snappy 2, lz4 3): a wrapper message
-# whose value is a whole compressed message set.
+# The attribute bits naming a codec (gzip 1, snappy 2, lz4 3, zstd 4): a wrapper
+# message whose value is a whole compressed message set, or a compressed record batch.
 _CODEC_MASK = 0x07
+# A record batch (magic 2) after its offset and length: leader epoch 4, magic 1,
+# crc 4, attributes 2, last offset delta 4, timestamps 8 + 8, producer id 8 and
+# epoch 2, base sequence 4, record count 4.
+_BATCH_HEAD = 49
+_CONTROL_BATCH = 0x20  # a transaction marker, not data
+# The smallest record: length, attributes, timestamp and offset deltas, key and
+# value lengths, header count.
+_MIN_RECORD = 7
+
+
+def _crc32c_table() -> npt.NDArray[np.uint32]:
+    """CRC-32C's (Castagnoli, reflected 0x82F63B78) byte table, which record batches use."""
+    table = np.zeros(256, np.uint32)
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table[i] = c
+    return table
+
+
+_CRC32C = _crc32c_table()
 
 # What a parse ended on (numba returns the code; Python sees the name).
-_END, _TRUNCATED, _PAST, _COMPRESSED, _CORRUPT = 0, 1, 2, 3, 4
+_END, _TRUNCATED, _PAST, _COMPRESSED, _CORRUPT, _FULL = 0, 1, 2, 3, 4, 5
 ParseStatus = Literal["end", "truncated", "past", "compressed", "corrupt"]
-_STATUS: tuple[ParseStatus, ...] = ("end", "truncated", "past", "compressed", "corrupt")
+# A parse whose output arrays filled up stops as a truncated one does: the next fetch
+# starts after the last record taken.
+_STATUS: tuple[ParseStatus, ...] = (
+    "end", "truncated", "past", "compressed", "corrupt", "truncated",
+)  # fmt: skip
 
 
 class ProtocolError(OSError):
@@ -336,6 +365,92 @@ def _i64(data: U8, p: int) -> np.int64:
     return (_u32(data, p) << 32) | _u32(data, p + 4)
 
 
+@nb.njit(nogil=True, cache=True, inline="always")
+def _varint(data: U8, p: int, end: int) -> tuple[np.int64, int]:
+    """A zigzag varint at ``p``; returns it and the position after it (-1: it runs past
+    ``end`` or over 64 bits)."""
+    raw = np.uint64(0)
+    shift = 0
+    while True:
+        if p >= end or shift > 63:
+            return np.int64(0), -1
+        b = data[p]
+        p += 1
+        raw |= np.uint64(b & 0x7F) << np.uint64(shift)
+        if b < 0x80:
+            break
+        shift += 7
+    value = np.int64(raw >> np.uint64(1)) ^ -np.int64(raw & np.uint64(1))
+    return value, p
+
+
+@nb.njit(nogil=True, cache=True)
+def _crc32c(data: U8, start: int, end: int, table: npt.NDArray[np.uint32]) -> np.int64:
+    crc = np.uint32(0xFFFFFFFF)
+    for i in range(start, end):
+        crc = table[(crc ^ np.uint32(data[i])) & np.uint32(0xFF)] ^ (crc >> np.uint32(8))
+    return np.int64(crc ^ np.uint32(0xFFFFFFFF))
+
+
+@nb.njit(nogil=True, cache=True)
+def _scan_batch(
+    data: U8,
+    m: int,
+    batch_end: int,
+    base: int,
+    from_offset: int,
+    to_offset: int,
+    crc_ok: int,
+    n: int,
+    offsets: I64,
+    value_starts: I64,
+    value_ends: I64,
+    crc_starts: I64,
+    crcs: I64,
+) -> tuple[int, int]:
+    """The records of an uncompressed record batch whose head starts at ``m`` (after its
+    offset and length); returns the new count and a status (_END: the batch is done).
+    """
+    count = int(_i32(data, m + 45))
+    q = m + _BATCH_HEAD
+    for _ in range(count):
+        length, q = _varint(data, q, batch_end)
+        if q < 0 or length < _MIN_RECORD - 1 or q + length > batch_end:
+            return n, _CORRUPT
+        record_end = q + int(length)
+        q += 1  # attributes
+        _, q = _varint(data, q, record_end)  # timestamp delta
+        if q < 0:
+            return n, _CORRUPT
+        delta, q = _varint(data, q, record_end)
+        if q < 0:
+            return n, _CORRUPT
+        key_len, q = _varint(data, q, record_end)
+        if q < 0:
+            return n, _CORRUPT
+        q += int(key_len) if key_len > 0 else 0  # -1: a null key
+        value_len, q = _varint(data, q, record_end)
+        if q < 0:
+            return n, _CORRUPT
+        value_end = q + (int(value_len) if value_len > 0 else 0)
+        if value_end > record_end:
+            return n, _CORRUPT
+        offset = base + int(delta)
+        if offset >= to_offset:
+            return n, _PAST
+        if offset >= from_offset:
+            if n == offsets.shape[0]:
+                return n, _FULL
+            offsets[n] = offset
+            value_starts[n] = q
+            value_ends[n] = value_end
+            crc_starts[n] = -1  # the batch's CRC covers it
+            crcs[n] = crc_ok
+            n += 1
+        q = record_end  # past the headers
+    return n, _END
+
+
 @nb.njit(nogil=True, cache=True)
 def _scan(
     data: U8,
@@ -348,12 +463,16 @@ def _scan(
     value_ends: I64,
     crc_starts: I64,
     crcs: I64,
+    check_batches: bool,
+    crc_table: npt.NDArray[np.uint32],
 ) -> tuple[int, int, int]:
     """Messages of ``data[start:end]`` with offsets in ``[from_offset, to_offset)``.
 
     Fills the arrays; returns (count, where parsing stopped, status code). Stops
-    at the first message at or past ``to_offset``, at a compressed wrapper that
-    may hold wanted offsets, at a partial tail, or at bytes that are no message.
+    at the first message at or past ``to_offset``, at a compressed wrapper or
+    batch that may hold wanted offsets, at a partial tail, or at bytes that are
+    no message. Record batches (magic 2) have their CRC-32C checked here when
+    ``check_batches``: their records' ``crcs`` are then 1 (good) or 0.
     """
     n = 0
     p = start
@@ -370,6 +489,29 @@ def _scan(
         if m + size > end:
             return n, p, _TRUNCATED
         magic = data[m + 4]
+        if magic == 2:
+            if size < _BATCH_HEAD:
+                return n, p, _CORRUPT
+            if offset >= to_offset:
+                return n, p, _PAST
+            flags = (int(data[m + 9]) << 8) | int(data[m + 10])
+            last = offset + int(_i32(data, m + 11))
+            if last >= from_offset and not flags & _CONTROL_BATCH:
+                if flags & _CODEC_MASK:
+                    return n, p, _COMPRESSED
+                crc_ok = 1
+                if check_batches:
+                    crc_ok = int(_crc32c(data, m + 9, m + size, crc_table) == _u32(data, m + 5))
+                n, status = _scan_batch(
+                    data, m, m + size, offset, from_offset, to_offset, crc_ok, n,
+                    offsets, value_starts, value_ends, crc_starts, crcs,
+                )  # fmt: skip
+                if status != _END:
+                    return n, p, status
+            p = m + size
+            continue
+        if n == offsets.shape[0]:
+            return n, p, _FULL
         attributes = data[m + 5]
         q = m + 6
         if magic == 1:
@@ -433,7 +575,8 @@ class MessageSet:
         ]
 
     def bad_crcs(self, data: bytes | bytearray | memoryview) -> list[int]:
-        """The offsets whose message CRC does not match (a corrupted message)."""
+        """The offsets whose message CRC does not match (a corrupted message); a record
+        batch's records as the parse found their batch."""
         view = memoryview(data)
         return [
             o
@@ -444,7 +587,7 @@ class MessageSet:
                 self.crcs.tolist(),
                 strict=True,
             )
-            if zlib.crc32(view[s:e]) != c
+            if (c == 0 if s < 0 else zlib.crc32(view[s:e]) != c)
         ]
 
 
@@ -455,11 +598,16 @@ def parse_message_set(
     *,
     from_offset: int,
     to_offset: int,
+    check_crcs: bool = True,
 ) -> MessageSet:
     """Parse the message set ``data[start:end]``, keeping offsets ``[from_offset, to_offset)``.
 
     One compiled pass: no object per message. A partial last message (the
     broker cuts fetches at ``max_bytes``) is left out with status ``"truncated"``.
+    Legacy messages (magic 0 and 1) and uncompressed record batches (magic 2,
+    Kafka 0.11 on) alike; control batches (transaction markers) hold no records.
+    ``check_crcs``: check each record batch's CRC-32C while parsing (a legacy
+    message's CRC is checked by :meth:`MessageSet.bad_crcs`).
 
     >>> data = encode_message(3, b"a") + encode_message(4, b"b") + encode_message(5, b"c")[:-2]
     >>> ms = parse_message_set(data, from_offset=4, to_offset=10)
@@ -470,8 +618,9 @@ def parse_message_set(
     """
     buf = data if isinstance(data, np.ndarray) else np.frombuffer(data, dtype=np.uint8)
     stop_at = buf.shape[0] if end is None else end
-    # Room for as many messages as the smallest message size allows.
-    room = max(0, (stop_at - start) // (_ENTRY_HEADER + _MIN_MESSAGE))
+    # Room for as many legacy messages as fit; records of a batch are smaller, and a
+    # parse that fills the room stops there (the next fetch goes on from it).
+    room = max(1, (stop_at - start) // (_ENTRY_HEADER + _MIN_MESSAGE))
     offsets = np.empty(room, dtype=np.int64)
     value_starts = np.empty(room, dtype=np.int64)
     value_ends = np.empty(room, dtype=np.int64)
@@ -479,7 +628,7 @@ def parse_message_set(
     crcs = np.empty(room, dtype=np.int64)
     n, stop, status = _scan(
         buf, start, stop_at, from_offset, to_offset, offsets, value_starts, value_ends,
-        crc_starts, crcs,
+        crc_starts, crcs, check_crcs, _CRC32C,
     )  # fmt: skip
     return MessageSet(
         offsets[:n].copy(),

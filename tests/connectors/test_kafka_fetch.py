@@ -67,6 +67,65 @@ def test_parses_what_kafka_python_builds_keys_nulls_and_empty_values(magic: int)
     assert ours == data
 
 
+def kafka_python_batch(
+    base: int, records: list[tuple[bytes | None, bytes | None]], codec: int = 0
+) -> bytes:
+    """A record batch (magic 2) as kafka-python's producer builds it, offsets from ``base``."""
+    from kafka.record.default_records import DefaultRecordBatchBuilder
+
+    builder = DefaultRecordBatchBuilder(2, codec, False, -1, -1, -1, batch_size=1 << 24)
+    for i, (key, value) in enumerate(records):
+        headers = [("h", b"x" * i)] if i % 2 else []
+        builder.append(i, timestamp=1_700_000_000_000 + i, key=key, value=value, headers=headers)
+    data = bytearray(builder.build())
+    data[0:8] = struct.pack(">q", base)  # as a broker stamps it
+    return bytes(data)
+
+
+def test_parses_record_batches_with_headers_nulls_and_many_records() -> None:
+    records = [
+        (None, b'{"a": 1}'),
+        (b"key", b""),
+        (b"k", None),  # a null value reads as b""
+        (b"", bytes(range(256)) * 40),  # binary, 10 KB
+    ] + [(None, f"r{i}".encode()) for i in range(300)]  # short records, more than legacy room
+    first = kafka_python_batch(100, records[:4])
+    second = kafka_python_batch(104, records[4:])
+    data = first + second
+    ms = parse_all(data)
+    assert ms.status == "end"
+    assert ms.offsets.tolist() == list(range(100, 404))
+    assert ms.payloads(data) == [v or b"" for _, v in records]
+    assert ms.bad_crcs(data) == []
+    # A range inside a batch, and one that ends inside the second batch.
+    ms = parse_all(data, lo=102, hi=110)
+    assert (ms.offsets.tolist(), ms.status) == (list(range(102, 110)), "past")
+    # A flipped byte in a record fails its batch's CRC-32C, not the other batch's.
+    flipped = bytearray(data)
+    flipped[len(first) - 3] ^= 0xFF
+    bad = parse_all(bytes(flipped)).bad_crcs(bytes(flipped))
+    assert bad == [100, 101, 102, 103]
+    unchecked = kf.parse_message_set(
+        bytes(flipped), from_offset=0, to_offset=1 << 40, check_crcs=False
+    )
+    assert unchecked.bad_crcs(bytes(flipped)) == []
+
+
+def test_control_batches_are_skipped_and_compressed_batches_handed_over() -> None:
+    data = kafka_python_batch(0, [(None, b"a"), (None, b"b")])
+    control = bytearray(kafka_python_batch(2, [(b"\x00\x00\x00\x00", b"\x00\x00\x00\x00\x00\x00")]))
+    control[22] |= 0x20  # the attributes' control bit (the CRC is not checked here)
+    gzip = kafka_python_batch(3, [(None, b"c" * 100)], codec=1)  # big enough to compress
+    ms = kf.parse_message_set(
+        data + bytes(control) + gzip, from_offset=0, to_offset=10, check_crcs=False
+    )
+    assert ms.offsets.tolist() == [0, 1]
+    assert ms.status == "compressed"
+    assert ms.stop == len(data) + len(control)
+    # A compressed batch wholly below the range is stepped over.
+    assert kf.parse_message_set(gzip + data, from_offset=4, to_offset=10).status == "end"
+
+
 def test_a_partial_message_at_the_end_is_left_out_at_every_cut() -> None:
     values = [b"a" * 5, b"", b"ccc", b"d" * 40]
     entries = [
@@ -215,9 +274,10 @@ def used_raw(source: KafkaSource) -> bool:
 
 
 def test_records_round_trip_byte_exact_with_both_readers(
-    kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
+    broker: KafkaForTests, sources: Callable[..., KafkaSource]
 ) -> None:
-    topic = kafka_topic()
+    kafka, version = broker, broker.api_version
+    topic = broker.new_topic()
     rng = random.Random(3)
     values = [
         b"",
@@ -228,9 +288,11 @@ def test_records_round_trip_byte_exact_with_both_readers(
         b"after the large one",
     ]
     keys = [None if i % 3 else f"key-{i}".encode() for i in range(len(values))]
-    produce(kafka.bootstrap, topic, values, api_version=API_VERSION, partition=0, keys=keys)
-    raw = sources(kafka.bootstrap, topic, max_records=37)
-    slow = sources(kafka.bootstrap, topic, max_records=37, reader="kafka-python")
+    produce(kafka.bootstrap, topic, values, api_version=version, partition=0, keys=keys)
+    raw = sources(kafka.bootstrap, topic, max_records=37, api_version=version)
+    slow = sources(
+        kafka.bootstrap, topic, max_records=37, reader="kafka-python", api_version=version
+    )
     chunks = plan_all(raw, f"{topic}/0", 0, 37)
     expected = list(enumerate(values))
     assert read_all(raw, chunks) == expected
@@ -243,13 +305,21 @@ def test_records_round_trip_byte_exact_with_both_readers(
 
 
 def test_a_chunk_spans_many_small_fetches_and_a_record_larger_than_one(
-    kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
+    broker: KafkaForTests, sources: Callable[..., KafkaSource]
 ) -> None:
-    topic = kafka_topic()
+    kafka, version = broker, broker.api_version
+    topic = broker.new_topic()
     values = [f"{i:04d}".encode() * 40 for i in range(120)]  # 160 B each
     values[50] = b"L" * 5000  # bigger than one whole fetch: the reader asks for more
-    produce(kafka.bootstrap, topic, values, api_version=API_VERSION, partition=0)
-    source = sources(kafka.bootstrap, topic, client_options={"max_partition_fetch_bytes": 1024})
+    # Batches of a few records each (on 0.9, messages one by one).
+    small = {"batch_size": 700}
+    produce(kafka.bootstrap, topic, values, api_version=version, partition=0, client_options=small)
+    source = sources(
+        kafka.bootstrap,
+        topic,
+        client_options={"max_partition_fetch_bytes": 1024},
+        api_version=version,
+    )
     partition = f"{topic}/0"
     assert read_all(source, [Chunk("kafka", partition, 0, 120)]) == list(enumerate(values))
     got = read_all(source, [Chunk("kafka", partition, 45, 61), Chunk("kafka", partition, 61, 62)])
@@ -257,21 +327,22 @@ def test_a_chunk_spans_many_small_fetches_and_a_record_larger_than_one(
 
 
 def test_a_compressed_topic_reads_the_same_through_kafka_python(
-    kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
+    broker: KafkaForTests, sources: Callable[..., KafkaSource]
 ) -> None:
-    topic = kafka_topic()
+    kafka, version = broker, broker.api_version
+    topic = broker.new_topic()
     plain = [f"plain-{i}".encode() for i in range(30)]
     packed = [f"gzip-{i}".encode() * 10 for i in range(50)]
-    produce(kafka.bootstrap, topic, plain, api_version=API_VERSION, partition=0)
+    produce(kafka.bootstrap, topic, plain, api_version=version, partition=0)
     produce(
         kafka.bootstrap,
         topic,
         packed,
-        api_version=API_VERSION,
+        api_version=version,
         partition=0,
         client_options={"compression_type": "gzip", "batch_size": 256},
     )
-    source = sources(kafka.bootstrap, topic)
+    source = sources(kafka.bootstrap, topic, api_version=version)
     partition = f"{topic}/0"
     # The raw reader takes the plain records, then hands the compressed ones over.
     chunks = [Chunk("kafka", partition, 0, 40), Chunk("kafka", partition, 40, 80)]
