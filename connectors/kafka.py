@@ -1082,15 +1082,23 @@ class _RawReads:
             # NOT_LEADER, UNKNOWN_TOPIC_OR_PARTITION, ... are retriable (reset() forgets the
             # leader); OFFSET_OUT_OF_RANGE goes to read()'s own handling.
             raise for_code(part.error_code)(f"fetching {self.topic}/{self.partition} @{position}")
-        found = kafka_fetch.parse_message_set(
-            body,
-            part.set_start,
-            part.set_end,
-            from_offset=position,
-            to_offset=end,
-            check_crcs=self.check_crcs,
-        )
-        if self.check_crcs and len(found) and (bad := found.bad_crcs(body)):
+        try:
+            found = kafka_fetch.parse_records(
+                body,
+                part.set_start,
+                part.set_end,
+                from_offset=position,
+                to_offset=end,
+                check_crcs=self.check_crcs,
+            )
+        except kafka_fetch.CorruptBatch as exc:
+            raise CorruptRecordError(f"{self.topic}/{self.partition}: {exc}") from exc
+        except NotImplementedError:
+            # A codec whose package is missing: kafka-python reads on (and says which).
+            self.hand_over = True
+            return [], [], position
+        if found.bad_crcs:
+            bad = found.bad_crcs
             raise CorruptRecordError(f"{self.topic}/{self.partition}: offsets {bad[:5]} fail CRC")
         after = int(found.offsets[-1]) + 1 if len(found) else position
         if len(found):
@@ -1110,7 +1118,7 @@ class _RawReads:
                 raise ValueError(msg)
             self.grow *= 2
             self.retry_now = True
-        return found.offsets, found.payloads(body), after
+        return found.offsets, found.payloads, after
 
     def reset(self) -> None:
         self.source._forget(self.topic, self.partition)
