@@ -25,9 +25,18 @@
 
 Figures are medians over ``--repeats`` runs (the runner figures are one run each).
 
-The runner figures start a local Kafka 0.9 of their own, unless ``--bootstrap``
-names a broker and ``--topic`` an empty topic of 2 partitions on it (the
-benchmark writes its events there).
+The read and runner figures are measured on each of ``--brokers``: Apache
+Kafka 0.9.0.1 (``kafka09``) and Tansu, a broker of the modern protocol
+(``modern``: record batches, Kafka 3.9's API versions). Each figure carries
+its broker as a suffix (``runner_events_per_s_kafka09``,
+``runner_events_per_s_modern``, ``kafka_read_events_per_s_modern``, ...);
+the unsuffixed keys are the first broker's, ``runner_modern_vs_kafka09`` the
+ratio, ``runner_vs_hybrid_<broker>`` each against the trainer. On the modern
+broker the read path is also measured on topics compressed with each of
+``--codecs`` (``kafka_read_events_per_s_modern_lz4``, ...). Each broker is
+started for the run, unless ``--bootstrap``/``--topic`` (Kafka 0.9) or
+``--modern-bootstrap``/``--modern-topic`` name one and an empty topic of 2
+partitions on it (the benchmark writes its events there).
 """
 
 from __future__ import annotations
@@ -66,6 +75,7 @@ from pipeline.batch import build_batch
 
 SPEC = synthetic_feature_spec()
 CHUNK = 20_000  # records a chunk (the runner's max_records)
+BROKERS = ("kafka09", "modern")
 
 
 def payloads(events: int, seed: int = 1) -> list[bytes]:
@@ -158,30 +168,83 @@ def bench_kafka_read(
     }
 
 
+Broker = tuple[str, str, str]  # bootstrap, an empty topic of 2 partitions, api_version
+
+
+def _start_broker(kind: str, tmp: Path, stack: contextlib.ExitStack) -> Broker:
+    """A local broker of ``kind`` for the run: Kafka 0.9 (``kafka09``) or Tansu (``modern``)."""
+    if kind == "kafka09":
+        from deploy.local.kafka import LocalKafka
+
+        kafka = LocalKafka.start(tmp / "kafka")
+        stack.callback(kafka.stop)
+        kafka.create_topic("bench-events", partitions=2)
+        return (kafka.bootstrap, "bench-events", "0.9")
+    from deploy.local.tansu import API_VERSION, LocalTansu
+
+    tansu = LocalTansu.start(tmp / "tansu")
+    stack.callback(tansu.stop)
+    version = ".".join(map(str, API_VERSION))
+    return (tansu.bootstrap, _new_topic(tansu.bootstrap, "bench-events", version), version)
+
+
+def _new_topic(bootstrap: str, name: str, api_version: str) -> str:
+    """A topic of 2 partitions made through the admin API (brokers from 0.10.1)."""
+    from kafka.admin import KafkaAdminClient, NewTopic
+
+    from deploy.local.kafka import wait_for_partitions
+
+    version = tuple(int(v) for v in api_version.split("."))
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap, api_version=version)
+    try:
+        admin.create_topics([NewTopic(name, 2, 1)])
+    finally:
+        admin.close()
+    wait_for_partitions(bootstrap, name, 2, api_version=version)
+    return name
+
+
+def _fill(
+    bootstrap: str, topic: str, data: list[bytes], api_version: str, compression: str | None
+) -> None:
+    """Half of ``data`` into each of the topic's 2 partitions."""
+    from connectors.kafka import produce
+
+    options = {"compression_type": compression} if compression else None
+    half = len(data) // 2
+    for partition, part in enumerate((data[:half], data[half:])):
+        produce(
+            bootstrap,
+            topic,
+            part,
+            api_version=api_version,
+            partition=partition,
+            client_options=options,
+        )
+
+
 def bench_runner(
     events: int,
     tmp: Path,
     readers: tuple[str, ...] = ("raw",),
     read_repeats: int = 3,
     *,
-    broker: tuple[str, str, str] | None = None,
+    broker: Broker | None = None,
+    kind: str = "kafka09",
     chunk: int = CHUNK,
+    codecs: tuple[str, ...] = (),
 ) -> dict[str, float]:
     """Kafka (2 partitions) → 2 Dask workers → 2 store shards, end to end, per reader.
 
     ``broker`` is (bootstrap, an empty topic of 2 partitions, api_version); by
-    default a local Kafka is started for the run.
+    default a local broker of ``kind`` is started for the run. ``codecs``: the
+    read path alone also on a topic of the same events compressed with each.
     """
-    from connectors.kafka import produce
-    from deploy.local.kafka import LocalKafka
     from pipeline.prepare import StoreAddress
 
     with contextlib.ExitStack() as stack:
         if broker is None:
-            kafka = LocalKafka.start(tmp / "kafka")
-            stack.callback(kafka.stop)
-            kafka.create_topic("bench-events", partitions=2)
-            broker = (kafka.bootstrap, "bench-events", "0.9")
+            broker = _start_broker(kind, tmp, stack)
         bootstrap, topic, api_version = broker
         job = write_store_job(tmp / "job.yaml", synthetic_store_section(dim=16))
         token = write_token(tmp / "token")
@@ -189,11 +252,14 @@ def bench_runner(
             store_shards(job, [tmp / f"shard-{i}" for i in range(2)], token)
         )
         data = payloads(events + chunk, seed=7)  # + the first batch, not timed
-        half = len(data) // 2
-        produce(bootstrap, topic, data[:half], api_version=api_version, partition=0)
-        produce(bootstrap, topic, data[half:], api_version=api_version, partition=1)
-        del data
+        _fill(bootstrap, topic, data, api_version, None)
         results = bench_kafka_read(bootstrap, topic, read_repeats, api_version, chunk)
+        for codec in codecs:
+            packed = _new_topic(bootstrap, f"{topic}-{codec}", api_version)
+            _fill(bootstrap, packed, data, api_version, codec)
+            figures = bench_kafka_read(bootstrap, packed, read_repeats, api_version, chunk)
+            results.update({f"{k}_{codec}": v for k, v in figures.items()})
+        del data
         store = StoreAddress(address, token=token.read_text())
         for reader in readers:
             source = _source(bootstrap, topic, f"bench-{reader}", reader, api_version, chunk)
@@ -269,6 +335,20 @@ def hybrid_rate(samples: int, log_every_s: float = 1.0) -> float:
     return run.samples_per_s
 
 
+def _with_broker(key: str, broker: str, codecs: list[str]) -> str:
+    """``key`` named for ``broker``, before a codec's suffix.
+
+    >>> _with_broker("kafka_read_events_per_s_lz4", "modern", ["lz4"])
+    'kafka_read_events_per_s_modern_lz4'
+    >>> _with_broker("runner_events_per_s", "kafka09", ["lz4"])
+    'runner_events_per_s_kafka09'
+    """
+    for codec in codecs:
+        if key.endswith(f"_{codec}"):
+            return f"{key.removesuffix(f'_{codec}')}_{broker}_{codec}"
+    return f"{key}_{broker}"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
@@ -300,15 +380,41 @@ def main(argv: list[str] | None = None) -> int:
         help="the hybrid run's report interval, its clock's ticks (default 1)",
     )
     parser.add_argument(
-        "--bootstrap", help="a Kafka broker to use (host:port) instead of starting one"
+        "--brokers",
+        nargs="+",
+        choices=BROKERS,
+        default=list(BROKERS),
+        help="the brokers the read path and the runner are measured on: Apache Kafka "
+        "0.9.0.1 (kafka09) and Tansu, a modern-protocol broker (modern); default both",
+    )
+    parser.add_argument(
+        "--codecs",
+        nargs="*",
+        default=["lz4", "zstd"],
+        help="on the modern broker, the read path also on topics compressed with these "
+        "(default lz4 zstd)",
+    )
+    parser.add_argument(
+        "--bootstrap", help="a Kafka 0.9 broker to use (host:port) instead of starting one"
     )
     parser.add_argument("--topic", help="with --bootstrap: an empty topic of 2 partitions")
     parser.add_argument(
         "--api-version", default="0.9", help="with --bootstrap: the clients' api_version"
     )
+    parser.add_argument(
+        "--modern-bootstrap", help="a modern-protocol broker to use instead of starting Tansu"
+    )
+    parser.add_argument(
+        "--modern-topic", help="with --modern-bootstrap: an empty topic of 2 partitions"
+    )
+    parser.add_argument(
+        "--modern-api-version", default="3.9", help="with --modern-bootstrap: its api_version"
+    )
     args = parser.parse_args(argv)
     if (args.bootstrap is None) != (args.topic is None):
         parser.error("--bootstrap and --topic go together")
+    if (args.modern_bootstrap is None) != (args.modern_topic is None):
+        parser.error("--modern-bootstrap and --modern-topic go together")
 
     data = payloads(args.events)
     results: dict[str, float | int] = {"events": args.events, "repeats": args.repeats}
@@ -322,24 +428,38 @@ def main(argv: list[str] | None = None) -> int:
         results["decode_hash_events_per_s"] / results["pandas_baseline_events_per_s"]
     )
     if not args.skip_runner:
-        with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
-            readers = ("raw", "kafka-python") if args.compare_readers else ("raw",)
-            broker = (
-                None if args.bootstrap is None else (args.bootstrap, args.topic, args.api_version)
-            )
-            results.update(
-                bench_runner(
+        readers = ("raw", "kafka-python") if args.compare_readers else ("raw",)
+        given = {
+            "kafka09": (args.bootstrap, args.topic, args.api_version) if args.bootstrap else None,
+            "modern": (args.modern_bootstrap, args.modern_topic, args.modern_api_version)
+            if args.modern_bootstrap
+            else None,
+        }
+        for kind in args.brokers:
+            with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
+                figures = bench_runner(
                     args.runner_events,
                     Path(tmp),
                     readers,
                     args.repeats,
-                    broker=broker,
+                    broker=given[kind],
+                    kind=kind,
                     chunk=args.chunk_records,
+                    codecs=tuple(args.codecs) if kind == "modern" else (),
                 )
-            )
+            results.update({_with_broker(k, kind, args.codecs): v for k, v in figures.items()})
+            if kind == args.brokers[0]:
+                results.update(figures)  # the unsuffixed keys: the first broker's
+        if "kafka09" in args.brokers and "modern" in args.brokers:
+            results["runner_modern_vs_kafka09"] = float(
+                results["runner_events_per_s_modern"]
+            ) / float(results["runner_events_per_s_kafka09"])
         if args.hybrid_samples:
             hybrid = hybrid_rate(args.hybrid_samples, args.log_every_s)
             results["hybrid_samples_per_s"] = hybrid
+            for kind in args.brokers:
+                rate = float(results[f"runner_events_per_s_{kind}"])
+                results[f"runner_vs_hybrid_{kind}"] = rate / hybrid
             results["runner_vs_hybrid"] = float(results["runner_events_per_s"]) / hybrid
 
     print_figures(results, lambda v: f"{v:,.2f}" if isinstance(v, float) else f"{v}")
