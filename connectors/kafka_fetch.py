@@ -44,6 +44,7 @@ from typing import Literal
 import numba as nb
 import numpy as np
 import numpy.typing as npt
+from crc32c import crc32c  # CRC-32C in C (SSE 4.2 where there is one), as Kafka's batches use
 
 I64 = npt.NDArray[np.int64]
 U8 = npt.NDArray[np.uint8]
@@ -68,19 +69,6 @@ _CONTROL_BATCH = 0x20  # a transaction marker, not data
 # value lengths, header count.
 _MIN_RECORD = 7
 
-
-def _crc32c_table() -> npt.NDArray[np.uint32]:
-    """CRC-32C's (Castagnoli, reflected 0x82F63B78) byte table, which record batches use."""
-    table = np.zeros(256, np.uint32)
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
-        table[i] = c
-    return table
-
-
-_CRC32C = _crc32c_table()
 
 # What a parse ended on (numba returns the code; Python sees the name).
 _END, _TRUNCATED, _PAST, _COMPRESSED, _CORRUPT, _FULL = 0, 1, 2, 3, 4, 5
@@ -385,14 +373,6 @@ def _varint(data: U8, p: int, end: int) -> tuple[np.int64, int]:
 
 
 @nb.njit(nogil=True, cache=True)
-def _crc32c(data: U8, start: int, end: int, table: npt.NDArray[np.uint32]) -> np.int64:
-    crc = np.uint32(0xFFFFFFFF)
-    for i in range(start, end):
-        crc = table[(crc ^ np.uint32(data[i])) & np.uint32(0xFF)] ^ (crc >> np.uint32(8))
-    return np.int64(crc ^ np.uint32(0xFFFFFFFF))
-
-
-@nb.njit(nogil=True, cache=True)
 def _scan_batch(
     data: U8,
     m: int,
@@ -400,7 +380,6 @@ def _scan_batch(
     base: int,
     from_offset: int,
     to_offset: int,
-    crc_ok: int,
     n: int,
     offsets: I64,
     value_starts: I64,
@@ -445,7 +424,7 @@ def _scan_batch(
             value_starts[n] = q
             value_ends[n] = value_end
             crc_starts[n] = -1  # the batch's CRC covers it
-            crcs[n] = crc_ok
+            crcs[n] = 1  # until parse_message_set finds the batch's CRC wrong
             n += 1
         q = record_end  # past the headers
     return n, _END
@@ -463,76 +442,79 @@ def _scan(
     value_ends: I64,
     crc_starts: I64,
     crcs: I64,
-    check_batches: bool,
-    crc_table: npt.NDArray[np.uint32],
-) -> tuple[int, int, int]:
+    batches: I64,
+) -> tuple[int, int, int, int]:
     """Messages of ``data[start:end]`` with offsets in ``[from_offset, to_offset)``.
 
-    Fills the arrays; returns (count, where parsing stopped, status code). Stops
-    at the first message at or past ``to_offset``, at a compressed wrapper or
-    batch that may hold wanted offsets, at a partial tail, or at bytes that are
-    no message. Record batches (magic 2) have their CRC-32C checked here when
-    ``check_batches``: their records' ``crcs`` are then 1 (good) or 0.
+    Fills the arrays; returns (count, where parsing stopped, status code, record
+    batches). Stops at the first message at or past ``to_offset``, at a
+    compressed wrapper or batch that may hold wanted offsets, at a partial tail,
+    or at bytes that are no message. Each record batch (magic 2) read from is a
+    row of ``batches``: where its CRC-32C's bytes begin and end, its CRC, and the
+    index of its first record taken.
     """
+    k = 0
     n = 0
     p = start
     while True:
         if p == end:
-            return n, p, _END
+            return n, p, _END, k
         if p + _ENTRY_HEADER > end:
-            return n, p, _TRUNCATED
+            return n, p, _TRUNCATED, k
         offset = int(_i64(data, p))
         size = int(_i32(data, p + 8))
         m = p + _ENTRY_HEADER
         if size < _MIN_MESSAGE:
-            return n, p, _CORRUPT
+            return n, p, _CORRUPT, k
         if m + size > end:
-            return n, p, _TRUNCATED
+            return n, p, _TRUNCATED, k
         magic = data[m + 4]
         if magic == 2:
             if size < _BATCH_HEAD:
-                return n, p, _CORRUPT
+                return n, p, _CORRUPT, k
             if offset >= to_offset:
-                return n, p, _PAST
+                return n, p, _PAST, k
             flags = (int(data[m + 9]) << 8) | int(data[m + 10])
             last = offset + int(_i32(data, m + 11))
             if last >= from_offset and not flags & _CONTROL_BATCH:
                 if flags & _CODEC_MASK:
-                    return n, p, _COMPRESSED
-                crc_ok = 1
-                if check_batches:
-                    crc_ok = int(_crc32c(data, m + 9, m + size, crc_table) == _u32(data, m + 5))
+                    return n, p, _COMPRESSED, k
+                if k == batches.shape[0]:
+                    return n, p, _FULL, k
+                batches[k, 0], batches[k, 1] = m + 9, m + size
+                batches[k, 2], batches[k, 3] = _u32(data, m + 5), n
+                k += 1
                 n, status = _scan_batch(
-                    data, m, m + size, offset, from_offset, to_offset, crc_ok, n,
+                    data, m, m + size, offset, from_offset, to_offset, n,
                     offsets, value_starts, value_ends, crc_starts, crcs,
                 )  # fmt: skip
                 if status != _END:
-                    return n, p, status
+                    return n, p, status, k
             p = m + size
             continue
         if n == offsets.shape[0]:
-            return n, p, _FULL
+            return n, p, _FULL, k
         attributes = data[m + 5]
         q = m + 6
         if magic == 1:
             q += 8  # the timestamp
         elif magic != 0:
-            return n, p, _CORRUPT
+            return n, p, _CORRUPT, k
         if offset >= to_offset:
-            return n, p, _PAST
+            return n, p, _PAST, k
         key_len = int(_i32(data, q))
         q += 4 + (key_len if key_len > 0 else 0)  # -1: a null key
         if q + 4 > m + size:
-            return n, p, _CORRUPT
+            return n, p, _CORRUPT, k
         value_len = int(_i32(data, q))
         q += 4
         value_end = q + (value_len if value_len > 0 else 0)
         if value_end != m + size:
-            return n, p, _CORRUPT
+            return n, p, _CORRUPT, k
         if attributes & _CODEC_MASK:
             # A wrapper's offset is its last inner message's: below from_offset, all are.
             if offset >= from_offset:
-                return n, p, _COMPRESSED
+                return n, p, _COMPRESSED, k
         elif offset >= from_offset:
             offsets[n] = offset
             value_starts[n] = q
@@ -626,10 +608,17 @@ def parse_message_set(
     value_ends = np.empty(room, dtype=np.int64)
     crc_starts = np.empty(room, dtype=np.int64)
     crcs = np.empty(room, dtype=np.int64)
-    n, stop, status = _scan(
+    batches = np.empty((max(1, (stop_at - start) // (_ENTRY_HEADER + _BATCH_HEAD)), 4), np.int64)
+    n, stop, status, k = _scan(
         buf, start, stop_at, from_offset, to_offset, offsets, value_starts, value_ends,
-        crc_starts, crcs, check_crcs, _CRC32C,
+        crc_starts, crcs, batches,
     )  # fmt: skip
+    if check_crcs:
+        view = memoryview(buf.data)
+        firsts = [*batches[:k, 3].tolist(), n]
+        for b, (lo, hi, crc, first) in enumerate(batches[:k].tolist()):
+            if crc32c(view[lo:hi]) != crc:
+                crcs[first : firsts[b + 1]] = 0
     return MessageSet(
         offsets[:n].copy(),
         value_starts[:n].copy(),
@@ -658,12 +647,10 @@ def inflate_batch(
     view = memoryview(data)
     size = struct.unpack_from(">i", view, at + 8)[0]
     m, end = at + _ENTRY_HEADER, at + _ENTRY_HEADER + size
-    if check_crc:
-        buf = np.frombuffer(view[:end], dtype=np.uint8)
-        if int(_crc32c(buf, m + 9, end, _CRC32C)) != struct.unpack_from(">I", view, m + 5)[0]:
-            offset = struct.unpack_from(">q", view, at)[0]
-            msg = f"the record batch at offset {offset} fails its CRC-32C"
-            raise CorruptBatch(msg)
+    if check_crc and crc32c(view[m + 9 : end]) != struct.unpack_from(">I", view, m + 5)[0]:
+        offset = struct.unpack_from(">q", view, at)[0]
+        msg = f"the record batch at offset {offset} fails its CRC-32C"
+        raise CorruptBatch(msg)
     codec = view[m + 10] & _CODEC_MASK
     packed = bytes(view[m + _BATCH_HEAD : end])
     from kafka import codec as kafka_codec

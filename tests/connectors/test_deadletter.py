@@ -1,6 +1,7 @@
 """Dead letters are never lost: flush() is the durability point of every sink.
 
-The Kafka sink against a real Kafka 0.9 broker: an envelope too large for the
+The Kafka sink against a real Kafka 0.9 broker (and Tansu, the modern protocol,
+for the oversized record): an envelope too large for the
 topic goes there cut to fit and whole into the spill file; a record the broker
 refuses is spilled once; a record that can be neither delivered nor spilled
 makes every flush() raise until it is delivered. The JSON-lines sink: a disk
@@ -44,17 +45,19 @@ def bad(position: int, raw: bytes = b"{", partition: str = "events/0") -> BadRec
 
 def letters(kafka: KafkaForTests, topic: str, n: int) -> list[dict[str, Any]]:
     """The first ``n`` envelopes of partition 0 of ``topic``, as JSON objects."""
-    return [json.loads(r.value) for r in read_partition(kafka.bootstrap, topic, 0, n)]
+    records = read_partition(kafka.bootstrap, topic, 0, n, api_version=kafka.api_version)
+    return [json.loads(r.value) for r in records]
 
 
 # -- Kafka: oversize, refused ----------------------------------------------------------------
 
 
 def test_a_900_kb_bad_record_reaches_the_topic_cut_to_fit_and_the_spill_file_whole(
-    kafka: KafkaForTests, kafka_topic: Callable[..., str], tmp_path: Path
+    broker: KafkaForTests, tmp_path: Path
 ) -> None:
     """Its envelope used to be refused by the broker (MessageSizeTooLargeError) and lost."""
-    topic = kafka_topic()
+    kafka = broker
+    topic = broker.new_topic()
     big, small = bad(41, BIG_RAW), bad(42, b"\xff{")
     spill = tmp_path / "deadletter-rank0.jsonl"
     sink = KafkaDeadLetterSink(

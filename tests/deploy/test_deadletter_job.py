@@ -1,10 +1,10 @@
 """`deadletter: kafka` with a bad record too large for the dead-letter topic, as users run it.
 
 The 900 KB record's envelope (1.8 MB as JSON) is more than a Kafka 0.9 broker
-takes. The job used to end with DeadLetterError and a traceback after having
-committed the record's offset: neither learned nor dead-lettered. Now the
-topic gets the envelope cut to fit, the run directory's spill file the whole
-record, and the job goes on.
+takes (run on Tansu, the modern protocol, as well). The job used to end with
+DeadLetterError and a traceback after having committed the record's offset:
+neither learned nor dead-lettered. Now the topic gets the envelope cut to fit,
+the run directory's spill file the whole record, and the job goes on.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import hashlib
 import itertools
 import json
 from pathlib import Path
-from typing import Any
 
 from connectors.deadletter import read_dead_letters
 from connectors.kafka import KafkaSource, KafkaSourceConfig, produce
@@ -25,9 +24,10 @@ from trainer.ledger import learned_ranges
 
 
 def test_an_oversize_bad_record_is_dead_lettered_cut_and_kept_whole(
-    tmp_path: Path, kafka: KafkaForTests, kafka_topic: Any
+    tmp_path: Path, broker: KafkaForTests
 ) -> None:
-    topic = kafka_topic(partitions=1)
+    kafka = broker
+    topic = broker.new_topic(partitions=1)
     kafka.create_topic(f"{topic}.deadletter")
     good = list(iter_json_lines(SyntheticConfig(seed=12), 600))
     big = b"{" + bytes(range(128, 256)) * 7200  # 921,601 bytes: not JSON

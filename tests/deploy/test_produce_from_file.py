@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +23,7 @@ from deploy.local.kafka import (
     free_port,
 )
 from tests.conftest import streamrec
-from tests.kafka_fixtures import KafkaForTests, read_partition
+from tests.kafka_fixtures import KafkaForTests
 
 
 def _version(kafka: KafkaForTests) -> str:
@@ -30,21 +31,32 @@ def _version(kafka: KafkaForTests) -> str:
 
 
 def _records_by_partition(kafka: KafkaForTests, topic: str) -> dict[int, list[Any]]:
-    """Every record of every partition of ``topic`` (kafka-python records), in offset order."""
+    """Every record of every partition of ``topic`` (kafka-python records), in offset order.
+
+    Read up to the high watermark each fetch reports: Tansu's ListOffsets does not
+    give the log end (see ``deploy.local.tansu``).
+    """
     from kafka import KafkaConsumer, TopicPartition
 
-    probe = KafkaConsumer(bootstrap_servers=kafka.bootstrap, api_version=kafka.api_version)
+    consumer = KafkaConsumer(
+        bootstrap_servers=kafka.bootstrap, api_version=kafka.api_version, enable_auto_commit=False
+    )
     try:
-        parts = sorted(probe.partitions_for_topic(topic) or ())
-        ends = probe.end_offsets([TopicPartition(topic, p) for p in parts])
+        parts = sorted(consumer.partitions_for_topic(topic) or ())
+        tps = [TopicPartition(topic, p) for p in parts]
+        consumer.assign(tps)
+        consumer.seek_to_beginning()
+        got: dict[int, list[Any]] = {p: [] for p in parts}
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            for tp, records in consumer.poll(timeout_ms=200).items():
+                got[tp.partition] += records
+            marks = [(consumer.position(tp), consumer.highwater(tp)) for tp in tps]
+            if all(hw is not None and at >= hw for at, hw in marks):
+                break
+        return got
     finally:
-        probe.close()
-    return {
-        p: read_partition(kafka.bootstrap, topic, p, ends[TopicPartition(topic, p)])
-        if ends[TopicPartition(topic, p)]
-        else []
-        for p in parts
-    }
+        consumer.close(autocommit=False)
 
 
 def _one_line_error(result: Any, *, waited: bool = False) -> str:
@@ -62,8 +74,9 @@ def _one_line_error(result: Any, *, waited: bool = False) -> str:
 
 
 @pytest.fixture
-def two_partitions(kafka: KafkaForTests) -> str:
-    """A 2-partition topic made with `streamrec kafka topic create`."""
+def two_partitions(broker: KafkaForTests) -> str:
+    """A 2-partition topic made with `streamrec kafka topic create`, on each broker."""
+    kafka = broker
     name = f"file-{uuid.uuid4().hex[:10]}"
     args = ["--bootstrap", kafka.bootstrap, "--api-version", _version(kafka)]
     if kafka.zookeeper is not None:
@@ -82,8 +95,9 @@ def _in_file_order(parts: dict[int, list[Any]], order: dict[bytes, int]) -> None
 
 
 def test_json_lines_go_in_once_each_in_file_order(
-    kafka: KafkaForTests, two_partitions: str, tmp_path: Path
+    broker: KafkaForTests, two_partitions: str, tmp_path: Path
 ) -> None:
+    kafka = broker
     n = 3000
     # Odd spacing and key order: the lines must arrive as they are, not re-encoded.
     lines = [f'{{"id": {i},  "click":{i % 2}, "C1":"u{i % 7}"}}'.encode() for i in range(n)]
@@ -109,8 +123,9 @@ def test_json_lines_go_in_once_each_in_file_order(
 
 
 def test_parquet_rows_go_in_as_json_objects_keyed_by_a_field(
-    kafka: KafkaForTests, two_partitions: str, tmp_path: Path
+    broker: KafkaForTests, two_partitions: str, tmp_path: Path
 ) -> None:
+    kafka = broker
     n = 2000
     table = pa.table(
         {
@@ -148,8 +163,9 @@ def test_parquet_rows_go_in_as_json_objects_keyed_by_a_field(
 
 
 def test_partition_pins_the_whole_file_in_order(
-    kafka: KafkaForTests, two_partitions: str, tmp_path: Path
+    broker: KafkaForTests, two_partitions: str, tmp_path: Path
 ) -> None:
+    kafka = broker
     lines = [json.dumps({"id": i}).encode() for i in range(300)]
     path = tmp_path / "pinned.json"
     path.write_bytes(b"\n".join(lines))  # no newline after the last line
@@ -167,8 +183,9 @@ def test_partition_pins_the_whole_file_in_order(
 
 
 def test_bad_input_is_one_clear_line(
-    kafka: KafkaForTests, two_partitions: str, tmp_path: Path
+    broker: KafkaForTests, two_partitions: str, tmp_path: Path
 ) -> None:
+    kafka = broker
     good = tmp_path / "ok.jsonl"
     good.write_text('{"id": 1}\n')
     url = f"kafka://{kafka.bootstrap}/{two_partitions}"
