@@ -1034,6 +1034,7 @@ class _RawReads:
         self.version = kafka_fetch.fetch_version(source.api_version())
         self.fixed_bytes: int | None = options.get("max_partition_fetch_bytes")
         self.min_bytes = int(options.get("fetch_min_bytes", 1))
+        self.at_once = False  # the next fetch asks for 1 byte (see step)
         self.max_wait_ms = int(options.get("fetch_max_wait_ms", _FETCH_MAX_WAIT_MS))
         self.check_crcs = bool(options.get("check_crcs", True))
         self.grow = 1  # doubles while one message is larger than a whole fetch
@@ -1065,7 +1066,7 @@ class _RawReads:
                 position,
                 max_bytes=max_bytes,
                 max_wait_ms=self.max_wait_ms,
-                min_bytes=self.min_bytes,
+                min_bytes=1 if self.at_once else self.min_bytes,
                 version=self.version,
             )
         )
@@ -1082,6 +1083,13 @@ class _RawReads:
             # NOT_LEADER, UNKNOWN_TOPIC_OR_PARTITION, ... are retriable (reset() forgets the
             # leader); OFFSET_OUT_OF_RANGE goes to read()'s own handling.
             raise for_code(part.error_code)(f"fetching {self.topic}/{self.partition} @{position}")
+        waited, self.at_once = self.at_once, False
+        if part.set_end == part.set_start and part.high_watermark > position and not waited:
+            # Nothing, though the log holds records here: a broker that answers a fetch
+            # whose min_bytes it does not reach with none of them (Tansu 0.6; Apache
+            # Kafka gives what it has). Ask again at once for whatever there is.
+            self.at_once = self.retry_now = True
+            return [], [], position
         try:
             found = kafka_fetch.parse_records(
                 body,
