@@ -21,7 +21,7 @@ from connectors.kafka import produce
 from deploy.local.kafka import free_port, pid_alive
 from deploy.local.tansu import API_VERSION
 from tests.conftest import REPO_ROOT, STREAMREC
-from tests.kafka_fixtures import read_partition
+from tests.kafka_fixtures import make_kafka_source
 
 
 def _cli(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -44,6 +44,17 @@ def state_dir(tmp_path: Path) -> Iterator[Path]:
         _cli(path, "down")
 
 
+def _read(bootstrap: str, topic: str) -> list[bytes]:
+    """Every record of partition 0 of ``topic``, through the job's own source."""
+    source = make_kafka_source(bootstrap, topic, api_version=API_VERSION)
+    try:
+        chunk = source.plan(f"{topic}/0", 0, 100)
+        assert chunk is not None
+        return list(source.read(chunk).payloads or [])
+    finally:
+        source.close()
+
+
 def _state(state_dir: Path) -> dict[str, object]:
     state: dict[str, object] = json.loads((state_dir / "tansu.json").read_text())
     return state
@@ -62,11 +73,18 @@ def test_up_is_idempotent_comes_back_after_kill_9_and_down_stops_it(state_dir: P
     assert isinstance(pid, int)
     assert pid_alive(pid)
     topic = f"t-{uuid.uuid4().hex[:8]}"
-    produce(bootstrap, topic, [b"a", b"b"], api_version=API_VERSION)
-    assert [r.value for r in read_partition(bootstrap, topic, 0, 2, api_version=API_VERSION)] == [
-        b"a",
-        b"b",
-    ]
+    # As the printed hint says: `kafka topic create` with the broker's --bootstrap.
+    made = subprocess.run(
+        [*STREAMREC, "kafka", "topic", "create", topic, "--bootstrap", bootstrap],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert made.returncode == 0, made.stderr
+    produce(bootstrap, topic, [b"a", b"b"], api_version=API_VERSION, partition=0)
+    assert _read(bootstrap, topic) == [b"a", b"b"]
 
     again = _cli(state_dir, "up")
     assert "already running" in again.stdout, again.stdout
@@ -80,7 +98,9 @@ def test_up_is_idempotent_comes_back_after_kill_9_and_down_stops_it(state_dir: P
     assert back.returncode == 0, back.stderr
     assert f"on {bootstrap}" in back.stdout
     assert "restarted on the same address" in back.stdout
-    produce(bootstrap, topic, [b"c"], api_version=API_VERSION)  # the broker answers there
+    # The broker answers there (its log was in memory: the topic is made again).
+    produce(bootstrap, topic, [b"c"], api_version=API_VERSION, partition=0)
+    assert _read(bootstrap, topic) == [b"c"]
     restarted = _state(state_dir)["pid"]
     assert isinstance(restarted, int)
     assert restarted != pid
