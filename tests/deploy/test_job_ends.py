@@ -98,12 +98,16 @@ def test_max_events_equal_to_the_topic_ends_by_itself(
 
 
 def test_max_events_cuts_a_chunk_at_the_budget_and_the_next_run_goes_on(
-    tmp_path: Path, broker: KafkaForTests
+    tmp_path: Path, kafka: KafkaForTests
 ) -> None:
-    """`--max-events 777` on a longer topic learns exactly 777; the next run resumes there."""
-    topic = broker.new_topic(partitions=2)
-    produce_in_blocks(broker, topic, 1600, 100)
-    job = kafka_job(tmp_path, broker.bootstrap, topic)
+    """`--max-events 777` on a longer topic learns exactly 777; the next run resumes there.
+
+    On Kafka 0.9 only: the tail of a Tansu topic is the test above's, and CI's time is
+    better spent there.
+    """
+    topic = kafka.new_topic(partitions=2)
+    produce_in_blocks(kafka, topic, 1600, 100)
+    job = kafka_job(tmp_path, kafka.bootstrap, topic)
     first = streamrec("run", str(job), "--max-events", "777", timeout=180)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "trained 777 samples" in first.stdout
