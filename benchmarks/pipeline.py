@@ -189,18 +189,11 @@ def _start_broker(kind: str, tmp: Path, stack: contextlib.ExitStack) -> Broker:
 
 
 def _new_topic(bootstrap: str, name: str, api_version: str) -> str:
-    """A topic of 2 partitions made through the admin API (brokers from 0.10.1)."""
-    from kafka.admin import KafkaAdminClient, NewTopic
-
-    from deploy.local.kafka import wait_for_partitions
+    """A topic of 2 partitions, ready (``streamrec kafka topic create``'s way)."""
+    from deploy.local.kafka import make_topic
 
     version = tuple(int(v) for v in api_version.split("."))
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap, api_version=version)
-    try:
-        admin.create_topics([NewTopic(name, 2, 1)])
-    finally:
-        admin.close()
-    wait_for_partitions(bootstrap, name, 2, api_version=version)
+    make_topic(bootstrap, name, 2, api_version=version)
     return name
 
 

@@ -20,19 +20,12 @@ import pytest
 from connectors.kafka import produce
 from deploy.local.kafka import free_port, pid_alive
 from deploy.local.tansu import API_VERSION
-from tests.conftest import REPO_ROOT, STREAMREC
+from tests.conftest import streamrec
 from tests.kafka_fixtures import make_kafka_source
 
 
 def _cli(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*STREAMREC, "kafka", *args, "--broker", "tansu", "--state-dir", str(state_dir)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return streamrec("kafka", *args, "--broker", "tansu", "--state-dir", str(state_dir))
 
 
 @pytest.fixture
@@ -74,14 +67,7 @@ def test_up_is_idempotent_comes_back_after_kill_9_and_down_stops_it(state_dir: P
     assert pid_alive(pid)
     topic = f"t-{uuid.uuid4().hex[:8]}"
     # As the printed hint says: `kafka topic create` with the broker's --bootstrap.
-    made = subprocess.run(
-        [*STREAMREC, "kafka", "topic", "create", topic, "--bootstrap", bootstrap],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    made = streamrec("kafka", "topic", "create", topic, "--bootstrap", bootstrap)
     assert made.returncode == 0, made.stderr
     produce(bootstrap, topic, [b"a", b"b"], api_version=API_VERSION, partition=0)
     assert _read(bootstrap, topic) == [b"a", b"b"]
@@ -124,13 +110,6 @@ def test_a_taken_port_and_storage_without_tansu_are_clear_errors(state_dir: Path
         taken = _cli(state_dir, "up", "--port", str(port))
     assert taken.returncode == 1
     assert f"port {port} is taken by pid {os.getpid()}" in taken.stderr
-    wrong = subprocess.run(
-        [*STREAMREC, "kafka", "up", "--storage", "memory://x/"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    wrong = streamrec("kafka", "up", "--storage", "memory://x/")
     assert wrong.returncode == 2
     assert "--storage is Tansu's" in wrong.stderr
