@@ -70,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import CRITEO_DENSE, CRITEO_SPARSE, criteo_spec, print_figures, write_json
 
-import connectors.codecs as codecs_module
+import connectors.codecs.json_lines as json_lines_module
 from connectors.codecs import ArrowIpcCodec, Codec, CriteoTsvCodec, JsonLinesCodec
 from connectors.types import BadRecord, Chunk, RawChunk
 from pipeline.spec import FeatureSpec
@@ -180,9 +180,9 @@ def python_baseline(payloads: list[bytes]) -> dict[str, list[Any]]:
 
 # --- library readers: drop-in replacements for the codec's scanner step ----------------------
 #
-# A reader gets what connectors.codecs._scan_json gets (the joined payloads, their starts, the
-# records to skip) and returns what it returns: a table of the records it read (the spec
-# schema), their indices, and the records it leaves to json.loads (which names the problem).
+# A reader gets what connectors.codecs.json_scan.scan_json gets (the joined payloads, their
+# starts, the records to skip) and returns what it returns: a table of the records it read (the
+# spec schema), their indices, and the records it leaves to json.loads (which names the problem).
 
 
 class _Bad:
@@ -375,12 +375,13 @@ def _arrow_lean_reader(
 @contextlib.contextmanager
 def scanner_replaced(reader: Reader) -> Iterator[None]:
     """``JsonLinesCodec.decode`` with ``reader`` in place of the scanner, for the block."""
-    original = codecs_module._scan_json
-    codecs_module._scan_json = reader
+    # Replaced where JsonLinesCodec.decode looks it up: in its own module.
+    original = json_lines_module.scan_json
+    json_lines_module.scan_json = reader
     try:
         yield
     finally:
-        codecs_module._scan_json = original
+        json_lines_module.scan_json = original
 
 
 def library_readers() -> tuple[dict[str, Reader], list[str]]:

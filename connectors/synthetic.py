@@ -51,10 +51,10 @@ import numpy.typing as npt
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from connectors.spec import DenseField, FeatureSpec, SparseField
 from connectors.types import Chunk, RawChunk
 from embedding_store.hashing import mix64, unit_float
 from embedding_store.types import TABLE_NAME_PATTERN, TableConfig
-from pipeline.spec import DenseField, FeatureSpec, SparseField
 from trainer.metrics import auc  # a numpy-only module: no torch at import
 
 NUM_DENSE = 13

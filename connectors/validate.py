@@ -38,7 +38,7 @@ Decisions:
 The good table holds the spec columns in spec order and ``__position``:
 
 >>> import pyarrow as pa
->>> from pipeline.spec import FeatureSpec
+>>> from connectors.spec import FeatureSpec
 >>> spec = FeatureSpec.model_validate({
 ...     "labels": ["click"],
 ...     "dense": [{"name": "price", "min_value": 0}],
@@ -72,8 +72,8 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from connectors.spec import DenseField, FeatureSpec, SparseField
 from connectors.types import BadRecord, RawChunk
-from pipeline.spec import DenseField, FeatureSpec, SparseField
 
 POSITION = "__position"
 """The int64 column of a good table that holds each record's source position."""
@@ -152,7 +152,7 @@ _SPARSE_TYPES: Final[Mapping[str, pa.DataType]] = MappingProxyType(
 def sparse_type(field: SparseField) -> pa.DataType:
     """The Arrow type of a sparse field's column.
 
-    >>> from pipeline.spec import SparseField
+    >>> from connectors.spec import SparseField
     >>> sparse_type(SparseField(name="tags", table="t", type="list_int"))
     ListType(list<item: int64>)
     """

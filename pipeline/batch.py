@@ -8,7 +8,7 @@ and ``unique_ids`` lists each id once, in order of first appearance, so the
 same table always gives the same batch.
 
 >>> import pyarrow as pa
->>> from pipeline.spec import FeatureSpec
+>>> from connectors.spec import FeatureSpec
 >>> spec = FeatureSpec.model_validate({
 ...     "labels": ["click"],
 ...     "dense": [{"name": "price", "transform": "log1p"}],
@@ -34,8 +34,8 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from connectors.spec import FeatureSpec
 from pipeline.hashing import U64, FieldHasher
-from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch, TableBatch
 
 F32 = npt.NDArray[np.float32]
@@ -203,7 +203,7 @@ def _as_float64(col: pa.ChunkedArray, name: str, role: str, fill: float | None) 
 def label_matrix(table: pa.Table, spec: FeatureSpec) -> F32:
     """The labels as float32 ``[B, T]``, in spec order (booleans read as 0/1).
 
-    >>> from pipeline.spec import FeatureSpec
+    >>> from connectors.spec import FeatureSpec
     >>> spec = FeatureSpec(labels=["click", "buy"])
     >>> label_matrix(pa.table({"buy": [False, True], "click": [1, 1]}), spec).tolist()
     [[1.0, 0.0], [1.0, 1.0]]
@@ -224,7 +224,7 @@ def dense_matrix(table: pa.Table, spec: FeatureSpec) -> F32:
     out of ``[min_value, max_value]`` never reaches here. The arithmetic is
     float64, rounded to float32 once at the end.
 
-    >>> from pipeline.spec import FeatureSpec
+    >>> from connectors.spec import FeatureSpec
     >>> spec = FeatureSpec.model_validate({"labels": ["y"], "dense": [
     ...     {"name": "n", "fill": -3.0, "transform": "signed_log1p", "clip_min": -1.0}]})
     >>> dense_matrix(pa.table({"n": [None, 0.0, float(np.e - 1)]}), spec).round(3).tolist()
@@ -255,7 +255,7 @@ def build_batch(table: pa.Table, spec: FeatureSpec) -> PreparedBatch:
     their defaults for the caller to set.
 
     >>> import pyarrow as pa
-    >>> from pipeline.spec import FeatureSpec
+    >>> from connectors.spec import FeatureSpec
     >>> spec = FeatureSpec.model_validate({"labels": ["y"], "sparse": [
     ...     {"name": "tags", "table": "tags", "type": "list_int", "pooling": "mean"}]})
     >>> t = build_batch(pa.table({"y": [1.0, 0.0], "tags": [[5, 6, 5], None]}), spec)

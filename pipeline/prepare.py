@@ -17,12 +17,12 @@ from typing import Any
 from distributed import Worker, WorkerPlugin, get_worker
 
 from connectors.codecs import Codec
+from connectors.spec import FeatureSpec
 from connectors.types import BadRecord, Chunk, Source
 from connectors.validate import count_reasons, validate
 from embedding_store.client import StoreClient
 from embedding_store.types import RowDtype
 from pipeline.batch import build_batch
-from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch
 
 PLUGIN_NAME = "streamrec-store"

@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 from distributed import Client, Future, wait
 
 from connectors.codecs import Codec
+from connectors.spec import FeatureSpec
 from connectors.types import BadRecord, Chunk, DeadLetterSink, Source
 from pipeline.prepare import StoreAddress, StoreClientPlugin, prepare
-from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch
 
 Prepared = tuple[PreparedBatch, list[BadRecord]]

@@ -17,7 +17,7 @@ import json
 import math
 from typing import Any
 
-from pipeline.spec import FeatureSpec
+from connectors.spec import FeatureSpec
 
 
 def feature_spec(*, price_max: float = 1000, max_len: int = 3, **options: Any) -> FeatureSpec:

@@ -31,9 +31,9 @@ from connectors.codecs import (
     make_codec,
 )
 from connectors.deadletter import CountingDeadLetterSink, JsonlDeadLetterSink, read_dead_letters
+from connectors.spec import FeatureSpec
 from connectors.types import BadRecord, Chunk, RawChunk
 from connectors.validate import POSITION, REASONS, count_reasons, spec_schema
-from pipeline.spec import FeatureSpec
 from tests.connectors.bad_records import I64_MAX, JSON_BAD, SPEC, base, j, value_reason
 
 # Criteo TSV has no list fields.

@@ -23,6 +23,7 @@ from connectors.deadletter import (
     NullDeadLetterSink,
     read_dead_letters,
 )
+from connectors.spec import FeatureSpec
 from connectors.types import BadRecord, Chunk, RawChunk
 from connectors.validate import (
     POSITION,
@@ -34,7 +35,6 @@ from connectors.validate import (
     spec_schema,
     validate,
 )
-from pipeline.spec import FeatureSpec
 from tests.connectors.bad_records import feature_spec, value_reason
 
 SPEC = feature_spec(price_max=10, max_len=2)

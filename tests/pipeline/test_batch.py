@@ -17,8 +17,8 @@ import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 
+from connectors.spec import DenseField, FeatureSpec
 from pipeline.batch import build_batch, dedup, dense_matrix, label_matrix
-from pipeline.spec import DenseField, FeatureSpec
 from pipeline.types import PreparedBatch
 from tests.pipeline.test_hashing import ref_record_ids, ref_string_id
 
