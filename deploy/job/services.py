@@ -1,0 +1,175 @@
+"""The services a job trains against: store shards and a Dask cluster, started or checked.
+
+A job names the ones it does not want started here (``cluster.scheduler``,
+``cluster.store``); those are checked before anything trains against them.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Mapping
+from contextlib import ExitStack
+from dataclasses import dataclass
+from dataclasses import field as dc_field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from deploy.cluster import ClusterError, check_scheduler, check_store, environment, store_token
+from deploy.config import ClusterConfig, JobConfig
+from deploy.job.errors import JobError
+from monitoring.plugin import StreamrecPlugin
+
+if TYPE_CHECKING:
+    from distributed import Client
+
+    from deploy.local.shards import ShardSupervisor
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Services:
+    """Where a running job's parts are: the Dask scheduler and the store."""
+
+    scheduler: str
+    dashboard: str | None
+    store: str
+    token: str | None
+    store_metrics: tuple[str, ...] = ()  # each local shard's Prometheus /metrics URL
+    # Restarts local shards that die; lives in the job's process only (not pickled).
+    supervisor: ShardSupervisor | None = dc_field(default=None, compare=False, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "supervisor": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+
+def check_named_services(job: JobConfig, store: str, token: str | None) -> None:
+    """Refuse to start when a service the job names does not answer or does not fit it."""
+    try:
+        if job.cluster.scheduler is not None:
+            check_scheduler(job.cluster.scheduler)
+        if job.cluster.store is not None:
+            check_store(job, store, token)
+    except ClusterError as exc:
+        raise JobError(str(exc)) from None
+
+
+def start_services(
+    job: JobConfig, stack: ExitStack, *, env: Mapping[str, str] | None = None
+) -> Services:
+    """Start the shards and the Dask cluster the job does not name; ``stack`` stops them.
+
+    Services the job names (``cluster.scheduler``, ``cluster.store``) are checked
+    first: a wrong address, token or table schema is a :class:`JobError`.
+    """
+    run_dir = job.run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    job_file = run_dir / "job.yaml"
+    job_file.write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
+    supervisor: ShardSupervisor | None = None
+    if job.cluster.store is None:
+        token_file = job.cluster.token_file
+        if token_file is None:
+            token_file = _local_token_file(run_dir)
+        store, store_metrics, supervisor = _start_shards(job, job_file, token_file, stack)
+        token: str | None = token_file.read_text().strip()
+    else:
+        store, store_metrics = job.cluster.store, ()
+        token = store_token(job, env if env is not None else environment())
+    check_named_services(job, store, token)
+    if job.cluster.scheduler is not None:
+        return Services(job.cluster.scheduler, None, store, token, store_metrics, supervisor)
+    scheduler, dashboard = _start_dask(job, stack)
+    return Services(scheduler, dashboard, store, token, store_metrics, supervisor)
+
+
+def _local_token_file(run_dir: Path) -> Path:
+    """The run's own store token (made once, kept for restarts of the same run)."""
+    token_file = run_dir / "store.token"
+    if not token_file.exists():
+        token_file.write_text(secrets.token_hex(16))
+        token_file.chmod(0o600)
+    return token_file
+
+
+def _start_shards(
+    job: JobConfig, job_file: Path, token_file: Path, stack: ExitStack
+) -> tuple[str, tuple[str, ...], ShardSupervisor]:
+    """Start the job's store shard processes: their address, metrics URLs and supervisor."""
+    from deploy.local.shards import ShardProcess, ShardSupervisor
+
+    shards = []
+    for i in range(job.cluster.store_shards):
+        shard = ShardProcess.start(
+            job_file,
+            job.run_dir / "store" / f"shard-{i:03d}",
+            token_file=token_file,
+            die_with_parent=True,
+            metrics_port=0 if job.cluster.store_metrics else None,
+        )
+        stack.callback(shard.stop)
+        shards.append(shard)
+    store = "grpc://" + ",".join(s.address for s in shards)
+    store_metrics = tuple(s.metrics_url for s in shards if s.metrics_url)
+    supervisor = ShardSupervisor(shards)
+    # Stops the shards as they are then (restarted ones included), before the
+    # callbacks above reach the original processes.
+    stack.callback(supervisor.stop)
+    return store, store_metrics, supervisor
+
+
+def _start_dask(job: JobConfig, stack: ExitStack) -> tuple[str, str | None]:
+    """Start a local Dask cluster with the streamrec page: its scheduler and dashboard."""
+    from distributed import Client
+
+    from deploy.local.dask_cluster import local_dask_cluster
+
+    cluster = stack.enter_context(
+        local_dask_cluster(
+            workers=job.cluster.workers,
+            threads_per_worker=job.cluster.threads_per_worker,
+            dashboard_address=job.cluster.dashboard_address,
+            log_path=job.run_dir / "dask-scheduler.log",
+            scheduler_process=job.cluster.scheduler_process,
+        )
+    )
+    # Before the page's address is printed: it used to answer 404 for seconds, until
+    # the first rank registered the plugin.
+    with Client(cluster, timeout=30) as client:
+        install_page(client)
+    return cluster.scheduler_address, cluster.dashboard_link
+
+
+def batch_client(cluster: ClusterConfig, scheduler: str) -> Client:
+    """The trainer's Dask client: it fetches each prepared batch from the worker that made it.
+
+    Through the scheduler (``cluster.direct_to_workers: false``) every batch, about
+    2 MB, is pickled in-band (the scheduler's comms speak pickle protocol 4) and
+    relayed once more: about 5% of a small model's rate on 2 cores. A worker the
+    trainer cannot reach still answers through the scheduler (Dask falls back).
+    """
+    from distributed import Client
+
+    return Client(scheduler, direct_to_workers=cluster.direct_to_workers)
+
+
+def install_page(client: Any) -> None:
+    """Serve the "streamrec" dashboard page and metrics from the client's scheduler.
+
+    Idempotent (the first registration stays). A scheduler that cannot load the
+    plugin (an external one without streamrec installed) costs a warning, not the job.
+    """
+    try:
+        client.register_plugin(StreamrecPlugin())
+    except Exception as exc:
+        log.warning(
+            "the Dask scheduler could not load the streamrec plugin (%s): no /streamrec "
+            "page and no streamrec_ metrics; install streamrec where it runs",
+            exc,
+        )
