@@ -106,9 +106,9 @@ class Serving:
     """Replicas of the job's shards, a prediction server over them, and a client."""
 
     def __init__(self, job_path: Path, store: str, token_file: Path, work: Path, rate: float):
+        from deploy.cli.serve import ServingStack
         from deploy.config import load_config
         from deploy.local.shards import ShardProcess
-        from deploy.serve_cli import ServingStack
         from deploy.store_server import read_token
 
         self.replicas = [

@@ -506,8 +506,8 @@ def make_job(
     bf16: bool = False,
     fresh_rows: str = "bounded",
 ) -> Any:
+    from deploy.cli.train import demo_job
     from deploy.config import JobConfig
-    from deploy.train_cli import demo_job
 
     base = demo_job(run_dir, events=samples, partitions=PARTITIONS, seed=seed, dim=DIM)
     raw = base.model_dump(mode="json")

@@ -166,8 +166,8 @@ def write_job(
     """
     import yaml
 
+    from deploy.cli.train import demo_job
     from deploy.config import JobConfig
-    from deploy.train_cli import demo_job
 
     raw = demo_job(
         tmp / "runs" / name, events=events or 1, partitions=PARTITIONS, seed=SEED, dim=DIM

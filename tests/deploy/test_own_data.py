@@ -113,7 +113,7 @@ def test_the_demo_hint_for_kafka_works_as_printed(tmp_path: Path) -> None:
     They run here as printed, against examples/kafka.yaml, with 3,000 events
     instead of 200,000, on a free port instead of 9092.
     """
-    from deploy.train_cli import demo_next_steps
+    from deploy.cli.train import demo_next_steps
 
     hint = next(
         line for line in demo_next_steps(Path("runs/demo")).splitlines() if "from Kafka" in line

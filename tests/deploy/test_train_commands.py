@@ -21,7 +21,7 @@ from connectors.synthetic import (
     synthetic_store_section,
     write_parquet,
 )
-from deploy.train_cli import ProgressLine, demo_job
+from deploy.cli.train import ProgressLine, demo_job
 from embedding_store.location import Location
 from tests.conftest import streamrec, write_synthetic_job
 from tests.kafka_fixtures import KafkaForTests

@@ -156,8 +156,8 @@ def test_bad_thread_or_chunk_counts_are_refused() -> None:
 def test_the_job_splits_the_step_where_it_shares_two_cores(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from deploy.cli.train import demo_job
     from deploy.job import SPLIT_MIN_WORK, step_threads_for
-    from deploy.train_cli import demo_job
 
     job = demo_job(tmp_path, events=1000, partitions=2, seed=0, dim=4)
     raw = job.model_dump(mode="json")

@@ -1,4 +1,5 @@
-"""``streamrec score`` and ``streamrec evaluate``: a file scored with a job's parameters."""
+"""``streamrec score``, ``evaluate`` and ``serve``: a file scored, or predictions served over
+HTTP, with a job's parameters."""
 
 from __future__ import annotations
 
@@ -192,7 +193,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_commands(sub: Any) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``score`` and ``evaluate`` to the ``streamrec`` parser."""
     score = sub.add_parser(
         "score",
@@ -469,7 +470,7 @@ def _example_record(job: Any) -> str:
     return json.dumps(body, separators=(",", ":"))
 
 
-def add_serve_command(sub: Any) -> None:
+def add_serve_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``serve`` to the ``streamrec`` parser."""
     serve = sub.add_parser(
         "serve",

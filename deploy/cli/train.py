@@ -157,7 +157,7 @@ def _train(
         for i, url in enumerate(services.store_metrics):
             print(f"store shard {i} metrics: {url}")
         if serve_port is not None:
-            from deploy.serve_cli import ServingBeside
+            from deploy.cli.serve import ServingBeside
 
             token_file = job.cluster.token_file or job.run_dir / "store.token"
             beside.append(
@@ -325,7 +325,7 @@ def _add_limits(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-time", type=float, default=None, help="stop after N seconds")
 
 
-def add_commands(sub: Any) -> None:
+def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``demo``, ``run`` and ``backfill`` to the ``streamrec`` parser."""
     demo = sub.add_parser(
         "demo",

@@ -1,0 +1,7 @@
+"""``python -m deploy.cli ...``: the ``streamrec`` command (torchrun ranks start it so)."""
+
+import sys
+
+from deploy.cli import main
+
+sys.exit(main())
