@@ -21,8 +21,6 @@ from kafka import KafkaConsumer
 
 from connectors.kafka import produce
 from deploy.local.kafka import (
-    _BROKER_MAIN,
-    _ZK_MAIN,
     API_VERSION,
     REPO_ROOT,
     down,
@@ -30,6 +28,7 @@ from deploy.local.kafka import (
     pid_alive,
     up,
 )
+from deploy.local.kafka.broker import _BROKER_MAIN, _ZK_MAIN
 from tests.kafka_fixtures import KafkaForTests, read_partition
 
 
