@@ -383,7 +383,9 @@ class KafkaSourceConfig(BaseModel):
     (file paths rather than an ``ssl_context``): the source travels to workers.
     The raw reader (``reader: raw``) honours the consumer's fetch tuning too:
     ``max_partition_fetch_bytes`` (a fixed fetch size instead of one sized to the
-    chunk), ``fetch_min_bytes``, ``fetch_max_wait_ms`` and ``check_crcs``.
+    chunk), ``fetch_min_bytes``, ``fetch_max_wait_ms``, ``check_crcs`` and
+    ``isolation_level`` (``read_committed``: chunks end at the last stable offset,
+    and the records of aborted transactions are not delivered).
 
     >>> try:
     ...     KafkaSourceConfig(bootstrap_servers="k:9092", topics=["t"], group_id="g", max_record=5)
@@ -409,9 +411,10 @@ class KafkaSourceConfig(BaseModel):
         "raw",
         description=(
             "how workers read chunks: 'raw' sends Kafka's Fetch request itself and parses "
-            "the message set in one compiled pass (connectors.kafka_fetch; several times "
-            "faster), for brokers before 0.11 over PLAINTEXT; compressed message sets, "
-            "TLS/SASL, proxies and newer brokers are read with kafka-python all the same. "
+            "what it returns in one compiled pass (connectors.kafka_fetch; several times "
+            "faster) over PLAINTEXT: legacy message sets and record batches, compressed "
+            "batches inflated; compressed legacy message sets, TLS/SASL and proxies are "
+            "read with kafka-python all the same. "
             "'kafka-python': always a KafkaConsumer (one Python object per record)"
         ),
     )
@@ -695,34 +698,49 @@ class KafkaSource:
         Apache Kafka gives the same in both. A broker that answers ListOffsets with
         the newest record batch's base offset plus one (Tansu 0.6) would leave the
         rest of that batch unplanned until more records come, and a job told to
-        stop after them (``--max-events``) would wait for good.
+        stop after them (``--max-events``) would wait for good. Read committed
+        (``client_options: {isolation_level: read_committed}``) it is the last
+        stable offset, where the first transaction still open begins.
         """
         end = self._offset(partition, "end")
         if self.api_version() < (0, 11) or not self._plain_connection():
             return end  # no record batches before 0.11; TLS/SASL: kafka-python's answer
         topic, number = split_partition(partition)
         try:
-            return max(end, self._high_watermark(topic, number, end))
+            fetched = self._high_watermark(topic, number, end)
+            if self._isolation() == kafka_fetch.READ_COMMITTED and fetched >= 0:
+                # The last stable offset: an open transaction's records wait for its end.
+                return fetched
+            return max(end, fetched)
         except (OSError, _Transient) as exc:
             # ListOffsets' answer stands; the next plan asks again.
             log.debug("no high watermark of %s (%r): the log end is %d", partition, exc, end)
             self._forget(topic, number)
             return end
 
+    def _isolation(self) -> int:
+        """The Fetch isolation level that ``client_options``' ``isolation_level`` asks for."""
+        committed = self.config.client_options.get("isolation_level") == "read_committed"
+        return kafka_fetch.READ_COMMITTED if committed else kafka_fetch.READ_UNCOMMITTED
+
     def _high_watermark(self, topic: str, partition: int, offset: int) -> int:
-        """The high watermark a Fetch from ``offset`` reports (-1: the broker said no)."""
+        """The high watermark a Fetch from ``offset`` reports, read committed its last
+        stable offset (-1: the broker said no)."""
         version = kafka_fetch.fetch_version(self.api_version())
+        isolation = self._isolation()
         conn = self._connection(*self._leader(topic, partition))
         body = conn.request(
             lambda cid: kafka_fetch.encode_fetch_request(
                 # min_bytes 0: an answer at once; max_wait 1, not 0, which Tansu
                 # answers with no partitions at all.
                 cid, topic, partition, offset, max_bytes=1, max_wait_ms=1, min_bytes=0,
-                version=version,
+                version=version, isolation_level=isolation,
             )
         )  # fmt: skip
         for part in kafka_fetch.decode_fetch_response(body, version):
             if part.topic == topic and part.partition == partition and part.error_code == 0:
+                if isolation == kafka_fetch.READ_COMMITTED:
+                    return part.last_stable_offset
                 return part.high_watermark
         return -1
 
@@ -1037,6 +1055,7 @@ class _RawReads:
         self.at_once = False  # the next fetch asks for 1 byte (see step)
         self.max_wait_ms = int(options.get("fetch_max_wait_ms", _FETCH_MAX_WAIT_MS))
         self.check_crcs = bool(options.get("check_crcs", True))
+        self.isolation = source._isolation()
         self.grow = 1  # doubles while one message is larger than a whole fetch
         self.hand_over = False
         self.retry_now = False
@@ -1068,6 +1087,7 @@ class _RawReads:
                 max_wait_ms=self.max_wait_ms,
                 min_bytes=1 if self.at_once else self.min_bytes,
                 version=self.version,
+                isolation_level=self.isolation,
             )
         )
         answer = [
@@ -1108,10 +1128,18 @@ class _RawReads:
         if found.bad_crcs:
             bad = found.bad_crcs
             raise CorruptRecordError(f"{self.topic}/{self.partition}: offsets {bad[:5]} fail CRC")
-        after = int(found.offsets[-1]) + 1 if len(found) else position
+        # Past the last entry read whole: records, or a transaction marker holding none
+        # (a chunk that ends on a marker would otherwise never be read to its end).
+        after = max(int(found.offsets[-1]) + 1 if len(found) else position, found.next_offset)
+        after = min(after, end)
         if len(found):
             spent = found.stop - part.set_start
             self.source._record_bytes = spent / len(found)
+        if part.aborted:
+            # Read committed: the records of aborted transactions are not delivered.
+            found = found.without(
+                kafka_fetch.aborted_ranges(body, part.set_start, part.set_end, part.aborted)
+            )
         if found.status == "past":
             after = end  # the next record is past the chunk (compaction may leave gaps)
         elif found.status in ("compressed", "corrupt"):

@@ -65,6 +65,10 @@ _CODEC_MASK = 0x07
 # epoch 2, base sequence 4, record count 4.
 _BATCH_HEAD = 49
 _CONTROL_BATCH = 0x20  # a transaction marker, not data
+_TRANSACTIONAL_BATCH = 0x10  # records of a transaction (committed or aborted by a marker)
+_NO_PRODUCER = -1
+# A Fetch's isolation level (v4 on): every record, or only those of committed transactions.
+READ_UNCOMMITTED, READ_COMMITTED = 0, 1
 # The smallest record: length, attributes, timestamp and offset deltas, key and
 # value lengths, header count.
 _MIN_RECORD = 7
@@ -128,13 +132,16 @@ def encode_fetch_request(
     max_wait_ms: int,
     min_bytes: int = 1,
     version: int = 1,
+    isolation_level: int = READ_UNCOMMITTED,
 ) -> bytes:
     """A Fetch request (v0-v4) for one topic-partition from ``offset``, size-prefixed.
 
     The broker answers once it has ``min_bytes`` or after ``max_wait_ms``, with at
     most ``max_bytes`` of the partition's log (possibly ending in a partial message).
-    From v3 the response as a whole is capped at ``max_bytes`` too; v4 reads
-    uncommitted (isolation level 0), as kafka-python's consumer does by default.
+    From v3 the response as a whole is capped at ``max_bytes`` too. From v4 it
+    carries an ``isolation_level``: uncommitted by default, as kafka-python's
+    consumer reads; :data:`READ_COMMITTED` makes the broker report the last stable
+    offset and the aborted transactions among the records it returns.
 
     >>> req = encode_fetch_request(7, "t", 0, 42, max_bytes=1024, max_wait_ms=100)
     >>> len(req), req[4:6], req[-12:]
@@ -148,7 +155,7 @@ def encode_fetch_request(
     body = (
         struct.pack(">iii", -1, max_wait_ms, min_bytes)  # replica id -1: a consumer
         + (struct.pack(">i", max_bytes) if version >= 3 else b"")
-        + (struct.pack(">b", 0) if version >= 4 else b"")
+        + (struct.pack(">b", isolation_level) if version >= 4 else b"")
         + struct.pack(">i", 1)
         + _string(topic.encode())
         + struct.pack(">iiqi", 1, partition, offset, max_bytes)
@@ -240,6 +247,8 @@ class FetchedPartition:
     set_start: int
     set_end: int
     last_stable_offset: int = -1  # v4 on: where committed transactions end
+    # v4 read_committed: (producer id, first offset) of each aborted transaction in the set.
+    aborted: tuple[tuple[int, int], ...] = ()
 
 
 def decode_fetch_response(
@@ -256,8 +265,9 @@ def decode_fetch_response(
     >>> part.error_code, part.high_watermark, body[part.set_start : part.set_end]
     (0, 10, b'abc')
 
-    From v4 each partition also carries its last stable offset and the aborted
-    transactions in the records returned (skipped here: this reader reads uncommitted).
+    From v4 each partition also carries its last stable offset and, read
+    committed, the aborted transactions among the records returned (see
+    :func:`aborted_ranges`).
     """
     cur = _Cursor(body, 4)
     if version >= 1:
@@ -268,10 +278,12 @@ def decode_fetch_response(
         for _ in range(cur.int(">i")):
             partition, error, high_watermark = cur.take(">ihq")
             stable = -1
+            aborted: tuple[tuple[int, int], ...] = ()
             if version >= 4:
                 stable = cur.int(">q")
-                aborted = cur.int(">i")  # -1: null
-                cur.pos += 16 * max(aborted, 0)  # producer id, first offset
+                count = cur.int(">i")  # -1: null
+                pairs = [cur.take(">qq") for _ in range(max(count, 0))]
+                aborted = tuple((producer, first) for producer, first in pairs)
             size = cur.int(">i")
             start = cur.pos
             if size < 0 or start + size > len(body):
@@ -279,7 +291,9 @@ def decode_fetch_response(
                 raise ProtocolError(msg)
             cur.pos += size
             out.append(
-                FetchedPartition(topic, partition, error, high_watermark, start, cur.pos, stable)
+                FetchedPartition(
+                    topic, partition, error, high_watermark, start, cur.pos, stable, aborted
+                )
             )
     return out
 
@@ -443,6 +457,7 @@ def _scan(
     crc_starts: I64,
     crcs: I64,
     batches: I64,
+    passed: I64,
 ) -> tuple[int, int, int, int]:
     """Messages of ``data[start:end]`` with offsets in ``[from_offset, to_offset)``.
 
@@ -451,7 +466,8 @@ def _scan(
     compressed wrapper or batch that may hold wanted offsets, at a partial tail,
     or at bytes that are no message. Each record batch (magic 2) read from is a
     row of ``batches``: where its CRC-32C's bytes begin and end, its CRC, and the
-    index of its first record taken.
+    index of its first record taken. ``passed[0]``: the last offset of the last
+    entry parsed whole, records taken or not (a transaction marker holds none).
     """
     k = 0
     n = 0
@@ -490,6 +506,7 @@ def _scan(
                 )  # fmt: skip
                 if status != _END:
                     return n, p, status, k
+            passed[0] = last
             p = m + size
             continue
         if n == offsets.shape[0]:
@@ -522,6 +539,7 @@ def _scan(
             crc_starts[n] = m + 4
             crcs[n] = _u32(data, m)
             n += 1
+        passed[0] = offset
         p = m + size
 
 
@@ -544,6 +562,9 @@ class MessageSet:
     crcs: I64
     stop: int
     status: ParseStatus
+    # One past the last offset of the last entry parsed whole (0: none), records taken or
+    # not: a read goes on from there past a transaction marker, which holds no record.
+    next_offset: int = 0
 
     def __len__(self) -> int:
         return int(self.offsets.shape[0])
@@ -609,9 +630,10 @@ def parse_message_set(
     crc_starts = np.empty(room, dtype=np.int64)
     crcs = np.empty(room, dtype=np.int64)
     batches = np.empty((max(1, (stop_at - start) // (_ENTRY_HEADER + _BATCH_HEAD)), 4), np.int64)
+    passed = np.full(1, -1, dtype=np.int64)
     n, stop, status, k = _scan(
         buf, start, stop_at, from_offset, to_offset, offsets, value_starts, value_ends,
-        crc_starts, crcs, batches,
+        crc_starts, crcs, batches, passed,
     )  # fmt: skip
     if check_crcs:
         view = memoryview(buf.data)
@@ -627,6 +649,7 @@ def parse_message_set(
         crcs[:n].copy(),
         int(stop),
         _STATUS[status],
+        int(passed[0]) + 1,
     )
 
 
@@ -691,9 +714,121 @@ class Records:
     stop: int
     status: ParseStatus
     bad_crcs: list[int]
+    next_offset: int = 0  # as MessageSet's
 
     def __len__(self) -> int:
         return int(self.offsets.shape[0])
+
+    def without(self, ranges: list[tuple[int, int]]) -> Records:
+        """These records less those with an offset in one of ``ranges`` (``[start, end)``,
+        sorted, not overlapping), as :func:`aborted_ranges` gives them.
+
+        >>> found = Records(np.arange(5, dtype=np.int64), [b"a", b"b", b"c", b"d", b"e"],
+        ...                 0, "end", [])
+        >>> kept = found.without([(1, 3)])
+        >>> kept.offsets.tolist(), kept.payloads
+        ([0, 3, 4], [b'a', b'd', b'e'])
+        """
+        if not ranges or not len(self):
+            return self
+        starts = np.array([s for s, _ in ranges], dtype=np.int64)
+        ends = np.array([e for _, e in ranges], dtype=np.int64)
+        # The range starting at or before each offset, if any, and whether it covers it.
+        at = np.searchsorted(starts, self.offsets, side="right") - 1
+        keep = (at < 0) | (self.offsets >= ends[np.maximum(at, 0)])
+        payloads = [p for p, k in zip(self.payloads, keep.tolist(), strict=True) if k]
+        return Records(
+            self.offsets[keep], payloads, self.stop, self.status, self.bad_crcs, self.next_offset
+        )
+
+
+def aborted_ranges(
+    data: bytes | bytearray | memoryview,
+    start: int,
+    end: int,
+    aborted: tuple[tuple[int, int], ...],
+) -> list[tuple[int, int]]:
+    """The offsets ``[base, last + 1)`` of the record batches in ``data[start:end]`` that
+    belong to aborted transactions, from a read-committed Fetch's list of them
+    (``(producer id, first offset)``, :class:`FetchedPartition`'s ``aborted``).
+
+    Kafka's consumer's rule: a producer's transactional batches are aborted from
+    the first offset of one of its aborted transactions until its ABORT marker
+    (a control batch). Only batch heads are read, compressed batches' included;
+    a partial batch at the end is left to the next fetch.
+
+    >>> from kafka.record.default_records import DefaultRecordBatchBuilder
+    >>> def batch(base: int, producer: int, n: int) -> bytes:
+    ...     b = DefaultRecordBatchBuilder(2, 0, True, producer, 0, 0, 1 << 20)
+    ...     for i in range(n):
+    ...         b.append(i, timestamp=0, key=None, value=b"v", headers=[])
+    ...     return struct.pack(">q", base) + bytes(b.build())[8:]
+    >>> data = batch(0, 7, 2) + batch(2, 8, 3) + batch(5, 7, 1)
+    >>> aborted_ranges(data, 0, len(data), ((7, 0),))
+    [(0, 2), (5, 6)]
+    >>> aborted_ranges(data, 0, len(data), ())
+    []
+    """
+    if not aborted:
+        return []
+    waiting = sorted(aborted, key=lambda a: a[1])  # by first offset
+    aborting: set[int] = set()
+    out: list[tuple[int, int]] = []
+    view = memoryview(data)
+    p = start
+    while p + _ENTRY_HEADER <= end:
+        base, size = struct.unpack_from(">qi", view, p)
+        m = p + _ENTRY_HEADER
+        if size < _MIN_MESSAGE or m + size > end:
+            break
+        if view[m + 4] != 2 or size < _BATCH_HEAD:
+            p = m + size  # a legacy message: no transactions
+            continue
+        flags, last_delta = struct.unpack_from(">hi", view, m + 9)
+        (producer,) = struct.unpack_from(">q", view, m + 31)
+        last = base + last_delta
+        if producer != _NO_PRODUCER:
+            while waiting and waiting[0][1] <= last:
+                aborting.add(waiting.pop(0)[0])
+            if flags & _CONTROL_BATCH:
+                if _is_abort_marker(view, m + _BATCH_HEAD, m + size):
+                    aborting.discard(producer)
+            elif flags & _TRANSACTIONAL_BATCH and producer in aborting:
+                if out and out[-1][1] == base:
+                    out[-1] = (out[-1][0], last + 1)
+                else:
+                    out.append((base, last + 1))
+        p = m + size
+    return out
+
+
+def _is_abort_marker(view: memoryview, q: int, end: int) -> bool:
+    """Whether the control record at ``view[q:end]`` is an ABORT marker: its key is a
+    version (int16) and a type (int16), 0 for ABORT and 1 for COMMIT."""
+    try:
+        _, q = _zigzag(view, q)  # the record's length
+        q += 1  # attributes
+        _, q = _zigzag(view, q)  # timestamp delta
+        _, q = _zigzag(view, q)  # offset delta
+        key_len, q = _zigzag(view, q)
+        if key_len < 4 or q + 4 > end:
+            return False
+        (kind,) = struct.unpack_from(">h", view, q + 2)
+    except (IndexError, struct.error):
+        return False
+    return bool(kind == 0)
+
+
+def _zigzag(view: memoryview, q: int) -> tuple[int, int]:
+    """The zigzag varint at ``view[q:]`` and where it ends (Python's, for a few per fetch)."""
+    raw = shift = 0
+    while True:
+        byte = view[q]
+        raw |= (byte & 0x7F) << shift
+        q += 1
+        if not byte & 0x80:
+            return (raw >> 1) ^ -(raw & 1), q
+        shift += 7
 
 
 def parse_records(
@@ -717,10 +852,12 @@ def parse_records(
     payloads: list[bytes] = []
     bad: list[int] = []
     at = start
+    passed = 0
     while True:
         found = parse_message_set(
             data, at, end, from_offset=from_offset, to_offset=to_offset, check_crcs=check_crcs
         )
+        passed = max(passed, found.next_offset)
         offsets.append(found.offsets)
         payloads += found.payloads(data)
         if check_crcs:
@@ -742,7 +879,8 @@ def parse_records(
         if got.status != "end":
             status = "corrupt"
             break
-    return Records(np.concatenate(offsets), payloads, stop, status, bad)
+        passed = max(passed, got.next_offset)
+    return Records(np.concatenate(offsets), payloads, stop, status, bad, passed)
 
 
 def encode_message(
