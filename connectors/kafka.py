@@ -726,9 +726,11 @@ class KafkaSource:
     def _high_watermark(self, topic: str, partition: int, offset: int) -> int:
         """The high watermark a Fetch from ``offset`` reports, read committed its last
         stable offset (-1: the broker said no)."""
-        version = kafka_fetch.fetch_version(self.api_version())
         isolation = self._isolation()
         conn = self._connection(*self._leader(topic, partition))
+        version = kafka_fetch.fetch_version(self.api_version(), conn.fetch_versions)
+        if version < 0:
+            return -1
         body = conn.request(
             lambda cid: kafka_fetch.encode_fetch_request(
                 # min_bytes 0: an answer at once; max_wait 1, not 0, which Tansu
@@ -954,6 +956,12 @@ class KafkaSource:
             conn = self._conns.get(key)
         if conn is None:
             conn = kafka_fetch.BrokerConnection(host, port, self._request_timeout_s())
+            if self.api_version() >= (0, 10):
+                try:
+                    conn.ask_versions()  # which Fetch versions this broker answers
+                except BaseException:
+                    conn.close()
+                    raise
             with self._lock:
                 self._conns[key] = conn
         return conn
@@ -1049,7 +1057,6 @@ class _RawReads:
     def __init__(self, source: KafkaSource, topic: str, partition: int) -> None:
         options = source.config.client_options
         self.source, self.topic, self.partition = source, topic, partition
-        self.version = kafka_fetch.fetch_version(source.api_version())
         self.fixed_bytes: int | None = options.get("max_partition_fetch_bytes")
         self.min_bytes = int(options.get("fetch_min_bytes", 1))
         self.at_once = False  # the next fetch asks for 1 byte (see step)
@@ -1076,6 +1083,11 @@ class _RawReads:
 
         self.retry_now = False
         conn = self.source._connection(*self.source._leader(self.topic, self.partition))
+        version = kafka_fetch.fetch_version(self.source.api_version(), conn.fetch_versions)
+        if version < 0:
+            # No Fetch version this reader speaks is one the broker answers.
+            self.hand_over = True
+            return [], [], position
         max_bytes = self.fetch_bytes(end - position)
         body = conn.request(
             lambda cid: kafka_fetch.encode_fetch_request(
@@ -1086,13 +1098,13 @@ class _RawReads:
                 max_bytes=max_bytes,
                 max_wait_ms=self.max_wait_ms,
                 min_bytes=1 if self.at_once else self.min_bytes,
-                version=self.version,
+                version=version,
                 isolation_level=self.isolation,
             )
         )
         answer = [
             p
-            for p in kafka_fetch.decode_fetch_response(body, self.version)
+            for p in kafka_fetch.decode_fetch_response(body, version)
             if (p.topic, p.partition) == (self.topic, self.partition)
         ]
         if len(answer) != 1:

@@ -91,17 +91,30 @@ class ProtocolError(OSError):
     """
 
 
-def fetch_version(api_version: tuple[int, ...]) -> int:
-    """The Fetch version for a broker: 4 from 0.11 (record batches, the last stable
-    offset), 2 from 0.10 (message format v1), 1 on 0.9, else 0.
+_FETCH_VERSIONS = (0, 4)  # the Fetch versions this reader speaks
 
-    A lower version than the broker's would make it convert every message down.
+
+def fetch_version(api_version: tuple[int, ...], supported: tuple[int, int] | None = None) -> int:
+    """The Fetch version to send: the highest this reader speaks (v0-v4) within
+    ``supported``, the broker's (lowest, highest) from its ApiVersions answer; -1
+    when none is (a broker that dropped v4 one day: kafka-python reads on).
+
+    Without an answer (Kafka 0.9 has no ApiVersions) by ``api_version``: 4 from
+    0.11 (record batches, the last stable offset), 2 from 0.10 (message format
+    v1), 1 on 0.9, else 0. A lower version than the broker's would make it
+    convert every message down; Kafka 4 no longer answers Fetch below v4.
 
     >>> fetch_version((0, 9)), fetch_version((0, 10, 1)), fetch_version((0, 8, 2))
     (1, 2, 0)
-    >>> fetch_version((3, 9))
-    4
+    >>> fetch_version((3, 9)), fetch_version((0, 10), (4, 17)), fetch_version((3, 9), (0, 3))
+    (4, 4, 3)
+    >>> fetch_version((4, 0), (5, 18))
+    -1
     """
+    if supported is not None:
+        low, high = supported
+        version = min(_FETCH_VERSIONS[1], high)
+        return version if version >= max(low, _FETCH_VERSIONS[0]) else -1
     if api_version >= (0, 11):
         return 4
     if api_version >= (0, 10):
@@ -925,6 +938,14 @@ class BrokerConnection:
         self._sock = socket.create_connection((host, port), timeout=timeout_s)
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._correlation = 0
+        # The broker's (lowest, highest) Fetch versions, once asked (see ask_versions).
+        self.fetch_versions: tuple[int, int] | None = None
+
+    def ask_versions(self) -> None:
+        """Ask the broker which versions it speaks (ApiVersions, brokers from 0.10; a
+        0.9 broker closes the connection on it) and keep Fetch's in ``fetch_versions``."""
+        versions = decode_api_versions_response(self.request(encode_api_versions_request))
+        self.fetch_versions = versions.get(FETCH_API_KEY, (-1, -1))
 
     def request(self, make: Callable[[int], bytes]) -> bytearray:
         """Send ``make(correlation_id)`` (a size-prefixed request); the answer's body.

@@ -611,3 +611,36 @@ def test_read_committed_waits_for_open_transactions_on_a_modern_broker(
         producer.close()
         committed.close()
         uncommitted.close()
+
+
+def test_the_fetch_version_is_one_the_broker_says_it_answers(broker: KafkaForTests) -> None:
+    """On a broker with ApiVersions (0.10 on) the raw reader asks it which Fetch
+    versions it answers and sends the highest it speaks, whatever ``api_version``
+    says (Kafka 4 no longer answers the v2 that "0.10" would pick); Kafka 0.9 has
+    no ApiVersions and gets the version its ``api_version`` names."""
+    topic = broker.new_topic()
+    produce(broker.bootstrap, topic, [b"a", b"b", b"c"], api_version=broker.api_version)
+    said = broker.api_version
+    source = KafkaSource(
+        KafkaSourceConfig(
+            bootstrap_servers=broker.bootstrap,
+            topics=[topic],
+            group_id=f"{topic}-g",
+            api_version=said,
+            retry_timeout_s=20,
+        )
+    )
+    try:
+        chunk = source.plan(f"{topic}/0", 0, 10)
+        assert chunk is not None
+        assert source.read(chunk).payloads == [b"a", b"b", b"c"]
+        [conn] = source._conns.values()
+        if broker.kind == "tansu":
+            assert conn.fetch_versions is not None
+            low, high = conn.fetch_versions
+            assert low <= 4 <= high
+            assert kf.fetch_version((0, 10), conn.fetch_versions) == 4
+        else:
+            assert conn.fetch_versions is None
+    finally:
+        source.close()
