@@ -2,11 +2,13 @@
 
     python benchmarks/chaos.py --minutes 10 --kill-every-s 30 --json bench-results/chaos.json
 
-A real local Kafka 0.9 broker (2 partitions), a producer thread writing the
+A real local broker (2 partitions: Kafka 0.9, or with ``--broker tansu`` Tansu,
+the modern protocol, its log kept in a local S3 server), a producer thread writing the
 synthetic stream at ``--rate`` events/s, and ``streamrec run`` (hybrid mode,
 2 store shards, 2 Dask workers, 1 trainer) as a user runs it. Every
 ``--kill-every-s`` seconds one component is killed with SIGKILL, in a random
-order that takes each kind in turn (a shuffled bag): a store shard (the job
+order that takes each kind in turn (a shuffled bag; ``--victims`` picks the
+kinds): a store shard (the job
 restarts it and rolls back to its newest checkpoint), a Dask worker (its Nanny
 starts a new one, the task is retried) or the broker (the benchmark plays its
 supervisor: it brings it back on the same port after ``--outage-s``). The job
@@ -90,6 +92,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kills", type=int, default=None, help="stop after this many kills")
     parser.add_argument("--rate", type=float, default=1000.0, help="events/s produced")
     parser.add_argument("--outage-s", type=float, default=3.0, help="broker down this long")
+    parser.add_argument(
+        "--broker",
+        choices=("kafka09", "tansu"),
+        default="kafka09",
+        help=(
+            "kafka09: Apache Kafka 0.9 (legacy message sets); tansu: the modern protocol "
+            "(record batches), its log in a local S3 server so that it survives the kills"
+        ),
+    )
+    parser.add_argument(
+        "--victims",
+        nargs="+",
+        choices=SERVE_KINDS,
+        default=None,
+        help="the kinds to kill (default: every kind; replicas only with --serve)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=500)
     parser.add_argument("--catch-up-s", type=float, default=300.0, help="max wait at the end")
@@ -199,7 +217,9 @@ class Serving:
             r.kill()
 
 
-def write_job(work: Path, bootstrap: str, topic: str, batch_size: int) -> Path:
+def write_job(
+    work: Path, bootstrap: str, topic: str, batch_size: int, api_version: tuple[int, ...]
+) -> Path:
     import yaml
 
     from connectors.synthetic import synthetic_feature_spec, synthetic_store_section
@@ -213,7 +233,7 @@ def write_job(work: Path, bootstrap: str, topic: str, batch_size: int) -> Path:
             "bootstrap_servers": bootstrap,
             "topics": [topic],
             "group_id": "chaos",
-            "api_version": "0.9",
+            "api_version": list(api_version),
             "deadletter": "file",
         },
         "trainer": {
@@ -235,9 +255,10 @@ def write_job(work: Path, bootstrap: str, topic: str, batch_size: int) -> Path:
 class Producer(threading.Thread):
     """Writes the synthetic stream in blocks, alternating partitions, retrying through outages."""
 
-    def __init__(self, bootstrap: str, topic: str, rate: float, seed: int) -> None:
+    def __init__(self, broker: Broker, topic: str, rate: float, seed: int) -> None:
         super().__init__(name="chaos-producer", daemon=True)
-        self.bootstrap, self.topic, self.rate, self.seed = bootstrap, topic, rate, seed
+        self.bootstrap, self.topic, self.rate, self.seed = broker.bootstrap, topic, rate, seed
+        self.api_version = broker.api_version
         self.stopped = threading.Event()
         self.blocks = 0
         self.errors = 0
@@ -257,7 +278,7 @@ class Producer(threading.Thread):
                         self.bootstrap,
                         self.topic,
                         payloads,
-                        api_version=(0, 9),
+                        api_version=self.api_version,
                         partition=self.blocks % 2,
                         timeout_s=10.0,
                     )
@@ -269,6 +290,65 @@ class Producer(threading.Thread):
             ahead = t0 + self.blocks * block / self.rate - time.monotonic()
             if ahead > 0:
                 self.stopped.wait(ahead)
+
+
+class Broker:
+    """The broker the job reads, as the benchmark plays its supervisor: Kafka 0.9 (its
+    log on disk) or Tansu (its log in a local S3 server), killed and started again
+    on the same port."""
+
+    def __init__(self, kind: str, work: Path) -> None:
+        from deploy.local.kafka import API_VERSION, LocalKafka
+        from deploy.local.objectstore import LocalS3
+        from deploy.local.tansu import API_VERSION as TANSU_VERSION
+        from deploy.local.tansu import LocalTansu, s3_storage
+
+        self.kind = kind
+        self.s3: LocalS3 | None = None
+        self.kafka: LocalKafka | None = None
+        self.tansu: LocalTansu | None = None
+        if kind == "kafka09":
+            self.kafka = LocalKafka.start(work / "kafka")
+            self.bootstrap, self.api_version = self.kafka.bootstrap, API_VERSION
+        else:
+            self.s3 = LocalS3.start(work / "s3")
+            storage, env = s3_storage(self.s3)
+            self.tansu = LocalTansu.start(work / "tansu", storage=storage, env=env)
+            self.bootstrap, self.api_version = self.tansu.bootstrap, TANSU_VERSION
+
+    def create_topic(self, topic: str, partitions: int) -> None:
+        if self.kafka is not None:
+            self.kafka.create_topic(topic, partitions=partitions)
+            return
+        from deploy.local.kafka import make_topic
+
+        make_topic(self.bootstrap, topic, partitions, api_version=self.api_version)
+
+    @property
+    def pid(self) -> int:
+        process = self.kafka.broker_process if self.kafka else self.tansu and self.tansu.process
+        assert process is not None
+        return int(process.pid)
+
+    def kill(self) -> None:
+        if self.kafka is not None:
+            self.kafka.kill_broker()
+        elif self.tansu is not None:
+            self.tansu.kill()
+
+    def start(self) -> None:
+        if self.kafka is not None:
+            self.kafka.start_broker()
+        elif self.tansu is not None:
+            self.tansu.start_broker()
+
+    def stop(self) -> None:
+        if self.kafka is not None:
+            self.kafka.stop()
+        if self.tansu is not None:
+            self.tansu.stop()
+        if self.s3 is not None:
+            self.s3.stop()
 
 
 def rollback_count(run_dir: Path) -> int:
@@ -301,17 +381,17 @@ def job_children(job: subprocess.Popen[bytes], marker: str) -> list[Any]:
 
 
 def kill_one(
-    kill: Kill, job: subprocess.Popen[bytes], kafka: Any, outage_s: float, run_dir: Path
+    kill: Kill, job: subprocess.Popen[bytes], broker: Broker, outage_s: float, run_dir: Path
 ) -> None:
     """SIGKILL one component of ``kill.kind``; sets ``kill.pid``."""
     if kill.kind == "broker":
-        kill.pid = int(kafka.broker_process.pid)
+        kill.pid = broker.pid
         kill.ready = False
-        kafka.kill_broker()
+        broker.kill()
 
         def bring_back() -> None:
             time.sleep(outage_s)
-            kafka.start_broker()
+            broker.start()
             # Batches prepared before the kill may still be learned meanwhile: the job
             # has resumed once it learns more than it had when the broker was back.
             kill.learned_at_kill = learned_count(run_dir)
@@ -350,21 +430,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     random.seed(args.seed)
     from connectors.kafka import KafkaSource, KafkaSourceConfig
-    from deploy.local.kafka import LocalKafka
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="streamrec-chaos-"))
     work.mkdir(parents=True, exist_ok=True)
     run_dir = work / "run"
-    kafka = LocalKafka.start(work / "kafka")
+    kafka = Broker(args.broker, work)
     job_proc: subprocess.Popen[bytes] | None = None
     producer: Producer | None = None
     serving: Serving | None = None
     try:
         topic = "chaos"
         kafka.create_topic(topic, partitions=2)
-        producer = Producer(kafka.bootstrap, topic, args.rate, args.seed)
+        producer = Producer(kafka, topic, args.rate, args.seed)
         producer.start()
-        job = write_job(work, kafka.bootstrap, topic, args.batch_size)
+        job = write_job(work, kafka.bootstrap, topic, args.batch_size, kafka.api_version)
         log_path = work / "job.log"
         with log_path.open("wb") as log:
             job_proc = subprocess.Popen(
@@ -388,7 +467,10 @@ def main(argv: list[str] | None = None) -> int:
             serving = Serving(
                 job, found.group(1), run_dir / "store.token", work, args.requests_per_s
             )
-        kinds = SERVE_KINDS if args.serve else KINDS
+        kinds = tuple(args.victims or (SERVE_KINDS if args.serve else KINDS))
+        if "replica" in kinds and not args.serve:
+            msg = "--victims replica needs --serve (there are no replicas otherwise)"
+            raise SystemExit(msg)
         kills: list[Kill] = []
         bag: list[str] = []
         until = time.monotonic() + args.minutes * 60
@@ -441,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
                 bootstrap_servers=kafka.bootstrap,
                 topics=[topic],
                 group_id="chaos",  # the job's group: its committed offsets are counted
-                api_version="0.9",
+                api_version=kafka.api_version,
             )
         )
         ends = {p: src.end_position(p) for p in src.partitions()}
@@ -490,6 +572,7 @@ def main(argv: list[str] | None = None) -> int:
             "producer_retries": producer.errors,
             "minutes": args.minutes,
             "kill_every_s": args.kill_every_s,
+            "broker": args.broker,
             "work_dir": str(work),
             "kill_log": [asdict(k) for k in kills],
             **serve_figures,

@@ -32,7 +32,7 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ from deploy.local.kafka import (
     port_holder,
     state_lock,
 )
+from deploy.local.objectstore import LocalS3
 from deploy.local.shards import terminate
 
 # What clients pass as ``api_version``: the protocol Tansu 0.6 answers, as kafka-python
@@ -87,6 +88,8 @@ class LocalTansu:
     port: int
     storage: str
     process: subprocess.Popen[bytes] | None = None
+    # Added to the broker's environment: the credentials of its storage (see s3_storage).
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def bootstrap(self) -> str:
@@ -105,13 +108,15 @@ class LocalTansu:
         host: str = "127.0.0.1",
         port: int | None = None,
         storage: str = MEMORY_STORAGE,
+        env: dict[str, str] | None = None,
         timeout_s: float = 30.0,
     ) -> LocalTansu:
         """Start a broker logging to ``work_dir/tansu.log``; returns once it answers
-        Kafka's ApiVersions request.
+        Kafka's ApiVersions request. ``env``: added to its environment (storage
+        credentials).
         """
         work_dir.mkdir(parents=True, exist_ok=True)
-        broker = cls(work_dir.resolve(), host, port or free_port(host), storage)
+        broker = cls(work_dir.resolve(), host, port or free_port(host), storage, env=env or {})
         broker.start_broker(timeout_s)
         return broker
 
@@ -135,6 +140,7 @@ class LocalTansu:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 start_new_session=detach,
+                env={**os.environ, **self.env} if self.env else None,
             )
         deadline = time.monotonic() + timeout_s
         while True:
@@ -196,6 +202,27 @@ class LocalTansu:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def s3_storage(s3: LocalS3) -> tuple[str, dict[str, str]]:
+    """Tansu's ``--storage-engine`` URL and environment for a log kept in ``s3``'s bucket
+    (it survives the broker: a restarted one has every record).
+
+    Tansu reads its S3 settings from the environment as the ``object_store`` crate
+    does: the endpoint with its scheme, a region, and plain HTTP allowed.
+
+    >>> from deploy.local.objectstore import LocalS3
+    >>> url, env = s3_storage(LocalS3(Path("/tmp/x"), "127.0.0.1", 8333, "k", "s", "logs"))
+    >>> url, env["AWS_ENDPOINT"], env["AWS_ALLOW_HTTP"]
+    ('s3://logs/', 'http://127.0.0.1:8333', 'true')
+    """
+    env = {
+        **s3.env(),
+        "AWS_ENDPOINT": f"http://{s3.endpoint}",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ALLOW_HTTP": "true",
+    }
+    return f"s3://{s3.bucket}/", env
 
 
 def default_tansu_state_dir() -> Path:

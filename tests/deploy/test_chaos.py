@@ -67,3 +67,30 @@ def test_four_kills_lose_nothing_learn_nothing_twice_and_serve_on(tmp_path: Path
     assert figures["serve_failed"] < figures["serve_requests"] * 0.05, figures
     assert figures["dense_versions_served"] > 1, figures
     assert figures["dense_version_backwards"] == 0, figures
+
+
+def test_a_modern_broker_killed_with_its_log_in_s3_loses_nothing(tmp_path: Path) -> None:
+    """The same on Tansu (record batches, the modern protocol) with its log in the local
+    S3 server: the broker alone is the victim, killed with SIGKILL and started again
+    on its port with the same storage; every offset is learned once."""
+    out = tmp_path / "chaos.json"
+    argv = ["--broker", "tansu", "--victims", "broker", "--kills", "1", "--kill-every-s", "6"]
+    argv += ["--minutes", "2", "--rate", "600", "--seed", "2", "--json", str(out)]
+    run = subprocess.run(
+        [sys.executable, "benchmarks/chaos.py", *argv, "--work-dir", str(tmp_path / "work")],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    figures = json.loads(out.read_text())
+    log = (tmp_path / "work" / "job.log").read_text(errors="replace")[-4000:]
+    assert figures["broker"] == "tansu"
+    assert figures["kills_by_kind"] == {"broker": 1}, figures
+    assert figures["recoveries"] == 1, (figures, log)
+    assert figures["produced"] > 0
+    assert figures["never_learned"] == 0, (figures, log)
+    assert figures["learned_twice"] == 0, (figures, log)
+    assert figures["committed_equals_end"], (figures, log)
+    assert figures["exit_code"] == 0, log
