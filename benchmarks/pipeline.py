@@ -198,12 +198,20 @@ def _new_topic(bootstrap: str, name: str, api_version: str) -> str:
 
 
 def _fill(
-    bootstrap: str, topic: str, data: list[bytes], api_version: str, compression: str | None
+    bootstrap: str,
+    topic: str,
+    data: list[bytes],
+    api_version: str,
+    compression: str | None,
+    batch_kb: int | None = None,
 ) -> None:
-    """Half of ``data`` into each of the topic's 2 partitions."""
+    """Half of ``data`` into each of the topic's 2 partitions; ``batch_kb``: the
+    producer's ``batch_size`` (kafka-python's default is 16 KB, as Kafka's is)."""
     from connectors.kafka import produce
 
-    options = {"compression_type": compression} if compression else None
+    options: dict[str, Any] = {"compression_type": compression} if compression else {}
+    if batch_kb is not None:
+        options.update(batch_size=batch_kb << 10, linger_ms=20, max_request_size=4 << 20)
     half = len(data) // 2
     for partition, part in enumerate((data[:half], data[half:])):
         produce(
@@ -212,7 +220,7 @@ def _fill(
             part,
             api_version=api_version,
             partition=partition,
-            client_options=options,
+            client_options=options or None,
         )
 
 
@@ -226,12 +234,15 @@ def bench_runner(
     kind: str = "kafka09",
     chunk: int = CHUNK,
     codecs: tuple[str, ...] = (),
+    batch_kbs: tuple[int, ...] = (),
 ) -> dict[str, float]:
     """Kafka (2 partitions) → 2 Dask workers → 2 store shards, end to end, per reader.
 
     ``broker`` is (bootstrap, an empty topic of 2 partitions, api_version); by
     default a local broker of ``kind`` is started for the run. ``codecs``: the
     read path alone also on a topic of the same events compressed with each.
+    ``batch_kbs``: the read path and the raw runner also on a topic of the same
+    events produced in record batches of that many KB (keys suffixed ``_b<KB>``).
     """
     from pipeline.prepare import StoreAddress
 
@@ -252,6 +263,12 @@ def bench_runner(
             _fill(bootstrap, packed, data, api_version, codec)
             figures = bench_kafka_read(bootstrap, packed, read_repeats, api_version, chunk)
             results.update({f"{k}_{codec}": v for k, v in figures.items()})
+        batched = {}
+        for kb in batch_kbs:
+            batched[kb] = _new_topic(bootstrap, f"{topic}-b{kb}", api_version)
+            _fill(bootstrap, batched[kb], data, api_version, None, kb)
+            figures = bench_kafka_read(bootstrap, batched[kb], read_repeats, api_version, chunk)
+            results.update({f"{k}_b{kb}": v for k, v in figures.items()})
         del data
         store = StoreAddress(address, token=token.read_text())
         for reader in readers:
@@ -261,6 +278,10 @@ def bench_runner(
                 prefix = f"runner_{reader.replace('-', '_')}"
                 figures = {k.replace("runner", prefix, 1): v for k, v in figures.items()}
             results.update(figures)
+        for kb, name in batched.items():
+            source = _source(bootstrap, name, f"bench-b{kb}", "raw", api_version, chunk)
+            figures = _run(source, store, events, chunk)
+            results.update({f"{k}_b{kb}": v for k, v in figures.items()})
         return results
 
 
@@ -388,6 +409,15 @@ def main(argv: list[str] | None = None) -> int:
         "(default lz4 zstd)",
     )
     parser.add_argument(
+        "--batch-kb",
+        nargs="*",
+        type=int,
+        default=[256],
+        help="on the modern broker, the read path and the runner also on topics produced in "
+        "record batches of these sizes (the producer's batch_size; kafka-python's and "
+        "Kafka's default is 16 KB; default 256)",
+    )
+    parser.add_argument(
         "--bootstrap", help="a Kafka 0.9 broker to use (host:port) instead of starting one"
     )
     parser.add_argument("--topic", help="with --bootstrap: an empty topic of 2 partitions")
@@ -439,14 +469,21 @@ def main(argv: list[str] | None = None) -> int:
                     kind=kind,
                     chunk=args.chunk_records,
                     codecs=tuple(args.codecs) if kind == "modern" else (),
+                    batch_kbs=tuple(args.batch_kb) if kind == "modern" else (),
                 )
-            results.update({_with_broker(k, kind, args.codecs): v for k, v in figures.items()})
+            suffixes = [*args.codecs, *(f"b{kb}" for kb in args.batch_kb)]
+            results.update({_with_broker(k, kind, suffixes): v for k, v in figures.items()})
             if kind == args.brokers[0]:
                 results.update(figures)  # the unsuffixed keys: the first broker's
         if "kafka09" in args.brokers and "modern" in args.brokers:
-            results["runner_modern_vs_kafka09"] = float(
-                results["runner_events_per_s_modern"]
-            ) / float(results["runner_events_per_s_kafka09"])
+            on_09 = float(results["runner_events_per_s_kafka09"])
+            results["runner_modern_vs_kafka09"] = (
+                float(results["runner_events_per_s_modern"]) / on_09
+            )
+            for kb in args.batch_kb:
+                results[f"runner_modern_b{kb}_vs_kafka09"] = (
+                    float(results[f"runner_events_per_s_modern_b{kb}"]) / on_09
+                )
         if args.hybrid_samples:
             hybrid = hybrid_rate(args.hybrid_samples, args.log_every_s)
             results["hybrid_samples_per_s"] = hybrid

@@ -22,7 +22,7 @@ def test_decode_read_runner_and_hybrid_report_their_rates(
 ) -> None:
     topic = kafka_topic(partitions=2)
     args = ["--events", "2000", "--repeats", "1", "--runner-events", "4000"]
-    args += ["--chunk-records", "2000", "--codecs", "lz4"]
+    args += ["--chunk-records", "2000", "--codecs", "lz4", "--batch-kb", "64"]
     args += ["--bootstrap", kafka.bootstrap, "--topic", topic]
     args += ["--api-version", ".".join(map(str, kafka.api_version))]
     args += ["--modern-bootstrap", tansu.bootstrap, "--modern-topic", tansu.new_topic(2)]
@@ -39,6 +39,9 @@ def test_decode_read_runner_and_hybrid_report_their_rates(
     keys += [
         "kafka_read_events_per_s_modern_lz4",
         "kafka_read_kafka_python_events_per_s_modern_lz4",
+        "kafka_read_events_per_s_modern_b64",
+        "runner_events_per_s_modern_b64",
+        "runner_modern_b64_vs_kafka09",
     ]
     assert_positive(figures, keys)
     assert figures["kafka_read_events_modern"] == figures["kafka_read_events_modern_lz4"] == 6000
