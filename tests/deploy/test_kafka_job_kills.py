@@ -1,9 +1,12 @@
-"""A job reading Kafka, its trainer killed with SIGKILL mid-run and started again.
+"""A job reading a modern-protocol broker, its trainer killed with SIGKILL mid-run and
+started again.
 
-On both brokers (Kafka 0.9 with legacy message sets, Tansu with record batches
-and the modern protocol): the second run resumes from the newest checkpoint,
-rolls back what was learned after it, and the ledger shows every offset of
-every partition learned exactly once, none skipped.
+On Tansu (record batches, the modern protocol): the second run resumes from the
+newest checkpoint, rolls back what was learned after it, and the ledger shows
+every offset of every partition learned exactly once, none skipped. On Kafka 0.9
+the same holds across the chaos benchmark's kills (tests/deploy/test_chaos.py)
+and a trainer killed in tests/trainer/test_job.py; CI's time is spent here on
+the broker that had none.
 """
 
 from __future__ import annotations
@@ -27,8 +30,9 @@ BATCH = 100
 
 
 def test_a_trainer_killed_mid_run_resumes_and_learns_every_offset_once(
-    tmp_path: Path, broker: KafkaForTests
+    tmp_path: Path, tansu: KafkaForTests
 ) -> None:
+    broker = tansu
     topic = broker.new_topic(partitions=2)
     produce_in_blocks(broker, topic, EVENTS, 100)
     job = kafka_job(tmp_path, broker.bootstrap, topic, mode="hybrid", staleness=3)
