@@ -41,10 +41,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from connectors.kafka_client import (
+    KafkaUnavailable,
+    make_producer,
+    parse_api_version,
+    resolve_api_version,
+)
 from connectors.types import BadRecord, DeadLetterSink
 
 if TYPE_CHECKING:
-    from connectors.kafka import ApiVersionSpec
+    from connectors.kafka_client import ApiVersionSpec
 
 log = logging.getLogger(__name__)
 
@@ -335,8 +341,6 @@ class KafkaDeadLetterSink:
         spill_path: str | os.PathLike[str] | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     ) -> None:
-        from connectors.kafka import parse_api_version
-
         self.bootstrap_servers = bootstrap_servers
         self.topic = topic
         self.api_version = parse_api_version(api_version)
@@ -407,8 +411,6 @@ class KafkaDeadLetterSink:
                 self._producer.flush(timeout=self.flush_timeout_s)
             except Exception as exc:
                 log.warning("flushing the dead-letter topic %s failed: %r", self.topic, exc)
-        from connectors.kafka import KafkaUnavailable
-
         with self._lock:
             waiting = list(self._in_flight)
         late = KafkaUnavailable(
@@ -450,8 +452,6 @@ class KafkaDeadLetterSink:
 
     def _get_producer(self) -> Any:
         if self._producer is None:
-            from connectors.kafka import _producer, resolve_api_version
-
             version = resolve_api_version(
                 self.bootstrap_servers,
                 self.api_version,
@@ -459,7 +459,7 @@ class KafkaDeadLetterSink:
                 retry_timeout_s=self.retry_timeout_s,
             )
             self.api_version = version
-            self._producer = _producer(self.bootstrap_servers, version, self.client_options)
+            self._producer = make_producer(self.bootstrap_servers, version, self.client_options)
         return self._producer
 
     def _send(self, producer: Any, record: BadRecord) -> None:

@@ -6,8 +6,8 @@ import zlib
 from collections.abc import Callable
 
 from connectors.codecs import Codec, make_codec
-from connectors.deadletter import JsonlDeadLetterSink
-from connectors.kafka import KafkaDeadLetterSink, KafkaSource, KafkaSourceConfig
+from connectors.deadletter import JsonlDeadLetterSink, KafkaDeadLetterSink
+from connectors.kafka import KafkaSource, KafkaSourceConfig
 from connectors.parquet import ParquetSource
 from connectors.synthetic import SyntheticConfig, SyntheticSource
 from connectors.types import Chunk, DeadLetterSink, RawChunk, Source

@@ -18,10 +18,8 @@ import numpy as np
 import pytest
 from pydantic import ValidationError
 
-from connectors.deadletter import read_dead_letters
+from connectors.deadletter import DeadLetterError, KafkaDeadLetterSink, read_dead_letters
 from connectors.kafka import (
-    DeadLetterError,
-    KafkaDeadLetterSink,
     KafkaSource,
     KafkaSourceConfig,
     KafkaUnavailable,
