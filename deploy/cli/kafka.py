@@ -30,13 +30,16 @@ BROKER_HELP = (
 
 
 def _kafka_bootstrap(args: argparse.Namespace) -> tuple[str, dict[str, Any] | None]:
-    """The broker a ``kafka topic`` command talks to, and the local state when it is that one."""
+    """The broker a ``kafka topic`` command talks to, and the local state when it is that one
+    (``--broker tansu``: the ``kafka up --broker tansu`` one's)."""
     from deploy.local.kafka import KafkaSetupError, default_state_dir, recorded_state
+    from deploy.local.tansu import TansuError, default_tansu_state_dir, recorded
 
-    state_dir = args.state_dir or default_state_dir()
+    tansu = args.broker == "tansu"
+    state_dir = args.state_dir or (default_tansu_state_dir() if tansu else default_state_dir())
     try:
-        state = recorded_state(state_dir)
-    except KafkaSetupError as exc:
+        state = recorded(state_dir) if tansu else recorded_state(state_dir)
+    except (KafkaSetupError, TansuError) as exc:
         if args.bootstrap:
             return args.bootstrap, None
         raise SystemExit(f"streamrec kafka topic: {exc}") from exc
@@ -44,9 +47,10 @@ def _kafka_bootstrap(args: argparse.Namespace) -> tuple[str, dict[str, Any] | No
         local = state is not None and state.get("bootstrap") == args.bootstrap
         return args.bootstrap, state if local else None
     if state is None or not state.get("bootstrap"):
+        up = "streamrec kafka up --broker tansu" if tansu else "streamrec kafka up"
         raise SystemExit(
-            f"streamrec kafka topic: no `streamrec kafka up` Kafka recorded in {state_dir}: "
-            "give the broker with --bootstrap HOST:PORT (or start one with `streamrec kafka up`)"
+            f"streamrec kafka topic: no `{up}` {'Tansu' if tansu else 'Kafka'} recorded in "
+            f"{state_dir}: give the broker with --bootstrap HOST:PORT (or start one with `{up}`)"
         )
     return str(state["bootstrap"]), state
 
@@ -79,7 +83,9 @@ def _kafka_topic(args: argparse.Namespace) -> int:
                 print(f"{what}: --config {item!r}: expected KEY=VALUE", file=sys.stderr)
                 return 2
             config[key] = value
-        zookeeper = args.zookeeper or (str(local["zookeeper"]) if local else None)
+        zookeeper = args.zookeeper or (
+            str(local["zookeeper"]) if local and local.get("zookeeper") else None
+        )
         home = Path(str(local["home"])) if local and local.get("home") else None
         make_topic(
             bootstrap,
@@ -130,7 +136,7 @@ def _tansu(args: argparse.Namespace) -> int:
         f"  in a job's source:   bootstrap_servers: {bootstrap}\n"
         f"  to produce into it:  streamrec produce --to kafka://{bootstrap}/TOPIC ...\n"
         f"  a topic of N parts:  streamrec kafka topic create TOPIC --partitions N "
-        f"--bootstrap {bootstrap}\n"
+        f"--broker tansu{'' if args.state_dir is None else f' --state-dir {state_dir}'}\n"
         f"  its log and pid:     {state_dir}"
     )
     return 0
@@ -322,6 +328,13 @@ def _add_topic(kafka_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
             "--bootstrap",
             metavar="HOST:PORT",
             help="the broker (default: the `streamrec kafka up` one of --state-dir)",
+        )
+        topic_parser.add_argument(
+            "--broker",
+            choices=["kafka", "tansu"],
+            default="kafka",
+            help="without --bootstrap, which `streamrec kafka up` broker: kafka (default) or "
+            "tansu (`kafka up --broker tansu`)",
         )
         topic_parser.add_argument(
             "--state-dir", type=Path, default=None, metavar="DIR", help=STATE_HELP

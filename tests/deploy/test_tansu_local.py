@@ -66,9 +66,18 @@ def test_up_is_idempotent_comes_back_after_kill_9_and_down_stops_it(state_dir: P
     assert isinstance(pid, int)
     assert pid_alive(pid)
     topic = f"t-{uuid.uuid4().hex[:8]}"
-    # As the printed hint says: `kafka topic create` with the broker's --bootstrap.
-    made = streamrec("kafka", "topic", "create", topic, "--bootstrap", bootstrap)
+    # As the printed hint says: `kafka topic create ... --broker tansu` finds it.
+    hint = (
+        f"streamrec kafka topic create TOPIC --partitions N --broker tansu --state-dir {state_dir}"
+    )
+    assert hint in first.stdout, first.stdout
+    made = streamrec(
+        "kafka", "topic", "create", topic, "--broker", "tansu", "--state-dir", str(state_dir)
+    )
     assert made.returncode == 0, made.stderr
+    assert f"created topic {topic} on {bootstrap}" in made.stdout
+    listed = streamrec("kafka", "topic", "list", "--broker", "tansu", "--state-dir", str(state_dir))
+    assert topic in listed.stdout, listed.stdout + listed.stderr
     produce(bootstrap, topic, [b"a", b"b"], api_version=API_VERSION, partition=0)
     assert _read(bootstrap, topic) == [b"a", b"b"]
 
