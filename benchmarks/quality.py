@@ -153,12 +153,13 @@ def hotids_dataset(
         synthetic_feature_spec,
         synthetic_store_tables,
     )
+    from trainer.metrics import best_auc
 
     given = {"preset": "hot_ids", "seed": seed, **(options or {})}
     cfg = SyntheticConfig.model_validate(given)
     tables = synthetic_store_tables(dim=DIM, config=cfg)
     store = {"tables": {k: v.model_dump(mode="json") for k, v in tables.items()}}
-    best = SyntheticSource(cfg).best_auc(min(events, 200_000))
+    best = best_auc(SyntheticSource(cfg), min(events, 200_000))
     return Dataset(
         name="hotids",
         payloads=list(iter_json_lines(cfg, events)),

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import print_figures, write_json
 
 from connectors.synthetic import SyntheticConfig, SyntheticSource, iter_json_lines
+from trainer.metrics import best_auc
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         "read_events_per_s": round(statistics.median(rates)),
         "read_events_per_s_min": round(min(rates)),
         "json_lines_per_s": round(json_rate),
-        "best_auc": round(src.best_auc(200_000), 4),
+        "best_auc": round(best_auc(src, 200_000), 4),
         "chunk_size": args.chunk_size,
     }
     print_figures(figures, lambda v: f"{v:,}" if isinstance(v, int) else f"{v}")

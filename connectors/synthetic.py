@@ -55,7 +55,6 @@ from connectors.spec import DenseField, FeatureSpec, SparseField
 from connectors.types import Chunk, RawChunk
 from embedding_store.hashing import mix64, unit_float
 from embedding_store.types import TABLE_NAME_PATTERN, TableConfig
-from trainer.metrics import auc  # a numpy-only module: no torch at import
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -697,22 +696,23 @@ class SyntheticSource:
         )
         return _sigmoid(logit)
 
-    def best_auc(self, n_samples: int = 200_000, partition: int = 0, start: int = 0) -> float:
-        """The AUC of the true click probabilities against the sampled clicks.
+    def true_logits(
+        self, n_samples: int = 200_000, partition: int = 0, start: int = 0
+    ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.float64]]:
+        """The sampled clicks of ``n_samples`` events of ``partition`` from ``start`` and
+        their true logits (it ignores ``config.events``): what a perfect model would
+        score, the oracle of :func:`trainer.metrics.best_auc`.
 
-        This is what a perfect model reaches on ``n_samples`` events of
-        ``partition`` from ``start`` (it ignores ``config.events``). With the
-        default config it is about 0.79-0.82 depending on the seed; the sampling
-        noise is about 0.002 for 200k events.
-
-        >>> round(SyntheticSource(SyntheticConfig(seed=0)).best_auc(20_000), 2)
-        0.81
+        >>> labels, logits = SyntheticSource(SyntheticConfig(seed=0)).true_logits(4)
+        >>> labels.shape, logits.shape
+        ((4,), (4,))
         """
         if n_samples < 2:
-            msg = f"best_auc needs n_samples >= 2, got {n_samples}"
+            msg = f"true_logits needs n_samples >= 2, got {n_samples}"
             raise ValueError(msg)
         table, logit, _ = self._generate(partition, start, n_samples)
-        return auc(table[LABEL_NAME].to_numpy(), logit)
+        labels = np.asarray(table[LABEL_NAME].to_numpy(), dtype=np.float64)
+        return labels, np.asarray(logit, dtype=np.float64)
 
     # --- Source ---------------------------------------------------------------------
 

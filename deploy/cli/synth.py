@@ -8,10 +8,11 @@ from pathlib import Path
 
 def _synth(args: argparse.Namespace) -> int:
     from connectors.synthetic import SyntheticConfig, SyntheticSource, write_parquet
+    from trainer.metrics import best_auc
 
     config = SyntheticConfig(seed=args.seed)
     path = write_parquet(args.to, config, events=args.events, row_group_size=args.row_group_size)
-    best = SyntheticSource(config).best_auc(n_samples=min(args.events, 200_000))
+    best = best_auc(SyntheticSource(config), n_samples=min(args.events, 200_000))
     print(f"wrote {args.events} synthetic events to {path}")
     print(f"best achievable AUC of this stream: {best:.4f}")
     return 0

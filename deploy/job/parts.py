@@ -28,6 +28,7 @@ from embedding_store.location import Location
 from monitoring.reporter import Reporter
 from monitoring.types import TOPIC
 from pipeline.prepare import StoreAddress
+from trainer import metrics
 from trainer.checkpoint import CheckpointBook, JobManifest
 from trainer.loop import DenseModel, JobCheckpointer, Progress
 from trainer.publish import DensePublisher
@@ -142,7 +143,7 @@ def open_rank_parts(
     publisher = _publisher(job, rank, stack)
     best_auc = None
     if rank == 0 and isinstance(source, SyntheticSource):
-        best_auc = source.best_auc(n_samples=100_000)
+        best_auc = metrics.best_auc(source, n_samples=100_000)
     install_page(dask)
     progress = _reporting(job, rank, store, dask, stack, limits.stopping, on_progress)
     checkpointer = None

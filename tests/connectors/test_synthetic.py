@@ -38,7 +38,7 @@ from connectors.synthetic import (
 from connectors.types import Chunk, Source
 from embedding_store.types import StoreConfig
 from tests.connectors.contract import CONTRACT_CHECKS, check_empty, table_of
-from trainer.metrics import auc
+from trainer.metrics import auc, best_auc
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -171,13 +171,13 @@ def test_no_interaction_leaves_the_stream_as_it_was() -> None:
     base = SyntheticSource(SyntheticConfig(seed=4))
     other = SyntheticSource(SyntheticConfig(seed=4, **INTERACTION_OPTIONS))
     assert other.records(0, 1000, 2000).equals(base.records(0, 1000, 2000))
-    assert other.best_auc(5000) == base.best_auc(5000)
+    assert best_auc(other, 5000) == best_auc(base, 5000)
 
 
 def test_interaction_is_a_user_x_item_term() -> None:
     # Without per-field weights or dense terms the truth is the pair's term alone...
     pairs_only = SyntheticSource(SyntheticConfig(signal=0.0, interaction=2.0))
-    assert pairs_only.best_auc(50_000) > 0.75
+    assert best_auc(pairs_only, 50_000) > 0.75
     # ...which neither id explains by itself: the click rates of C1's head ids, over
     # all the items they meet, stay near the mean.
     t = pairs_only.records(0, 0, 100_000)
@@ -189,7 +189,7 @@ def test_interaction_is_a_user_x_item_term() -> None:
     assert max(abs(r - clicks.mean()) for r in rates) < 0.05
     # A larger term is a larger share of what can be learned.
     hot = [SyntheticConfig(preset="hot_ids", interaction=x) for x in (0.0, 2.0)]
-    low, high = (SyntheticSource(c).best_auc(50_000) for c in hot)
+    low, high = (best_auc(SyntheticSource(c), 50_000) for c in hot)
     assert high > low + 0.05
 
 
@@ -417,18 +417,18 @@ def test_best_auc_in_range_and_stable() -> None:
     values = []
     for seed in (0, 1, 2):
         s = SyntheticSource(SyntheticConfig(seed=seed))
-        a, b = s.best_auc(100_000), s.best_auc(100_000, start=3_000_000)
+        a, b = best_auc(s, 100_000), best_auc(s, 100_000, start=3_000_000)
         assert 0.7 < a < 0.9
         assert abs(a - b) < 0.02
         values.append(a)
     assert max(values) - min(values) < 0.05
-    assert SyntheticSource(SyntheticConfig(seed=0)).best_auc(100_000) == values[0]
+    assert best_auc(SyntheticSource(SyntheticConfig(seed=0)), 100_000) == values[0]
 
 
 def test_signal_sets_the_best_auc() -> None:
-    assert abs(SyntheticSource(SyntheticConfig(signal=0.0)).best_auc(50_000) - 0.5) < 0.02
-    strong = SyntheticSource(SyntheticConfig(signal=2.0)).best_auc(50_000)
-    assert strong > SyntheticSource(SyntheticConfig()).best_auc(50_000) + 0.03
+    assert abs(best_auc(SyntheticSource(SyntheticConfig(signal=0.0)), 50_000) - 0.5) < 0.02
+    strong = best_auc(SyntheticSource(SyntheticConfig(signal=2.0)), 50_000)
+    assert strong > best_auc(SyntheticSource(SyntheticConfig()), 50_000) + 0.03
 
 
 def _auc_pairs(y: list[int], s: list[float]) -> float:
