@@ -57,7 +57,7 @@ def last_report(run_dir: Path) -> dict[str, Any]:
 
 
 def produce_in_blocks(kafka: KafkaForTests, topic: str, n: int, block: int) -> None:
-    """``n`` records in blocks of ``block`` alternating over 2 partitions (the issue's repro)."""
+    """``n`` records in blocks of ``block`` alternating over 2 partitions (a short last chunk)."""
     lines = list(iter_json_lines(SyntheticConfig(seed=9), n))
     for i, start in enumerate(range(0, n, block)):
         produce(

@@ -1,8 +1,8 @@
 """The whole job as users run it (`streamrec run`), killed with SIGKILL and restarted.
 
 Everything is real: the job process starts two store shard processes, a Dask
-LocalCluster with worker processes, and trains. The acceptance test of the
-trainer issue: in ``mode: sync`` a run killed at a random point (the trainer,
+LocalCluster with worker processes, and trains. The trainer's acceptance
+test: in ``mode: sync`` a run killed at a random point (the trainer,
 a store shard or a Dask worker) and restarted ends with the same model, dense
 weights and every embedding row, as an uninterrupted run; in ``mode: hybrid``
 every offset is learned exactly once across the restart.

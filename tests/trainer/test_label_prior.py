@@ -3,7 +3,7 @@
 - Every model kind takes ``set_output_bias``: its bias becomes the logits and a
   fresh model's mean prediction is near the rate; a configured rate (one for all
   labels or one per label) is set when the ``DenseModel`` is built.
-- The issue's proof, through the real ``TrainLoop``: on a synthetic stream with
+- The proof, through the real ``TrainLoop``: on a synthetic stream with
   a 0.5% click rate, the progressive logloss after the first 10% of the stream
   beats the running click rate (the rate of the labels seen before each batch)
   with ``label_prior: first_batch``, and does not without a prior.
@@ -142,7 +142,7 @@ def test_a_configured_rate_is_set_when_the_dense_model_is_built() -> None:
             trainer_config(label_prior=bad)
 
 
-# --- 2. the proof: an imbalanced stream -------------------------------------------
+# --- 2. the proof: an imbalanced stream --------------------------------------------------
 
 
 class Recorded(ProgressiveMetrics):
