@@ -39,6 +39,10 @@ class ClusterError(RuntimeError):
     """The job cannot run across hosts as configured (the message says what to change)."""
 
 
+class NotAnswering(ClusterError):
+    """A service the job names does not answer (yet): it may be starting or restoring."""
+
+
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
     raw = env.get(name)
     if raw is None:
@@ -154,7 +158,7 @@ def check_scheduler(address: str, timeout_s: float = 10.0) -> None:
             client.scheduler_info()
     except (OSError, TimeoutError, ValueError) as exc:
         msg = f"cluster.scheduler {address}: no Dask scheduler answers there ({exc})"
-        raise ClusterError(msg) from exc
+        raise NotAnswering(msg) from exc
 
 
 def check_store(job: JobConfig, address: str, token: str | None, timeout_s: float = 10.0) -> None:
@@ -190,7 +194,8 @@ def check_store(job: JobConfig, address: str, token: str | None, timeout_s: floa
                 else:
                     why = f"{code.name}: {exc.details()}"
                 msg = f"cluster.store shard {i} at {host}: {why}"
-                raise ClusterError(msg) from None
+                waiting = code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                raise (NotAnswering if waiting else ClusterError)(msg) from None
         served = dict(reply.dims)
         if served != want:
             diff = sorted(

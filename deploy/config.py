@@ -112,6 +112,16 @@ class ClusterConfig(_Strict):
     store_latency_ms: float = Field(
         0.0, ge=0, description="benchmarking aid: ms added to every store call (trainer, workers)"
     )
+    wait_for_services_s: float = Field(
+        300.0,
+        ge=0,
+        description=(
+            "how long a job waits at start for the scheduler and store shards it names "
+            "(cluster.scheduler, cluster.store) to answer, showing what it waits for: in "
+            "Kubernetes the trainers may start before the stores have restored; 0: fail at "
+            "once. A service that answers but does not fit the job fails at once"
+        ),
+    )
 
 
 class ServingConfig(_Strict):

@@ -8,18 +8,28 @@ from __future__ import annotations
 
 import logging
 import secrets
+import sys
+import time
 from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from dataclasses import field as dc_field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import yaml
 
-from deploy.cluster import ClusterError, check_scheduler, check_store, environment, store_token
+from deploy.cluster import (
+    ClusterError,
+    NotAnswering,
+    check_scheduler,
+    check_store,
+    environment,
+    store_token,
+)
 from deploy.config import ClusterConfig, JobConfig
 from deploy.job.errors import JobError
+from deploy.status_line import StatusLine
 from monitoring.plugin import StreamrecPlugin
 
 if TYPE_CHECKING:
@@ -28,6 +38,9 @@ if TYPE_CHECKING:
     from deploy.local.shards import ShardSupervisor
 
 log = logging.getLogger(__name__)
+
+# How often a service the job names is asked again while it does not answer.
+_SERVICE_POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -49,15 +62,39 @@ class Services:
         self.__dict__.update(state)
 
 
-def check_named_services(job: JobConfig, store: str, token: str | None) -> None:
-    """Refuse to start when a service the job names does not answer or does not fit it."""
+def check_named_services(
+    job: JobConfig, store: str, token: str | None, *, out: TextIO | None = None
+) -> None:
+    """Wait for the services the job names to answer, up to ``cluster.wait_for_services_s``
+    (a status line on ``out``, stderr by default, says which and how long); refuse to
+    start when one still does not, or does not fit the job."""
+    wait_s = job.cluster.wait_for_services_s
+    deadline = time.monotonic() + wait_s
+    status = StatusLine(out or sys.stderr, every_s=5.0)
+    waited = False
+    # Each attempt is short enough that the status line shows early in a short wait.
+    attempt_s = min(10.0, max(1.0, wait_s / 4))
     try:
-        if job.cluster.scheduler is not None:
-            check_scheduler(job.cluster.scheduler)
-        if job.cluster.store is not None:
-            check_store(job, store, token)
+        while True:
+            try:
+                if job.cluster.scheduler is not None:
+                    check_scheduler(job.cluster.scheduler, timeout_s=attempt_s)
+                if job.cluster.store is not None:
+                    check_store(job, store, token, timeout_s=attempt_s)
+                return
+            except NotAnswering as exc:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    msg = f"{exc}; waited {wait_s:g}s for it (cluster.wait_for_services_s)"
+                    raise JobError(msg) from None
+                waited = True
+                status.show(f"waiting for the services the job names ({left:.0f}s left): {exc}")
+                time.sleep(min(_SERVICE_POLL_S, left))
     except ClusterError as exc:
         raise JobError(str(exc)) from None
+    finally:
+        if waited:
+            status.done()
 
 
 def start_services(

@@ -1,19 +1,23 @@
-"""A job that names its services refuses to start, in one line, when they do not fit it.
+"""A job that names its services waits for them to answer, and refuses to start, in one
+line, when they still do not or do not fit it.
 
 Real `streamrec run` processes against real store shards (or none), as a user
 on a cluster would meet them: a wrong address, a wrong token, another job's
-store, or torchrun without the services named.
+store, shards that start after the job (as in Kubernetes, where trainers may
+start before the stores have restored), or torchrun without the services named.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from deploy.local.kafka import free_port
+from deploy.local.shards import ShardProcess
 from tests.conftest import REPO_ROOT, STREAMREC, write_job_yaml
 
 
@@ -58,7 +62,7 @@ def test_torchrun_without_named_services_says_what_to_set(tmp_path: Path) -> Non
     assert "set cluster.scheduler and cluster.store" in line
 
 
-def test_a_scheduler_that_does_not_answer_is_one_line(
+def test_a_scheduler_that_does_not_answer_is_waited_for_then_one_line(
     tmp_path: Path, write_job: Callable[..., Path], token_file: Path, start_shards: Any
 ) -> None:
     [shard] = start_shards(1, write_job(), token_file)
@@ -69,10 +73,50 @@ def test_a_scheduler_that_does_not_answer_is_one_line(
         scheduler=dead,
         store=f"grpc://{shard.address}",
         token_file=str(token_file),
+        wait_for_services_s=2,
     )
     out = run(job)
     assert out.returncode == 1
-    assert f"cluster.scheduler {dead}: no Dask scheduler answers there" in one_line(out)
+    line = one_line(out)
+    assert f"cluster.scheduler {dead}: no Dask scheduler answers there" in line
+    assert "waited 2s for it (cluster.wait_for_services_s)" in line
+    assert "waiting for the services the job names" in out.stderr
+
+
+def test_a_job_waits_for_store_shards_that_start_after_it(
+    tmp_path: Path, write_job: Callable[..., Path], token_file: Path, start_shards: Any
+) -> None:
+    """It used to fail at once with UNAVAILABLE: a trainer started before its stores."""
+    port = free_port()
+    job = job_yaml(
+        tmp_path,
+        {"user": {"dim": 8}, "item": {"dim": 4}},
+        store=f"grpc://127.0.0.1:{port}",
+        token_file=str(token_file),
+        wait_for_services_s=120,
+    )
+    proc = subprocess.Popen(
+        [*STREAMREC, "run", str(job), "--max-time", "90"],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # Longer than one attempt (10 s), which a shard starting sooner would answer.
+        time.sleep(12)
+        assert proc.poll() is None, proc.communicate()
+        late = ShardProcess.start(write_job(), tmp_path / "late", port=port, token_file=token_file)
+        start_shards.track(late)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out + err
+    assert "waiting for the services the job names" in err
+    assert f"cluster.store shard 0 at 127.0.0.1:{port}: UNAVAILABLE" in err
+    assert "stopped by end_of_stream" in out, out  # it ran, against the late shard
 
 
 def test_a_store_of_other_tables_or_another_token_is_refused(
