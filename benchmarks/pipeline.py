@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import importlib.util
 import sys
 import tempfile
 import time
@@ -136,9 +137,18 @@ def _source(
 
 
 def bench_kafka_read(
-    bootstrap: str, topic: str, repeats: int, api_version: str, chunk: int = CHUNK
+    bootstrap: str,
+    topic: str,
+    repeats: int,
+    api_version: str,
+    chunk: int = CHUNK,
+    *,
+    confluent: bool = False,
 ) -> dict[str, float]:
-    """``KafkaSource.read`` alone over the topic's chunks: raw and kafka-python, alternately."""
+    """``KafkaSource.read`` alone over the topic's chunks: raw and kafka-python, alternately;
+    and confluent-kafka's consumer (librdkafka) over the same chunks where it is installed
+    (the ``peers`` extra) and ``confluent`` is set (a modern broker: librdkafka does not
+    speak to 0.9 by default), a maintained client the job could use instead."""
     sources = {
         r: _source(bootstrap, topic, f"read-{r}", r, api_version, chunk)
         for r in ("raw", "kafka-python")
@@ -151,21 +161,70 @@ def bench_kafka_read(
             chunks.append(planned)
             position = planned.end
     rates: dict[str, list[float]] = {r: [] for r in sources}
+    confluent = confluent and importlib.util.find_spec("confluent_kafka") is not None
+    if confluent:
+        rates["confluent-kafka"] = []
     for _ in range(max(1, repeats)):
         for reader, source in sources.items():
             t0 = time.perf_counter()
             n = sum(len(source.read(c)) for c in chunks)
             rates[reader].append(n / (time.perf_counter() - t0))
+        if confluent:
+            t0 = time.perf_counter()
+            n = _confluent_read(bootstrap, chunks)
+            rates["confluent-kafka"].append(n / (time.perf_counter() - t0))
     for source in sources.values():
         source.close()
     raw = float(np.median(rates["raw"]))
     slow = float(np.median(rates["kafka-python"]))
-    return {
+    figures = {
         "kafka_read_events_per_s": raw,
         "kafka_read_kafka_python_events_per_s": slow,
         "kafka_read_raw_vs_kafka_python": raw / slow,
         "kafka_read_events": sum(len(c) for c in chunks),
     }
+    if confluent:
+        other = float(np.median(rates["confluent-kafka"]))
+        figures["kafka_read_confluent_kafka_events_per_s"] = other
+        figures["kafka_read_raw_vs_confluent_kafka"] = raw / other
+    return figures
+
+
+def _confluent_read(bootstrap: str, chunks: list[Any]) -> int:
+    """confluent-kafka's consumer reading ``chunks`` as a worker reads them: assigned at a
+    chunk's start, values kept as bytes until its end (librdkafka prefetches meanwhile)."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": "bench-confluent",
+            "enable.auto.commit": False,
+            "fetch.max.bytes": 16 << 20,
+            "max.partition.fetch.bytes": 16 << 20,
+        }
+    )
+    n = 0
+    try:
+        for chunk in chunks:
+            topic, _, number = chunk.partition.rpartition("/")
+            consumer.assign([TopicPartition(topic, int(number), chunk.start)])
+            values: list[bytes] = []
+            position = chunk.start
+            deadline = time.monotonic() + 60
+            while position < chunk.end:
+                if time.monotonic() > deadline:
+                    msg = f"confluent-kafka read nothing of {chunk.name} past {position} in 60 s"
+                    raise RuntimeError(msg)
+                for message in consumer.consume(num_messages=10_000, timeout=1.0):
+                    if message.error() is not None or message.offset() >= chunk.end:
+                        continue
+                    values.append(message.value() or b"")
+                    position = message.offset() + 1
+            n += len(values)
+    finally:
+        consumer.close()
+    return n
 
 
 Broker = tuple[str, str, str]  # bootstrap, an empty topic of 2 partitions, api_version
@@ -250,6 +309,7 @@ def bench_runner(
         if broker is None:
             broker = _start_broker(kind, tmp, stack)
         bootstrap, topic, api_version = broker
+        modern = kind == "modern"
         job = write_store_job(tmp / "job.yaml", synthetic_store_section(dim=16))
         token = write_token(tmp / "token")
         address = stack.enter_context(
@@ -257,17 +317,23 @@ def bench_runner(
         )
         data = payloads(events + chunk, seed=7)  # + the first batch, not timed
         _fill(bootstrap, topic, data, api_version, None)
-        results = bench_kafka_read(bootstrap, topic, read_repeats, api_version, chunk)
+        results = bench_kafka_read(
+            bootstrap, topic, read_repeats, api_version, chunk, confluent=modern
+        )
         for codec in codecs:
             packed = _new_topic(bootstrap, f"{topic}-{codec}", api_version)
             _fill(bootstrap, packed, data, api_version, codec)
-            figures = bench_kafka_read(bootstrap, packed, read_repeats, api_version, chunk)
+            figures = bench_kafka_read(
+                bootstrap, packed, read_repeats, api_version, chunk, confluent=modern
+            )
             results.update({f"{k}_{codec}": v for k, v in figures.items()})
         batched = {}
         for kb in batch_kbs:
             batched[kb] = _new_topic(bootstrap, f"{topic}-b{kb}", api_version)
             _fill(bootstrap, batched[kb], data, api_version, None, kb)
-            figures = bench_kafka_read(bootstrap, batched[kb], read_repeats, api_version, chunk)
+            figures = bench_kafka_read(
+                bootstrap, batched[kb], read_repeats, api_version, chunk, confluent=modern
+            )
             results.update({f"{k}_b{kb}": v for k, v in figures.items()})
         del data
         store = StoreAddress(address, token=token.read_text())
