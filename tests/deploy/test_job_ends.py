@@ -12,7 +12,9 @@ import itertools
 import json
 import os
 import signal
+import socket
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,6 @@ import pytest
 
 from connectors.kafka import produce
 from connectors.synthetic import SyntheticConfig, iter_json_lines, synthetic_store_section
-from deploy.local.kafka import free_port
 from tests.conftest import REPO_ROOT, STREAMREC, streamrec, write_synthetic_job
 from tests.kafka_fixtures import KafkaForTests
 from trainer.checkpoint import CheckpointBook
@@ -124,17 +125,27 @@ def test_max_events_cuts_a_chunk_at_the_budget_and_the_next_run_goes_on(
         assert spans[-1][1] == 800  # every offset once, no gap, no overlap
 
 
-def no_broker_job(tmp: Path) -> Path:
-    # A port nothing listens on; "auto" must detect the version, so it dials at once.
-    return kafka_job(tmp, f"127.0.0.1:{free_port()}", "events")
+@pytest.fixture
+def no_broker_port() -> Iterator[int]:
+    """A port nothing listens on, held for the test: a socket bound to it but not
+    listening refuses connections, and no other process (the job's own Dask scheduler
+    or a worker, under a loaded suite) can take it meanwhile and be dialled as Kafka."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        yield int(held.getsockname()[1])
 
 
-def test_max_time_ends_a_job_whose_broker_is_not_there(tmp_path: Path) -> None:
+def no_broker_job(tmp: Path, port: int) -> Path:
+    # "auto" must detect the version, so it dials at once.
+    return kafka_job(tmp, f"127.0.0.1:{port}", "events")
+
+
+def test_max_time_ends_a_job_whose_broker_is_not_there(tmp_path: Path, no_broker_port: int) -> None:
     """Ends soon after the deadline with one line naming the address, non-zero, no traceback.
 
     It used to retry for 300 s (retry_timeout_s) and then end in a traceback.
     """
-    job = no_broker_job(tmp_path)
+    job = no_broker_job(tmp_path, no_broker_port)
     # 10 s: the deadline passes while the job waits for the broker. 0.1 s: it passes
     # while the job starts (as 10 s did on a loaded machine), before any batch was
     # asked for; the source is still asked once, and says the broker is not there.
@@ -148,8 +159,8 @@ def test_max_time_ends_a_job_whose_broker_is_not_there(tmp_path: Path) -> None:
         assert "127.0.0.1:" in last
 
 
-def test_ctrl_c_ends_a_job_waiting_for_a_broker(tmp_path: Path) -> None:
-    job = no_broker_job(tmp_path)
+def test_ctrl_c_ends_a_job_waiting_for_a_broker(tmp_path: Path, no_broker_port: int) -> None:
+    job = no_broker_job(tmp_path, no_broker_port)
     proc = subprocess.Popen(
         [*STREAMREC, "run", str(job)],
         cwd=REPO_ROOT,
