@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import os
+from pathlib import Path
 
 from deploy.config import JobConfig
 
@@ -32,9 +34,75 @@ def auto_torch_threads(
 
 
 def _host_cpus() -> int:
-    """The cores this process may run on (its affinity, where the OS tells it)."""
+    """The cores this process may use: its affinity, capped by its cgroup's CPU quota.
+
+    In a container the affinity is every core of the node, while the quota
+    (``resources.limits.cpu``) is what the process gets: sizing threads by the
+    affinity would run many times more threads than the quota lets run at once.
+    """
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    quota = cgroup_cpu_quota()
+    if quota is not None:
+        cpus = min(cpus or 1, max(1, math.ceil(quota)))
     return cpus or 1
+
+
+def cgroup_cpu_quota(
+    root: Path = Path("/sys/fs/cgroup"), self_cgroup: str | None = None
+) -> float | None:
+    """The CPU quota of this process's cgroup in cores (``cpu.max`` of cgroup v2, else
+    ``cpu.cfs_quota_us / cpu.cfs_period_us`` of v1), or None when there is none.
+
+    ``self_cgroup``: the text of ``/proc/self/cgroup`` (read when None).
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     _ = (Path(d) / "pod" / "cpu.max").parent.mkdir()
+    ...     _ = (Path(d) / "pod" / "cpu.max").write_text("150000 100000")
+    ...     quota = cgroup_cpu_quota(Path(d), "0::/pod")
+    >>> quota
+    1.5
+    >>> parse_cpu_max("max 100000"), parse_cpu_max("200000 100000")
+    (None, 2.0)
+    """
+    if self_cgroup is None:
+        try:
+            self_cgroup = Path("/proc/self/cgroup").read_text()
+        except OSError:
+            self_cgroup = ""
+    v2, v1 = "", ""
+    for line in self_cgroup.splitlines():
+        controllers, _, path = line.partition(":")[2].partition(":")
+        if not controllers:
+            v2 = path
+        elif "cpu" in controllers.split(","):
+            v1 = path
+    # The process's own cgroup first; inside a container it is often mounted at the root.
+    for directory in (root / v2.lstrip("/"), root):
+        try:
+            return parse_cpu_max((directory / "cpu.max").read_text())
+        except OSError:
+            continue
+    for directory in (root / "cpu" / v1.lstrip("/"), root / "cpu", root / "cpu,cpuacct"):
+        try:
+            quota = int((directory / "cpu.cfs_quota_us").read_text())
+            period = int((directory / "cpu.cfs_period_us").read_text())
+        except (OSError, ValueError):
+            continue
+        return quota / period if quota > 0 and period > 0 else None
+    return None
+
+
+def parse_cpu_max(text: str) -> float | None:
+    """Cores from cgroup v2's ``cpu.max`` (``"quota period"``, ``max``: no quota)."""
+    quota, _, period = text.strip().partition(" ")
+    if quota == "max" or not period:
+        return None
+    try:
+        cores = int(quota) / int(period)
+    except (ValueError, ZeroDivisionError):
+        return None
+    return cores if cores > 0 else None
 
 
 def torch_threads_for(job: JobConfig, local_ranks: int) -> int:
