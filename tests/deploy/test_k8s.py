@@ -904,7 +904,7 @@ def check_serve(objs: list[Obj], job: JobConfig, replicas: list[str]) -> tuple[i
 EXPECTED = {  # shards, dask workers, trainer hosts, ranks per host, GPUs per host, image
     "base": (2, 2, 1, 1, 0, "streamrec"),
     "cpu-small": (2, 2, 1, 1, 0, "registry.example.com/streamrec:0.1.0"),
-    "gpu": (8, 8, 2, 4, 4, "registry.example.com/streamrec-cuda:0.1.0"),
+    "gpu": (8, 8, 2, 4, 4, "registry.example.com/streamrec:0.1.0-cuda"),
 }
 SERVING = {  # replicas per shard, serve min and max (the autoscaler's)
     "base": (2, 2, 10),
@@ -1155,3 +1155,24 @@ def test_resources_and_security_everywhere(target: str) -> None:
         assert sc["allowPrivilegeEscalation"] is False, where
         assert sc["capabilities"]["drop"] == ["ALL"], where
         assert sc["readOnlyRootFilesystem"] is True, where
+
+
+def readme_images() -> dict[str, str]:
+    """The image each VARIANT is built as by the README's ``docker build`` lines, and
+    checked that the README pushes it."""
+    text = (REPO_ROOT / "README.md").read_text()
+    built = dict(re.findall(r"docker build .*--build-arg VARIANT=(\w+)\s+-t (\S+) \.", text))
+    pushed = set(re.findall(r"docker push (\S+)", text))
+    assert set(built) == {"cpu", "cuda"}, built
+    assert set(built.values()) <= pushed, (built, pushed)
+    return built
+
+
+@pytest.mark.parametrize(("target", "variant"), [("cpu-small", "cpu"), ("gpu", "cuda")])
+def test_each_overlay_pulls_the_image_the_readme_builds_and_pushes(
+    target: str, variant: str
+) -> None:
+    """The gpu overlay used to pull registry.example.com/streamrec-cuda:0.1.0, which the
+    README's commands never build: every pod would stay in ImagePullBackOff."""
+    image = readme_images()[variant]
+    assert {c["image"] for _, _, c in containers(objects(target))} == {image}
