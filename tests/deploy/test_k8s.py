@@ -689,6 +689,10 @@ def check_trainer(objs: list[Obj], job: JobConfig) -> tuple[int, int, int]:
     c10d = service_port(svc["spec"], "c10d")
     assert c10d["port"] == port(c, c10d["targetPort"])
     assert targs.rdzv_backend == "c10d"
+    # Hosts wait for pod 0 (its image pull may take minutes) longer than torch's 60 s.
+    conf = dict(item.split("=") for item in targs.rdzv_conf.split(","))
+    assert int(conf["read_timeout"]) >= 600, conf
+    assert int(conf["join_timeout"]) >= 600, conf
     # Indexed Job pods are named <job>-<index>; pod 0 hosts the rendezvous.
     assert targs.rdzv_endpoint == f"{tj['metadata']['name']}-0.{pod['subdomain']}:{c10d['port']}"
 
