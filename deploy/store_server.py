@@ -56,7 +56,9 @@ def _serve_metrics(
 
     label = f"{advertise or host}:{bound}"
     try:
-        metrics = serve_store_metrics(f"{host}:{metrics_port}", label, servicer.stats)
+        metrics = serve_store_metrics(
+            f"{host}:{metrics_port}", label, servicer.stats, servicer.health_status
+        )
     except OSError as exc:
         server.stop(None)
         msg = f"--metrics-port {metrics_port}: {exc}"

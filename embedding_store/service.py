@@ -627,10 +627,14 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
             next_cursor=nxt,
         )  # fmt: skip
 
+    def health_status(self) -> str:
+        """What Health answers as ``status``: ``SERVING``, or why not (a replica catching up)."""
+        return "SERVING" if self._health is None else self._health()
+
     @_errors_to_status
     def Health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthResponse:
         return pb.HealthResponse(
-            status="SERVING" if self._health is None else self._health(),
+            status=self.health_status(),
             dims={name: t.dim for name, t in self.shard.tables.items()},
             row_dtype=TO_PB[self.shard.config.row_dtype],
             incarnation=self.shard.incarnation,

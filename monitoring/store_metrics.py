@@ -23,11 +23,14 @@ the per-table ones a ``table`` label too.
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable, Iterable
-from wsgiref.simple_server import WSGIServer
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -249,11 +252,33 @@ class MetricsServer:
         self.close()
 
 
-def serve_store_metrics(address: str, shard_label: str, stats_fn: StatsFn) -> MetricsServer:
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # a scrape or probe every few seconds is not worth a line
+
+
+def _threading_server(host: str) -> type[WSGIServer]:
+    """A WSGI server class serving each request on a thread, for ``host``'s family."""
+
+    class _Server(ThreadingMixIn, WSGIServer):
+        daemon_threads = True
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    return _Server
+
+
+def serve_store_metrics(
+    address: str,
+    shard_label: str,
+    stats_fn: StatsFn,
+    health_fn: Callable[[], str] | None = None,
+) -> MetricsServer:
     """Serve one shard's metrics over HTTP on ``address`` (``HOST:PORT``, port 0: any free).
 
     The metrics live in a private registry, not prometheus_client's global one,
     so several servers (or tests) in one process do not see each other's.
+    ``health_fn``: ``/healthz`` answers 200 when it says ``SERVING``, else 503 with
+    what it says (Kubernetes' probes, without starting a Python per probe).
 
     >>> import urllib.request
     >>> from embedding_store.types import ShardStats
@@ -265,8 +290,20 @@ def serve_store_metrics(address: str, shard_label: str, stats_fn: StatsFn) -> Me
     host, port = _split_address(address)
     registry = CollectorRegistry()
     registry.register(StoreMetricsCollector(shard_label, stats_fn))
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") == "/healthz" and health_fn is not None:
+            status = health_fn()
+            code = "200 OK" if status == "SERVING" else "503 Service Unavailable"
+            start_response(code, [("Content-Type", "text/plain; charset=utf-8")])
+            return [f"{status}\n".encode()]
+        return metrics_app(environ, start_response)  # type: ignore[no-any-return]
+
     try:
-        httpd, thread = start_http_server(port, addr=host, registry=registry)
+        httpd = make_server(host, port, app, _threading_server(host), handler_class=_QuietHandler)
+        thread = threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True)
+        thread.start()
     except OSError as exc:
         msg = (
             f"could not serve metrics on {address} ({exc.strerror or exc}); "

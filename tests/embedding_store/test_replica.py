@@ -8,6 +8,8 @@ random operations, the training table as the oracle. The others run real
 from __future__ import annotations
 
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -224,9 +226,13 @@ def test_a_replica_answers_syncing_until_it_reaches_its_training_shard(
     port = training.port
     training.kill()
     replica = ShardProcess.start(job, tmp_path / "replica", token_file=token_file,
-                                 follow=f"127.0.0.1:{port}")  # fmt: skip
+                                 follow=f"127.0.0.1:{port}", metrics_port=0)  # fmt: skip
     start_shards.track(replica)
     assert "SYNCING" in _health(replica.address, token_file)
+    # Kubernetes' readiness probe: /healthz beside the metrics says the same over HTTP.
+    assert replica.metrics_url is not None
+    healthz = replica.metrics_url.replace("/metrics", "/healthz")
+    assert _http(healthz) == (503, "SYNCING")
     token = token_file.read_text().strip()
     ids = np.array([7, 8], U64)
     # It holds nothing yet: reads are refused (retryable), not answered wrong.
@@ -238,5 +244,15 @@ def test_a_replica_answers_syncing_until_it_reaches_its_training_shard(
     back = training.restart()
     start_shards.track(back)
     _wait_until(lambda: "SERVING" in _health(replica.address, token_file), "caught up")
+    assert _http(healthz) == (200, "SERVING")
     with StoreClient.connect(f"grpc://{replica.address}", token=token, retry=FAST) as serve:
         np.testing.assert_array_equal(_read(serve, "item", ids), _initial("item", ids))
+
+
+def _http(url: str) -> tuple[int, str]:
+    """A GET's status and body (an error status is an answer too)."""
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            return int(reply.status), reply.read().decode().strip()
+    except urllib.error.HTTPError as exc:
+        return int(exc.code), exc.read().decode().strip()
