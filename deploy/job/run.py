@@ -50,7 +50,7 @@ def run_job(
     except ClusterError as exc:
         raise JobError(str(exc)) from None
     with ExitStack() as stack:
-        services = start_services(job, stack, env=env)
+        services = start_services(job, stack, env=env, deadline=deadline)
         if on_services is not None:
             on_services(services)
         if launch is not None:

@@ -63,12 +63,20 @@ class Services:
 
 
 def check_named_services(
-    job: JobConfig, store: str, token: str | None, *, out: TextIO | None = None
+    job: JobConfig,
+    store: str,
+    token: str | None,
+    *,
+    out: TextIO | None = None,
+    deadline: float | None = None,
 ) -> None:
     """Wait for the services the job names to answer, up to ``cluster.wait_for_services_s``
-    (a status line on ``out``, stderr by default, says which and how long); refuse to
-    start when one still does not, or does not fit the job."""
-    wait_s = job.cluster.wait_for_services_s
+    or ``deadline`` (the job's ``--max-time``), whichever comes first (a status line
+    on ``out``, stderr by default, says which and how long); refuse to start when
+    one still does not, or does not fit the job."""
+    wait_s, bound = job.cluster.wait_for_services_s, "cluster.wait_for_services_s"
+    if deadline is not None and deadline - time.monotonic() < wait_s:
+        wait_s, bound = max(0.0, deadline - time.monotonic()), "--max-time"
     deadline = time.monotonic() + wait_s
     status = StatusLine(out or sys.stderr, every_s=5.0)
     waited = False
@@ -85,7 +93,7 @@ def check_named_services(
             except NotAnswering as exc:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    msg = f"{exc}; waited {wait_s:g}s for it (cluster.wait_for_services_s)"
+                    msg = f"{exc}; waited {wait_s:.0f}s for it ({bound})"
                     raise JobError(msg) from None
                 waited = True
                 status.show(f"waiting for the services the job names ({left:.0f}s left): {exc}")
@@ -98,12 +106,18 @@ def check_named_services(
 
 
 def start_services(
-    job: JobConfig, stack: ExitStack, *, env: Mapping[str, str] | None = None
+    job: JobConfig,
+    stack: ExitStack,
+    *,
+    env: Mapping[str, str] | None = None,
+    deadline: float | None = None,
 ) -> Services:
     """Start the shards and the Dask cluster the job does not name; ``stack`` stops them.
 
     Services the job names (``cluster.scheduler``, ``cluster.store``) are checked
-    first: a wrong address, token or table schema is a :class:`JobError`.
+    first, waited for until ``deadline`` (``time.monotonic()``; the job's
+    ``--max-time``) at most: a wrong address, token or table schema is a
+    :class:`JobError`.
     """
     run_dir = job.run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -119,7 +133,7 @@ def start_services(
     else:
         store, store_metrics = job.cluster.store, ()
         token = store_token(job, env if env is not None else environment())
-    check_named_services(job, store, token)
+    check_named_services(job, store, token, deadline=deadline)
     if job.cluster.scheduler is not None:
         return Services(job.cluster.scheduler, None, store, token, store_metrics, supervisor)
     scheduler, dashboard = _start_dask(job, stack)

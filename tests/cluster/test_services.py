@@ -83,6 +83,28 @@ def test_a_scheduler_that_does_not_answer_is_waited_for_then_one_line(
     assert "waiting for the services the job names" in out.stderr
 
 
+def test_max_time_bounds_the_wait_for_services(tmp_path: Path, token_file: Path) -> None:
+    """`--max-time 3` is kept while the job waits (for 300 s by default) for its store."""
+    job = job_yaml(
+        tmp_path,
+        TABLES,
+        store=f"grpc://127.0.0.1:{free_port()}",
+        token_file=str(token_file),
+    )
+    started = time.monotonic()
+    out = subprocess.run(
+        [*STREAMREC, "run", str(job), "--max-time", "3"],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 1
+    assert "(--max-time)" in one_line(out)
+    assert time.monotonic() - started < 60
+
+
 def test_a_job_waits_for_store_shards_that_start_after_it(
     tmp_path: Path, write_job: Callable[..., Path], token_file: Path, start_shards: Any
 ) -> None:
