@@ -28,7 +28,7 @@ def test_four_kills_lose_nothing_learn_nothing_twice_and_serve_on(tmp_path: Path
             "--minutes",
             "4",
             "--kill-every-s",
-            "9",
+            "6",
             "--kills",
             "4",
             "--serve",
