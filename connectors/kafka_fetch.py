@@ -818,30 +818,16 @@ def aborted_ranges(
 def _is_abort_marker(view: memoryview, q: int, end: int) -> bool:
     """Whether the control record at ``view[q:end]`` is an ABORT marker: its key is a
     version (int16) and a type (int16), 0 for ABORT and 1 for COMMIT."""
-    try:
-        _, q = _zigzag(view, q)  # the record's length
-        q += 1  # attributes
-        _, q = _zigzag(view, q)  # timestamp delta
-        _, q = _zigzag(view, q)  # offset delta
-        key_len, q = _zigzag(view, q)
-        if key_len < 4 or q + 4 > end:
-            return False
-        (kind,) = struct.unpack_from(">h", view, q + 2)
-    except (IndexError, struct.error):
+    data = np.frombuffer(view, dtype=np.uint8)
+    _, q = _varint(data, q, end)  # the record's length
+    q = q + 1 if q >= 0 else q  # attributes (one byte)
+    _, q = _varint(data, q, end) if q >= 0 else (0, q)  # timestamp delta
+    _, q = _varint(data, q, end) if q >= 0 else (0, q)  # offset delta
+    key_len, q = _varint(data, q, end) if q >= 0 else (0, q)
+    if q < 0 or key_len < 4 or q + 4 > end:
         return False
+    (kind,) = struct.unpack_from(">h", view, q + 2)
     return bool(kind == 0)
-
-
-def _zigzag(view: memoryview, q: int) -> tuple[int, int]:
-    """The zigzag varint at ``view[q:]`` and where it ends (Python's, for a few per fetch)."""
-    raw = shift = 0
-    while True:
-        byte = view[q]
-        raw |= (byte & 0x7F) << shift
-        q += 1
-        if not byte & 0x80:
-            return (raw >> 1) ^ -(raw & 1), q
-        shift += 7
 
 
 def parse_records(

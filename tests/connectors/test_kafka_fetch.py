@@ -23,7 +23,7 @@ from connectors.kafka import KafkaSource, KafkaSourceConfig, produce
 from connectors.types import Chunk, RawChunk
 from deploy.local.kafka import API_VERSION
 from tests.connectors.contract import plan_all
-from tests.kafka_fixtures import KafkaForTests
+from tests.kafka_fixtures import KafkaForTests, make_kafka_source
 
 # -- the parser, on bytes (no broker) --------------------------------------------------------
 
@@ -551,29 +551,11 @@ def test_read_committed_waits_for_open_transactions_on_a_modern_broker(
         api_version=tansu.api_version,
         transactional_id=f"tx-{topic}",
     )
-    committed = KafkaSource(
-        KafkaSourceConfig(
-            bootstrap_servers=tansu.bootstrap,
-            topics=[topic],
-            group_id=f"{topic}-c",
-            api_version=tansu.api_version,
-            reader=reader,
-            poll_timeout_ms=200,
-            retry_timeout_s=20,
-            client_options={"isolation_level": "read_committed"},
-        )
+    settings = {"api_version": tansu.api_version, "reader": reader, "retry_timeout_s": 20}
+    committed = make_kafka_source(
+        tansu.bootstrap, topic, client_options={"isolation_level": "read_committed"}, **settings
     )
-    uncommitted = KafkaSource(
-        KafkaSourceConfig(
-            bootstrap_servers=tansu.bootstrap,
-            topics=[topic],
-            group_id=f"{topic}-u",
-            api_version=tansu.api_version,
-            reader=reader,
-            poll_timeout_ms=200,
-            retry_timeout_s=20,
-        )
-    )
+    uncommitted = make_kafka_source(tansu.bootstrap, topic, **settings)
 
     def read(source: KafkaSource, start: int) -> tuple[list[int], list[bytes], int]:
         chunk = source.plan(partition, start, 100)
