@@ -107,10 +107,12 @@ class CheckpointConfig(_Strict):
 
 
 class RecoveryConfig(_Strict):
-    """What the job does when a store shard loses its rows (it died and was restarted).
+    """What the job does when a store shard loses its rows (it died and was restarted),
+    or a trainer rank process is killed.
 
     Every rank rolls back to the newest job checkpoint (store, dense state, source
-    positions) and goes on, so nothing is lost and nothing learned twice.
+    positions) and goes on, so nothing is lost and nothing learned twice; a killed
+    rank is started again with the others first.
     """
 
     enabled: bool = Field(True, description="false: such a failure ends the job")
@@ -118,7 +120,12 @@ class RecoveryConfig(_Strict):
         300.0, gt=0, description="how long one recovery waits for every shard to answer"
     )
     max_in_a_row: int = Field(
-        5, ge=1, description="recoveries without a new checkpoint in between before giving up"
+        5,
+        ge=1,
+        description=(
+            "recoveries (or restarts of the trainer ranks) without a new checkpoint in "
+            "between before giving up"
+        ),
     )
 
 

@@ -214,6 +214,8 @@ class LoopStats:
     # Rollbacks to the newest checkpoint after the store lost state, and how long each took.
     recoveries: int = 0
     recovery_s: list[float] = field(default_factory=list)
+    # Times the job started its rank world again after a rank process was killed.
+    rank_restarts: int = 0
 
     def elapsed(self) -> float:
         return time.monotonic() - self.started

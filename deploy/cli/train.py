@@ -229,6 +229,12 @@ def _train(
             f"recovered {stats.recoveries} time(s) from a lost store shard by rolling back "
             f"to the newest checkpoint ({times})"
         )
+    if stats.rank_restarts:
+        print(
+            f"started the trainer ranks again {stats.rank_restarts} time(s) after a rank "
+            "process was killed, each from the newest checkpoint (the figures above count "
+            "from the last start)"
+        )
     if manifest is not None:
         print(f"checkpoint: {manifest.path} (step {manifest.step})")
     if next_steps:

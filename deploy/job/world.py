@@ -9,12 +9,13 @@ torchrun made it.
 from __future__ import annotations
 
 import contextlib
-import functools
+import logging
 import multiprocessing as mp
 import os
 import signal
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
@@ -23,13 +24,17 @@ from deploy.config import JobConfig
 from deploy.job.errors import JobError
 from deploy.job.parts import checkpoint_location
 from deploy.job.rank import run_rank
-from deploy.job.services import Services
+from deploy.job.recovery import await_store
+from deploy.job.services import Services, batch_client
 from deploy.local.kafka import free_port
 from trainer.checkpoint import CheckpointBook, JobManifest
+from trainer.config import RecoveryConfig
 from trainer.loop import LoopStats, Progress, pick_device
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
+
+log = logging.getLogger(__name__)
 
 
 def run_ranks(
@@ -41,39 +46,162 @@ def run_ranks(
     stop: threading.Event | None = None,
     on_progress: Callable[[Progress], None] | None = None,
 ) -> tuple[LoopStats, JobManifest | None]:
-    """Rank 0 here, ranks 1.. in spawned processes; a rank that fails stops the job.
+    """Rank 0 here, ranks 1.. in spawned processes.
 
-    A rank process that dies (``kill -9``, out of memory) breaks the others'
-    collectives; the job then stops with a :class:`JobError` that names the rank
-    and says how to resume: the newest checkpoint holds everything learned.
+    A rank process killed by a signal (``kill -9``, out of memory) breaks the
+    others' collectives; the job then starts every rank again from the newest
+    checkpoint (store, dense state, source positions), as a second run of the
+    same command would, and goes on. ``trainer.recovery`` bounds it: off, or
+    after ``max_in_a_row`` restarts without a new checkpoint in between, the job
+    stops with a :class:`JobError` that names the rank and says how to resume.
+    A rank that fails on its own (an exception, exit code 1) is not restarted.
     """
+    world = job.trainer.ranks
+    stop = stop or threading.Event()
+    if world == 1:
+        return run_rank(
+            job,
+            services,
+            max_events=max_events,
+            deadline=deadline,
+            stop=stop,
+            on_progress=on_progress,
+        )
+    book = CheckpointBook(checkpoint_location(job)) if job.trainer.checkpoint.enabled else None
+    start = book.latest() if book is not None else None
+    budget = RankRestarts(job.trainer.recovery)
+    while True:
+        learned = _learned_since(start, book)
+        left = None if max_events is None else max(0, max_events - learned)
+        try:
+            stats, manifest = _run_world(job, services, left, deadline, stop, on_progress)
+        except RanksFailed as failure:
+            newest = book.latest() if book is not None else None
+            why = budget.refuse(failure, newest, stopping=stop.is_set())
+            if why is not None:
+                raise _ranks_failed(job, failure.failed, newest, why) from failure.__cause__
+            log.warning(
+                "trainer rank process %s ended the world; starting the %d ranks again from "
+                "the newest checkpoint (step %d): restart %d in a row "
+                "(trainer.recovery.max_in_a_row %d)",
+                ", ".join(failure.failed),
+                world,
+                newest.step if newest is not None else -1,
+                budget.in_a_row,
+                job.trainer.recovery.max_in_a_row,
+            )
+            _await_quiet(job, services, stop)
+            continue
+        stats.rank_restarts = budget.restarts
+        return stats, manifest
+
+
+class RanksFailed(Exception):
+    """Rank processes died while the world trained (``failed``: each one, described)."""
+
+    def __init__(self, failed: list[str], *, killed: bool) -> None:
+        super().__init__(", ".join(failed))
+        self.failed = failed
+        self.killed = killed  # every one of them ended by a signal
+
+
+@dataclass
+class RankRestarts:
+    """When the rank world may start again after a rank process died.
+
+    Only a death by a signal is restarted (an exception would come back), and
+    at most ``max_in_a_row`` times to the same checkpoint: a rank that dies
+    before the next checkpoint every time would otherwise loop for ever.
+
+    >>> from trainer.config import RecoveryConfig
+    >>> at = JobManifest(step=8, samples=0, positions={}, shard_seqs=[], dense_file="",
+    ...                  created=0.0)
+    >>> budget = RankRestarts(RecoveryConfig(max_in_a_row=2))
+    >>> killed = RanksFailed(["streamrec-rank-1"], killed=True)
+    >>> [budget.refuse(killed, at, stopping=False) for _ in range(2)]
+    [None, None]
+    >>> budget.refuse(killed, at, stopping=False)
+    'it died 3 times without a checkpoint in between (trainer.recovery.max_in_a_row is 2)'
+    >>> import dataclasses
+    >>> later = dataclasses.replace(at, step=16)  # a new checkpoint: the count starts again
+    >>> budget.refuse(killed, later, stopping=False), budget.restarts
+    (None, 3)
+    >>> budget.refuse(RanksFailed(["streamrec-rank-1"], killed=False), later, stopping=False)
+    'it failed on its own'
+    """
+
+    recovery: RecoveryConfig
+    restarts: int = 0
+    in_a_row: int = 0
+    restarted_to: int = -1
+
+    def refuse(
+        self, failure: RanksFailed, newest: JobManifest | None, *, stopping: bool
+    ) -> str | None:
+        """Why the world must not start again (None: it may; counted as a restart)."""
+        if stopping:
+            return "the job was stopping"
+        if not failure.killed:
+            return "it failed on its own"
+        if not self.recovery.enabled:
+            return "trainer.recovery is off"
+        if newest is None:
+            return "checkpoints are off"
+        self.in_a_row = self.in_a_row + 1 if newest.step == self.restarted_to else 1
+        self.restarted_to = newest.step
+        if self.in_a_row > self.recovery.max_in_a_row:
+            return (
+                f"it died {self.in_a_row} times without a checkpoint in between "
+                f"(trainer.recovery.max_in_a_row is {self.recovery.max_in_a_row})"
+            )
+        self.restarts += 1
+        return None
+
+
+def _learned_since(start: JobManifest | None, book: CheckpointBook | None) -> int:
+    """Samples the job's newest checkpoint holds beyond the one it started from: what
+    its earlier lives of the rank world learned (``--max-events`` counts them)."""
+    newest = book.latest() if book is not None else None
+    if newest is None:
+        return 0
+    return newest.samples - (start.samples if start is not None else 0)
+
+
+def _run_world(
+    job: JobConfig,
+    services: Services,
+    max_events: int | None,
+    deadline: float | None,
+    stop: threading.Event,
+    on_progress: Callable[[Progress], None] | None,
+) -> tuple[LoopStats, JobManifest | None]:
+    """One life of the rank world: rank 0 here, the others spawned; :class:`RanksFailed`
+    when rank processes died."""
     import torch.distributed as dist
 
     world = job.trainer.ranks
-    stop = stop or threading.Event()
-    train = functools.partial(
-        run_rank,
-        job,
-        services,
-        world=world,
-        local_ranks=world,
-        max_events=max_events,
-        deadline=deadline,
-        stop=stop,
-        on_progress=on_progress,
-    )
-    if world == 1:
-        return train()
     master = f"tcp://127.0.0.1:{free_port()}"
     procs = _spawn_ranks(job, services, master, max_events, deadline)
     threading.Thread(target=_forward_stop, args=(stop, procs), daemon=True).start()
     _join_world(job, master, 0, world, 0, world)
     error: BaseException | None = None
     try:
-        result = train(rank=0)
+        result = run_rank(
+            job,
+            services,
+            rank=0,
+            world=world,
+            local_ranks=world,
+            max_events=max_events,
+            deadline=deadline,
+            stop=stop,
+            on_progress=on_progress,
+        )
     except Exception as exc:
         error = exc
     finally:
+        # Which ranks died before rank 0 gave up: those reaped below were stopped by it.
+        died = [p for p in procs if p.exitcode not in (0, None)]
         dist.destroy_process_group()
         _reap(procs, timeout=10 if error is not None else 60)
     failed = [
@@ -82,10 +210,30 @@ def run_ranks(
         if p.exitcode not in (0, None)
     ]
     if failed:
-        raise _ranks_failed(job, failed) from error
+        killed = bool(died) and all((p.exitcode or 0) < 0 for p in died)
+        raise RanksFailed(failed, killed=killed) from error
     if error is not None:
         raise error
     return result
+
+
+def _await_quiet(job: JobConfig, services: Services, stop: threading.Event) -> None:
+    """Until no prepare task of the dead world still runs and every shard answers: a
+    task of a dead rank still running on a worker would look rows up in (and so create
+    rows in) the store after rank 0 rolled it back."""
+    from embedding_store.client import StoreClient
+
+    with (
+        StoreClient.connect(services.store, token=services.token) as store,
+        batch_client(job.cluster, services.scheduler) as dask,
+    ):
+        await_store(
+            store,
+            dask,
+            services.supervisor,
+            timeout_s=job.trainer.recovery.timeout_s,
+            stopping=stop.is_set,
+        )
 
 
 def _spawn_ranks(
@@ -121,17 +269,20 @@ def _reap(procs: list[BaseProcess], *, timeout: float) -> None:
             p.join(timeout=10)
 
 
-def _ranks_failed(job: JobConfig, failed: list[str]) -> JobError:
-    """The error for rank processes that ended the job: which, and how to resume."""
-    book = CheckpointBook(checkpoint_location(job))
-    newest = book.latest() if job.trainer.checkpoint.enabled else None
+def _ranks_failed(
+    job: JobConfig, failed: list[str], newest: JobManifest | None, why: str
+) -> JobError:
+    """The error for rank processes that ended the job: which, why not again, how to resume."""
     resume = (
         f"the newest checkpoint (step {newest.step}) holds everything learned; "
         "run the same command again to resume from it"
         if newest is not None
         else "no checkpoint was taken; run the same command again to start over"
     )
-    msg = f"trainer rank process {', '.join(failed)} ended the job; {resume}"
+    msg = (
+        f"trainer rank process {', '.join(failed)} ended the job (not started again: {why}); "
+        f"{resume}"
+    )
     return JobError(msg)
 
 
