@@ -5,15 +5,17 @@
 A real local broker (2 partitions: Kafka 0.9, or with ``--broker tansu`` Tansu,
 the modern protocol, its log kept in a local S3 server), a producer thread writing the
 synthetic stream at ``--rate`` events/s, and ``streamrec run`` (hybrid mode,
-2 store shards, 2 Dask workers, 1 trainer) as a user runs it. Every
+2 store shards, 2 Dask workers, ``--ranks`` trainer ranks, 1 by default) as a
+user runs it. Every
 ``--kill-every-s`` seconds one component is killed with SIGKILL, in a random
 order that takes each kind in turn (a shuffled bag; ``--victims`` picks the
 kinds): a store shard (the job
 restarts it and rolls back to its newest checkpoint), a Dask worker (its Nanny
 starts a new one, the task is retried) or the broker (the benchmark plays its
-supervisor: it brings it back on the same port after ``--outage-s``). The job
-is never restarted by hand. A killed trainer rank ends a job (with the command
-to resume, see tests/trainer/test_job_faults.py), so it is not a victim here.
+supervisor: it brings it back on the same port after ``--outage-s``), or, with
+``--ranks 2`` or more, a trainer rank's process (rank 0 is the job's own: the
+job starts every rank again from its newest checkpoint). The job is never
+restarted by hand.
 
 With ``--serve`` the job is also served as a user would serve it: one
 serving replica per store shard (``streamrec store replica``), a prediction
@@ -37,6 +39,7 @@ still be learned during the outage).
 
 JSON keys: produced, learned_once, learned_twice, never_learned, kills,
 kills_by_kind, recoveries, recovery_s_p50, recovery_s_max, job_rollbacks,
+rank_restarts, ledger_rollbacks,
 committed_equals_end, manual_restarts (always 0), stop_reason, exit_code,
 and the list of kills with their times; with ``--serve`` also serve_requests,
 serve_ok, serve_failed, serve_failed_by_status, dense_versions_served and
@@ -69,6 +72,10 @@ from common import print_figures, write_json  # noqa: E402
 
 KINDS = ("shard", "worker", "broker")
 SERVE_KINDS = (*KINDS, "replica")
+ALL_KINDS = (*SERVE_KINDS, "trainer")
+# Kills the job recovers from by rolling back to its newest checkpoint (a ledger
+# "rollback" line): their recovery counts only from that rollback on.
+ROLLBACK_KINDS = ("shard", "trainer")
 
 
 @dataclass
@@ -104,10 +111,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--victims",
         nargs="+",
-        choices=SERVE_KINDS,
+        choices=ALL_KINDS,
         default=None,
-        help="the kinds to kill (default: every kind; replicas only with --serve)",
+        help=(
+            "the kinds to kill (default: every kind; replicas only with --serve, trainer "
+            "ranks only with --ranks 2 or more)"
+        ),
     )
+    parser.add_argument("--ranks", type=int, default=1, help="the job's trainer.ranks")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=500)
     parser.add_argument("--catch-up-s", type=float, default=300.0, help="max wait at the end")
@@ -218,7 +229,12 @@ class Serving:
 
 
 def write_job(
-    work: Path, bootstrap: str, topic: str, batch_size: int, api_version: tuple[int, ...]
+    work: Path,
+    bootstrap: str,
+    topic: str,
+    batch_size: int,
+    api_version: tuple[int, ...],
+    ranks: int = 1,
 ) -> Path:
     import yaml
 
@@ -239,6 +255,7 @@ def write_job(
         "trainer": {
             "mode": "hybrid",
             "staleness": 4,
+            "ranks": ranks,
             "batch_size": batch_size,
             "model": {"kind": "ffnn", "hidden": [64, 32]},
             "torch_threads": 1,
@@ -352,6 +369,7 @@ class Broker:
 
 
 def rollback_count(run_dir: Path) -> int:
+    # Every rank rolls back together; rank 0's ledger records each rollback.
     path = run_dir / "learned-rank0.log"
     if not path.exists():
         return 0
@@ -361,10 +379,23 @@ def rollback_count(run_dir: Path) -> int:
 def learned_count(run_dir: Path) -> int:
     from trainer.ledger import learned_ranges
 
-    path = run_dir / "learned-rank0.log"
-    if not path.exists():
+    paths = sorted(run_dir.glob("learned-rank*.log"))
+    if not paths:
         return 0
-    return sum(e - s for spans in learned_ranges(path).values() for s, e in spans)
+    return sum(e - s for spans in learned_ranges(*paths).values() for s, e in spans)
+
+
+def rank_processes(job: subprocess.Popen[bytes]) -> list[Any]:
+    """The job's spawned trainer rank processes (ranks 1..): each writes its ledger."""
+    import psutil
+
+    found = []
+    for c in psutil.Process(job.pid).children():
+        with contextlib.suppress(psutil.Error):
+            ledgers = [f.path for f in c.open_files() if "learned-rank" in f.path]
+            if ledgers and not any(p.endswith("learned-rank0.log") for p in ledgers):
+                found.append(c)
+    return found
 
 
 def job_children(job: subprocess.Popen[bytes], marker: str) -> list[Any]:
@@ -399,8 +430,10 @@ def kill_one(
 
         threading.Thread(target=bring_back, name="broker-supervisor", daemon=True).start()
         return
-    marker = "store serve" if kill.kind == "shard" else "spawn_main"
-    victims = job_children(job, marker)
+    if kill.kind == "trainer":
+        victims = rank_processes(job)
+    else:
+        victims = job_children(job, "store serve" if kill.kind == "shard" else "spawn_main")
     if not victims:
         msg = f"no {kill.kind} process to kill"
         raise RuntimeError(msg)
@@ -443,7 +476,9 @@ def main(argv: list[str] | None = None) -> int:
         kafka.create_topic(topic, partitions=2)
         producer = Producer(kafka, topic, args.rate, args.seed)
         producer.start()
-        job = write_job(work, kafka.bootstrap, topic, args.batch_size, kafka.api_version)
+        job = write_job(
+            work, kafka.bootstrap, topic, args.batch_size, kafka.api_version, args.ranks
+        )
         log_path = work / "job.log"
         with log_path.open("wb") as log:
             job_proc = subprocess.Popen(
@@ -467,9 +502,14 @@ def main(argv: list[str] | None = None) -> int:
             serving = Serving(
                 job, found.group(1), run_dir / "store.token", work, args.requests_per_s
             )
-        kinds = tuple(args.victims or (SERVE_KINDS if args.serve else KINDS))
+        default = (*KINDS, *(("replica",) if args.serve else ()))
+        default += ("trainer",) if args.ranks > 1 else ()
+        kinds = tuple(args.victims or default)
         if "replica" in kinds and not args.serve:
             msg = "--victims replica needs --serve (there are no replicas otherwise)"
+            raise SystemExit(msg)
+        if "trainer" in kinds and args.ranks < 2:
+            msg = "--victims trainer needs --ranks 2 or more (rank 0 is the job itself)"
             raise SystemExit(msg)
         kills: list[Kill] = []
         bag: list[str] = []
@@ -492,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
             for k in pending:
                 if k.kind == "replica":
                     continue  # its supervisor times it: until it has caught up again
-                if k.kind == "shard" and rollbacks > k.rollbacks_at_kill:
+                if k.kind in ROLLBACK_KINDS and rollbacks > k.rollbacks_at_kill:
                     k.ready = True
                 if k.ready and learned > k.learned_at_kill:
                     k.recovery_s = now - started - k.at_s
@@ -505,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
                 kill.rollbacks_at_kill = rollback_count(run_dir)
                 # Steps already under way may still be learned before the job notices
                 # the lost shard; they are rolled back and do not count as recovery.
-                kill.ready = kill.kind != "shard"
+                kill.ready = kill.kind not in ROLLBACK_KINDS
                 if kill.kind == "replica":
                     assert serving is not None
                     serving.kill_replica(kill, args.outage_s, started)
@@ -555,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
         src.close()
         stop = re.findall(r"stopped by (\S+)", output)
         rollbacks = re.findall(r"recovered (\d+) time\(s\)", output)
+        restarts = re.findall(r"started the trainer ranks again (\d+) time\(s\)", output)
         recovered = [k.recovery_s for k in kills if k.recovery_s is not None]
         figures: dict[str, Any] = {
             "produced": sum(ends.values()),
@@ -565,6 +606,10 @@ def main(argv: list[str] | None = None) -> int:
             "recovery_s_p50": round(statistics.median(recovered), 2) if recovered else None,
             "recovery_s_max": round(max(recovered), 2) if recovered else None,
             "job_rollbacks": int(rollbacks[-1]) if rollbacks else 0,
+            "rank_restarts": int(restarts[-1]) if restarts else 0,
+            # Every start from a checkpoint after the first: rollbacks and rank restarts.
+            "ledger_rollbacks": max(0, rollback_count(run_dir) - 1),
+            "ranks": args.ranks,
             "committed_equals_end": committed == ends,
             "manual_restarts": 0,
             "stop_reason": stop[-1] if stop else None,
