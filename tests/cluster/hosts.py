@@ -121,12 +121,21 @@ class Host:
             psutil.wait_procs(family, timeout=10)
         self.procs.clear()
 
-    def stop(self, role: str, timeout_s: float = 120.0) -> int:
-        """SIGTERM to ``role``'s process group, as an orchestrator stops it; its exit code."""
+    def signal(self, role: str, signum: int) -> None:
+        """``signum`` to ``role``'s process group, if it still runs."""
         proc = self.procs[role]
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
+                os.killpg(proc.pid, signum)
+
+    def stop(self, role: str, timeout_s: float = 120.0) -> int:
+        """SIGTERM to ``role``'s process group, as an orchestrator stops it; its exit code."""
+        self.signal(role, signal.SIGTERM)
+        return self.wait(role, timeout_s)
+
+    def wait(self, role: str, timeout_s: float = 120.0) -> int:
+        """``role``'s exit code, once it has ended."""
+        proc = self.procs[role]
         try:
             return proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
@@ -185,29 +194,31 @@ def dask_worker(host: Host, scheduler: str) -> list[str]:
     ]
 
 
-def torchrun(
-    job: str, host: Host, *, nnodes: int, endpoint: str, is_host: bool, run_id: str
-) -> list[str]:
-    """One trainer host's ``torchrun``: c10d rendezvous over TCP, one rank.
+def rendezvous(host: Host, port: int) -> list[str]:
+    """torchrun's c10d rendezvous store on a host of its own (no trainer runs there)."""
+    return [*STREAMREC, "rendezvous", "--host", host.address, "--port", str(port)]
 
-    No ``--max-restarts``: when a trainer host is lost, torchrun on the others
-    ends too (its rank reports the lost peer), and what orchestrates the hosts
-    starts torchrun again on all of them, as a Kubernetes Job would. (torch
-    2.13's c10d rendezvous did not re-form a world with a replaced host here:
-    both agents waited for each other's keys until the store timed out.)
+
+def torchrun(job: str, host: Host, *, nnodes: int, endpoint: str, run_id: str) -> list[str]:
+    """One trainer host's ``streamrec torchrun``: one rank, the c10d rendezvous at
+    ``endpoint`` (``streamrec rendezvous`` on a host of its own), and restarts.
+
+    When a trainer host is lost, the other hosts' ranks fail; their torchrun
+    starts them again and waits in the rendezvous until a host takes the lost
+    one's place (``--max-restarts``), as it would in a StatefulSet.
     """
     return [
-        str(BIN / "torchrun"),
+        *STREAMREC,
+        "torchrun",
         f"--nnodes={nnodes}",
         "--nproc-per-node=1",
         "--rdzv-backend=c10d",
         f"--rdzv-endpoint={endpoint}",
         f"--rdzv-id={run_id}",
-        # Which host serves the rendezvous store: on one machine every loopback
-        # address looks local, so say it rather than let torchrun guess.
-        f"--rdzv-conf=is_host={int(is_host)},join_timeout=300",
+        # Never the store's host: it runs on the rendezvous host.
+        "--rdzv-conf=is_host=0,join_timeout=300",
         f"--local-addr={host.address}",
-        "--max-restarts=0",
+        "--max-restarts=3",
         "--monitor-interval=0.5",
         "-m",
         "deploy.cli",

@@ -3,15 +3,17 @@
 Every host is its own loopback address, working directory and processes
 (:mod:`tests.cluster.hosts`): two store shard hosts (``streamrec store serve
 --snapshots s3://...``), a scheduler host (``dask scheduler``), two worker
-hosts (``dask worker``) and two trainer hosts, each running ``torchrun`` with
-one rank (c10d rendezvous over TCP). Nothing is shared but the network, the
-Kafka broker and the S3 server: job checkpoints and shard snapshots live in S3.
+hosts (``dask worker``), a rendezvous host (``streamrec rendezvous``) and two
+trainer hosts, each running ``streamrec torchrun`` with one rank and
+``--max-restarts``. Nothing is shared but the network, the Kafka broker and the
+S3 server: job checkpoints and shard snapshots live in S3.
 
 The fault test kills a trainer host and a store shard host with ``kill -9``
-at random points and restarts each from a new, empty working directory with
-the same command. A lost trainer host ends torchrun on the other (one line
-naming the lost peer); torchrun is started again on both, and the ranks resume
-from the newest manifest in S3. A shard on an empty disk restores its snapshot
+at random points. The other trainer host keeps its torchrun: its rank names
+the lost peer and ends, torchrun starts it again and waits in the rendezvous,
+and a replacement host on a new address joins it; the world re-forms and the
+ranks resume from the newest manifest in S3. The shard host restarts from a
+new, empty working directory with the same command: it restores its snapshot
 from S3, and the job rolls back to the newest checkpoint by itself.
 """
 
@@ -24,7 +26,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,7 @@ from tests.cluster.hosts import (
     dask_scheduler,
     dask_worker,
     free_port_on,
+    rendezvous,
     store_serve,
     torchrun,
 )
@@ -124,8 +127,11 @@ class Cluster:
     scheduler: Host
     workers: list[Host]
     trainers: list[Host]
+    rendezvous: Host
     rdzv: str
     run_id: str
+    new_host: Callable[[str], Host]
+    retired: list[Host] = field(default_factory=list)  # trainer hosts that were replaced
 
     @property
     def checkpoints(self) -> CheckpointBook:
@@ -150,17 +156,21 @@ class Cluster:
     def start_trainer(self, i: int) -> None:
         host = self.trainers[i]
         argv = torchrun(
-            self.write_job(host),
-            host,
-            nnodes=len(self.trainers),
-            endpoint=self.rdzv,
-            is_host=i == 0,
+            self.write_job(host), host, nnodes=len(self.trainers), endpoint=self.rdzv,
             run_id=self.run_id,
-        )
+        )  # fmt: skip
         host.start("trainer", argv)
 
+    def replace_trainer(self, i: int, host: Host) -> None:
+        """``host`` (a new machine: another address, an empty disk) takes trainer ``i``'s
+        place, with the same command."""
+        self.retired.append(self.trainers[i])
+        self.trainers[i] = host
+        self.start_trainer(i)
+
     def all_hosts(self) -> list[Host]:
-        return [*self.shards, self.scheduler, *self.workers, *self.trainers]
+        hosts = [*self.shards, self.scheduler, *self.workers, self.rendezvous]
+        return [*hosts, *self.trainers, *self.retired]
 
     def logs(self) -> str:
         out = []
@@ -203,11 +213,15 @@ def make_cluster(
             "store": "grpc://"
             + ",".join(f"{h.address}:{p}" for h, p in zip(shards, ports, strict=True)),
         }
-        rdzv = f"{trainers[0].address}:{free_port_on(trainers[0].address)}"
+        rdzv_host = host("rendezvous")
+        rdzv = f"{rdzv_host.address}:{free_port_on(rdzv_host.address)}"
         cluster = Cluster(
-            job, s3, prefix, shards, ports, scheduler, workers, trainers, rdzv, f"{s3_prefix}{name}"
-        )
+            job, s3, prefix, shards, ports, scheduler, workers, trainers, rdzv_host, rdzv,
+            f"{s3_prefix}{name}", host,
+        )  # fmt: skip
         made.append(cluster)
+        rdzv_host.start("rendezvous", rendezvous(rdzv_host, int(rdzv.rsplit(":", 1)[1])))
+        rdzv_host.wait_log("rendezvous", r"torchrun's c10d store on")
         for i in range(len(shards)):
             cluster.start_shard(i)
         scheduler.start("scheduler", dask_scheduler(scheduler, sched_port))
@@ -250,15 +264,20 @@ def ends(topic: str) -> dict[str, int]:
 def finish(cluster: Cluster, topic: str) -> JobManifest:
     """Wait until the checkpoints cover the whole topic, then stop the trainers (SIGTERM).
 
-    torchrun forwards the signal to its rank, which takes a last checkpoint and
-    exits 0; torchrun itself then exits 1 ("Received 15 death signal"), as it
-    does for any signal, so its own code is not what the test checks.
+    All at once, as an orchestrator stops a group: torchrun forwards the signal to
+    its rank, which takes a last checkpoint and exits 0; torchrun itself then exits
+    1 ("Received 15 death signal"), as it does for any signal, so its own code is
+    not what the test checks. (Stopped one by one, the last one's rank ends with
+    its peer, and its torchrun waits at the exit barrier for the agent that was
+    signalled: up to 5 minutes, with the rendezvous store on a host of its own.)
     """
     wait_for(
         cluster, "every offset checkpointed", lambda m: m is not None and m.positions == ends(topic)
     )
     for host in cluster.trainers:
-        host.stop("trainer")
+        host.signal("trainer", signal.SIGTERM)
+    for host in cluster.trainers:
+        host.wait("trainer")
     for host in cluster.trainers:
         out = host.log("trainer")
         last_run = out.rsplit("store: grpc://", 1)[-1]
@@ -269,7 +288,8 @@ def finish(cluster: Cluster, topic: str) -> JobManifest:
 
 
 def assert_learned_once(cluster: Cluster, topic: str) -> None:
-    ledgers = [p for h in cluster.trainers for d in h.dirs for p in d.glob("run/learned-rank*.log")]
+    hosts = [*cluster.trainers, *cluster.retired]
+    ledgers = [p for h in hosts for d in h.dirs for p in d.glob("run/learned-rank*.log")]
     ranges = learned_ranges(*ledgers)
     assert sorted(ranges) == sorted(ends(topic))
     for partition, spans in ranges.items():
@@ -303,29 +323,30 @@ def test_a_job_on_many_hosts_heals_lost_hosts_and_learns_every_offset_once(
     for i in range(len(cluster.trainers)):
         cluster.start_trainer(i)
 
-    # A trainer host dies at a random point. Torchrun on the other one ends (its rank
-    # names the lost peer); both are started again, the lost one on an empty disk.
+    # A trainer host dies at a random point. The other one keeps its torchrun: its rank
+    # names the lost peer and ends, torchrun starts it again and waits in the rendezvous
+    # until a new host (another address, an empty disk) takes the lost one's place.
     first = wait_for(cluster, "a first checkpoint", lambda m: m is not None and m.step >= 5)
     assert first is not None
     time.sleep(rng.uniform(0, 1.5))
-    lost, survivor = cluster.trainers[1], cluster.trainers[0]
-    lost.crash()
-    assert survivor.procs["trainer"].wait(120) != 0
-    assert "another rank of the torchrun world is gone" in survivor.log("trainer")
-    lost.replace()
-    # The new lives resume from the newest checkpoint; only they write past it. (Waiting
-    # for first.step + 5 was met by a checkpoint of the first lives: the shard host
+    survivor = cluster.trainers[0]
+    torchrun_before = survivor.procs["trainer"]
+    cluster.trainers[1].crash()
+    survivor.wait_log("trainer", r"another rank of the torchrun world is gone")
+    # The new world resumes from the newest checkpoint; only it writes past it. (Waiting
+    # for first.step + 5 was met by a checkpoint of the first world: the shard host
     # then died while the trainers were still starting, and they refused to start.)
     resumed = cluster.checkpoints.latest()
     assert resumed is not None
-    for i in range(len(cluster.trainers)):
-        cluster.start_trainer(i)
+    cluster.replace_trainer(1, cluster.new_host("trainer1-new"))
     after = wait_for(
         cluster,
         "a checkpoint after the trainer hosts came back",
         lambda m: m is not None and m.step > resumed.step + 5,
     )
     assert after is not None
+    assert survivor.procs["trainer"] is torchrun_before
+    assert torchrun_before.poll() is None, "the surviving host's torchrun kept running"
 
     # A store shard host dies; its replacement has an empty disk.
     time.sleep(rng.uniform(0, 1.5))

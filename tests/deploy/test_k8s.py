@@ -412,7 +412,9 @@ def test_renders(target: str) -> None:
         [
             ("ConfigMap", "streamrec-job"),
             ("DaskCluster", "streamrec-dask"),
-            ("Job", "streamrec-trainer"),
+            ("StatefulSet", "streamrec-trainer"),
+            ("Deployment", "streamrec-rendezvous"),
+            ("Service", "streamrec-rendezvous"),
             ("Service", "streamrec-store"),
             ("Service", "streamrec-trainer"),
             ("StatefulSet", "streamrec-store"),
@@ -445,10 +447,10 @@ def test_validation_rejects_a_misspelled_field() -> None:
     with pytest.raises(kubernetes_validate.ValidationError, match="imagePullPolicyy"):
         validate(sts)
 
-    job = one(objs, "Job", "streamrec-trainer")
-    job["spec"]["completionMode"] = 2
+    trainer = one(objs, "StatefulSet", "streamrec-trainer")
+    trainer["spec"]["podManagementPolicy"] = 2
     with pytest.raises(kubernetes_validate.ValidationError):
-        validate(job)
+        validate(trainer)
 
     dask = one(objs, "DaskCluster", "streamrec-dask")
     validate(copy.deepcopy(dask))
@@ -486,7 +488,7 @@ def test_every_command_line_parses(target: str) -> None:
             if exec_ is not None:
                 assert exec_["command"][0] == "streamrec", exec_
                 parse_role(exec_["command"][1:])
-    assert seen == {"store serve", "store replica", "serve", "dask", "torchrun"}
+    assert seen == {"store serve", "store replica", "serve", "dask", "torchrun", "rendezvous"}
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -667,32 +669,47 @@ def check_scheduler(objs: list[Obj], job: JobConfig) -> None:
 
 
 def check_trainer(objs: list[Obj], job: JobConfig) -> tuple[int, int, int]:
-    """torchrun's world agrees with the Job; returns (hosts, ranks per host, GPUs per host)."""
-    tj = one(objs, "Job", "streamrec-trainer")
-    spec = tj["spec"]
+    """torchrun's world agrees with the StatefulSet and meets at the rendezvous pod;
+    returns (hosts, ranks per host, GPUs per host)."""
+    sts = one(objs, "StatefulSet", "streamrec-trainer")
+    spec = sts["spec"]
     pod = spec["template"]["spec"]
     c = container(pod, "trainer")
-    _, targs = parse_role(c["args"])
-    assert spec["completionMode"] == "Indexed"
-    hosts = spec["completions"]
-    assert spec["parallelism"] == hosts == int(targs.nnodes), "parallelism, completions, nnodes"
-    # A lost host restarts the whole world: one restart costs a failure per host.
-    assert pod["restartPolicy"] == "Never"
-    assert spec["backoffLimit"] >= 3 * hosts
-    assert spec["podReplacementPolicy"] == "Failed"
-
-    svc = one(objs, "Service", pod["subdomain"])
+    ns, targs = parse_role(c["args"])
+    assert ns.command == "torchrun", "streamrec torchrun: the rendezvous store is not shared"
+    hosts = spec["replicas"]
+    assert hosts == int(targs.nnodes), "replicas and nnodes"
+    # A lost host: its peers start their ranks again and wait for the pod the StatefulSet
+    # recreates, for ever (the kubelet restarts a torchrun whose restarts are spent).
+    assert pod.get("restartPolicy", "Always") == "Always"
+    assert int(targs.max_restarts) >= 10
+    assert spec["podManagementPolicy"] == "Parallel"
+    svc = one(objs, "Service", spec["serviceName"])
     assert svc["spec"]["clusterIP"] == "None"
     assert svc["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
-    c10d = service_port(svc["spec"], "c10d")
-    assert c10d["port"] == port(c, c10d["targetPort"])
+
+    # The rendezvous store lives in a pod of its own, never in a trainer's.
     assert targs.rdzv_backend == "c10d"
-    # Hosts wait for pod 0 (its image pull may take minutes) longer than torch's 60 s.
     conf = dict(item.split("=") for item in targs.rdzv_conf.split(","))
+    assert conf["is_host"] in {"0", "false"}, conf
+    # Hosts wait for the store and for each other (a replacement's image pull may take
+    # minutes) longer than torch's 60 s.
     assert int(conf["read_timeout"]) >= 600, conf
     assert int(conf["join_timeout"]) >= 600, conf
-    # Indexed Job pods are named <job>-<index>; pod 0 hosts the rendezvous.
-    assert targs.rdzv_endpoint == f"{tj['metadata']['name']}-0.{pod['subdomain']}:{c10d['port']}"
+    rdzv = one(objs, "Deployment", "streamrec-rendezvous")
+    assert rdzv["spec"]["replicas"] == 1
+    assert rdzv["spec"]["strategy"]["type"] == "Recreate", "never two stores at once"
+    rpod = rdzv["spec"]["template"]["spec"]
+    rc = container(rpod, "rendezvous")
+    rns, _ = parse_role(rc["args"])
+    assert rns.command == "rendezvous"
+    rsvc = one(objs, "Service", "streamrec-rendezvous")
+    labels = rdzv["spec"]["template"]["metadata"]["labels"]
+    assert rsvc["spec"]["selector"].items() <= labels.items()
+    c10d = service_port(rsvc["spec"], "c10d")
+    assert c10d["port"] == port(rc, c10d["targetPort"]) == rns.port
+    assert targs.rdzv_endpoint == f"{rsvc['metadata']['name']}:{c10d['port']}"
+    assert selected(objs, rsvc["spec"]["selector"]) == ["streamrec-rendezvous"]
 
     run = parse_streamrec(list(targs.training_script_args))
     assert run.command == "run"
@@ -946,7 +963,8 @@ def test_selectors_select_their_own_pods(target: str) -> None:
         if kind == "Service" and "selector" in obj["spec"]:
             assert selected(objs, obj["spec"]["selector"]) == [name], f"Service {name}"
             containers_ = workloads[name]["spec"]["template"]["spec"]["containers"]
-            for p in obj["spec"]["ports"]:
+            # A headless Service that only names a StatefulSet's pods has no ports.
+            for p in obj["spec"].get("ports", []):
                 target_port = p.get("targetPort", p["port"])
                 declared = {q["name"] if isinstance(target_port, str) else q["containerPort"]
                             for c in containers_ for q in c.get("ports", [])}  # fmt: skip
@@ -989,12 +1007,18 @@ def test_agreement_checks_catch_a_mismatch() -> None:
         check_scheduler(objs, JobConfig.model_validate(raw))
 
     wider = objects("cpu-small")
-    one(wider, "Job", "streamrec-trainer")["spec"]["completions"] = 2
-    with pytest.raises(AssertionError, match="parallelism"):
+    one(wider, "StatefulSet", "streamrec-trainer")["spec"]["replicas"] = 2
+    with pytest.raises(AssertionError, match="replicas and nnodes"):
         check_trainer(wider, job)
 
+    elsewhere = objects("cpu-small")
+    one(elsewhere, "Service", "streamrec-rendezvous")["spec"]["ports"][0]["port"] = 29500
+    with pytest.raises(AssertionError):
+        check_trainer(elsewhere, job)
+
     gpu = objects("gpu")
-    trainer = container(one(gpu, "Job", "streamrec-trainer")["spec"]["template"]["spec"], "trainer")
+    sts = one(gpu, "StatefulSet", "streamrec-trainer")
+    trainer = container(sts["spec"]["template"]["spec"], "trainer")
     trainer["resources"]["limits"]["nvidia.com/gpu"] = "8"
     with pytest.raises(AssertionError, match="ranks == gpus"):
         check_trainer(gpu, job_config(gpu))
