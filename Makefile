@@ -17,7 +17,7 @@ PEERS_SPEC ?= torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0
 PYTEST_ARGS ?= -n 2 --dist loadfile
 DEMO_ARGS ?=
 
-.PHONY: install browser lint typecheck proto proto-check test test-only demo s3 bench-store bench-pipeline bench-e2e bench-chaos bench-scale bench-quality bench-serve clean
+.PHONY: install browser lint typecheck proto proto-check test test-only demo s3 bench-store bench-pipeline bench-e2e bench-chaos bench-scale bench-quality bench-serve bench-soak clean
 
 install: $(STAMP)
 
@@ -86,6 +86,10 @@ bench-quality: install
 
 bench-serve: install
 	$(BIN)/python benchmarks/serve.py --json bench-results/serve.json
+
+# An hour at 70% of the job's capacity: memory, lag, disk and speed must stay flat.
+bench-soak: install
+	$(BIN)/python benchmarks/soak.py --minutes 60 --json bench-results/soak.json
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache *.egg-info

@@ -1,0 +1,374 @@
+"""Soak: a continuous job at a steady rate for an hour; memory, lag, disk and speed stay flat.
+
+    python benchmarks/soak.py --minutes 60 --json bench-results/soak.json
+
+A real local broker (Kafka 0.9, or Tansu with ``--broker tansu``), a producer
+thread and ``streamrec run`` as a user runs it: the chaos benchmark's job
+(hybrid, 2 store shards, 2 Dask workers, one trainer) with its defaults for
+what piles up over weeks: job checkpoints every ``--checkpoint-s`` seconds,
+``trainer.checkpoint.keep`` (3) manifests and dense states,
+``store.keep_full_checkpoints`` (2) full snapshots per shard with their
+deltas (a full one every ``store.full_checkpoint_every``, 10), and
+``serving.keep`` (3) published dense versions. Nothing is killed.
+
+1. **Capacity.** ``--capacity-events`` are produced before the job starts; its
+   rate over that backlog (learned events per second, from its first learned
+   chunk until the backlog is learned) is its capacity.
+2. **Steady.** The producer writes ``--load`` (0.7) times that capacity, or
+   ``--rate``, for ``--minutes``. Every ``--sample-s`` seconds: the RSS of
+   every process by role (``job``: the ``streamrec run`` process, which trains
+   rank 0; ``shard``; ``worker``: the Dask workers and their nannies; ``broker``),
+   the events produced and learned (the ledger), the lag (produced minus
+   learned, in events and in seconds at the rate) and the disk used by the
+   job checkpoints, the store shards' data and the rest of the run directory.
+3. **End.** The producer stops, the job catches up with the topic's end and
+   gets Ctrl-C; every offset of the topic must have been learned exactly once.
+
+After ``--warmup-minutes`` (10) the figures are compared with the end:
+``rss_growth_pct_after_warmup`` (per role, the largest growth of one of its
+processes that lived through both samples), ``disk_bytes_first_vs_last``
+(the job's disk at the end over at the end of warm-up). The steady phase is
+cut into ``--window-minutes`` (5) windows: ``throughput_last_vs_first_window``
+is the last whole window's learned events/s over the first's. ``lag_max_s``
+is the largest lag after the first window (the first holds the job settling
+from the backlog to the rate).
+
+JSON keys: minutes, rate, capacity_events_per_s, produced, learned_once,
+learned_twice, never_learned, rss_growth_pct_after_warmup, rss_mb_by_role,
+lag_max_s, disk_bytes_first_vs_last, disk_bytes_by_kind, windows,
+throughput_last_vs_first_window, samples (every sample), targets, exit_code,
+and the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+
+from chaos import Broker, Producer, count_offsets, learned_count, write_job  # noqa: E402
+from common import print_figures, write_json  # noqa: E402
+
+ROLES = ("job", "shard", "worker", "broker")
+# key -> (comparison, bound)
+TARGETS: dict[str, tuple[str, float]] = {
+    "never_learned": ("<=", 0),
+    "learned_twice": ("<=", 0),
+    "rss_growth_pct_after_warmup_max": ("<", 5.0),
+    "disk_bytes_first_vs_last": ("<=", 1.1),
+    "lag_max_s": ("<", 30.0),
+    "throughput_last_vs_first_window": (">=", 0.95),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Run a streamrec job at a steady rate and watch what grows."
+    )
+    parser.add_argument("--minutes", type=float, default=60.0, help="the steady phase")
+    parser.add_argument("--warmup-minutes", type=float, default=10.0)
+    parser.add_argument("--window-minutes", type=float, default=5.0)
+    parser.add_argument("--sample-s", type=float, default=10.0)
+    parser.add_argument("--capacity-events", type=int, default=60_000)
+    parser.add_argument("--load", type=float, default=0.7, help="share of the capacity")
+    parser.add_argument("--rate", type=float, default=None, help="events/s (instead of --load)")
+    parser.add_argument("--checkpoint-s", type=float, default=30.0)
+    parser.add_argument("--batch-size", type=int, default=500)
+    parser.add_argument("--broker", choices=("kafka09", "tansu"), default="kafka09")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--catch-up-s", type=float, default=300.0)
+    parser.add_argument("--work-dir", type=Path, default=None, help="default: a temporary one")
+    parser.add_argument("--json", type=Path, default=None)
+    return parser.parse_args(argv)
+
+
+def soak_job(work: Path, broker: Broker, topic: str, args: argparse.Namespace) -> Path:
+    """The chaos benchmark's job, checkpointing on a clock only."""
+    import yaml
+
+    path = write_job(work, broker.bootstrap, topic, args.batch_size, broker.api_version)
+    job = yaml.safe_load(path.read_text())
+    job["trainer"]["checkpoint"] = {"every_steps": None, "every_s": args.checkpoint_s}
+    job["trainer"]["log_every_s"] = 5.0
+    path.write_text(yaml.safe_dump(job, sort_keys=False))
+    return path
+
+
+def processes(job: subprocess.Popen[bytes], broker: Broker) -> dict[str, list[Any]]:
+    """The processes of each role now (the job's descendants, and the broker)."""
+    import psutil
+
+    out: dict[str, list[Any]] = {role: [] for role in ROLES}
+    with contextlib.suppress(psutil.Error):
+        out["job"].append(psutil.Process(job.pid))
+        for c in psutil.Process(job.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                line = " ".join(c.cmdline())
+                if "store serve" in line:
+                    out["shard"].append(c)
+                elif "spawn_main" in line or "distributed" in line:
+                    out["worker"].append(c)
+    with contextlib.suppress(psutil.Error):
+        out["broker"].append(psutil.Process(broker.pid))
+    return out
+
+
+def rss_by_process(procs: dict[str, list[Any]]) -> dict[str, dict[int, int]]:
+    import psutil
+
+    out: dict[str, dict[int, int]] = {}
+    for role, found in procs.items():
+        out[role] = {}
+        for p in found:
+            with contextlib.suppress(psutil.Error):
+                out[role][p.pid] = int(p.memory_info().rss)
+    return out
+
+
+def tree_bytes(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += (Path(root) / name).stat().st_size
+    return total
+
+
+def disk_bytes(run_dir: Path) -> dict[str, int]:
+    """The job's disk: checkpoints (with the published versions), store data, the rest."""
+    checkpoints = tree_bytes(run_dir / "checkpoints")
+    store = tree_bytes(run_dir / "store")
+    return {
+        "checkpoints": checkpoints,
+        "store": store,
+        "run_dir_rest": tree_bytes(run_dir) - checkpoints - store,
+    }
+
+
+def growth_pct(first: dict[int, int], last: dict[int, int]) -> float | None:
+    """The largest RSS growth of one process present in both samples, in percent."""
+    both = [pid for pid in first if pid in last and first[pid] > 0]
+    if not both:
+        return None
+    return max(100.0 * (last[pid] / first[pid] - 1.0) for pid in both)
+
+
+def windows_of(
+    samples: list[dict[str, Any]], start_s: float, window_s: float
+) -> list[dict[str, Any]]:
+    """Whole windows of ``window_s`` from ``start_s`` on (a sample at or after a window's
+    end makes it whole): learned events/s between its first and last samples.
+
+    >>> s = [{"t": t + 0.1, "learned": 10 * t} for t in range(0, 32, 3)]
+    >>> [(w["from_s"], round(w["events_per_s"], 1)) for w in windows_of(s, 0, 10)]
+    [(0, 10.0), (10, 10.0), (20, 10.0)]
+    """
+    out = []
+    begin = start_s
+    while any(s["t"] >= begin + window_s for s in samples):
+        end = begin + window_s
+        inside = [s for s in samples if begin <= s["t"] <= end]
+        if len(inside) >= 2:
+            first, last = inside[0], inside[-1]
+            rate = (last["learned"] - first["learned"]) / max(last["t"] - first["t"], 1e-9)
+            out.append({"from_s": round(begin, 1), "to_s": round(end, 1), "events_per_s": rate})
+        begin = end
+    return out
+
+
+def check_targets(figures: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, (op, bound) in TARGETS.items():
+        value = figures.get(key)
+        met = value is not None and (
+            value <= bound if op == "<=" else value < bound if op == "<" else value >= bound
+        )
+        out[key] = {"value": value, "target": f"{op} {bound:g}", "met": bool(met)}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from connectors.kafka import KafkaSource, KafkaSourceConfig
+
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="streamrec-soak-"))
+    work.mkdir(parents=True, exist_ok=True)
+    run_dir = work / "run"
+    broker = Broker(args.broker, work)
+    job_proc: subprocess.Popen[bytes] | None = None
+    producer: Producer | None = None
+    try:
+        topic = "soak"
+        broker.create_topic(topic, partitions=2)
+        # 1. Capacity: a backlog first, then the job on it.
+        from connectors.kafka import produce
+        from connectors.synthetic import SyntheticConfig, iter_json_lines
+
+        lines = iter_json_lines(SyntheticConfig(seed=args.seed), args.capacity_events)
+        payloads = list(lines)
+        half = len(payloads) // 2
+        for p, part in enumerate((payloads[:half], payloads[half:])):
+            produce(broker.bootstrap, topic, part, api_version=broker.api_version, partition=p)
+        del payloads
+        job = soak_job(work, broker, topic, args)
+        log_path = work / "job.log"
+        with log_path.open("wb") as log:
+            job_proc = subprocess.Popen(
+                [sys.executable, "-m", "deploy.cli", "run", str(job)],
+                cwd=REPO_ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        t_start = time.monotonic()
+        first_learned_at: float | None = None
+        while learned_count(run_dir) < args.capacity_events:
+            if job_proc.poll() is not None or time.monotonic() - t_start > 600:
+                msg = f"the job did not learn the backlog; see {log_path}"
+                raise RuntimeError(msg)
+            if first_learned_at is None and learned_count(run_dir) > 0:
+                first_learned_at = time.monotonic()
+            time.sleep(0.2)
+        began = first_learned_at or t_start
+        capacity = args.capacity_events / max(time.monotonic() - began, 1e-9)
+        rate = args.rate or args.load * capacity
+        print(f"capacity {capacity:,.0f} events/s; steady phase at {rate:,.0f} events/s")
+
+        # 2. Steady: the producer at the rate, samples every --sample-s.
+        producer = Producer(broker, topic, rate, args.seed + 1)
+        producer.start()
+        t0 = time.monotonic()
+        samples: list[dict[str, Any]] = []
+        rss_first: dict[str, dict[int, int]] | None = None
+        disk_first: dict[str, int] | None = None
+        last_rss: dict[str, dict[int, int]] = {}
+        last_disk: dict[str, int] = {}
+        warmup_s = args.warmup_minutes * 60
+        next_sample = t0
+        while time.monotonic() - t0 < args.minutes * 60:
+            if job_proc.poll() is not None:
+                break
+            now = time.monotonic()
+            if now >= next_sample:
+                procs = processes(job_proc, broker)
+                rss = rss_by_process(procs)
+                disk = disk_bytes(run_dir)
+                produced = args.capacity_events + producer.blocks * max(1, int(rate / 4))
+                learned = learned_count(run_dir)
+                t = now - t0
+                samples.append(
+                    {
+                        "t": round(t, 1),
+                        "produced": produced,
+                        "learned": learned,
+                        "lag_events": produced - learned,
+                        "lag_s": (produced - learned) / rate,
+                        "rss_mb": {
+                            role: round(sum(v.values()) / 2**20, 1) for role, v in rss.items()
+                        },
+                        "disk": disk,
+                    }
+                )
+                if rss_first is None and t >= warmup_s:
+                    rss_first, disk_first = rss, disk
+                last_rss, last_disk = rss, disk
+                print(
+                    f"{t:7.0f}s  learned {learned:,}  lag {samples[-1]['lag_s']:.1f}s  "
+                    f"rss MB {samples[-1]['rss_mb']}  disk MB "
+                    f"{sum(disk.values()) / 2**20:.1f}",
+                    flush=True,
+                )
+                next_sample = now + args.sample_s
+            time.sleep(min(0.5, max(0.0, next_sample - time.monotonic())))
+
+        # 3. End: every offset once.
+        producer.stopped.set()
+        producer.join(timeout=60)
+        src = KafkaSource(
+            KafkaSourceConfig(
+                bootstrap_servers=broker.bootstrap,
+                topics=[topic],
+                group_id="chaos",
+                api_version=broker.api_version,
+            )
+        )
+        ends = {p: src.end_position(p) for p in src.partitions()}
+        deadline = time.monotonic() + args.catch_up_s
+        while time.monotonic() < deadline and job_proc.poll() is None:
+            if learned_count(run_dir) >= sum(ends.values()):
+                break
+            time.sleep(0.5)
+        if job_proc.poll() is None:
+            job_proc.send_signal(signal.SIGINT)
+        try:
+            exit_code = job_proc.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            os.killpg(job_proc.pid, signal.SIGKILL)
+            exit_code = job_proc.wait()
+        src.close()
+
+        window_s = args.window_minutes * 60
+        windows = windows_of(samples, 0.0, window_s)
+        after_first = [s for s in samples if s["t"] >= window_s] or samples
+        growth: dict[str, float | None] = {}
+        if rss_first is not None:
+            growth = {role: growth_pct(rss_first[role], last_rss[role]) for role in ROLES}
+        known = [g for g in growth.values() if g is not None]
+        figures: dict[str, Any] = {
+            "minutes": args.minutes,
+            "warmup_minutes": args.warmup_minutes,
+            "rate": round(rate, 1),
+            "capacity_events_per_s": round(capacity, 1),
+            "produced": sum(ends.values()),
+            **count_offsets(run_dir, ends),
+            "rss_growth_pct_after_warmup": {
+                k: None if v is None else round(v, 2) for k, v in growth.items()
+            },
+            "rss_growth_pct_after_warmup_max": round(max(known), 2) if known else None,
+            "rss_mb_by_role": samples[-1]["rss_mb"] if samples else {},
+            "lag_max_s": round(max(s["lag_s"] for s in after_first), 2) if samples else None,
+            "disk_bytes_first_vs_last": (
+                round(sum(last_disk.values()) / max(1, sum(disk_first.values())), 3)
+                if disk_first is not None
+                else None
+            ),
+            "disk_bytes_by_kind": {"after_warmup": disk_first, "end": samples[-1]["disk"]}
+            if samples
+            else {},
+            "windows": windows,
+            "throughput_last_vs_first_window": (
+                round(windows[-1]["events_per_s"] / windows[0]["events_per_s"], 3)
+                if len(windows) >= 2 and windows[0]["events_per_s"] > 0
+                else None
+            ),
+            "exit_code": exit_code,
+            "work_dir": str(work),
+        }
+        figures["targets"] = check_targets(figures)
+        figures["samples"] = samples
+        print_figures({k: v for k, v in figures.items() if k != "samples"}, str)
+        if args.json is not None:
+            write_json(args.json, figures, announce=True)
+        return 0
+    finally:
+        if producer is not None:
+            producer.stopped.set()
+        if job_proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(job_proc.pid, signal.SIGKILL)
+        broker.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""``benchmarks/soak.py`` at its tiniest: a backlog, 15 s at a steady rate, every figure.
+
+The whole script runs as in its hour-long run (a local Kafka 0.9 broker, the
+producer, ``streamrec run`` with checkpoints on a clock), with a 3,000-event
+backlog, samples every 1.5 s, a 3 s warm-up and 4 s windows. Every offset must
+be learned once; no figure is compared with a bound.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tests.benchmarks.smoke import run_benchmark
+from tests.conftest import REPO_ROOT
+
+
+def test_a_short_soak_learns_every_offset_once_and_reports_every_figure(tmp_path: Path) -> None:
+    args = ["--minutes", "0.25", "--warmup-minutes", "0.05", "--window-minutes", "0.07"]
+    args += ["--sample-s", "1.5", "--capacity-events", "3000", "--checkpoint-s", "4"]
+    args += ["--work-dir", str(tmp_path / "work")]
+    figures = run_benchmark("soak.py", tmp_path / "soak.json", *args, timeout=300)
+    assert figures["exit_code"] == 0
+    assert figures["produced"] > 3000
+    assert figures["learned_once"] == figures["produced"]
+    assert figures["learned_twice"] == figures["never_learned"] == 0
+    assert figures["capacity_events_per_s"] > 0
+    assert 0 < figures["rate"] < figures["capacity_events_per_s"]
+    growth = figures["rss_growth_pct_after_warmup"]
+    assert set(growth) == {"job", "shard", "worker", "broker"}
+    assert all(isinstance(v, float | int) for v in growth.values()), growth
+    assert all(figures["rss_mb_by_role"][role] > 0 for role in growth)
+    assert set(figures["disk_bytes_by_kind"]["end"]) == {"checkpoints", "store", "run_dir_rest"}
+    assert figures["disk_bytes_by_kind"]["end"]["checkpoints"] > 0
+    assert figures["disk_bytes_first_vs_last"] > 0
+    assert len(figures["windows"]) >= 2
+    assert figures["throughput_last_vs_first_window"] > 0
+    assert figures["lag_max_s"] >= 0
+    assert all(t["met"] in (True, False) for t in figures["targets"].values())
+    assert len(figures["samples"]) >= 5
+
+
+def test_windows_are_whole_and_rates_are_per_second() -> None:
+    sys.path.insert(0, str(REPO_ROOT / "benchmarks"))
+    try:
+        import soak
+    finally:
+        sys.path.remove(str(REPO_ROOT / "benchmarks"))
+    samples = [{"t": t + 0.1, "learned": 10 * t} for t in range(0, 32, 3)]
+    windows = soak.windows_of(samples, 0, 10)
+    assert [w["from_s"] for w in windows] == [0, 10, 20]  # 30-40 is not whole
+    assert [round(w["events_per_s"], 6) for w in windows] == [10.0, 10.0, 10.0]
+    assert round(soak.growth_pct({1: 100, 2: 200}, {1: 110, 2: 200, 3: 999}) or 0, 9) == 10.0
+    assert soak.growth_pct({1: 100}, {2: 100}) is None  # no process lived through both
