@@ -33,7 +33,7 @@ is the last whole window's learned events/s over the first's. ``lag_max_s``
 is the largest lag after the first window (the first holds the job settling
 from the backlog to the rate).
 
-JSON keys: minutes, rate, capacity_events_per_s, produced, learned_once,
+JSON keys: minutes, rate, rate_achieved, capacity_events_per_s, produced, learned_once,
 learned_twice, never_learned, rss_growth_pct_after_warmup, rss_mb_by_role,
 lag_max_s, disk_bytes_first_vs_last, disk_bytes_by_kind, windows,
 throughput_last_vs_first_window, samples (every sample), targets, exit_code,
@@ -247,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # 2. Steady: the producer at the rate, samples every --sample-s.
         producer = Producer(broker, topic, rate, args.seed + 1)
+        block = max(1, int(rate / 4))  # the producer's block: what one of its writes holds
         producer.start()
         t0 = time.monotonic()
         samples: list[dict[str, Any]] = []
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                 procs = processes(job_proc, broker)
                 rss = rss_by_process(procs)
                 disk = disk_bytes(run_dir)
-                produced = args.capacity_events + producer.blocks * max(1, int(rate / 4))
+                produced = args.capacity_events + producer.blocks * block
                 learned = learned_count(run_dir)
                 t = now - t0
                 samples.append(
@@ -273,7 +274,10 @@ def main(argv: list[str] | None = None) -> int:
                         "produced": produced,
                         "learned": learned,
                         "lag_events": produced - learned,
-                        "lag_s": (produced - learned) / rate,
+                        # In seconds of the producer's rate so far (on a small machine
+                        # it may not reach the rate it was given).
+                        "lag_s": (produced - learned)
+                        / max(1.0, (produced - args.capacity_events) / max(t, 1.0)),
                         "rss_mb": {
                             role: round(sum(v.values()) / 2**20, 1) for role, v in rss.items()
                         },
@@ -318,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
             exit_code = job_proc.wait()
         src.close()
 
+        steady_s = samples[-1]["t"] if samples else 0.0
+        achieved = (samples[-1]["produced"] - args.capacity_events) / steady_s if steady_s else 0.0
         window_s = args.window_minutes * 60
         windows = windows_of(samples, 0.0, window_s)
         after_first = [s for s in samples if s["t"] >= window_s] or samples
@@ -329,6 +335,9 @@ def main(argv: list[str] | None = None) -> int:
             "minutes": args.minutes,
             "warmup_minutes": args.warmup_minutes,
             "rate": round(rate, 1),
+            # What the producer wrote per second, which a loaded machine may keep below
+            # the rate: the load the job really had.
+            "rate_achieved": round(achieved, 1),
             "capacity_events_per_s": round(capacity, 1),
             "produced": sum(ends.values()),
             **count_offsets(run_dir, ends),

@@ -722,6 +722,24 @@ def _buckets_for(rows: int) -> int:
     return max(16, int(np.ceil(rows / MAX_LOAD)))
 
 
+def bytes_at_capacity(config: TableConfig) -> int:
+    """Bytes of one table's arrays once it holds ``config.capacity`` rows: what a shard's
+    memory limit must hold for it (its free list counted full, as after mass evictions).
+
+    >>> from embedding_store.types import AdagradConfig
+    >>> bytes_at_capacity(TableConfig(dim=16, capacity=1000, optimizer=AdagradConfig()))
+    186688
+    """
+    width = make_optimizer(config.optimizer).state_width(config.dim)
+    rows = config.capacity
+    # weights and optimizer state (float32), the row's step and a free-list slot (int64)
+    per_row = 4 * (config.dim + width) + 8 + 8
+    sketch = 0
+    if isinstance(config.admission, CountMinAdmission):
+        sketch = 4 * config.admission.depth * config.admission.width
+    return _buckets_for(rows) * 4 * 8 + rows * per_row + sketch
+
+
 def _as_ids(ids: npt.ArrayLike, field: str = "ids") -> U64:
     arr = np.asarray(ids)
     if arr.ndim != 1:

@@ -26,6 +26,7 @@ def test_a_short_soak_learns_every_offset_once_and_reports_every_figure(tmp_path
     assert figures["learned_twice"] == figures["never_learned"] == 0
     assert figures["capacity_events_per_s"] > 0
     assert 0 < figures["rate"] < figures["capacity_events_per_s"]
+    assert figures["rate_achieved"] > 0
     growth = figures["rss_growth_pct_after_warmup"]
     assert set(growth) == {"job", "shard", "worker", "broker"}
     assert all(isinstance(v, float | int) for v in growth.values()), growth

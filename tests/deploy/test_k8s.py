@@ -38,6 +38,7 @@ import yaml
 from deploy.cli import build_parser, stock_command
 from deploy.config import JobConfig
 from deploy.local.kafka import REPO_ROOT
+from embedding_store.table import bytes_at_capacity
 
 K8S = REPO_ROOT / "deploy" / "k8s"
 TARGETS = {
@@ -1234,3 +1235,36 @@ def test_shards_spread_drain_one_at_a_time_and_the_pipeline_is_fenced(target: st
     scheduler = one(objs, "DaskCluster", "streamrec-dask")["spec"]["scheduler"]["metadata"]
     assert scheduler["annotations"]["prometheus.io/port"] == "8787"
     assert scheduler["annotations"]["prometheus.io/path"] == "/metrics"
+
+
+# What a store process holds besides its tables: Python, numpy, pyarrow, grpc and
+# numba's compiled kernels (an idle shard measured about 280 MB), with room to spare.
+STORE_PROCESS_BYTES = 400 * 2**20
+
+
+def store_memory_need(job: JobConfig) -> int:
+    """Bytes one shard (or serving replica) needs with every table at its capacity.
+
+    Each table's arrays at capacity (``bytes_at_capacity``, checked against real
+    tables in tests/embedding_store/test_table_sizing.py), plus the largest table
+    once more: a full checkpoint exports one table at a time, as Arrow columns.
+    """
+    tables = [bytes_at_capacity(t) for t in job.store.tables.values()]
+    return STORE_PROCESS_BYTES + sum(tables) + max(tables)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_store_memory_limits_hold_the_tables_at_capacity(target: str) -> None:
+    objs = objects(target)
+    need = store_memory_need(job_config(objs))
+    pods = [one(objs, "StatefulSet", "streamrec-store")]
+    pods += [o for o in objs if o["metadata"]["name"].startswith("streamrec-replica-")]
+    for obj in pods:
+        if obj["kind"] not in WORKLOADS:
+            continue
+        for c in obj["spec"]["template"]["spec"]["containers"]:
+            limit = quantity(c["resources"]["limits"]["memory"])
+            request = quantity(c["resources"]["requests"]["memory"])
+            name = f"{obj['metadata']['name']}/{c['name']}"
+            assert limit >= need, f"{name}: limit {limit / 2**30:.2f} GiB < {need / 2**30:.2f}"
+            assert request >= need, f"{name}: request {request / 2**30:.2f} GiB < need"
