@@ -1268,3 +1268,29 @@ def test_store_memory_limits_hold_the_tables_at_capacity(target: str) -> None:
             name = f"{obj['metadata']['name']}/{c['name']}"
             assert limit >= need, f"{name}: limit {limit / 2**30:.2f} GiB < {need / 2**30:.2f}"
             assert request >= need, f"{name}: request {request / 2**30:.2f} GiB < need"
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_an_upgrade_reaches_every_pod_without_exhausting_recovery(target: str) -> None:
+    """A new image rolls every workload one pod at a time; the store's roll is a rollback
+    per shard, perhaps with no checkpoint between them, which the job must outlast."""
+    objs = objects(target)
+    job = job_config(objs)
+    for obj in objs:
+        if obj["kind"] == "StatefulSet":
+            strategy = obj["spec"].get("updateStrategy", {"type": "RollingUpdate"})
+            assert strategy["type"] == "RollingUpdate", obj["metadata"]["name"]
+            rolling = strategy.get("rollingUpdate", {})
+            assert rolling.get("maxUnavailable", 1) == 1, obj["metadata"]["name"]
+            assert rolling.get("partition", 0) == 0, obj["metadata"]["name"]
+        elif obj["kind"] == "Deployment":
+            strategy = obj["spec"].get("strategy", {"type": "RollingUpdate"})
+            assert strategy["type"] in {"RollingUpdate", "Recreate"}, obj["metadata"]["name"]
+    shards = one(objs, "StatefulSet", "streamrec-store")["spec"]["replicas"]
+    assert job.trainer.recovery.enabled
+    assert job.trainer.recovery.max_in_a_row >= shards + 2, "trainer.recovery.max_in_a_row"
+    # The Dask operator does not roll its pods for a new image: the README's upgrade
+    # recreates the DaskCluster, by the name the overlays give it.
+    readme = (REPO_ROOT / "README.md").read_text()
+    dask = one(objs, "DaskCluster", "streamrec-dask")["metadata"]["name"]
+    assert f"kubectl -n streamrec delete daskcluster {dask}" in readme
