@@ -442,6 +442,54 @@ def kill_one(
     kill.pid = int(victim.pid)
 
 
+def start_job(job: Path, log_path: Path) -> subprocess.Popen[bytes]:
+    """``streamrec run JOB`` in a session of its own, its output in ``log_path``."""
+    with log_path.open("wb") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "deploy.cli", "run", str(job)],
+            cwd=REPO_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def group_source(broker: Broker, topic: str) -> Any:
+    """A source on ``topic`` in the job's consumer group (its committed offsets)."""
+    from connectors.kafka import KafkaSource, KafkaSourceConfig
+
+    return KafkaSource(
+        KafkaSourceConfig(
+            bootstrap_servers=broker.bootstrap,
+            topics=[topic],
+            group_id="chaos",
+            api_version=broker.api_version,
+        )
+    )
+
+
+def catch_up(
+    job: subprocess.Popen[bytes], run_dir: Path, ends: dict[str, int], timeout_s: float
+) -> None:
+    """Until the job has learned up to ``ends`` (or exited, or ``timeout_s`` passed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and job.poll() is None:
+        if learned_count(run_dir) >= sum(ends.values()):
+            return
+        time.sleep(0.5)
+
+
+def interrupt(job: subprocess.Popen[bytes]) -> int:
+    """Ctrl-C (SIGINT: a last checkpoint, offsets committed); its exit code."""
+    if job.poll() is None:
+        job.send_signal(signal.SIGINT)
+    try:
+        return job.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        return job.wait()
+
+
 def count_offsets(run_dir: Path, ends: dict[str, int]) -> dict[str, int]:
     import numpy as np
 
@@ -462,7 +510,6 @@ def count_offsets(run_dir: Path, ends: dict[str, int]) -> dict[str, int]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     random.seed(args.seed)
-    from connectors.kafka import KafkaSource, KafkaSourceConfig
 
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="streamrec-chaos-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -480,14 +527,7 @@ def main(argv: list[str] | None = None) -> int:
             work, kafka.bootstrap, topic, args.batch_size, kafka.api_version, args.ranks
         )
         log_path = work / "job.log"
-        with log_path.open("wb") as log:
-            job_proc = subprocess.Popen(
-                [sys.executable, "-m", "deploy.cli", "run", str(job)],
-                cwd=REPO_ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        job_proc = start_job(job, log_path)
         started = time.monotonic()
         while learned_count(run_dir) == 0:  # until the job trains
             if job_proc.poll() is not None or time.monotonic() - started > 300:
@@ -558,20 +598,9 @@ def main(argv: list[str] | None = None) -> int:
         producer.stopped.set()
         producer.join(timeout=60)
         # Let the last recovery finish and the job catch up with the topic's end.
-        src = KafkaSource(
-            KafkaSourceConfig(
-                bootstrap_servers=kafka.bootstrap,
-                topics=[topic],
-                group_id="chaos",  # the job's group: its committed offsets are counted
-                api_version=kafka.api_version,
-            )
-        )
+        src = group_source(kafka, topic)
         ends = {p: src.end_position(p) for p in src.partitions()}
-        deadline = time.monotonic() + args.catch_up_s
-        while time.monotonic() < deadline and job_proc.poll() is None:
-            if learned_count(run_dir) >= sum(ends.values()):
-                break
-            time.sleep(0.5)
+        catch_up(job_proc, run_dir, ends, args.catch_up_s)
         now = time.monotonic()
         for k in kills:
             if k.kind == "replica":
@@ -583,13 +612,7 @@ def main(argv: list[str] | None = None) -> int:
             serving.close()
             serve_figures = serving.figures()
             serving = None
-        if job_proc.poll() is None:
-            job_proc.send_signal(signal.SIGINT)
-        try:
-            exit_code = job_proc.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            os.killpg(job_proc.pid, signal.SIGKILL)
-            exit_code = job_proc.wait()
+        exit_code = interrupt(job_proc)
         output = log_path.read_text(errors="replace")
         committed = {p: src.committed(p) for p in ends}
         src.close()

@@ -57,7 +57,17 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from chaos import Broker, Producer, count_offsets, learned_count, write_job  # noqa: E402
+from chaos import (  # noqa: E402
+    Broker,
+    Producer,
+    catch_up,
+    count_offsets,
+    group_source,
+    interrupt,
+    learned_count,
+    start_job,
+    write_job,
+)
 from common import print_figures, write_json  # noqa: E402
 
 ROLES = ("job", "shard", "worker", "broker")
@@ -200,8 +210,6 @@ def check_targets(figures: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from connectors.kafka import KafkaSource, KafkaSourceConfig
-
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="streamrec-soak-"))
     work.mkdir(parents=True, exist_ok=True)
     run_dir = work / "run"
@@ -223,14 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         del payloads
         job = soak_job(work, broker, topic, args)
         log_path = work / "job.log"
-        with log_path.open("wb") as log:
-            job_proc = subprocess.Popen(
-                [sys.executable, "-m", "deploy.cli", "run", str(job)],
-                cwd=REPO_ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        job_proc = start_job(job, log_path)
         t_start = time.monotonic()
         first_learned_at: float | None = None
         while learned_count(run_dir) < args.capacity_events:
@@ -299,28 +300,11 @@ def main(argv: list[str] | None = None) -> int:
         # 3. End: every offset once.
         producer.stopped.set()
         producer.join(timeout=60)
-        src = KafkaSource(
-            KafkaSourceConfig(
-                bootstrap_servers=broker.bootstrap,
-                topics=[topic],
-                group_id="chaos",
-                api_version=broker.api_version,
-            )
-        )
+        src = group_source(broker, topic)
         ends = {p: src.end_position(p) for p in src.partitions()}
-        deadline = time.monotonic() + args.catch_up_s
-        while time.monotonic() < deadline and job_proc.poll() is None:
-            if learned_count(run_dir) >= sum(ends.values()):
-                break
-            time.sleep(0.5)
-        if job_proc.poll() is None:
-            job_proc.send_signal(signal.SIGINT)
-        try:
-            exit_code = job_proc.wait(timeout=180)
-        except subprocess.TimeoutExpired:
-            os.killpg(job_proc.pid, signal.SIGKILL)
-            exit_code = job_proc.wait()
         src.close()
+        catch_up(job_proc, run_dir, ends, args.catch_up_s)
+        exit_code = interrupt(job_proc)
 
         steady_s = samples[-1]["t"] if samples else 0.0
         achieved = (samples[-1]["produced"] - args.capacity_events) / steady_s if steady_s else 0.0
