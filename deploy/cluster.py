@@ -151,11 +151,17 @@ def check_torchrun_job(job: JobConfig, launch: TorchrunRank) -> None:
 
 def check_scheduler(address: str, timeout_s: float = 10.0) -> None:
     """Raise :class:`ClusterError` unless a Dask scheduler answers at ``address``."""
+    scheduler_id(address, timeout_s)
+
+
+def scheduler_id(address: str, timeout_s: float = 10.0) -> str:
+    """The id of the Dask scheduler that answers at ``address`` (a restarted one has a new
+    one); :class:`NotAnswering` when none does."""
     from distributed import Client
 
     try:
         with Client(address, timeout=timeout_s, set_as_default=False) as client:  # type: ignore[no-untyped-call]
-            client.scheduler_info()
+            return str(client.scheduler_info()["id"])
     except (OSError, TimeoutError, ValueError) as exc:
         msg = f"cluster.scheduler {address}: no Dask scheduler answers there ({exc})"
         raise NotAnswering(msg) from exc

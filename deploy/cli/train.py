@@ -232,8 +232,8 @@ def _train(
     if stats.rank_restarts:
         print(
             f"started the trainer ranks again {stats.rank_restarts} time(s) after a rank "
-            "process was killed, each from the newest checkpoint (the figures above count "
-            "from the last start)"
+            "process or the Dask scheduler was lost, each from the newest checkpoint (the "
+            "figures above count from the last start)"
         )
     if manifest is not None:
         print(f"checkpoint: {manifest.path} (step {manifest.step})")

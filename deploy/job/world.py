@@ -17,15 +17,15 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
-from deploy.cluster import TorchrunRank
+from deploy.cluster import NotAnswering, TorchrunRank, scheduler_id
 from deploy.config import JobConfig
 from deploy.job.errors import JobError
 from deploy.job.parts import checkpoint_location
 from deploy.job.rank import run_rank
 from deploy.job.recovery import await_store
-from deploy.job.services import Services, batch_client
+from deploy.job.services import Services, batch_client, check_named_services
 from deploy.local.kafka import free_port
 from trainer.checkpoint import CheckpointBook, JobManifest
 from trainer.config import RecoveryConfig
@@ -51,49 +51,76 @@ def run_ranks(
     A rank process killed by a signal (``kill -9``, out of memory) breaks the
     others' collectives; the job then starts every rank again from the newest
     checkpoint (store, dense state, source positions), as a second run of the
-    same command would, and goes on. ``trainer.recovery`` bounds it: off, or
+    same command would, and goes on. So it does when the Dask scheduler the job
+    names (``cluster.scheduler``) was lost: once a scheduler answers there again
+    (``cluster.wait_for_services_s``). ``trainer.recovery`` bounds both: off, or
     after ``max_in_a_row`` restarts without a new checkpoint in between, the job
-    stops with a :class:`JobError` that names the rank and says how to resume.
-    A rank that fails on its own (an exception, exit code 1) is not restarted.
+    stops with a :class:`JobError` that names what was lost and says how to
+    resume. A rank that fails on its own (an exception, exit code 1) is not
+    restarted.
     """
     world = job.trainer.ranks
     stop = stop or threading.Event()
-    if world == 1:
-        return run_rank(
-            job,
-            services,
-            max_events=max_events,
-            deadline=deadline,
-            stop=stop,
-            on_progress=on_progress,
-        )
     book = CheckpointBook(checkpoint_location(job)) if job.trainer.checkpoint.enabled else None
     start = book.latest() if book is not None else None
     budget = RankRestarts(job.trainer.recovery)
+    known = _scheduler_id(job)
     while True:
         learned = _learned_since(start, book)
         left = None if max_events is None else max(0, max_events - learned)
         try:
             stats, manifest = _run_world(job, services, left, deadline, stop, on_progress)
-        except RanksFailed as failure:
+        except Exception as exc:
+            lost = _scheduler_lost(job, known)
+            if lost is None and not isinstance(exc, RanksFailed):
+                raise
+            failure = RanksFailed([lost], killed=True) if lost else cast(RanksFailed, exc)
             newest = book.latest() if book is not None else None
             why = budget.refuse(failure, newest, stopping=stop.is_set())
             if why is not None:
-                raise _ranks_failed(job, failure.failed, newest, why) from failure.__cause__
+                raise _ranks_failed(job, failure.failed, newest, why) from exc
             log.warning(
-                "trainer rank process %s ended the world; starting the %d ranks again from "
-                "the newest checkpoint (step %d): restart %d in a row "
-                "(trainer.recovery.max_in_a_row %d)",
+                "%s ended the world; starting the %d rank(s) again from the newest checkpoint "
+                "(step %d): restart %d in a row (trainer.recovery.max_in_a_row %d)",
                 ", ".join(failure.failed),
                 world,
                 newest.step if newest is not None else -1,
                 budget.in_a_row,
                 job.trainer.recovery.max_in_a_row,
             )
+            if lost:
+                check_named_services(job, services.store, services.token, deadline=deadline)
+                known = _scheduler_id(job)
             _await_quiet(job, services, stop)
             continue
         stats.rank_restarts = budget.restarts
         return stats, manifest
+
+
+def _scheduler_id(job: JobConfig) -> str | None:
+    """The id of the scheduler the job names, as it answers now (None: none named or none
+    answers)."""
+    if job.cluster.scheduler is None:
+        return None
+    try:
+        return scheduler_id(job.cluster.scheduler, timeout_s=10.0)
+    except NotAnswering:
+        return None
+
+
+def _scheduler_lost(job: JobConfig, known: str | None) -> str | None:
+    """What became of the scheduler the job names since it answered as ``known``: None
+    if it still does (or the job started its own, which lives and dies with it)."""
+    address = job.cluster.scheduler
+    if address is None:
+        return None
+    try:
+        now = scheduler_id(address, timeout_s=10.0)
+    except NotAnswering:
+        return f"the Dask scheduler at {address} (gone)"
+    if now != known:
+        return f"the Dask scheduler at {address} (restarted)"
+    return None
 
 
 class RanksFailed(Exception):
@@ -180,6 +207,15 @@ def _run_world(
     import torch.distributed as dist
 
     world = job.trainer.ranks
+    if world == 1:
+        return run_rank(
+            job,
+            services,
+            max_events=max_events,
+            deadline=deadline,
+            stop=stop,
+            on_progress=on_progress,
+        )
     master = f"tcp://127.0.0.1:{free_port()}"
     procs = _spawn_ranks(job, services, master, max_events, deadline)
     threading.Thread(target=_forward_stop, args=(stop, procs), daemon=True).start()
@@ -205,7 +241,7 @@ def _run_world(
         dist.destroy_process_group()
         _reap(procs, timeout=10 if error is not None else 60)
     failed = [
-        f"{p.name} (pid {p.pid}, {_exit_text(p.exitcode)})"
+        f"trainer rank process {p.name} (pid {p.pid}, {_exit_text(p.exitcode)})"
         for p in procs
         if p.exitcode not in (0, None)
     ]
@@ -272,17 +308,15 @@ def _reap(procs: list[BaseProcess], *, timeout: float) -> None:
 def _ranks_failed(
     job: JobConfig, failed: list[str], newest: JobManifest | None, why: str
 ) -> JobError:
-    """The error for rank processes that ended the job: which, why not again, how to resume."""
+    """The error for what ended the job (rank processes, the scheduler): which, why not
+    again, how to resume."""
     resume = (
         f"the newest checkpoint (step {newest.step}) holds everything learned; "
         "run the same command again to resume from it"
         if newest is not None
         else "no checkpoint was taken; run the same command again to start over"
     )
-    msg = (
-        f"trainer rank process {', '.join(failed)} ended the job (not started again: {why}); "
-        f"{resume}"
-    )
+    msg = f"{', '.join(failed)} ended the job (not started again: {why}); {resume}"
     return JobError(msg)
 
 

@@ -146,7 +146,7 @@ def test_a_killed_trainer_rank_is_started_again_and_the_job_goes_on(tmp_path: Pa
     assert f"streamrec-rank-1 (pid {victim.pid}, killed by SIGKILL) ended the world" in out, out[
         -4000:
     ]
-    assert "starting the 2 ranks again from the newest checkpoint" in out, out[-4000:]
+    assert "starting the 2 rank(s) again from the newest checkpoint" in out, out[-4000:]
     assert "started the trainer ranks again 1 time(s)" in out, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
     assert_every_offset_learned_once(run_dir)

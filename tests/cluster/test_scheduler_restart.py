@@ -1,0 +1,93 @@
+"""The Dask scheduler a job names dies and a new one starts at the same address: the job
+finds it and goes on by itself, learning every offset once.
+
+Real processes: ``dask scheduler`` and ``dask worker`` on a "host" of their own
+(:mod:`tests.cluster.hosts`), ``streamrec run`` with ``cluster.scheduler`` naming
+it (its store shards its own). The scheduler host is killed with ``kill -9``
+(its worker exits with it, as Dask workers do when their scheduler goes) and
+started again on the same address, as a supervisor (systemd, a Kubernetes
+Deployment) would do.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from connectors.synthetic import synthetic_store_section
+from tests.cluster.hosts import Host, dask_scheduler, dask_worker, free_port_on
+from tests.conftest import REPO_ROOT, STREAMREC, write_synthetic_job
+from tests.trainer.test_job import wait_for_checkpoint
+from tests.trainer.test_job_faults import (
+    BATCH,
+    EVENTS,
+    PARTITIONS,
+    assert_every_offset_learned_once,
+    finish,
+    kill_leftovers,
+)
+
+
+@pytest.fixture
+def dask_host(tmp_path: Path) -> Iterator[Host]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    host = Host("dask", "127.0.0.2", tmp_path / "hosts", env)
+    yield host
+    host.crash()
+
+
+def start_dask(host: Host, port: int) -> None:
+    host.start("scheduler", dask_scheduler(host, port))
+    host.wait_log("scheduler", r"Scheduler at:")
+    host.start("worker", dask_worker(host, f"tcp://{host.address}:{port}"))
+    host.wait_log("worker", r"Registered to:")
+
+
+def test_a_job_finds_its_restarted_scheduler_and_goes_on(tmp_path: Path, dask_host: Host) -> None:
+    port = free_port_on(dask_host.address)
+    start_dask(dask_host, port)
+    scheduler = f"tcp://{dask_host.address}:{port}"
+    job = write_synthetic_job(
+        tmp_path,
+        store=synthetic_store_section(dim=4, row_dtype="float32"),
+        source={"kind": "synthetic", "seed": 4, "partitions": PARTITIONS, "events": EVENTS},
+        trainer={
+            "mode": "hybrid",
+            "staleness": 2,
+            "batch_size": BATCH,
+            "model": {"kind": "ffnn", "hidden": [16]},
+            "torch_threads": 1,
+            "log_every_s": 0.5,
+            "checkpoint": {"every_steps": 4, "every_s": None},
+        },
+        cluster={"scheduler": scheduler, "store_shards": 2, "wait_for_services_s": 120},
+    )
+    proc = subprocess.Popen(
+        [*STREAMREC, "run", str(job)],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    run_dir = tmp_path / "run"
+    try:
+        wait_for_checkpoint(run_dir, 4, proc)  # type: ignore[arg-type]
+        dask_host.crash()  # the scheduler and its worker, as a machine dies
+        time.sleep(2)
+        dask_host.replace()
+        start_dask(dask_host, port)
+        code, out = finish(proc)
+    finally:
+        kill_leftovers(proc)
+    assert code == 0, out[-4000:]
+    assert f"the Dask scheduler at {scheduler}" in out, out[-4000:]
+    assert "ended the world; starting the 1 rank(s) again" in out, out[-4000:]
+    assert "started the trainer ranks again 1 time(s)" in out, out[-4000:]
+    assert "Traceback" not in out, out[-4000:]
+    assert_every_offset_learned_once(run_dir)
