@@ -14,8 +14,12 @@ restarts it and rolls back to its newest checkpoint), a Dask worker (its Nanny
 starts a new one, the task is retried) or the broker (the benchmark plays its
 supervisor: it brings it back on the same port after ``--outage-s``), or, with
 ``--ranks 2`` or more, a trainer rank's process (rank 0 is the job's own: the
-job starts every rank again from its newest checkpoint). The job is never
-restarted by hand.
+job starts every rank again from its newest checkpoint), or, with ``--scheduler
+external``, the Dask scheduler (the benchmark's own ``dask scheduler`` and
+``dask worker`` processes, named in the job's ``cluster.scheduler``: the
+benchmark starts them again on the same address after ``--outage-s``, and the
+job waits for it and starts its ranks again from the newest checkpoint). The
+job is never restarted by hand.
 
 With ``--serve`` the job is also served as a user would serve it: one
 serving replica per store shard (``streamrec store replica``), a prediction
@@ -72,10 +76,10 @@ from common import print_figures, write_json  # noqa: E402
 
 KINDS = ("shard", "worker", "broker")
 SERVE_KINDS = (*KINDS, "replica")
-ALL_KINDS = (*SERVE_KINDS, "trainer")
+ALL_KINDS = (*SERVE_KINDS, "trainer", "scheduler")
 # Kills the job recovers from by rolling back to its newest checkpoint (a ledger
 # "rollback" line): their recovery counts only from that rollback on.
-ROLLBACK_KINDS = ("shard", "trainer")
+ROLLBACK_KINDS = ("shard", "trainer", "scheduler")
 
 
 @dataclass
@@ -119,6 +123,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ),
     )
     parser.add_argument("--ranks", type=int, default=1, help="the job's trainer.ranks")
+    parser.add_argument(
+        "--scheduler",
+        choices=("local", "external"),
+        default="local",
+        help=(
+            "local: the job's own Dask cluster; external: `dask scheduler` and `dask worker` "
+            "processes of the benchmark's, named in cluster.scheduler, and the scheduler "
+            "joins the victims (it and its workers start again after --outage-s)"
+        ),
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch-size", type=int, default=500)
     parser.add_argument("--catch-up-s", type=float, default=300.0, help="max wait at the end")
@@ -235,6 +249,7 @@ def write_job(
     batch_size: int,
     api_version: tuple[int, ...],
     ranks: int = 1,
+    scheduler: str | None = None,
 ) -> Path:
     import yaml
 
@@ -264,6 +279,8 @@ def write_job(
         },
         "cluster": {"workers": 2, "store_shards": 2, "dashboard_address": ":0"},
     }
+    if scheduler is not None:
+        job["cluster"] = {"scheduler": scheduler, "store_shards": 2}
     path = work / "job.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return path
@@ -411,10 +428,90 @@ def job_children(job: subprocess.Popen[bytes], marker: str) -> list[Any]:
     return found
 
 
+class ExternalDask:
+    """A Dask scheduler and workers of their own (``--scheduler external``), named in the
+    job's ``cluster.scheduler``, as the benchmark plays their supervisor: Dask workers
+    exit when their scheduler goes, so both start again, on the same address."""
+
+    def __init__(self, work: Path, workers: int) -> None:
+        from deploy.local.kafka import free_port
+
+        self.work, self.workers = work, workers
+        self.port = free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.lives = 0
+        self.start()
+
+    def _spawn(self, name: str, args: list[str], ready: str) -> None:
+        log = self.work / f"dask-{name}-{self.lives}.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "dask", *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        self.procs.append(proc)
+        deadline = time.monotonic() + 60
+        while ready not in log.read_text(errors="replace"):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                msg = f"dask {name} did not start; see {log}"
+                raise RuntimeError(msg)
+            time.sleep(0.1)
+
+    def start(self) -> None:
+        self.lives += 1
+        args = ["scheduler", "--host", "127.0.0.1", "--port", str(self.port)]
+        self._spawn("scheduler", [*args, "--dashboard-address", ":0"], "Scheduler at:")
+        for i in range(self.workers):
+            args = ["worker", self.address, "--nthreads", "1", "--name", f"w{i}"]
+            self._spawn(f"worker{i}", [*args, "--no-dashboard"], "Registered to:")
+
+    @property
+    def scheduler_pid(self) -> int:
+        return int(self.procs[-1 - self.workers].pid)
+
+    def worker_processes(self) -> list[Any]:
+        """The workers under their nannies (a killed one is started again by its nanny)."""
+        import psutil
+
+        found = []
+        for proc in self.procs[-self.workers :]:
+            with contextlib.suppress(psutil.Error):
+                found += psutil.Process(proc.pid).children()
+        return found
+
+    def kill(self) -> None:
+        """``kill -9`` of the scheduler and every worker, as when their host dies."""
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        for proc in self.procs:
+            proc.wait()
+        self.procs.clear()
+
+
 def kill_one(
-    kill: Kill, job: subprocess.Popen[bytes], broker: Broker, outage_s: float, run_dir: Path
+    kill: Kill,
+    job: subprocess.Popen[bytes],
+    broker: Broker,
+    outage_s: float,
+    run_dir: Path,
+    dask: ExternalDask | None = None,
 ) -> None:
     """SIGKILL one component of ``kill.kind``; sets ``kill.pid``."""
+    if kill.kind == "scheduler":
+        assert dask is not None
+        kill.pid = dask.scheduler_pid
+        dask.kill()
+
+        def start_again() -> None:
+            time.sleep(outage_s)
+            dask.start()
+
+        threading.Thread(target=start_again, name="dask-supervisor", daemon=True).start()
+        return
     if kill.kind == "broker":
         kill.pid = broker.pid
         kill.ready = False
@@ -432,6 +529,8 @@ def kill_one(
         return
     if kill.kind == "trainer":
         victims = rank_processes(job)
+    elif kill.kind == "worker" and dask is not None:
+        victims = dask.worker_processes()
     else:
         victims = job_children(job, "store serve" if kill.kind == "shard" else "spawn_main")
     if not victims:
@@ -518,13 +617,22 @@ def main(argv: list[str] | None = None) -> int:
     job_proc: subprocess.Popen[bytes] | None = None
     producer: Producer | None = None
     serving: Serving | None = None
+    dask: ExternalDask | None = None
     try:
         topic = "chaos"
         kafka.create_topic(topic, partitions=2)
         producer = Producer(kafka, topic, args.rate, args.seed)
         producer.start()
+        if args.scheduler == "external":
+            dask = ExternalDask(work, workers=2)
         job = write_job(
-            work, kafka.bootstrap, topic, args.batch_size, kafka.api_version, args.ranks
+            work,
+            kafka.bootstrap,
+            topic,
+            args.batch_size,
+            kafka.api_version,
+            args.ranks,
+            dask.address if dask is not None else None,
         )
         log_path = work / "job.log"
         job_proc = start_job(job, log_path)
@@ -544,9 +652,13 @@ def main(argv: list[str] | None = None) -> int:
             )
         default = (*KINDS, *(("replica",) if args.serve else ()))
         default += ("trainer",) if args.ranks > 1 else ()
+        default += ("scheduler",) if dask is not None else ()
         kinds = tuple(args.victims or default)
         if "replica" in kinds and not args.serve:
             msg = "--victims replica needs --serve (there are no replicas otherwise)"
+            raise SystemExit(msg)
+        if "scheduler" in kinds and dask is None:
+            msg = "--victims scheduler needs --scheduler external (the job's own dies with it)"
             raise SystemExit(msg)
         if "trainer" in kinds and args.ranks < 2:
             msg = "--victims trainer needs --ranks 2 or more (rank 0 is the job itself)"
@@ -590,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
                     assert serving is not None
                     serving.kill_replica(kill, args.outage_s, started)
                 else:
-                    kill_one(kill, job_proc, kafka, args.outage_s, run_dir)
+                    kill_one(kill, job_proc, kafka, args.outage_s, run_dir, dask)
                 kills.append(kill)
                 print(f"killed the {kill.kind} (pid {kill.pid}) at {kill.at_s:.0f}s")
                 next_kill = time.monotonic() + args.kill_every_s
@@ -633,6 +745,7 @@ def main(argv: list[str] | None = None) -> int:
             # Every start from a checkpoint after the first: rollbacks and rank restarts.
             "ledger_rollbacks": max(0, rollback_count(run_dir) - 1),
             "ranks": args.ranks,
+            "scheduler": args.scheduler,
             "committed_equals_end": committed == ends,
             "manual_restarts": 0,
             "stop_reason": stop[-1] if stop else None,
@@ -661,6 +774,8 @@ def main(argv: list[str] | None = None) -> int:
             # Orphaned Dask workers of a job that was killed keep its process group.
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(job_proc.pid, signal.SIGKILL)
+        if dask is not None:
+            dask.kill()
         kafka.stop()
 
 
