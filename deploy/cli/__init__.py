@@ -8,7 +8,7 @@ adds its commands and their handlers: :mod:`deploy.cli.store` (``store serve``,
 ``replica``, ``reshard``, ``health``), :mod:`deploy.cli.synth`,
 :mod:`deploy.cli.produce`, :mod:`deploy.cli.kafka` (``kafka up|down|topic``,
 Tansu included), :mod:`deploy.cli.s3`, :mod:`deploy.cli.stock` (``dask``,
-``torchrun``), :mod:`deploy.cli.train` (``demo``, ``run``, ``backfill``) and
+``torchrun``, ``rendezvous``), :mod:`deploy.cli.train` (``demo``, ``run``, ``backfill``) and
 :mod:`deploy.cli.serve` (``score``, ``evaluate``, ``serve``); ``report`` comes
 from :mod:`monitoring.report`. The handlers import what they need when they run,
 so that ``streamrec --help`` stays fast.
