@@ -8,13 +8,14 @@ torchrun made it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import multiprocessing as mp
 import os
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, cast
@@ -59,8 +60,43 @@ def run_ranks(
     resume. A rank that fails on its own (an exception, exit code 1) is not
     restarted.
     """
-    world = job.trainer.ranks
     stop = stop or threading.Event()
+    with _quiet_cancelled_reconnects():
+        return _run_lives(job, services, max_events, deadline, stop, on_progress)
+
+
+class _CancelledReconnect(logging.Filter):
+    """Drops Dask's ERROR record of a client's reconnect cancelled as it is closed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        return not isinstance(error, asyncio.CancelledError)
+
+
+@contextlib.contextmanager
+def _quiet_cancelled_reconnects() -> Iterator[None]:
+    """A world whose scheduler was lost closes its Dask client while the client is still
+    trying to reconnect; Dask then logs the cancelled attempt as an ERROR with three
+    tracebacks, in the middle of the job's output, for what is the job recovering."""
+    quiet = _CancelledReconnect()
+    client_log = logging.getLogger("distributed.client")
+    client_log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        client_log.removeFilter(quiet)
+
+
+def _run_lives(
+    job: JobConfig,
+    services: Services,
+    max_events: int | None,
+    deadline: float | None,
+    stop: threading.Event,
+    on_progress: Callable[[Progress], None] | None,
+) -> tuple[LoopStats, JobManifest | None]:
+    """The rank world's lives: one, then one more after each restart (see :func:`run_ranks`)."""
+    world = job.trainer.ranks
     book = CheckpointBook(checkpoint_location(job)) if job.trainer.checkpoint.enabled else None
     start = book.latest() if book is not None else None
     budget = RankRestarts(job.trainer.recovery)

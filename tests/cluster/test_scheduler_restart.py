@@ -91,3 +91,31 @@ def test_a_job_finds_its_restarted_scheduler_and_goes_on(tmp_path: Path, dask_ho
     assert "started the trainer ranks again 1 time(s)" in out, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
     assert_every_offset_learned_once(run_dir)
+
+
+def test_a_cancelled_reconnect_is_not_reported_as_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The dead world's client is closed while it still tries to reconnect to the lost
+    scheduler: Dask's ERROR for that cancelled attempt (three tracebacks, in the job's
+    output, seen when the new scheduler answered before the client gave up) is dropped;
+    any other error of the client still shows."""
+    import asyncio
+    import logging
+
+    from deploy.job.world import _quiet_cancelled_reconnects
+
+    log = logging.getLogger("distributed.client")
+
+    def cancelled(text: str) -> None:
+        try:
+            raise asyncio.CancelledError
+        except asyncio.CancelledError:
+            log.exception(text)
+
+    with caplog.at_level(logging.ERROR, logger="distributed.client"):
+        with _quiet_cancelled_reconnects():
+            cancelled("a reconnect cancelled by close")
+            log.error("another error")
+        cancelled("after the job")
+    assert [r.getMessage() for r in caplog.records] == ["another error", "after the job"]
