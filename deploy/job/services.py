@@ -22,9 +22,9 @@ import yaml
 from deploy.cluster import (
     ClusterError,
     NotAnswering,
-    check_scheduler,
     check_store,
     environment,
+    scheduler_id,
     store_token,
 )
 from deploy.config import ClusterConfig, JobConfig
@@ -54,6 +54,9 @@ class Services:
     store_metrics: tuple[str, ...] = ()  # each local shard's Prometheus /metrics URL
     # Restarts local shards that die; lives in the job's process only (not pickled).
     supervisor: ShardSupervisor | None = dc_field(default=None, compare=False, repr=False)
+    # The id of the scheduler the job names, as it answered at the start (a restarted
+    # one answers with another); None for the job's own cluster.
+    scheduler_id: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "supervisor": None}
@@ -69,11 +72,11 @@ def check_named_services(
     *,
     out: TextIO | None = None,
     deadline: float | None = None,
-) -> None:
+) -> str | None:
     """Wait for the services the job names to answer, up to ``cluster.wait_for_services_s``
     or ``deadline`` (the job's ``--max-time``), whichever comes first (a status line
     on ``out``, stderr by default, says which and how long); refuse to start when
-    one still does not, or does not fit the job."""
+    one still does not, or does not fit the job. Returns the named scheduler's id."""
     wait_s, bound = job.cluster.wait_for_services_s, "cluster.wait_for_services_s"
     if deadline is not None and deadline - time.monotonic() < wait_s:
         wait_s, bound = max(0.0, deadline - time.monotonic()), "--max-time"
@@ -85,11 +88,12 @@ def check_named_services(
     try:
         while True:
             try:
+                named = None
                 if job.cluster.scheduler is not None:
-                    check_scheduler(job.cluster.scheduler, timeout_s=attempt_s)
+                    named = scheduler_id(job.cluster.scheduler, timeout_s=attempt_s)
                 if job.cluster.store is not None:
                     check_store(job, store, token, timeout_s=attempt_s)
-                return
+                return named
             except NotAnswering as exc:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -133,9 +137,9 @@ def start_services(
     else:
         store, store_metrics = job.cluster.store, ()
         token = store_token(job, env if env is not None else environment())
-    check_named_services(job, store, token, deadline=deadline)
+    named = check_named_services(job, store, token, deadline=deadline)
     if job.cluster.scheduler is not None:
-        return Services(job.cluster.scheduler, None, store, token, store_metrics, supervisor)
+        return Services(job.cluster.scheduler, None, store, token, store_metrics, supervisor, named)
     scheduler, dashboard = _start_dask(job, stack)
     return Services(scheduler, dashboard, store, token, store_metrics, supervisor)
 

@@ -100,7 +100,7 @@ def _run_lives(
     book = CheckpointBook(checkpoint_location(job)) if job.trainer.checkpoint.enabled else None
     start = book.latest() if book is not None else None
     budget = RankRestarts(job.trainer.recovery)
-    known = _scheduler_id(job)
+    known = services.scheduler_id
     while True:
         learned = _learned_since(start, book)
         left = None if max_events is None else max(0, max_events - learned)
@@ -125,23 +125,11 @@ def _run_lives(
                 job.trainer.recovery.max_in_a_row,
             )
             if lost:
-                check_named_services(job, services.store, services.token, deadline=deadline)
-                known = _scheduler_id(job)
+                known = check_named_services(job, services.store, services.token, deadline=deadline)
             _await_quiet(job, services, stop)
             continue
         stats.rank_restarts = budget.restarts
         return stats, manifest
-
-
-def _scheduler_id(job: JobConfig) -> str | None:
-    """The id of the scheduler the job names, as it answers now (None: none named or none
-    answers)."""
-    if job.cluster.scheduler is None:
-        return None
-    try:
-        return scheduler_id(job.cluster.scheduler, timeout_s=10.0)
-    except NotAnswering:
-        return None
 
 
 def _scheduler_lost(job: JobConfig, known: str | None) -> str | None:
