@@ -19,17 +19,14 @@ from pathlib import Path
 
 import pytest
 
-from connectors.synthetic import synthetic_store_section
 from tests.cluster.hosts import Host, dask_scheduler, dask_worker, free_port_on
-from tests.conftest import REPO_ROOT, STREAMREC, write_synthetic_job
+from tests.conftest import REPO_ROOT, STREAMREC
 from tests.trainer.test_job import wait_for_checkpoint
 from tests.trainer.test_job_faults import (
-    BATCH,
-    EVENTS,
-    PARTITIONS,
     assert_every_offset_learned_once,
     finish,
     kill_leftovers,
+    write_job,
 )
 
 
@@ -52,21 +49,8 @@ def test_a_job_finds_its_restarted_scheduler_and_goes_on(tmp_path: Path, dask_ho
     port = free_port_on(dask_host.address)
     start_dask(dask_host, port)
     scheduler = f"tcp://{dask_host.address}:{port}"
-    job = write_synthetic_job(
-        tmp_path,
-        store=synthetic_store_section(dim=4, row_dtype="float32"),
-        source={"kind": "synthetic", "seed": 4, "partitions": PARTITIONS, "events": EVENTS},
-        trainer={
-            "mode": "hybrid",
-            "staleness": 2,
-            "batch_size": BATCH,
-            "model": {"kind": "ffnn", "hidden": [16]},
-            "torch_threads": 1,
-            "log_every_s": 0.5,
-            "checkpoint": {"every_steps": 4, "every_s": None},
-        },
-        cluster={"scheduler": scheduler, "store_shards": 2, "wait_for_services_s": 120},
-    )
+    cluster = {"scheduler": scheduler, "store_shards": 2, "wait_for_services_s": 120}
+    job = write_job(tmp_path, cluster, ranks=1)
     proc = subprocess.Popen(
         [*STREAMREC, "run", str(job)],
         cwd=REPO_ROOT,

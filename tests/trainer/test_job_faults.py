@@ -31,11 +31,12 @@ PARTITIONS = 2
 BATCH = 200
 
 
-def write_job(tmp: Path) -> Path:
+def write_job(tmp: Path, cluster: dict[str, Any] | None = None, ranks: int = 2) -> Path:
+    """The two-rank job of these tests; ``cluster``: another cluster section (services)."""
     trainer: dict[str, Any] = {
         "mode": "hybrid",
         "staleness": 2,
-        "ranks": 2,
+        "ranks": ranks,
         "batch_size": BATCH,
         "model": {"kind": "ffnn", "hidden": [16]},
         "torch_threads": 1,
@@ -47,7 +48,7 @@ def write_job(tmp: Path) -> Path:
         store=synthetic_store_section(dim=4, row_dtype="float32"),
         source={"kind": "synthetic", "seed": 4, "partitions": PARTITIONS, "events": EVENTS},
         trainer=trainer,
-        cluster={"workers": 1, "store_shards": 2, "dashboard_address": ":0"},
+        cluster=cluster or {"workers": 1, "store_shards": 2, "dashboard_address": ":0"},
     )
 
 
