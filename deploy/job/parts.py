@@ -22,7 +22,7 @@ from connectors.types import DeadLetterSink, Source
 from deploy.config import JobConfig
 from deploy.job.services import Services, batch_client, install_page
 from deploy.job.sources import RankSource, build_deadletter, build_source, stop_waiting_when
-from deploy.job.threads import step_threads_for, torch_threads_for
+from deploy.job.threads import step_threads_for, take_short_gil_turns, torch_threads_for
 from embedding_store.client import StoreClient
 from embedding_store.location import Location
 from monitoring.reporter import Reporter
@@ -176,9 +176,11 @@ def _latency_s(job: JobConfig) -> float:
 
 
 def _set_threads(job: JobConfig, local_ranks: int, device: torch.device, dense: DenseModel) -> int:
-    """Set torch's intra-op threads for this rank; returns the threads each step is split over."""
+    """Set torch's intra-op threads for this rank (and its GIL turns: :func:`take_short_gil_turns`);
+    returns the threads each step is split over."""
     import torch
 
+    take_short_gil_turns()
     step_threads = step_threads_for(
         job, local_ranks, device.type, sum(p.numel() for p in dense.module.parameters())
     )
