@@ -276,6 +276,8 @@ def write_job(
             "torch_threads": 1,
             "log_every_s": 1.0,
             "checkpoint": {"every_steps": 20, "every_s": 10.0},
+            # Every offset is counted from the ledger: keep all of it.
+            "run_files": {"max_mb": None},
         },
         "cluster": {"workers": 2, "store_shards": 2, "dashboard_address": ":0"},
     }

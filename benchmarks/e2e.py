@@ -88,6 +88,7 @@ from connectors.synthetic import (
     synthetic_feature_spec,
     synthetic_store_tables,
 )
+from trainer.run_files import read_lines
 
 if TYPE_CHECKING:
     from monitoring.report import RunData
@@ -547,8 +548,7 @@ def read_metrics(run_dir: Path) -> dict[int, list[dict[str, Any]]]:
     out = {}
     for path in sorted(run_dir.glob("metrics-rank*.jsonl")):
         rank = int(path.stem.removeprefix("metrics-rank"))
-        with path.open(encoding="utf-8") as f:
-            out[rank] = [json.loads(line) for line in f if line.strip()]
+        out[rank] = [json.loads(line) for line in read_lines(path) if line.strip()]
     return out
 
 

@@ -84,6 +84,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import print_figures, write_json, write_token
 from e2e import load, measured_rate, read_metrics
 
+from trainer.run_files import read_lines
+
 if TYPE_CHECKING:
     from deploy.config import JobConfig
     from deploy.local.shards import ShardProcess
@@ -266,10 +268,8 @@ class TrainingRun:
     def reports(self) -> list[dict[str, Any]]:
         """Rank 0's progress reports so far (a line being written is left out)."""
         path = self.run_dir / "metrics-rank0.jsonl"
-        if not path.exists():
-            return []
         out = []
-        for line in path.read_text(encoding="utf-8").splitlines():
+        for line in read_lines(path):
             try:
                 out.append(json.loads(line))
             except ValueError:

@@ -68,6 +68,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
+from trainer.run_files import read_lines
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
@@ -455,7 +457,8 @@ def load_run(path: Path, *, name: str | None = None, strict: bool = False) -> Ru
     lines: dict[int, list[str]] = {}
     for rank, file in files.items():
         try:
-            lines[rank] = file.read_text(encoding="utf-8", errors="replace").splitlines()
+            # Every part a long job's rotation kept (trainer.run_files), oldest first.
+            lines[rank] = read_lines(file)
         except OSError as exc:
             msg = f"{file}: cannot read ({exc})"
             raise ReportError(msg) from exc

@@ -17,7 +17,8 @@ merges the ledgers it is given by time and lets a rollback in any of them void
 the chunks of all: a rank restarted on another host, with a new run directory
 and perhaps another rank number, still voids what its earlier life learned.
 That is how tests and ``benchmarks/chaos.py`` count offsets learned once,
-twice or never.
+twice or never. A long job's ledger is rotated by size (``trainer.run_files``,
+:mod:`trainer.run_files`); the readers here read every part kept.
 
 >>> import tempfile, pathlib
 >>> path = pathlib.Path(tempfile.mkdtemp()) / "learned-rank0.log"
@@ -35,18 +36,21 @@ from __future__ import annotations
 import time
 from pathlib import Path
 from types import TracebackType
-from typing import TextIO
+
+from trainer.run_files import RotatingLines, read_lines
 
 ROLLBACK = "rollback"
 
 
 class Ledger:
-    """Appends learned chunks and rollbacks to one rank's ledger file (line-buffered)."""
+    """Appends learned chunks and rollbacks to one rank's ledger file (line-buffered),
+    rotated past ``max_bytes`` with ``keep`` older parts (:mod:`trainer.run_files`;
+    the readers below read every part kept).
+    """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, max_bytes: int | None = None, keep: int = 4) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: TextIO = open(path, "a", encoding="utf-8", buffering=1)  # noqa: SIM115
+        self._file = RotatingLines(path, max_bytes=max_bytes, keep=keep)
 
     def learned(self, step: int, partition: str, start: int, end: int) -> None:
         """Record that step ``step`` learned ``[start, end)`` of ``partition``."""
@@ -80,7 +84,7 @@ def _lines(path: Path) -> list[tuple[float, int, str, int, int] | tuple[float, i
     lines without a time (older ledgers) take their position in the file as one.
     """
     out: list[tuple[float, int, str, int, int] | tuple[float, int]] = []
-    for i, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
+    for i, line in enumerate(read_lines(path)):
         parts = line.split()
         if parts and parts[0] == ROLLBACK and len(parts) in (2, 3) and parts[1].isdigit():
             out.append((_time(parts[2:], i), int(parts[1])))

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, TextIO, cast
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -44,6 +44,7 @@ from trainer.models import build_model, field_dims, loss_fn, rate_logits
 from trainer.pooling import host_tensor, pool, row_grads, to_tensors
 from trainer.publish import DensePublisher
 from trainer.pusher import Pusher, PushFailed
+from trainer.run_files import RotatingLines
 from trainer.split_step import SplitStep
 
 log = logging.getLogger(__name__)
@@ -473,7 +474,7 @@ class TrainLoop:
         # A checkpoint after step 0 holds a trained bias; one at step 0 holds the seeded
         # init, so measuring the same first batch again gives an uninterrupted run's start.
         self._prior_pending = config.label_prior == "first_batch" and start_step == 0
-        self._log: TextIO | None = None
+        self._log: RotatingLines | None = None
         threads = step_threads if step_threads is not None else config.step_threads or 1
         self._split = SplitStep(threads) if threads > 1 and self.device.type == "cpu" else None
         # One line per learned chunk, and a rollback line per restore: the audit
@@ -593,10 +594,17 @@ class TrainLoop:
         """
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            self._log = open(  # noqa: SIM115 - closed in finally
-                self.run_dir / f"metrics-rank{self.rank}.jsonl", "a", encoding="utf-8"
+            kept = self.config.run_files
+            self._log = RotatingLines(
+                self.run_dir / f"metrics-rank{self.rank}.jsonl",
+                max_bytes=kept.max_bytes,
+                keep=kept.keep,
             )
-            self._ledger = Ledger(self.run_dir / f"learned-rank{self.rank}.log")
+            self._ledger = Ledger(
+                self.run_dir / f"learned-rank{self.rank}.log",
+                max_bytes=kept.max_bytes,
+                keep=kept.keep,
+            )
             # Whatever an earlier run (of any rank, on any host) learned after the
             # checkpoint this run starts from was rolled back with the store.
             self._ledger.rollback(self.step)

@@ -29,15 +29,24 @@ import torch
 from connectors.synthetic import synthetic_store_section
 from deploy.config import JobConfig, load_config
 from embedding_store.shard import StoreShard
+from monitoring.report import load_run
 from tests.conftest import REPO_ROOT, STREAMREC, write_synthetic_job
 from trainer.checkpoint import CheckpointBook
 from trainer.ledger import learned_ranges
+from trainer.run_files import parts_of, read_lines
 
 EVENTS = 16_000
 BATCH = 400  # 40 steps
 
 
-def write_job(tmp: Path, mode: str, *, every_steps: int = 4, workers: int = 1) -> Path:
+def write_job(
+    tmp: Path,
+    mode: str,
+    *,
+    every_steps: int = 4,
+    workers: int = 1,
+    run_files: dict[str, Any] | None = None,
+) -> Path:
     trainer: dict[str, Any] = {
         "mode": mode,
         "batch_size": BATCH,
@@ -49,6 +58,8 @@ def write_job(tmp: Path, mode: str, *, every_steps: int = 4, workers: int = 1) -
     }
     if mode == "hybrid":
         trainer["staleness"] = 3
+    if run_files is not None:
+        trainer["run_files"] = run_files
     return write_synthetic_job(
         tmp,
         store=synthetic_store_section(dim=4, row_dtype="float32"),
@@ -101,7 +112,7 @@ def wait_for_learned(run_dir: Path, step: int, proc: subprocess.Popen[bytes]) ->
     ledger = run_dir / "learned-rank0.log"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        if ledger.exists() and len(ledger.read_text().splitlines()) >= step:
+        if len(read_lines(ledger)) >= step:
             return
         if proc.poll() is not None:
             pytest.fail(f"the job ended before step {step}")
@@ -215,7 +226,10 @@ def test_sync_run_killed_and_restarted_ends_with_the_same_model(
 
 
 def test_hybrid_run_killed_and_restarted_learns_every_offset_once(tmp_path: Path) -> None:
-    job = write_job(tmp_path, "hybrid")
+    # Files rotated every few lines (a week's worth of a busy job, in miniature): the
+    # restarted run appends to the last part, and the audit and the report read them all.
+    max_bytes = 600
+    job = write_job(tmp_path, "hybrid", run_files={"max_mb": max_bytes / 1e6, "keep": 100})
     run_dir = tmp_path / "run"
     proc = start(job)
     wait_for_checkpoint(run_dir, 8, proc)
@@ -229,6 +243,15 @@ def test_hybrid_run_killed_and_restarted_learns_every_offset_once(tmp_path: Path
     assert final is not None
     assert final.samples == EVENTS
     assert final.positions == {"synthetic/0": EVENTS}
+    for name in ("learned-rank0.log", "metrics-rank0.jsonl"):
+        parts = parts_of(run_dir / name)
+        assert len(parts) >= 3, f"{name} was not rotated: {parts}"
+        longest = max(len(line) + 1 for line in read_lines(run_dir / name))
+        for part in parts:
+            assert part.stat().st_size <= max_bytes + longest, part
+    # The report's last point (every part read, oldest first) is the end of the run.
+    run = load_run(run_dir)
+    assert run.ranks[0][-1].points[-1].samples_total == EVENTS
 
 
 @pytest.mark.parametrize(("mode", "bound"), [("sync", 0), ("hybrid", 3)])
