@@ -10,6 +10,8 @@ Prediction serving too: one replica Deployment per store shard following that sh
 order, the probes each role's server answers, what every Service, PodDisruptionBudget
 and HorizontalPodAutoscaler selects or targets, and, with the real HTTP server, that
 the paths the kubelet and Prometheus ask for without a token answer without one.
+The optional Prometheus Operator component's PodMonitor scrapes exactly what the
+pods' scrape annotations name.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import os
 import re
 import shutil
 import subprocess
@@ -1294,3 +1297,180 @@ def test_an_upgrade_reaches_every_pod_without_exhausting_recovery(target: str) -
     readme = (REPO_ROOT / "README.md").read_text()
     dask = one(objs, "DaskCluster", "streamrec-dask")["metadata"]["name"]
     assert f"kubectl -n streamrec delete daskcluster {dask}" in readme
+
+
+# --- scraping by the Prometheus Operator (an optional component) ---------------------
+
+COMPONENTS = K8S / "components"
+
+# The PodMonitor fields the component uses, as the operator's monitoring.coreos.com/v1
+# API defines them (its CRD ships with the operator, not in a package we install): an
+# unknown or misspelled field is an error, as kubectl's strict validation makes it.
+_SELECTOR = {
+    "type": "object",
+    "additionalProperties": False,
+    "properties": {
+        "matchLabels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "matchExpressions": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["key", "operator"],
+                "properties": {
+                    "key": {"type": "string"},
+                    "operator": {"enum": ["In", "NotIn", "Exists", "DoesNotExist"]},
+                    "values": {"type": "array", "items": {"type": "string"}},
+                },
+            },
+        },
+    },
+}
+POD_MONITOR_SCHEMA: Obj = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["apiVersion", "kind", "metadata", "spec"],
+    "properties": {
+        "apiVersion": {"const": "monitoring.coreos.com/v1"},
+        "kind": {"const": "PodMonitor"},
+        "metadata": dask_cluster_schema()["properties"]["metadata"],
+        "spec": {
+            "type": "object",
+            "additionalProperties": False,
+            "required": ["selector", "podMetricsEndpoints"],
+            "properties": {
+                "selector": _SELECTOR,
+                "namespaceSelector": {"type": "object"},
+                "jobLabel": {"type": "string"},
+                "podTargetLabels": {"type": "array", "items": {"type": "string"}},
+                "podMetricsEndpoints": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "properties": {
+                            "port": {"type": "string"},
+                            "path": {"type": "string", "pattern": "^/"},
+                            "interval": {"type": "string", "pattern": r"^[0-9]+(ms|s|m|h)$"},
+                            "scheme": {"enum": ["http", "https"]},
+                            "scrapeTimeout": {"type": "string"},
+                        },
+                    },
+                },
+            },
+        },
+    },
+}
+
+
+def with_component(target: str, component: str, tmp: Path) -> list[Obj]:
+    """``target`` rendered with ``deploy/k8s/components/<component>`` added, as a user's
+    overlay adds it (``components:``)."""
+    here = tmp / "overlay"
+    here.mkdir()
+    rel = Path(os.path.relpath(K8S, here))
+    (here / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "resources": [str(rel / TARGETS[target].relative_to(K8S))],
+                "components": [str(rel / "components" / component)],
+            }
+        )
+    )
+    out = subprocess.run(
+        [kubectl(), "kustomize", str(here)], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc is not None]
+
+
+def pods(obj: Obj) -> Iterator[tuple[str, Obj, Obj]]:
+    """(workload, pod metadata, pod spec) of every kind of pod an object makes."""
+    if obj["kind"] in WORKLOADS:
+        template = obj["spec"]["template"]
+        yield obj["metadata"]["name"], template.get("metadata", {}), template["spec"]
+    elif obj["kind"] == "DaskCluster":
+        for part in ("worker", "scheduler"):
+            spec = obj["spec"][part]
+            yield f"{obj['metadata']['name']}-{part}", spec.get("metadata", {}), spec["spec"]
+
+
+def matches(selector: Obj, labels: Mapping[str, str]) -> bool:
+    """Whether a LabelSelector (matchLabels, matchExpressions) selects ``labels``."""
+    if not selector.get("matchLabels", {}).items() <= labels.items():
+        return False
+    for e in selector.get("matchExpressions", []):
+        key, op, values = e["key"], e["operator"], e.get("values", [])
+        found = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not found:
+            return False
+    return True
+
+
+Target = tuple[str, int, str]  # workload, port, path
+
+
+def monitored(objs: list[Obj]) -> set[Target]:
+    """What the PodMonitors scrape: each endpoint on each selected pod with a port of
+    its name."""
+    out: set[Target] = set()
+    for monitor in (o for o in objs if o["kind"] == "PodMonitor"):
+        spec = monitor["spec"]
+        for obj in objs:
+            for workload, meta, pod in pods(obj):
+                if not matches(spec["selector"], meta.get("labels", {})):
+                    continue
+                ports = {
+                    p["name"]: p["containerPort"]
+                    for c in pod["containers"]
+                    for p in c.get("ports", [])
+                    if "name" in p
+                }
+                for endpoint in spec["podMetricsEndpoints"]:
+                    if endpoint["port"] in ports:
+                        path = endpoint.get("path", "/metrics")
+                        out.add((workload, ports[endpoint["port"]], path))
+    return out
+
+
+def annotated(objs: list[Obj]) -> set[Target]:
+    """What a Prometheus that discovers pods by their prometheus.io/* annotations scrapes."""
+    out: set[Target] = set()
+    for obj in objs:
+        for workload, meta, _ in pods(obj):
+            notes = meta.get("annotations", {})
+            if notes.get("prometheus.io/scrape") == "true":
+                port = int(notes["prometheus.io/port"])
+                out.add((workload, port, notes.get("prometheus.io/path", "/metrics")))
+    return out
+
+
+@pytest.mark.parametrize("target", ["cpu-small", "gpu"])
+def test_pod_monitor_scrapes_what_the_annotations_name(target: str, tmp_path: Path) -> None:
+    objs = with_component(target, "prometheus-operator", tmp_path)
+    monitors = [o for o in objs if o["kind"] == "PodMonitor"]
+    assert len(monitors) == 1
+    jsonschema.validate(monitors[0], POD_MONITOR_SCHEMA, cls=jsonschema.Draft7Validator)
+    want = annotated(objs)
+    assert {w for w, _, _ in want} >= {"streamrec-store", "streamrec-serve"}
+    assert monitored(objs) == want
+    # The component adds only the PodMonitor: the overlay's own objects are unchanged.
+    assert [o for o in objs if o["kind"] != "PodMonitor"] == objects(target)
+
+
+def test_pod_monitor_checks_catch_a_mismatch(tmp_path: Path) -> None:
+    objs = with_component("cpu-small", "prometheus-operator", tmp_path)
+    [monitor] = [o for o in objs if o["kind"] == "PodMonitor"]
+    wrong = copy.deepcopy(monitor)
+    wrong["spec"]["podMetricsEndpoints"][0]["port"] = "metric"  # no pod has it
+    assert monitored([o if o is not monitor else wrong for o in objs]) != annotated(objs)
+    misspelled = copy.deepcopy(monitor)
+    misspelled["spec"]["podMetricEndpoints"] = misspelled["spec"].pop("podMetricsEndpoints")
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(misspelled, POD_MONITOR_SCHEMA, cls=jsonschema.Draft7Validator)
