@@ -97,6 +97,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=500)
     parser.add_argument("--broker", choices=("kafka09", "tansu"), default="kafka09")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--table-rows",
+        type=int,
+        default=None,
+        help=(
+            "cap every table's capacity at this many rows, so the tables are full (and "
+            "evicting) within the warm-up, as on a job that has run for weeks (default: the "
+            "synthetic tables' own, up to 524,288 rows, which fill over hours)"
+        ),
+    )
     parser.add_argument("--catch-up-s", type=float, default=300.0)
     parser.add_argument("--work-dir", type=Path, default=None, help="default: a temporary one")
     parser.add_argument("--json", type=Path, default=None)
@@ -111,6 +121,10 @@ def soak_job(work: Path, broker: Broker, topic: str, args: argparse.Namespace) -
     job = yaml.safe_load(path.read_text())
     job["trainer"]["checkpoint"] = {"every_steps": None, "every_s": args.checkpoint_s}
     job["trainer"]["log_every_s"] = 5.0
+    if args.table_rows is not None:
+        for table in job["store"]["tables"].values():
+            table["capacity"] = min(table["capacity"], args.table_rows)
+            table["initial_rows"] = min(table["initial_rows"], args.table_rows)
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     return path
 
@@ -317,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         known = [g for g in growth.values() if g is not None]
         figures: dict[str, Any] = {
             "minutes": args.minutes,
+            "table_rows": args.table_rows,
             "warmup_minutes": args.warmup_minutes,
             "rate": round(rate, 1),
             # What the producer wrote per second, which a loaded machine may keep below

@@ -18,9 +18,10 @@ from tests.conftest import REPO_ROOT
 def test_a_short_soak_learns_every_offset_once_and_reports_every_figure(tmp_path: Path) -> None:
     args = ["--minutes", "0.2", "--warmup-minutes", "0.05", "--window-minutes", "0.06"]
     args += ["--sample-s", "1.5", "--capacity-events", "2000", "--checkpoint-s", "4"]
-    args += ["--work-dir", str(tmp_path / "work")]
+    args += ["--work-dir", str(tmp_path / "work"), "--table-rows", "2048"]
     figures = run_benchmark("soak.py", tmp_path / "soak.json", *args, timeout=300)
     assert figures["exit_code"] == 0
+    assert figures["table_rows"] == 2048
     assert figures["produced"] > 2000
     assert figures["learned_once"] == figures["produced"]
     assert figures["learned_twice"] == figures["never_learned"] == 0
