@@ -181,13 +181,22 @@ def loop_run(
     *,
     ahead: int = 0,
     step_threads: int | None = None,
+    device: str = "cpu",
     **kw: Any,
 ) -> tuple[TrainLoop, StoreClient, list[int], list[Progress]]:
     cfg = config(mode, **kw)
     store = StoreClient.connect("inproc://2", config=STORE)
-    dense = DenseModel(cfg, SPEC, store.dims, torch.device("cpu"))
+    dense = DenseModel(cfg, SPEC, store.dims, torch.device(device))
     reports: list[Progress] = []
-    loop = TrainLoop(cfg, SPEC, store, dense, on_progress=reports.append, step_threads=step_threads)
+    loop = TrainLoop(
+        cfg,
+        SPEC,
+        store,
+        dense,
+        device=torch.device(device),
+        on_progress=reports.append,
+        step_threads=step_threads,
+    )
     prepared_after: list[int] = []
     batches = lazy_batches(
         source(),
@@ -216,7 +225,7 @@ def assert_like_reference(
     for (name, got), want in zip(
         loop.dense.module.named_parameters(), ref.dense.parameters(), strict=True
     ):
-        torch.testing.assert_close(got, want, rtol=1e-5 * slack, atol=1e-6 * slack, msg=name)
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-5 * slack, atol=1e-6 * slack, msg=name)
     for name, table in ref.embeddings.tables.items():
         ids = np.fromiter(table._index, np.uint64, len(table))
         got_rows = store.lookup({name: ids}, train=False)[name]
@@ -256,6 +265,27 @@ def test_sync_loop_with_one_rank_equals_single_process_pytorch(
         ids = np.fromiter(table._index, np.uint64, len(table))
         fresh = StoreClient.connect("inproc://1", config=STORE).lookup({name: ids})[name]
         assert not np.allclose(fresh, store.lookup({name: ids}, train=False)[name], atol=1e-4)
+    store.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["sync", "hybrid"])
+def test_loop_on_a_gpu_equals_single_process_pytorch_on_the_cpu(
+    reference: tuple[list[float], ReferenceModel], mode: str
+) -> None:
+    """The dense network on ``cuda``, the rows and the oracle on the CPU: the same losses,
+    weights and rows, up to the GPU's other order of summation (and TF32 off)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    planned = chunks(source(), "synthetic/0", 0, STEPS * BATCH)
+    # Hybrid: lookups a batch early and a push in flight, every row read fresh.
+    hybrid = {"staleness": 2, "push_queue": 1, "fresh_rows": "exact"}
+    kw: dict[str, Any] = hybrid if mode == "hybrid" else {}
+    loop, store, _, reports = loop_run(mode, planned, ahead=1 if kw else 0, device="cuda", **kw)
+    assert next(loop.dense.module.parameters()).device.type == "cuda"
+    assert reports[-1].samples == STEPS * BATCH
+    ref_losses, ref = reference
+    assert_like_reference(loop, store, ref_losses, ref, slack=20.0)
     store.close()
 
 
