@@ -35,44 +35,28 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from types import TracebackType
 
 from trainer.run_files import RotatingLines, read_lines
 
 ROLLBACK = "rollback"
 
 
-class Ledger:
+class Ledger(RotatingLines):
     """Appends learned chunks and rollbacks to one rank's ledger file (line-buffered),
     rotated past ``max_bytes`` with ``keep`` older parts (:mod:`trainer.run_files`;
     the readers below read every part kept).
     """
 
     def __init__(self, path: Path, *, max_bytes: int | None = None, keep: int = 4) -> None:
-        self.path = path
-        self._file = RotatingLines(path, max_bytes=max_bytes, keep=keep)
+        super().__init__(path, max_bytes=max_bytes, keep=keep)
 
     def learned(self, step: int, partition: str, start: int, end: int) -> None:
         """Record that step ``step`` learned ``[start, end)`` of ``partition``."""
-        self._file.write(f"{step} {partition} {start} {end} {time.time():.6f}\n")
+        self.write(f"{step} {partition} {start} {end} {time.time():.6f}\n")
 
     def rollback(self, step: int) -> None:
         """Void every chunk recorded so far (by any rank) with a step after ``step``."""
-        self._file.write(f"{ROLLBACK} {step} {time.time():.6f}\n")
-
-    def close(self) -> None:
-        self._file.close()
-
-    def __enter__(self) -> Ledger:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
+        self.write(f"{ROLLBACK} {step} {time.time():.6f}\n")
 
 
 _Entry = tuple[int, str, int, int]

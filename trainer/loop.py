@@ -919,8 +919,7 @@ class TrainLoop:
         if self._log is not None:
             line = asdict(progress)
             line["time"] = time.time()
-            self._log.write(json.dumps(line, default=_jsonable) + "\n")
-            self._log.flush()
+            self._log.write(json.dumps(line, default=_jsonable) + "\n")  # line-buffered
         if self.on_progress is not None:
             self.on_progress(progress)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 from types import TracebackType
-from typing import TextIO
+from typing import Self, TextIO
 
 
 class RotatingLines:
@@ -75,13 +75,10 @@ class RotatingLines:
         self._file = self._open()
         self._size = 0
 
-    def flush(self) -> None:
-        self._file.flush()
-
     def close(self) -> None:
         self._file.close()
 
-    def __enter__(self) -> RotatingLines:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(

@@ -220,13 +220,21 @@ def parse_role(args: list[str]) -> tuple[Any, Any]:
     return ns, None
 
 
+def pods(obj: Obj) -> Iterator[tuple[str, Obj, Obj]]:
+    """(workload, pod metadata, pod spec) of every kind of pod an object makes."""
+    if obj["kind"] in WORKLOADS:
+        template = obj["spec"]["template"]
+        yield obj["metadata"]["name"], template.get("metadata", {}), template["spec"]
+    elif obj["kind"] == "DaskCluster":
+        for part in ("worker", "scheduler"):
+            spec = obj["spec"][part]
+            yield f"{obj['metadata']['name']}-{part}", spec.get("metadata", {}), spec["spec"]
+
+
 def pod_specs(obj: Obj) -> Iterator[tuple[str, Obj]]:
     """(role, pod spec) of every pod an object makes."""
-    if obj["kind"] in {"StatefulSet", "Job", "Deployment"}:
-        yield obj["metadata"]["name"], obj["spec"]["template"]["spec"]
-    elif obj["kind"] == "DaskCluster":
-        yield f"{obj['metadata']['name']}-worker", obj["spec"]["worker"]["spec"]
-        yield f"{obj['metadata']['name']}-scheduler", obj["spec"]["scheduler"]["spec"]
+    for workload, _, spec in pods(obj):
+        yield workload, spec
 
 
 def containers(objs: list[Obj]) -> Iterator[tuple[str, Obj, Obj]]:
@@ -366,12 +374,8 @@ def probe_port(c: Obj, probe: Obj) -> int:
 
 def pod_templates(obj: Obj) -> Iterator[tuple[str, dict[str, str]]]:
     """(workload, pod labels) of every kind of pod an object makes."""
-    if obj["kind"] in WORKLOADS:
-        yield obj["metadata"]["name"], obj["spec"]["template"]["metadata"].get("labels", {})
-    elif obj["kind"] == "DaskCluster":
-        for part in ("worker", "scheduler"):
-            labels = obj["spec"][part].get("metadata", {}).get("labels", {})
-            yield f"{obj['metadata']['name']}-{part}", labels
+    for workload, meta, _ in pods(obj):
+        yield workload, meta.get("labels", {})
 
 
 def selected(objs: list[Obj], selector: Mapping[str, str]) -> list[str]:
@@ -1383,17 +1387,6 @@ def with_component(target: str, component: str, tmp: Path) -> list[Obj]:
     )
     assert out.returncode == 0, out.stderr
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc is not None]
-
-
-def pods(obj: Obj) -> Iterator[tuple[str, Obj, Obj]]:
-    """(workload, pod metadata, pod spec) of every kind of pod an object makes."""
-    if obj["kind"] in WORKLOADS:
-        template = obj["spec"]["template"]
-        yield obj["metadata"]["name"], template.get("metadata", {}), template["spec"]
-    elif obj["kind"] == "DaskCluster":
-        for part in ("worker", "scheduler"):
-            spec = obj["spec"][part]
-            yield f"{obj['metadata']['name']}-{part}", spec.get("metadata", {}), spec["spec"]
 
 
 def matches(selector: Obj, labels: Mapping[str, str]) -> bool:
