@@ -158,6 +158,13 @@ class ServingConfig(_Strict):
         "of up to this many records (dynamic batching); 1: each request alone",
     )
     poll_s: float = Field(0.2, gt=0, description="how often a server looks for new weights")
+    torch_threads: int | None = Field(
+        1,
+        ge=1,
+        description="`streamrec serve`'s intra-op threads for the forward pass (None: torch's "
+        "default, every core): one request's small matmuls gain nothing from more, and each "
+        "extra thread wakes and spins on cores the replicas and clients need",
+    )
 
 
 class JobConfig(_Strict):

@@ -38,8 +38,9 @@ from pipeline.batch import build_batch
 from pipeline.spec import FeatureSpec
 from serving.types import BadRecords, ModelUnavailable, Prediction, RecordError
 from trainer.config import TrainerConfig
+from trainer.joined_fields import JoinedFields
 from trainer.models import DenseNet, build_model, field_dims
-from trainer.pooling import pool, to_tensors
+from trainer.pooling import host_tensor
 from trainer.publish import PublishedDense, load_weights, published
 
 log = logging.getLogger(__name__)
@@ -247,8 +248,10 @@ class ServingModel:
             for t, tb in batch.tables.items():
                 tb.rows = np.asarray(rows[t], dtype=np.float32)
         with torch.no_grad():
-            bt = to_tensors(batch, self.spec)
-            logits = version.module(bt.dense, pool(bt, self.spec))
+            # The trainer's CPU path: every field pooled into the model's input matrix in
+            # one pass (a torch op per table cost a third of a one-record request).
+            joined = JoinedFields(batch, self.spec).gather()
+            logits = version.module.forward_joined(host_tensor(batch.dense), joined)
             probs = torch.sigmoid(logits).numpy().astype(np.float32, copy=False)
         return Scored(positions, probs, batch.labels, bad, parameters)
 

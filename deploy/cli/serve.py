@@ -351,6 +351,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import threading
 
     from deploy.config import ConfigError, load_config
+    from deploy.job.threads import take_short_gil_turns
     from deploy.store_server import read_token
     from embedding_store.errors import StoreError
 
@@ -379,6 +380,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     store_token_file = args.store_token_file or job.cluster.token_file
     store_token = read_token(store_token_file) if store_token_file is not None else None
     port = cfg.port if args.port is None else args.port
+    # The event loop, the model's thread and the replicas' and followers' threads hand
+    # each request along: with the 5 ms default turn, a hand-off to a thread waiting
+    # for the GIL can wait out a busy thread's whole turn (as a trainer rank's do).
+    take_short_gil_turns()
+    if cfg.torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(cfg.torch_threads)
     try:
         stack = ServingStack(
             job,
