@@ -333,7 +333,9 @@ class Broker:
     log on disk) or Tansu (its log in a local S3 server), killed and started again
     on the same port."""
 
-    def __init__(self, kind: str, work: Path) -> None:
+    def __init__(self, kind: str, work: Path, *, fixed_heap: bool = False) -> None:
+        """``fixed_heap``: a Kafka broker holds its whole heap from the start (see
+        ``LocalKafka.start``)."""
         from deploy.local.kafka import API_VERSION, LocalKafka
         from deploy.local.objectstore import LocalS3
         from deploy.local.tansu import API_VERSION as TANSU_VERSION
@@ -344,7 +346,7 @@ class Broker:
         self.kafka: LocalKafka | None = None
         self.tansu: LocalTansu | None = None
         if kind == "kafka09":
-            self.kafka = LocalKafka.start(work / "kafka")
+            self.kafka = LocalKafka.start(work / "kafka", fixed_heap=fixed_heap)
             self.bootstrap, self.api_version = self.kafka.bootstrap, API_VERSION
         else:
             self.s3 = LocalS3.start(work / "s3")

@@ -17,7 +17,8 @@ deltas (a full one every ``store.full_checkpoint_every``, 10), and
 2. **Steady.** The producer writes ``--load`` (0.7) times that capacity, or
    ``--rate``, for ``--minutes``. Every ``--sample-s`` seconds: the RSS of
    every process by role (``job``: the ``streamrec run`` process, which trains
-   rank 0; ``shard``; ``worker``: the Dask workers and their nannies; ``broker``),
+   rank 0; ``shard``; ``worker``: the Dask workers and their nannies; ``broker``,
+   whose JVM holds its whole heap from the start, ``-Xms`` = ``-Xmx``),
    the events produced and learned (the ledger), the lag (produced minus
    learned, in events and in seconds at the rate) and the disk used by the
    job checkpoints, the store shards' data and the rest of the run directory.
@@ -256,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="streamrec-soak-"))
     work.mkdir(parents=True, exist_ok=True)
     run_dir = work / "run"
-    broker = Broker(args.broker, work)
+    # As production brokers run (-Xms = -Xmx): a broker's heap growing toward its cap
+    # in the first hour is sizing, not a leak, and would hide one.
+    broker = Broker(args.broker, work, fixed_heap=True)
     job_proc: subprocess.Popen[bytes] | None = None
     producer: Producer | None = None
     try:

@@ -11,12 +11,22 @@ import textwrap
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
 from distributed import Client
 
-from deploy.local.dask_cluster import SchedulerProcess, local_dask_cluster
+from deploy.local.dask_cluster import LOW_LEVEL_LOG_LENGTH, SchedulerProcess, local_dask_cluster
+
+
+def _history_kept(client: Client) -> set[tuple[int | None, int | None]]:
+    """Per worker: how many per-second profiles and recent stimuli it keeps."""
+
+    def kept(dask_worker: Any) -> tuple[int | None, int | None]:
+        return dask_worker.profile_history.maxlen, dask_worker.state.stimulus_log.maxlen
+
+    return set(client.run(kept).values())
 
 
 def _gone(pid: int, timeout_s: float = 20.0) -> bool:
@@ -46,6 +56,9 @@ def test_the_scheduler_runs_in_a_process_of_its_own(tmp_path: Path) -> None:
         assert len(workers) == 2
         assert os.getpid() not in workers.values()
         assert client.submit(sum, [1, 2, 3]).result(timeout=30) == 6
+        # Few enough that a worker's memory is flat within minutes (Dask's 1,000 grew
+        # it for the first 17 minutes of every worker's life).
+        assert _history_kept(client) == {(LOW_LEVEL_LOG_LENGTH, LOW_LEVEL_LOG_LENGTH)}
         # The dashboard is the scheduler's, as LocalCluster's is.
         with urllib.request.urlopen(cluster.dashboard_link, timeout=10) as reply:
             assert reply.status == 200
@@ -68,6 +81,7 @@ def test_in_process_scheduler_when_asked(tmp_path: Path) -> None:
         Client(cluster) as client,
     ):
         assert client.run_on_scheduler(os.getpid) == os.getpid()
+        assert _history_kept(client) == {(LOW_LEVEL_LOG_LENGTH, LOW_LEVEL_LOG_LENGTH)}
     assert not (tmp_path / "log").exists()
 
 

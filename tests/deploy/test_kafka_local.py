@@ -71,6 +71,29 @@ def test_local_kafka_listens_on_loopback_only(kafka: KafkaForTests) -> None:
     assert kafka.bootstrap == f"127.0.0.1:{kafka.local.broker_port}"
 
 
+def test_a_fixed_heap_broker_holds_its_whole_heap_from_the_start(tmp_path: Path) -> None:
+    """A long run watches the broker's memory: its heap must not grow toward the cap
+    (what the soak measured as the broker's RSS growing 69% in 30 minutes)."""
+    import psutil
+
+    from deploy.local.kafka import LocalKafka
+
+    local = LocalKafka.start(tmp_path / "kafka", heap="160m", fixed_heap=True)
+    try:
+        assert local.broker_process is not None
+        broker = psutil.Process(local.broker_process.pid)
+        argv = broker.cmdline()
+        assert {"-Xmx160m", "-Xms160m", "-XX:+AlwaysPreTouch"} <= set(argv), argv
+        # Touched at start: the heap alone is resident before any record arrives.
+        assert broker.memory_info().rss >= 160 << 20
+        topic = f"fixed-{uuid.uuid4().hex[:8]}"
+        local.create_topic(topic, partitions=1)
+        assert produce(local.bootstrap, topic, [b"x"], api_version=API_VERSION, partition=0) == 1
+        assert consume_all(local.bootstrap, topic, 0, 1) == [(0, b"x")]
+    finally:
+        local.stop()
+
+
 def test_up_records_state_and_down_stops_it(tmp_path: Path) -> None:
     state = up(tmp_path)
     state_file = tmp_path / "kafka.json"

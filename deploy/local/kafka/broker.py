@@ -105,6 +105,9 @@ class LocalKafka:
     zk_port: int
     broker_port: int
     heap: str = "256m"
+    # The broker's whole heap reserved and touched at start (-Xms = -Xmx, pre-touched),
+    # as production brokers run: its RSS then stays flat instead of growing toward -Xmx.
+    fixed_heap: bool = False
     zookeeper_process: JavaProcess | None = None
     broker_process: JavaProcess | None = None
     owns_work_dir: bool = False  # a temporary folder we made, removed by stop()
@@ -122,6 +125,7 @@ class LocalKafka:
         heap: str = "256m",
         timeout_s: float = 90.0,
         broker_port: int = 0,
+        fixed_heap: bool = False,
     ) -> LocalKafka:
         """Fetch Kafka if needed, write configs with free ports, start ZooKeeper and the broker.
 
@@ -129,6 +133,9 @@ class LocalKafka:
         is made and removed again by :meth:`stop`. The broker listens on
         ``broker_port`` (0: a free port); a port another process holds is a
         :class:`KafkaStartError` naming that process, before anything starts.
+        ``fixed_heap``: the broker's JVM holds its whole ``heap`` from the start
+        (what a long run that watches its memory wants); otherwise it starts at
+        32 MB and grows as it needs (what a test's short-lived broker wants).
         """
         java = find_java()  # first: the clearer error when both java and npm are missing
         home = kafka_home(cache_dir)
@@ -142,7 +149,10 @@ class LocalKafka:
         owns = work_dir is None
         wd = Path(tempfile.mkdtemp(prefix="streamrec-kafka-")) if work_dir is None else work_dir
         wd.mkdir(parents=True, exist_ok=True)
-        kafka = cls(home, java, wd.resolve(), 0, broker_port, heap=heap, owns_work_dir=owns)
+        kafka = cls(
+            home, java, wd.resolve(), 0, broker_port, heap=heap, fixed_heap=fixed_heap,
+            owns_work_dir=owns,
+        )  # fmt: skip
         try:
             kafka._start_zookeeper(timeout_s)
             kafka._start_broker(timeout_s, new_port=not broker_port)
@@ -335,7 +345,11 @@ class LocalKafka:
                 [str(config)],
                 jvm=[
                     f"-Xmx{self.heap}",
-                    "-Xms32m",
+                    *(
+                        [f"-Xms{self.heap}", "-XX:+AlwaysPreTouch"]
+                        if self.fixed_heap
+                        else ["-Xms32m"]
+                    ),
                     "-server",
                     "-XX:+UseG1GC",
                     f"-Dlog4j.configuration=file:{log4j}",
