@@ -257,9 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="streamrec-soak-"))
     work.mkdir(parents=True, exist_ok=True)
     run_dir = work / "run"
-    # As production brokers run (-Xms = -Xmx): a broker's heap growing toward its cap
-    # in the first hour is sizing, not a leak, and would hide one.
-    broker = Broker(args.broker, work, fixed_heap=True)
+    broker = Broker(args.broker, work, fixed_heap=True)  # see the module docstring
     job_proc: subprocess.Popen[bytes] | None = None
     producer: Producer | None = None
     try:

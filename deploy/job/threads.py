@@ -23,7 +23,7 @@ RANK_SWITCH_INTERVAL_S = 0.0005
 
 def take_short_gil_turns() -> None:
     """Set this process's thread switch interval to :data:`RANK_SWITCH_INTERVAL_S`
-    (a trainer rank's; see its comment).
+    (a trainer rank's, and ``streamrec serve``'s; see its comment).
 
     >>> take_short_gil_turns()
     >>> sys.getswitchinterval() == RANK_SWITCH_INTERVAL_S

@@ -105,9 +105,7 @@ class LocalKafka:
     zk_port: int
     broker_port: int
     heap: str = "256m"
-    # The broker's whole heap reserved and touched at start (-Xms = -Xmx, pre-touched),
-    # as production brokers run: its RSS then stays flat instead of growing toward -Xmx.
-    fixed_heap: bool = False
+    fixed_heap: bool = False  # the broker's whole heap from the start (see :meth:`start`)
     zookeeper_process: JavaProcess | None = None
     broker_process: JavaProcess | None = None
     owns_work_dir: bool = False  # a temporary folder we made, removed by stop()
@@ -134,7 +132,8 @@ class LocalKafka:
         ``broker_port`` (0: a free port); a port another process holds is a
         :class:`KafkaStartError` naming that process, before anything starts.
         ``fixed_heap``: the broker's JVM holds its whole ``heap`` from the start
-        (what a long run that watches its memory wants); otherwise it starts at
+        (``-Xms`` = ``-Xmx``, pre-touched), as production brokers run, so its RSS
+        stays flat for a long run that watches its memory; otherwise it starts at
         32 MB and grows as it needs (what a test's short-lived broker wants).
         """
         java = find_java()  # first: the clearer error when both java and npm are missing
