@@ -39,7 +39,7 @@ from common import (
     zipf_ranks,
 )
 
-from pipeline.batch import _dedup_bags, build_batch, dedup, dense_matrix, label_matrix
+from pipeline.batch import build_batch, dedup, dedup_bags, dense_matrix, label_matrix
 from pipeline.hashing import FieldHasher
 
 N_DENSE = len(CRITEO_DENSE)
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def dedup_all() -> None:
         for ids, starts, lengths, total in hashed.values():
-            _dedup_bags(ids, starts, lengths, total)
+            dedup_bags(ids, starts, lengths, total)
 
     # label printed, JSON key, the call
     parts = [

@@ -8,7 +8,7 @@ and ``unique_ids`` lists each id once, in order of first appearance, so the
 same table always gives the same batch.
 
 >>> import pyarrow as pa
->>> from connectors.spec import FeatureSpec
+>>> from connectors.spec import DenseField, FeatureSpec
 >>> spec = FeatureSpec.model_validate({
 ...     "labels": ["click"],
 ...     "dense": [{"name": "price", "transform": "log1p"}],
@@ -34,7 +34,7 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from connectors.spec import FeatureSpec
+from connectors.spec import DenseField, FeatureSpec
 from pipeline.hashing import U64, FieldHasher
 from pipeline.types import PreparedBatch, TableBatch
 
@@ -72,7 +72,7 @@ def _rehash(unique: U64, u: int, bits: int) -> U64:
 
 
 @nb.njit(nogil=True, cache=True)
-def _dedup_bags(ids: U64, starts: I64, lengths: I32, total: int) -> tuple[U64, I32, I32]:
+def dedup_bags(ids: U64, starts: I64, lengths: I32, total: int) -> tuple[U64, I32, I32]:
     """Sample-major bags of ``F`` fields' ids, deduplicated.
 
     Field ``f``'s ids are ``ids[starts[f]:]``, ``lengths[f, b]`` of them for
@@ -140,7 +140,7 @@ def dedup(ids: npt.ArrayLike) -> tuple[U64, I32]:
     if n > _INT32_MAX:
         msg = f"dedup takes at most {_INT32_MAX} ids (int32 inverse), got {n}"
         raise ValueError(msg)
-    unique, inverse, _ = _dedup_bags(
+    unique, inverse, _ = dedup_bags(
         arr, np.zeros(1, dtype=np.int64), np.full((1, 1), n, dtype=np.int32), n
     )
     return unique, inverse
@@ -233,17 +233,31 @@ def dense_matrix(table: pa.Table, spec: FeatureSpec) -> F32:
     out = np.empty((table.num_rows, len(spec.dense)), dtype=np.float32)
     for j, d in enumerate(spec.dense):
         x = _as_float64(_column(table, d.name, "dense"), d.name, "dense", d.fill)
-        # In place: x is ours, and each temporary of 10^5 doubles costs as much as the op.
-        if d.transform == "log1p":
-            np.log1p(x, out=x)
-        elif d.transform == "signed_log1p":
-            sign = np.sign(x)
-            np.log1p(np.abs(x, out=x), out=x)
-            np.multiply(x, sign, out=x)
-        if d.clip_min is not None or d.clip_max is not None:
-            np.clip(x, d.clip_min, d.clip_max, out=x)
+        transform_dense(x, d)
         out[:, j] = x
     return out
+
+
+def transform_dense(x: F64, d: DenseField) -> None:
+    """``d``'s transform, then its clipping, applied to filled values ``x`` in place.
+
+    In place because ``x`` is the caller's, and each temporary of 10^5 doubles
+    costs as much as the operation.
+
+    >>> from connectors.spec import DenseField
+    >>> x = np.array([-1.0, 0.0, 3.0])
+    >>> transform_dense(x, DenseField(name="n", transform="signed_log1p", clip_max=1.0))
+    >>> x.round(3).tolist()
+    [-0.693, 0.0, 1.0]
+    """
+    if d.transform == "log1p":
+        np.log1p(x, out=x)
+    elif d.transform == "signed_log1p":
+        sign = np.sign(x)
+        np.log1p(np.abs(x, out=x), out=x)
+        np.multiply(x, sign, out=x)
+    if d.clip_min is not None or d.clip_max is not None:
+        np.clip(x, d.clip_min, d.clip_max, out=x)
 
 
 def build_batch(table: pa.Table, spec: FeatureSpec) -> PreparedBatch:
@@ -282,7 +296,7 @@ def build_batch(table: pa.Table, spec: FeatureSpec) -> PreparedBatch:
         for f, h in enumerate(hashers):
             starts[f] = pos
             pos = h.into(ids, pos, lengths[f])
-        unique, inverse, offsets = _dedup_bags(ids, starts, lengths, pos)
+        unique, inverse, offsets = dedup_bags(ids, starts, lengths, pos)
         tables[name] = TableBatch(
             fields=fields,
             unique_ids=unique,

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -213,6 +214,106 @@ def _hash_ints(
             pos += 1
         out_lens[i] = pos - first
     return pos
+
+
+@nb.njit(nogil=True, cache=True)
+def _hash_elements(
+    is_string: npt.NDArray[np.bool_],
+    field_of: I32,
+    string_offsets: npt.NDArray[np.int64],
+    data: U8,
+    ints: U64,
+    string_seeds: U64,
+    int_lo: U64,
+    int_hi: U64,
+    out_ids: U64,
+) -> None:
+    """One id per element of a flat sequence mixing fields and kinds.
+
+    Element ``e`` is field ``field_of[e]``'s; the ``k``-th string element is
+    ``data[string_offsets[k]:string_offsets[k + 1]]`` and the ``k``-th int
+    element ``ints[k]``. The arithmetic is ``_hash_strings``' and ``_hash_ints``'
+    (the module docstring's); it is written out here rather than shared through
+    an inline helper, because an inlined loop over an array argument costs a
+    reference count per call (see the helpers above).
+    """
+    s = 0
+    k = 0
+    for e in range(is_string.shape[0]):
+        f = field_of[e]
+        if is_string[e]:
+            a = np.uint64(string_offsets[s])
+            b = np.uint64(string_offsets[s + 1])
+            s += 1
+            h = string_seeds[f] ^ ((b - a) * _P1)
+            p = a
+            while p + _B8 <= b:
+                h = _round(h, _load8(data, p))
+                p += _B8
+            if p < b:
+                w = _ZERO
+                shift = _ZERO
+                while p < b:
+                    w |= np.uint64(data[p]) << shift
+                    shift += _B8
+                    p += _B1
+                h = _round(h, w)
+            out_ids[e] = mix64(h)
+        else:
+            out_ids[e] = mix64(mix64(ints[k] ^ int_lo[f]) + int_hi[f])
+            k += 1
+
+
+class ValueHasher:
+    """Ids of values held as Python objects, several fields in one kernel call.
+
+    The ids ``hash_sparse`` gives the same values in their columns, for callers
+    that hold a few records as Python objects (a prediction server's request):
+    one pass over every field's values instead of one call per field. A ``str``
+    value is hashed as a string, an ``int`` (within int64) as an integer; the
+    caller checks the types.
+
+    >>> hasher = ValueHasher(["user", "tags"])
+    >>> ids = hasher.ids([0, 1, 1], ["abc", 12, "12"])
+    >>> [int(i) for i in ids] == [
+    ...     feature_id("user", "abc"), feature_id("tags", 12), feature_id("tags", "12")]
+    True
+    """
+
+    def __init__(self, fields: Sequence[str]) -> None:
+        self.fields = tuple(fields)
+        seeds = [FieldSeeds.of(f) for f in self.fields]
+        self._string = np.array([s.string for s in seeds], dtype=np.uint64)
+        self._lo = np.array([s.int_lo for s in seeds], dtype=np.uint64)
+        self._hi = np.array([s.int_hi for s in seeds], dtype=np.uint64)
+
+    def ids(self, field_of: Sequence[int], values: Sequence[str | int]) -> U64:
+        """The id of each value: ``values[e]`` of field ``fields[field_of[e]]``."""
+        n = len(values)
+        where = np.asarray(field_of, dtype=np.int32)
+        if where.shape != (n,) or (n and (where.min() < 0 or where.max() >= len(self.fields))):
+            msg = (
+                f"field_of must hold {n} indices in [0, {len(self.fields)}), "
+                f"got {where.shape[0]} in [{where.min(initial=0)}, {where.max(initial=0)}]"
+            )
+            raise ValueError(msg)
+        strings = [v.encode() for v in values if type(v) is str]
+        offsets = np.zeros(len(strings) + 1, dtype=np.int64)
+        if strings:
+            np.cumsum([len(b) for b in strings], out=offsets[1:])
+        out = np.empty(n, dtype=np.uint64)
+        _hash_elements(
+            np.array([type(v) is str for v in values], dtype=np.bool_),
+            where,
+            offsets,
+            np.frombuffer(b"".join(strings), dtype=np.uint8),
+            np.array([v for v in values if type(v) is not str], dtype=np.int64).view(np.uint64),
+            self._string,
+            self._lo,
+            self._hi,
+            out,
+        )
+        return out
 
 
 @dataclass(frozen=True)

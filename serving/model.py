@@ -30,12 +30,15 @@ import pyarrow as pa
 import torch
 
 from connectors.codecs import Codec
+from connectors.codecs.json_lines import JsonLinesCodec
 from connectors.types import BadRecord, Chunk, RawChunk
 from connectors.validate import POSITION, validate
 from embedding_store.errors import StoreUnavailable
 from embedding_store.location import Location
 from pipeline.batch import build_batch
+from pipeline.plain import PlainBatchBuilder
 from pipeline.spec import FeatureSpec
+from pipeline.types import PreparedBatch
 from serving.types import BadRecords, ModelUnavailable, Prediction, RecordError
 from trainer.config import TrainerConfig
 from trainer.joined_fields import JoinedFields
@@ -162,7 +165,16 @@ class Scored:
 
 
 class ServingModel:
-    """Scores records as the trainer would, with the newest parameters it has."""
+    """Scores records as the trainer would, with the newest parameters it has.
+
+    Requests of up to ``plain_max_records`` JSON records whose values are all
+    plainly good are built into a batch straight from Python objects
+    (:mod:`pipeline.plain`), the rest go through the codec's columnar decode.
+    """
+
+    # Where the per-record Python of the plain path starts to cost more than the
+    # columnar path's per-field costs (Criteo-like records, measured).
+    plain_max_records = 64
 
     def __init__(
         self,
@@ -188,6 +200,7 @@ class ServingModel:
         self.dense = dense
         self._sparse_version = sparse_version
         self._rows_ready = rows_ready
+        self._plain = PlainBatchBuilder(self.spec) if isinstance(codec, JsonLinesCodec) else None
 
     def ready(self) -> bool:
         rows = self._rows_ready is None or self._rows_ready()
@@ -211,6 +224,14 @@ class ServingModel:
         """Decode and score ``records`` (bytes in the job's format); bad ones are returned."""
         version = self._version()
         n = len(records)
+        if self._plain is not None and n <= self.plain_max_records:
+            # A few plainly good JSON records skip Arrow (see pipeline.plain); anything
+            # else takes the columnar path below, which names what is wrong.
+            objects = self.codec.plain_objects(records, self.spec)  # type: ignore[attr-defined]
+            batch = self._plain.build(objects) if objects is not None else None
+            if batch is not None:
+                positions = np.arange(n, dtype=np.int64)
+                return self._score_batch(batch, positions, [], version)
         raw = RawChunk(Chunk("serve", "request", 0, n), np.arange(n, dtype=np.int64), records)
         table, bad = self.codec.decode(raw, self.spec)
         return self._score(table, bad, version)
@@ -224,6 +245,13 @@ class ServingModel:
         return self._score(good, bad, version)
 
     def _score(self, table: pa.Table, bad: list[BadRecord], version: DenseVersion) -> Scored:
+        positions = np.asarray(table.column(POSITION).to_numpy(), dtype=np.int64)
+        if table.num_rows == 0:
+            empty = np.zeros((0, len(self.heads)), np.float32)
+            return Scored(positions, empty, empty, bad, self._parameters(version))
+        return self._score_batch(build_batch(table, self.spec), positions, bad, version)
+
+    def _parameters(self, version: DenseVersion) -> dict[str, int | float | str]:
         entry = version.entry
         parameters: dict[str, int | float | str] = {
             "dense_version": entry.version,
@@ -232,12 +260,16 @@ class ServingModel:
         }
         if self._sparse_version is not None:
             parameters["sparse_version"] = self._sparse_version()
-        positions = np.asarray(table.column(POSITION).to_numpy(), dtype=np.int64)
-        heads = len(self.heads)
-        if table.num_rows == 0:
-            empty = np.zeros((0, heads), np.float32)
-            return Scored(positions, empty, empty, bad, parameters)
-        batch = build_batch(table, self.spec)
+        return parameters
+
+    def _score_batch(
+        self,
+        batch: PreparedBatch,
+        positions: npt.NDArray[np.int64],
+        bad: list[BadRecord],
+        version: DenseVersion,
+    ) -> Scored:
+        parameters = self._parameters(version)
         if batch.tables:
             try:
                 rows = self.rows.lookup(

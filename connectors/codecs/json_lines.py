@@ -164,6 +164,43 @@ class JsonLinesCodec:
         relabel(checked, "null_label", "missing_label", absent)
         return finish(raw, checked, index, early)
 
+    def plain_objects(
+        self, payloads: Sequence[bytes], spec: FeatureSpec
+    ) -> list[dict[str, Any]] | None:
+        """Each payload as a dict when every one is plainly a JSON object; else None.
+
+        For a few records (a prediction server's request), Python's parser
+        beats building Arrow columns; :class:`pipeline.plain.PlainBatchBuilder`
+        takes the dicts from here. "Plainly": non-empty, at most
+        ``max_record_bytes``, UTF-8, one JSON object from its first byte to its
+        last, no key given twice. None sends the caller to :meth:`decode`, which
+        names what is wrong; the values are not looked at here.
+
+        >>> spec = FeatureSpec(labels=["y"])
+        >>> JsonLinesCodec().plain_objects([b'{"y": 1}', b'{"u": [1]}'], spec)
+        [{'y': 1}, {'u': [1]}]
+        >>> JsonLinesCodec().plain_objects([b'{"y": 1, "y": 0}'], spec) is None
+        True
+        """
+        out: list[dict[str, Any]] = []
+        limit = spec.max_record_bytes
+        for payload in payloads:
+            if (
+                type(payload) is not bytes
+                or len(payload) > limit
+                or payload[:1] != b"{"
+                or payload[-1:] != b"}"
+            ):
+                return None
+            try:
+                obj = json.loads(payload.decode("utf-8"), object_pairs_hook=_object)
+            except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+                return None
+            if type(obj) is not _Object or obj.duplicates:
+                return None
+            out.append(obj)
+        return out
+
     def encode(self, table: pa.Table) -> list[bytes]:
         """One compact JSON object per row.
 

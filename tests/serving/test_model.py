@@ -139,6 +139,50 @@ def test_bad_records_name_their_index_field_and_reason(tmp_path: Path) -> None:
     ]
 
 
+def test_one_record_at_a_time_scores_as_the_whole_request_does(tmp_path: Path) -> None:
+    """Small requests take the plain path, large ones the columnar: the same answers."""
+    config = TrainerConfig()
+    dims = {n: t.dim for n, t in STORE.tables.items()}
+    dense = DenseModel(config, SPEC, dims, torch.device("cpu"))
+    where = Location.parse(tmp_path / "serving")
+    publisher = DensePublisher(where, every_s=0.0)
+    publisher.maybe_publish(step=1, samples=1, module=dense.module)
+    publisher.close()
+    follower = DenseFollower(where, config, SPEC, dims)
+    follower.refresh()
+    shard = StoreShard(STORE)
+    records = [
+        json.dumps(
+            {"user": f"u{i % 7}", "price": i / 3, "tags": [f"t{j}" for j in range(i % 4)]}
+        ).encode()
+        for i in range(40)
+    ]
+    for name, tb in build_batch(
+        make_codec("json").decode(
+            RawChunk(Chunk("s", "p", 0, 40), np.arange(40), records), SPEC.for_scoring()
+        )[0],
+        SPEC.for_scoring(),
+    ).tables.items():
+        shard.lookup({name: tb.unique_ids})  # learned rows, not initial values
+        grads = np.full((tb.unique_ids.shape[0], dims[name]), 0.2, np.float32)
+        shard.push({name: (tb.unique_ids, grads)})
+    with StoreClient.from_shards([shard]) as rows:
+        model = ServingModel("m", SPEC, make_codec("json"), rows, follower)
+        assert len(records) > model.plain_max_records
+        whole = model.predict(records).probabilities  # the columnar path
+        alone = [model.predict([r]).probabilities for r in records]  # the plain path
+        for head in SPEC.labels:
+            np.testing.assert_allclose(
+                np.concatenate([a[head] for a in alone]), whole[head], rtol=0, atol=1e-6
+            )
+        # A bad record in a small request still gets the columnar path's verdict.
+        with pytest.raises(BadRecords) as caught:
+            model.predict([records[0], b'{"user": 5}'])
+        assert [(e.index, e.field, e.reason) for e in caught.value.errors] == [
+            (1, "user", "sparse_wrong_type")
+        ]
+
+
 def test_a_publisher_started_again_counts_on_from_the_newest_version(tmp_path: Path) -> None:
     where = Location.parse(tmp_path)
     module = torch.nn.Linear(2, 1)
