@@ -155,11 +155,11 @@ def test_one_record_at_a_time_scores_as_the_whole_request_does(tmp_path: Path) -
         json.dumps(
             {"user": f"u{i % 7}", "price": i / 3, "tags": [f"t{j}" for j in range(i % 4)]}
         ).encode()
-        for i in range(40)
+        for i in range(100)
     ]
     for name, tb in build_batch(
         make_codec("json").decode(
-            RawChunk(Chunk("s", "p", 0, 40), np.arange(40), records), SPEC.for_scoring()
+            RawChunk(Chunk("s", "p", 0, 100), np.arange(100), records), SPEC.for_scoring()
         )[0],
         SPEC.for_scoring(),
     ).tables.items():
