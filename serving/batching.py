@@ -1,43 +1,26 @@
 """Dynamic batching: requests that arrive while the model is busy are scored together.
 
-A request's cost is mostly fixed (decoding and validating its records column
-by column, hashing, building tensors, one forward pass), so the model runs on
-a thread of its own, and every request that came in while it was busy is
-joined into its next call, up to ``max_records`` records: under concurrent
-load requests share that fixed cost, while a lone request goes straight
-through. The server's event loop meanwhile goes on reading and answering
-requests. Records are scored as they would be alone (one row per record;
-the dense version and the rows are those of the shared call).
+A request's cost is mostly fixed (decoding and validating its records, hashing,
+building tensors, one forward pass), so the requests the server's loop read
+while the model was busy are joined into its next call, up to
+``max_records`` records: under concurrent load requests share that fixed cost,
+while a lone request goes straight through. Records are scored as they would
+be alone (one row per record; the dense version and the rows are those of the
+shared call).
 
 A bad record fails only its own request: a joined call that finds one scores
 its requests again one by one, so each gets its own 400 with its own
 indices.
-
->>> import numpy as np
->>> from serving.types import Prediction
->>> class Half:
-...     name, heads = "m", ("click",)
-...     def predict(self, records):
-...         return Prediction({"click": np.full(len(records), 0.5, np.float32)}, {"v": 1})
->>> batcher = RequestBatcher(Half())
->>> batcher.submit([b"{}", b"{}"]).result().probabilities["click"].tolist()
-[0.5, 0.5]
->>> batcher.close()
 """
 
 from __future__ import annotations
 
-import logging
-import queue
-import threading
+import asyncio
 from collections.abc import Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from serving.types import BadRecords, Prediction
-
-log = logging.getLogger(__name__)
 
 
 class Scorer(Protocol):
@@ -47,7 +30,7 @@ class Scorer(Protocol):
 @dataclass
 class _Waiting:
     records: Sequence[bytes]
-    done: Future[Prediction] = field(default_factory=Future)
+    done: asyncio.Future[Prediction]
 
 
 def split_prediction(prediction: Prediction, sizes: Sequence[int]) -> list[Prediction]:
@@ -66,8 +49,28 @@ def split_prediction(prediction: Prediction, sizes: Sequence[int]) -> list[Predi
     return out
 
 
-class RequestBatcher:
-    """Runs a scorer on one thread, joining the requests that wait into one call."""
+class LoopBatcher:
+    """Joins the requests submitted in one turn of an asyncio loop, and scores them there.
+
+    ``submit`` queues a request and, for the first of a turn, schedules one
+    call for the next turn: every request whose handler ran in between (all
+    that the loop read while the previous call ran) is joined into it, up to
+    ``max_records`` records. The loop's thread scores: handing requests to a
+    model thread and back costs two thread wake-ups each (on a 2-core VM, in
+    three interleaved rounds, a lone one-record request took 3.0 ms at the
+    median instead of 2.0, and eight clients got 960 requests/s instead of 1,270).
+
+    >>> import asyncio, numpy as np
+    >>> from serving.types import Prediction
+    >>> class Half:
+    ...     def predict(self, records):
+    ...         return Prediction({"click": np.full(len(records), 0.5, np.float32)}, {})
+    >>> batcher = LoopBatcher(Half())
+    >>> async def two():
+    ...     return await asyncio.gather(batcher.submit([b"{}"]), batcher.submit([b"{}", b"{}"]))
+    >>> [p.probabilities["click"].tolist() for p in asyncio.run(two())], batcher.calls
+    ([[0.5], [0.5, 0.5]], 1)
+    """
 
     def __init__(self, scorer: Scorer, *, max_records: int = 4096) -> None:
         """``max_records``: no joined call holds more (a larger request runs alone)."""
@@ -78,47 +81,31 @@ class RequestBatcher:
         self.max_records = max_records
         self.calls = 0  # calls of the scorer, for the metrics and tests
         self.joined = 0  # requests that shared a call with others
-        self._queue: queue.SimpleQueue[_Waiting | None] = queue.SimpleQueue()
-        self._held: _Waiting | None = None  # taken from the queue, too large to join
-        self._thread = threading.Thread(target=self._run, name="serve-model", daemon=True)
-        self._thread.start()
+        self._pending: list[_Waiting] = []
+        self._scheduled = False
 
-    def submit(self, records: Sequence[bytes]) -> Future[Prediction]:
-        """Score ``records``; the future holds their prediction or the scorer's error."""
-        waiting = _Waiting(records)
-        self._queue.put(waiting)
-        return waiting.done
+    def submit(self, records: Sequence[bytes]) -> asyncio.Future[Prediction]:
+        """Score ``records`` on the running loop, joined with the others of this turn."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[Prediction] = loop.create_future()
+        self._pending.append(_Waiting(records, done))
+        if not self._scheduled:
+            self._scheduled = True
+            loop.call_soon(self._drain)
+        return done
 
-    def close(self) -> None:
-        """Stop after the requests already submitted."""
-        self._queue.put(None)
-        self._thread.join(timeout=60)
-
-    def _next_group(self) -> list[_Waiting] | None:
-        first = self._held if self._held is not None else self._queue.get()
-        self._held = None
-        if first is None:
-            return None
-        group, n = [first], len(first.records)
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return group
-            if item is None:
-                self._queue.put(None)  # stop once this group is answered
-                return group
-            if n + len(item.records) > self.max_records:
-                self._held = item
-                return group
-            group.append(item)
-            n += len(item.records)
-
-    def _run(self) -> None:
-        while True:
-            group = self._next_group()
-            if group is None:
-                return
+    def _drain(self) -> None:
+        self._scheduled = False
+        pending, self._pending = self._pending, []
+        group: list[_Waiting] = []
+        n = 0
+        for waiting in pending:
+            if group and n + len(waiting.records) > self.max_records:
+                self._score(group)
+                group, n = [], 0
+            group.append(waiting)
+            n += len(waiting.records)
+        if group:
             self._score(group)
 
     def _score(self, group: list[_Waiting]) -> None:
@@ -134,17 +121,28 @@ class RequestBatcher:
             for waiting in group:  # each request gets its own bad records, or its answer
                 self._alone(waiting)
             return
-        except BaseException as exc:
+        except Exception as exc:
             for waiting in group:
-                waiting.done.set_exception(exc)
+                _settle(waiting, None, exc)
             return
         parts = split_prediction(prediction, [len(w.records) for w in group])
         for waiting, part in zip(group, parts, strict=True):
-            waiting.done.set_result(part)
+            _settle(waiting, part, None)
 
     def _alone(self, waiting: _Waiting) -> None:
         self.calls += 1
         try:
-            waiting.done.set_result(self.scorer.predict(waiting.records))
-        except BaseException as exc:
-            waiting.done.set_exception(exc)
+            prediction = self.scorer.predict(waiting.records)
+        except Exception as exc:
+            _settle(waiting, None, exc)
+        else:
+            _settle(waiting, prediction, None)
+
+
+def _settle(waiting: _Waiting, result: Prediction | None, exc: Exception | None) -> None:
+    if waiting.done.done():  # cancelled with its request
+        return
+    if exc is not None:
+        waiting.done.set_exception(exc)
+    else:
+        waiting.done.set_result(result)  # type: ignore[arg-type]

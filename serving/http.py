@@ -48,7 +48,7 @@ from tornado.netutil import bind_sockets
 from tornado.web import Application, RequestHandler, stream_request_body
 
 from serving import oip
-from serving.batching import RequestBatcher
+from serving.batching import LoopBatcher
 from serving.types import BadRecords, ModelUnavailable, OipError, Predictor
 
 __all__ = ["InferenceServer", "ServeMetrics", "make_app"]
@@ -131,7 +131,7 @@ class _Shared:
         token: str | None,
         max_request_bytes: int,
         metrics: ServeMetrics,
-        batcher: RequestBatcher | None = None,
+        batcher: LoopBatcher | None = None,
     ) -> None:
         self.predictor = predictor
         self.batcher = batcher
@@ -400,10 +400,9 @@ class _Infer(_ModelHandler):
         n = len(request.records)
         batcher = self.shared.batcher
         try:
-            # With a batcher the model runs on its thread, joined with the requests that
-            # wait with this one, and this loop goes on reading requests meanwhile.
+            # With a batcher, the requests this loop read in one turn share one call.
             if batcher is not None:
-                prediction = await asyncio.wrap_future(batcher.submit(request.records))
+                prediction = await batcher.submit(request.records)
             else:
                 prediction = predictor.predict(request.records)
             response = oip.infer_response(
@@ -455,10 +454,10 @@ def make_app(
     token: str | None = None,
     max_request_bytes: int = 16 << 20,
     metrics: ServeMetrics | None = None,
-    batcher: RequestBatcher | None = None,
+    batcher: LoopBatcher | None = None,
 ) -> Application:
     """The tornado application of the server (serve it with an ``HTTPServer``);
-    ``batcher``: where the model runs (None: on the loop's thread, one request at a time)."""
+    ``batcher``: joins the requests read in one turn of the loop (None: each alone)."""
     shared = _Shared(predictor, token, max_request_bytes, metrics or ServeMetrics(), batcher)
     args = {"shared": shared}
     routes: Sequence[tuple[str, type[RequestHandler], dict[str, Any]]] = [
@@ -497,9 +496,8 @@ class InferenceServer:
         max_request_bytes: int = 16 << 20,
         max_batch_records: int | None = 4096,
     ) -> None:
-        """``max_batch_records``: requests waiting together are scored in one call of up
-        to this many records (see :mod:`serving.batching`); None: each request alone, on
-        the server's loop."""
+        """``max_batch_records``: requests read together are scored in one call of up
+        to this many records (see :mod:`serving.batching`); None: each request alone."""
         if not 0 <= port <= 65535:
             msg = f"port: expected 0 (a free port) to 65535, got {port}"
             raise ValueError(msg)
@@ -521,7 +519,7 @@ class InferenceServer:
             msg = f"max_batch_records: expected a positive record count, got {max_batch_records}"
             raise ValueError(msg)
         self._max_batch_records = max_batch_records
-        self._batcher: RequestBatcher | None = None
+        self._batcher: LoopBatcher | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._startup_error: BaseException | None = None
@@ -536,7 +534,7 @@ class InferenceServer:
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{host}:{self.port}"
         if self._max_batch_records is not None:
-            self._batcher = RequestBatcher(self.predictor, max_records=self._max_batch_records)
+            self._batcher = LoopBatcher(self.predictor, max_records=self._max_batch_records)
         self._loop = asyncio.new_event_loop()
         started = threading.Event()
         self._thread = threading.Thread(
@@ -550,7 +548,7 @@ class InferenceServer:
         if self._startup_error is not None:
             self._thread.join()
             self._thread = None
-            self._close_batcher()
+            self._batcher = None
             raise self._startup_error
         return self.url
 
@@ -611,12 +609,7 @@ class InferenceServer:
         thread.join()
         self._thread = None
         self._loop = None
-        self._close_batcher()
-
-    def _close_batcher(self) -> None:
-        if self._batcher is not None:
-            self._batcher.close()
-            self._batcher = None
+        self._batcher = None
 
     def __enter__(self) -> InferenceServer:
         self.start()

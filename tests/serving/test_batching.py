@@ -2,11 +2,13 @@
 
 The scorer here is a stand-in that records its calls and can be held busy;
 ``test_a_server_joins_concurrent_requests`` runs the real HTTP server with a
-real client.
+real client: while the held call blocks the server's loop, the requests that
+arrive meanwhile are read together and share the next call.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 from collections.abc import Sequence
@@ -17,7 +19,7 @@ import pytest
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from serving.batching import RequestBatcher
+from serving.batching import LoopBatcher
 from serving.http import InferenceServer
 from serving.types import BadRecords, Prediction, RecordError
 
@@ -58,54 +60,50 @@ def _records(*values: object) -> list[bytes]:
     return [json.dumps({"x": v}).encode() for v in values]
 
 
-def test_requests_that_wait_are_joined_and_answered_as_alone() -> None:
+def test_requests_of_one_turn_are_joined_and_answered_as_alone() -> None:
     echo = Echo()
-    batcher = RequestBatcher(echo)
-    echo.release.clear()
-    first = batcher.submit(_records(1))
-    assert echo.entered.wait(10)  # the scorer is busy with the first request ...
-    waiting = [batcher.submit(_records(10 * k, 10 * k + 1)) for k in range(1, 4)]
-    echo.release.set()  # ... and the three that came meanwhile go in one call
-    assert first.result(10).probabilities["y"].tolist() == [1.0]
-    answers = [w.result(10) for w in waiting]
+    batcher = LoopBatcher(echo)
+
+    async def run() -> tuple[Prediction, list[Prediction]]:
+        first = await batcher.submit(_records(1))  # alone: nothing else came that turn
+        waiting = [batcher.submit(_records(10 * k, 10 * k + 1)) for k in range(1, 4)]
+        return first, list(await asyncio.gather(*waiting))
+
+    first, answers = asyncio.run(run())
+    assert first.probabilities["y"].tolist() == [1.0]
     assert [a.probabilities["y"].tolist() for a in answers] == [[10, 11], [20, 21], [30, 31]]
     assert echo.calls == [1, 6]
     assert {a.parameters["call"] for a in answers} == {2}  # the versions of the shared call
-    assert batcher.joined == 3
-    batcher.close()
+    assert (batcher.calls, batcher.joined) == (2, 3)
 
 
 def test_a_bad_record_fails_only_its_own_request() -> None:
     echo = Echo()
-    batcher = RequestBatcher(echo)
-    echo.release.clear()
-    busy = batcher.submit(_records(0))
-    assert echo.entered.wait(10)
-    good = batcher.submit(_records(1, 2))
-    bad = batcher.submit(_records(3, "bad"))
-    echo.release.set()
-    busy.result(10)
-    assert good.result(10).probabilities["y"].tolist() == [1.0, 2.0]
-    with pytest.raises(BadRecords) as caught:
-        bad.result(10)
-    assert [(e.index, e.field) for e in caught.value.errors] == [(1, "x")]  # its own index
-    batcher.close()
+    batcher = LoopBatcher(echo)
+
+    async def run() -> list[Prediction | BaseException]:
+        parts = [batcher.submit(_records(1, 2)), batcher.submit(_records(3, "bad"))]
+        return list(await asyncio.gather(*parts, return_exceptions=True))
+
+    good, bad = asyncio.run(run())
+    assert isinstance(good, Prediction)
+    assert good.probabilities["y"].tolist() == [1.0, 2.0]
+    assert isinstance(bad, BadRecords)
+    assert [(e.index, e.field) for e in bad.errors] == [(1, "x")]  # its own index
+    assert echo.calls == [4, 2, 2]  # the joined call, then each request alone
 
 
-def test_a_request_that_would_overflow_a_call_waits_for_the_next() -> None:
+def test_a_request_that_would_overflow_a_call_goes_in_the_next() -> None:
     echo = Echo()
-    batcher = RequestBatcher(echo, max_records=4)
-    echo.release.clear()
-    busy = batcher.submit(_records(0))
-    assert echo.entered.wait(10)
-    parts = [batcher.submit(_records(*range(n))) for n in (2, 2, 3)]
-    echo.release.set()
-    busy.result(10)
-    assert [len(p.result(10).probabilities["y"]) for p in parts] == [2, 2, 3]
-    assert echo.calls == [1, 4, 3]
-    batcher.close()
+    batcher = LoopBatcher(echo, max_records=4)
+
+    async def run() -> list[Prediction]:
+        return list(await asyncio.gather(*(batcher.submit(_records(*range(n))) for n in (2, 2, 3))))
+
+    assert [len(p.probabilities["y"]) for p in asyncio.run(run())] == [2, 2, 3]
+    assert echo.calls == [4, 3]
     with pytest.raises(ValueError, match="max_records: expected at least 1, got 0"):
-        RequestBatcher(echo, max_records=0)
+        LoopBatcher(echo, max_records=0)
 
 
 def test_a_failing_scorer_fails_every_request_of_the_call_and_the_batcher_goes_on() -> None:
@@ -115,12 +113,30 @@ def test_a_failing_scorer_fails_every_request_of_the_call_and_the_batcher_goes_o
                 raise RuntimeError("boom")
             return super().predict(records)
 
-    broken = Broken()
-    batcher = RequestBatcher(broken)
-    with pytest.raises(RuntimeError, match="boom"):
-        batcher.submit(_records("boom")).result(10)
-    assert batcher.submit(_records(5)).result(10).probabilities["y"].tolist() == [5.0]
-    batcher.close()
+    batcher = LoopBatcher(Broken())
+
+    async def run() -> tuple[list[Prediction | BaseException], Prediction]:
+        failed = await asyncio.gather(
+            batcher.submit(_records("boom")), batcher.submit(_records(4)), return_exceptions=True
+        )
+        return list(failed), await batcher.submit(_records(5))
+
+    failed, after = asyncio.run(run())
+    assert [type(f) for f in failed] == [RuntimeError, RuntimeError]
+    assert after.probabilities["y"].tolist() == [5.0]
+
+
+def test_a_request_cancelled_while_it_waits_is_skipped() -> None:
+    echo = Echo()
+    batcher = LoopBatcher(echo)
+
+    async def run() -> Prediction:
+        gone = batcher.submit(_records(1))
+        gone.cancel()  # its client went away before the call
+        return await batcher.submit(_records(2))
+
+    assert asyncio.run(run()).probabilities["y"].tolist() == [2.0]
+    assert echo.calls == [2]  # scored with it, answered without error
 
 
 def test_a_server_joins_concurrent_requests() -> None:
