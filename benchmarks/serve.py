@@ -35,8 +35,14 @@ In the order they run:
    counts on from what it found when it started.) The job is then stopped.
 2. **Server alone** (no training): batch 1, 64 and 512 records per request,
    sequential requests for ``--seconds`` each: p50/p99 latency and requests/s;
-   then a sweep at batch 1 with 1, 2, 4 and 8 client threads.
-   ``requests_per_s_batch1`` is the best level of the sweep.
+   batch 512 again from 2 and 4 client threads; then a sweep at batch 1 with
+   1, 2, 4 and 8 client threads. ``requests_per_s_batch1`` and
+   ``samples_per_s_batch512`` are the best levels of their sweeps (a lone
+   client alternates with the server and keeps about one core busy). Then
+   the ceiling (``ceiling`` in the JSON): the same batch-1 figures against the
+   same server code with a model that costs nothing (``--constant-server``, a
+   process of its own), what HTTP and the client leave of this machine;
+   ``requests_per_s_batch1_vs_ceiling`` is the model's share of it.
 3. **Sparse freshness**: for each of ``--sparse-repeats`` records, its ids as
    the training path hashes them (the job's codec and ``build_batch``) are
    looked up on the training shards with ``train=True`` (the rows exist), the
@@ -102,6 +108,9 @@ HIDDEN = [512, 256]
 BATCH = 4096
 BATCH_SIZES = (1, 64, 512)
 SWEEP = (1, 2, 4, 8)
+# Batch-512 throughput also from concurrent clients: one client alternates with the
+# server, so it keeps about one core busy, and samples/s per core needs them all.
+SWEEP_512 = (2, 4)
 LOAD_RPS = 100.0
 LOAD_BATCH = 64
 PUSH_GRAD = 50.0
@@ -860,7 +869,8 @@ class Setup:
 
 
 def latency_phase(s: Setup, suffix: str, out: dict[str, Any]) -> None:
-    """Batches 1, 64, 512 one after the other, then the batch-1 sweep."""
+    """Batches 1, 64, 512 one after the other, batch 512 from concurrent clients, then the
+    batch-1 sweep; throughputs are the best of each sweep."""
     detail: dict[str, Any] = {}
     for b in BATCH_SIZES:
         r = sequential(s.address, s.reqs[b], s.args.seconds)
@@ -872,7 +882,17 @@ def latency_phase(s: Setup, suffix: str, out: dict[str, Any]) -> None:
                 f"  batch {b:>3}{suffix}: p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  "
                 f"{r['requests_per_s']:,.0f} requests/s  ({r['requests']} requests)"
             )
-    out[f"samples_per_s_batch512{suffix}"] = 512 * detail["batch512"]["requests_per_s"]
+    sweep512 = [{"threads": 1, "requests_per_s": detail["batch512"]["requests_per_s"]}]
+    for threads in SWEEP_512:
+        r = concurrent(s.address, s.reqs[512], threads, s.args.seconds)
+        sweep512.append({k: r[k] for k in ("threads", "requests_per_s", "p99_ms", "p50_ms")})
+        if s.log:
+            say(
+                f"  batch 512, {threads} threads{suffix}: {512 * r['requests_per_s']:,.0f} "
+                f"samples/s  p99 {r['p99_ms']:.2f} ms"
+            )
+    out[f"sweep512{suffix}"] = sweep512
+    out[f"samples_per_s_batch512{suffix}"] = 512 * max(r["requests_per_s"] for r in sweep512)
     sweep = []
     for threads in s.args.sweep:
         r = concurrent(s.address, s.reqs[1], threads, s.args.seconds)
@@ -928,6 +948,60 @@ def json_mode(s: Setup, out: dict[str, Any]) -> None:
     out["json_mode"] = {"p50_ms_batch64": r["p50_ms"], "p99_ms_batch64": r["p99_ms"]}
     if s.log:
         say(f"  batch  64, JSON tensors: p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms")
+
+
+def constant_server() -> None:
+    """``--constant-server``: this machine's HTTP ceiling, a model that costs nothing.
+
+    The same ``InferenceServer`` as ``streamrec serve`` (the same protocol code, the
+    same batching on its loop), in a process of its own, scoring every record 0.5.
+    """
+    from serving.http import InferenceServer
+    from serving.types import Prediction
+
+    class Constant:
+        name, heads = MODEL, (HEAD,)
+
+        def ready(self) -> bool:
+            return True
+
+        def metadata(self) -> dict[str, object]:
+            return {}
+
+        def predict(self, records: Sequence[bytes]) -> Prediction:
+            return Prediction({HEAD: np.full(len(records), 0.5, np.float32)}, {"dense_version": 1})
+
+    with InferenceServer(Constant(), port=0) as server:
+        print(f"constant model on {server.url} ", flush=True)
+        signal.sigwait({signal.SIGTERM, signal.SIGINT})
+
+
+def ceiling_phase(s: Setup, tmp: Path, out: dict[str, Any]) -> None:
+    """The batch-1 figures against a model that costs nothing: what HTTP and the client
+    leave of this machine (the clients run on the same cores as the server)."""
+    argv = [sys.executable, str(Path(__file__).resolve()), "--constant-server"]
+    server = Server(argv, tmp / "constant.log")
+    try:
+        seq = sequential(server.address, s.reqs[1], s.args.seconds)
+        sweep = [
+            concurrent(server.address, s.reqs[1], threads, s.args.seconds)
+            for threads in s.args.sweep
+        ]
+    finally:
+        server.stop()
+    best = max(r["requests_per_s"] for r in sweep)
+    out["ceiling"] = {
+        "p50_ms_batch1": seq["p50_ms"],
+        "p99_ms_batch1": seq["p99_ms"],
+        "requests_per_s_batch1": best,
+        "sweep": [{k: r[k] for k in ("threads", "requests_per_s", "p99_ms")} for r in sweep],
+    }
+    out["requests_per_s_batch1_vs_ceiling"] = out["requests_per_s_batch1"] / best
+    if s.log:
+        say(
+            f"  a model that costs nothing: batch 1 p50 {seq['p50_ms']:.2f} ms  "
+            f"p99 {seq['p99_ms']:.2f} ms  best {best:,.0f} requests/s"
+        )
 
 
 def slowdown_phase(
@@ -1116,7 +1190,11 @@ def main(argv: list[str] | None = None) -> int:
         "events, 1 round, 3 stamps, 2 versions, sweep 1 2, 1 shard",
     )
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--constant-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.constant_server:
+        constant_server()
+        return 0
     if args.smoke:
         args.seconds = min(args.seconds, 0.3)
         args.samples = min(args.samples, 16_384)
@@ -1237,6 +1315,7 @@ def main(argv: list[str] | None = None) -> int:
         client.close()
         latency_phase(s, "", out)
         json_mode(s, out)
+        ceiling_phase(s, tmp, out)
         save()
         # Records of the trained stream, ids the job learned; each its own.
         start = 1000

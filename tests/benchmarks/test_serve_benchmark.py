@@ -47,11 +47,23 @@ def test_every_serving_figure_is_reported(tmp_path: Path) -> None:
             assert_positive(level, ["requests_per_s", "p99_ms"])
         best = max(level["requests_per_s"] for level in sweep)
         assert figures[f"requests_per_s_batch1{suffix}"] == best
+        sweep512 = figures[f"sweep512{suffix}"]
+        assert [level["threads"] for level in sweep512] == [1, 2, 4]
+        best512 = 512 * max(level["requests_per_s"] for level in sweep512)
+        assert figures[f"samples_per_s_batch512{suffix}"] == best512
     # Each stamp and each published version was seen by the server, none timed out.
     for suffix in ("", "_while_training"):
         assert figures[f"sparse_freshness{suffix}"]["timeouts"] == 0
         assert figures[f"dense_freshness{suffix}"]["timeouts"] == 0
     assert figures["slowdown_runs"]["with"][0]["serving_load"]["requests"] > 0
+    # The ceiling: the same server code and client with a model that costs nothing.
+    assert_positive(figures["ceiling"], ["p50_ms_batch1", "p99_ms_batch1", "requests_per_s_batch1"])
+    assert [level["threads"] for level in figures["ceiling"]["sweep"]] == [1, 2]
+    assert (
+        0
+        < figures["requests_per_s_batch1_vs_ceiling"]
+        == (figures["requests_per_s_batch1"] / figures["ceiling"]["requests_per_s_batch1"])
+    )
     for target in figures["targets"].values():
         assert target["met"] in (True, False)
         assert math.isfinite(target["value"])
