@@ -868,6 +868,21 @@ class Setup:
     stamps: list[bytes] = field(default_factory=list)
 
 
+def client_sweep(s: Setup, batch: int, levels: Sequence[int], suffix: str) -> list[dict[str, Any]]:
+    """Requests of ``batch`` records from each number of client threads in ``levels``."""
+    sweep = []
+    for threads in levels:
+        r = concurrent(s.address, s.reqs[batch], threads, s.args.seconds)
+        sweep.append({k: r[k] for k in ("threads", "requests_per_s", "p99_ms", "p50_ms")})
+        if s.log:
+            say(
+                f"  batch {batch}, {threads} threads{suffix}: {r['requests_per_s']:,.0f} "
+                f"requests/s ({batch * r['requests_per_s']:,.0f} samples/s)  "
+                f"p99 {r['p99_ms']:.2f} ms"
+            )
+    return sweep
+
+
 def latency_phase(s: Setup, suffix: str, out: dict[str, Any]) -> None:
     """Batches 1, 64, 512 one after the other, batch 512 from concurrent clients, then the
     batch-1 sweep; throughputs are the best of each sweep."""
@@ -882,29 +897,13 @@ def latency_phase(s: Setup, suffix: str, out: dict[str, Any]) -> None:
                 f"  batch {b:>3}{suffix}: p50 {r['p50_ms']:.2f} ms  p99 {r['p99_ms']:.2f} ms  "
                 f"{r['requests_per_s']:,.0f} requests/s  ({r['requests']} requests)"
             )
-    sweep512 = [{"threads": 1, "requests_per_s": detail["batch512"]["requests_per_s"]}]
-    for threads in SWEEP_512:
-        r = concurrent(s.address, s.reqs[512], threads, s.args.seconds)
-        sweep512.append({k: r[k] for k in ("threads", "requests_per_s", "p99_ms", "p50_ms")})
-        if s.log:
-            say(
-                f"  batch 512, {threads} threads{suffix}: {512 * r['requests_per_s']:,.0f} "
-                f"samples/s  p99 {r['p99_ms']:.2f} ms"
-            )
+    first512 = {"threads": 1, "requests_per_s": detail["batch512"]["requests_per_s"]}
+    sweep512 = [first512, *client_sweep(s, 512, SWEEP_512, suffix)]
     out[f"sweep512{suffix}"] = sweep512
     out[f"samples_per_s_batch512{suffix}"] = 512 * max(r["requests_per_s"] for r in sweep512)
-    sweep = []
-    for threads in s.args.sweep:
-        r = concurrent(s.address, s.reqs[1], threads, s.args.seconds)
-        sweep.append({k: r[k] for k in ("threads", "requests_per_s", "p99_ms", "p50_ms")})
-        if s.log:
-            say(
-                f"  batch 1, {threads} threads{suffix}: {r['requests_per_s']:,.0f} requests/s  "
-                f"p99 {r['p99_ms']:.2f} ms"
-            )
+    sweep = client_sweep(s, 1, s.args.sweep, suffix)
     out[f"sweep{suffix}"] = sweep
-    best = max(sweep, key=lambda r: r["requests_per_s"])
-    out[f"requests_per_s_batch1{suffix}"] = best["requests_per_s"]
+    out[f"requests_per_s_batch1{suffix}"] = max(r["requests_per_s"] for r in sweep)
     out[f"requests_per_s_batch1_sequential{suffix}"] = detail["batch1"]["requests_per_s"]
     out[f"latency{suffix}"] = detail
 

@@ -118,7 +118,8 @@ def test_serving_agrees_with_the_trainers_forward_and_follows_new_versions(
         assert [d.version for d in published(where)] == [1, 2]
 
 
-def test_bad_records_name_their_index_field_and_reason(tmp_path: Path) -> None:
+def _one_published_version(tmp_path: Path) -> DenseFollower:
+    """A follower of a location where one version of a fresh dense network is published."""
     config = TrainerConfig()
     dims = {n: t.dim for n, t in STORE.tables.items()}
     dense = DenseModel(config, SPEC, dims, torch.device("cpu"))
@@ -127,7 +128,12 @@ def test_bad_records_name_their_index_field_and_reason(tmp_path: Path) -> None:
     publisher.maybe_publish(step=1, samples=1, module=dense.module)
     publisher.close()
     follower = DenseFollower(where, config, SPEC, dims)
-    follower.refresh()
+    assert follower.refresh()
+    return follower
+
+
+def test_bad_records_name_their_index_field_and_reason(tmp_path: Path) -> None:
+    follower = _one_published_version(tmp_path)
     with StoreClient.from_shards([StoreShard(STORE, read_only=True)]) as rows:
         model = ServingModel("m", SPEC, make_codec("json"), rows, follower)
         with pytest.raises(BadRecords) as caught:
@@ -141,15 +147,7 @@ def test_bad_records_name_their_index_field_and_reason(tmp_path: Path) -> None:
 
 def test_one_record_at_a_time_scores_as_the_whole_request_does(tmp_path: Path) -> None:
     """Small requests take the plain path, large ones the columnar: the same answers."""
-    config = TrainerConfig()
-    dims = {n: t.dim for n, t in STORE.tables.items()}
-    dense = DenseModel(config, SPEC, dims, torch.device("cpu"))
-    where = Location.parse(tmp_path / "serving")
-    publisher = DensePublisher(where, every_s=0.0)
-    publisher.maybe_publish(step=1, samples=1, module=dense.module)
-    publisher.close()
-    follower = DenseFollower(where, config, SPEC, dims)
-    follower.refresh()
+    follower = _one_published_version(tmp_path)
     shard = StoreShard(STORE)
     records = [
         json.dumps(
@@ -164,7 +162,7 @@ def test_one_record_at_a_time_scores_as_the_whole_request_does(tmp_path: Path) -
         SPEC.for_scoring(),
     ).tables.items():
         shard.lookup({name: tb.unique_ids})  # learned rows, not initial values
-        grads = np.full((tb.unique_ids.shape[0], dims[name]), 0.2, np.float32)
+        grads = np.full((tb.unique_ids.shape[0], STORE.tables[name].dim), 0.2, np.float32)
         shard.push({name: (tb.unique_ids, grads)})
     with StoreClient.from_shards([shard]) as rows:
         model = ServingModel("m", SPEC, make_codec("json"), rows, follower)
