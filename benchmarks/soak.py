@@ -27,7 +27,10 @@ deltas (a full one every ``store.full_checkpoint_every``, 10), and
 
 After ``--warmup-minutes`` (10) the figures are compared with the end:
 ``rss_growth_pct_after_warmup`` (per role, the largest growth of one of its
-processes that lived through both samples), ``disk_bytes_first_vs_last``
+processes' peak RSS, its highest in the last window over its highest in the
+first window after the warm-up, as for the disk; ``rss_growth_pct_two_samples``
+holds the growth between the sample at the warm-up's end and the last one),
+``disk_bytes_first_vs_last``
 (the job's highest disk use in the last window over its highest in the first
 window after the warm-up: the store's disk swings within each cycle of a full
 snapshot and its deltas). The steady phase is
@@ -183,12 +186,45 @@ def disk_bytes(run_dir: Path) -> dict[str, int]:
     }
 
 
-def growth_pct(first: dict[int, int], last: dict[int, int]) -> float | None:
+def growth_pct(first: dict[Any, int], last: dict[Any, int]) -> float | None:
     """The largest RSS growth of one process present in both samples, in percent."""
     both = [pid for pid in first if pid in last and first[pid] > 0]
     if not both:
         return None
     return max(100.0 * (last[pid] / first[pid] - 1.0) for pid in both)
+
+
+def rss_peaks_growth(
+    samples: list[dict[str, Any]], warmup_s: float, window_s: float
+) -> dict[str, float | None]:
+    """Per role, the largest growth of one process's peak RSS: its highest in the last
+    ``window_s`` over its highest in the first ``window_s`` after the warm-up, in percent
+    (None: no process of the role in both). Peaks, as for the disk: a store shard's
+    memory swings with its snapshot cycle, and two samples show only where in the
+    cycle each fell.
+
+    >>> s = [{"t": t, "rss": {"shard": {"7": 100 + 20 * (t % 3 == 0)}}} for t in range(12)]
+    >>> rss_peaks_growth(s, warmup_s=2, window_s=4)
+    {'shard': 0.0}
+    >>> s[-1]["rss"]["shard"]["7"] = 180
+    >>> rss_peaks_growth(s, warmup_s=2, window_s=4)
+    {'shard': 50.0}
+    """
+    after = [x for x in samples if x["t"] >= warmup_s]
+    if not after:
+        return {}
+    first = [x for x in after if x["t"] < after[0]["t"] + window_s]
+    last = [x for x in after if x["t"] > after[-1]["t"] - window_s]
+
+    def peaks(part: list[dict[str, Any]], role: str) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for x in part:
+            for pid, rss in x["rss"].get(role, {}).items():
+                out[pid] = max(out.get(pid, 0), rss)
+        return out
+
+    roles = {role for x in after for role in x["rss"]}
+    return {role: growth_pct(peaks(first, role), peaks(last, role)) for role in sorted(roles)}
 
 
 def windows_of(
@@ -325,6 +361,9 @@ def main(argv: list[str] | None = None) -> int:
                         "rss_mb": {
                             role: round(sum(v.values()) / 2**20, 1) for role, v in rss.items()
                         },
+                        "rss": {
+                            role: {str(pid): b for pid, b in v.items()} for role, v in rss.items()
+                        },
                         "disk": disk,
                     }
                 )
@@ -354,9 +393,10 @@ def main(argv: list[str] | None = None) -> int:
         window_s = args.window_minutes * 60
         windows = windows_of(samples, 0.0, window_s)
         after_first = [s for s in samples if s["t"] >= window_s] or samples
-        growth: dict[str, float | None] = {}
+        two_samples: dict[str, float | None] = {}
         if rss_first is not None:
-            growth = {role: growth_pct(rss_first[role], last_rss[role]) for role in ROLES}
+            two_samples = {role: growth_pct(rss_first[role], last_rss[role]) for role in ROLES}
+        growth = rss_peaks_growth(samples, warmup_s, window_s)
         known = [g for g in growth.values() if g is not None]
         figures: dict[str, Any] = {
             "minutes": args.minutes,
@@ -373,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
                 k: None if v is None else round(v, 2) for k, v in growth.items()
             },
             "rss_growth_pct_after_warmup_max": round(max(known), 2) if known else None,
+            "rss_growth_pct_two_samples": {
+                k: None if v is None else round(v, 2) for k, v in two_samples.items()
+            },
             "rss_mb_by_role": samples[-1]["rss_mb"] if samples else {},
             "lag_max_s": round(max(s["lag_s"] for s in after_first), 2) if samples else None,
             "disk_bytes_first_vs_last": disk_peaks_ratio(samples, warmup_s, window_s),

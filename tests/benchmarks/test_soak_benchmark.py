@@ -32,6 +32,7 @@ def test_a_short_soak_learns_every_offset_once_and_reports_every_figure(tmp_path
     assert set(growth) == {"job", "shard", "worker", "broker"}
     assert all(isinstance(v, float | int) for v in growth.values()), growth
     assert all(figures["rss_mb_by_role"][role] > 0 for role in growth)
+    assert set(figures["rss_growth_pct_two_samples"]) == set(growth)
     assert set(figures["disk_bytes_by_kind"]["end"]) == {"checkpoints", "store", "run_dir_rest"}
     assert figures["disk_bytes_by_kind"]["end"]["checkpoints"] > 0
     assert figures["disk_bytes_first_vs_last"] > 0
@@ -56,3 +57,13 @@ def test_windows_are_whole_and_rates_are_per_second() -> None:
     assert [round(w["events_per_s"], 6) for w in windows] == [10.0, 10.0, 10.0]
     assert round(soak.growth_pct({1: 100, 2: 200}, {1: 110, 2: 200, 3: 999}) or 0, 9) == 10.0
     assert soak.growth_pct({1: 100}, {2: 100}) is None  # no process lived through both
+    # Peaks per window, per process: a sawtooth that does not rise is no growth.
+    saw = [
+        {"t": t, "rss": {"shard": {"7": 100 + 20 * (t % 3 == 0)}, "job": {"8": 50}}}
+        for t in range(12)
+    ]
+    assert soak.rss_peaks_growth(saw, warmup_s=2, window_s=4) == {"job": 0.0, "shard": 0.0}
+    saw[-1]["rss"]["shard"]["7"] = 180
+    assert soak.rss_peaks_growth(saw, warmup_s=2, window_s=4)["shard"] == 50.0
+    saw[-1]["rss"]["job"] = {"9": 80}  # a process of the last window alone: its own peak
+    assert soak.rss_peaks_growth(saw, warmup_s=2, window_s=4)["job"] == 0.0
