@@ -28,7 +28,9 @@ from trainer.checkpoint import CheckpointBook
 from trainer.ledger import learned_ranges
 
 
-def kafka_job(tmp: Path, bootstrap: str, topic: str, **trainer: Any) -> Path:
+def kafka_job(
+    tmp: Path, bootstrap: str, topic: str, *, api_version: str = "auto", **trainer: Any
+) -> Path:
     return write_synthetic_job(
         tmp,
         store=synthetic_store_section(dim=4),
@@ -37,7 +39,7 @@ def kafka_job(tmp: Path, bootstrap: str, topic: str, **trainer: Any) -> Path:
             "bootstrap_servers": bootstrap,
             "topics": [topic],
             "group_id": f"{topic}-trainer",
-            "api_version": "auto",
+            "api_version": api_version,
             "deadletter": "file",
         },
         trainer={
@@ -50,6 +52,16 @@ def kafka_job(tmp: Path, bootstrap: str, topic: str, **trainer: Any) -> Path:
         },
         cluster={"workers": 2, "store_shards": 1, "dashboard_address": ":0"},
     )
+
+
+def job_api_version(broker: KafkaForTests) -> str:
+    """The job's ``api_version`` for ``broker``: "auto", except on Kafka 0.9, which "auto"
+    takes for what it is only after 5 s of silence, once per source object of the job
+    (about 5 to 10 s of each run). The version is known here; "auto" on 0.9 is covered
+    by the examples' jobs (tests/deploy/test_own_data.py) and the source's own tests."""
+    if broker.api_version >= (0, 11):
+        return "auto"
+    return ".".join(map(str, broker.api_version))
 
 
 def last_report(run_dir: Path) -> dict[str, Any]:
@@ -85,7 +97,9 @@ def test_max_events_equal_to_the_topic_ends_by_itself(
     """
     topic = broker.new_topic(partitions=2)
     produce_in_blocks(broker, topic, 2050, 100)  # 1050 / 1000: the last chunk is short
-    job = kafka_job(tmp_path, broker.bootstrap, topic, mode=mode)
+    job = kafka_job(
+        tmp_path, broker.bootstrap, topic, api_version=job_api_version(broker), mode=mode
+    )
     out = streamrec("run", str(job), "--max-events", "2050", timeout=180)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "trained 2,050 samples" in out.stdout
@@ -108,7 +122,7 @@ def test_max_events_cuts_a_chunk_at_the_budget_and_the_next_run_goes_on(
     """
     topic = kafka.new_topic(partitions=2)
     produce_in_blocks(kafka, topic, 1600, 100)
-    job = kafka_job(tmp_path, kafka.bootstrap, topic)
+    job = kafka_job(tmp_path, kafka.bootstrap, topic, api_version=job_api_version(kafka))
     first = streamrec("run", str(job), "--max-events", "777", timeout=180)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "trained 777 samples" in first.stdout
