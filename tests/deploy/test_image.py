@@ -381,6 +381,9 @@ def installed(
     # download.pytorch.org is out of reach here: pip's default index, whose torch==2.13.0
     # is the local CPU wheel (as for `make install`). pip's cache is reused as configured.
     env.update(TORCH_INDEX_URL="default", PYTHON=sys.executable)
+    # No byte-compiling of the installed files (about 20 s of one core for torch and the
+    # dependencies): pip never fails an install over it, and no check here reads a .pyc.
+    env["PIP_NO_COMPILE"] = "1"
     times: dict[str, float] = {}
     for step, args in install_steps(stages[0]):
         t0 = time.monotonic()
