@@ -125,16 +125,23 @@ def test_a_job_waits_for_store_shards_that_start_after_it(
         text=True,
     )
     try:
-        # Longer than one attempt (10 s), which a shard starting sooner would answer.
-        time.sleep(12)
-        assert proc.poll() is None, proc.communicate()
+        # The shard starts only once the job has found it missing and says it waits
+        # (a refused connection fails an attempt at once; the job asks again every second).
+        assert proc.stderr is not None
+        seen = []
+        for line in proc.stderr:
+            seen.append(line)
+            if "waiting for the services the job names" in line:
+                break
+        assert proc.poll() is None, "".join(seen) + "".join(proc.communicate())
         late = ShardProcess.start(write_job(), tmp_path / "late", port=port, token_file=token_file)
         start_shards.track(late)
-        out, err = proc.communicate(timeout=180)
+        out, rest = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    err = "".join(seen) + rest
     assert proc.returncode == 0, out + err
     assert "waiting for the services the job names" in err
     assert f"cluster.store shard 0 at 127.0.0.1:{port}: UNAVAILABLE" in err
