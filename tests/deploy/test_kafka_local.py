@@ -250,6 +250,20 @@ def _values(bootstrap: str, topic: str, n: int) -> list[bytes]:
     return [v for _, v in consume_all(bootstrap, topic, 0, n)]
 
 
+def _log_end(bootstrap: str, topic: str) -> int:
+    """One past the last offset of partition 0, as the broker answers it."""
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap, api_version=API_VERSION, enable_auto_commit=False
+    )
+    try:
+        tp = TopicPartition(topic, 0)
+        return int(consumer.end_offsets([tp])[tp])
+    finally:
+        consumer.close(autocommit=False)
+
+
 def test_kafka_up_brings_a_killed_broker_back_where_clients_look(state_dir: Path) -> None:
     """`kafka up` after kill -9 of the broker, of both servers, of ZooKeeper alone, and
     after `down`: same address, the data kept, new records go in and come out.
@@ -289,7 +303,10 @@ def test_kafka_up_brings_a_killed_broker_back_where_clients_look(state_dir: Path
         assert _values(bootstrap, topic, len(expected)) == expected  # the data stayed
         expected.append(str(len(expected)).encode())
         produce(bootstrap, topic, [expected[-1]], api_version=API_VERSION)
-    assert _values(bootstrap, topic, len(expected) + 1) == expected  # nothing lost or doubled
+    # Nothing lost or doubled: the records, and the log ends right after them. (Asking
+    # for one record more waited out the read's whole 10 s to find none.)
+    assert _values(bootstrap, topic, len(expected)) == expected
+    assert _log_end(bootstrap, topic) == len(expected)
 
     assert up("running") == state  # idempotent: nothing to do, nothing restarted
     assert "already running" in up.stdout
