@@ -159,15 +159,27 @@ def _start_shards(
     """Start the job's store shard processes: their address, metrics URLs and supervisor."""
     from deploy.local.shards import ShardProcess, ShardSupervisor
 
-    shards = []
-    for i in range(job.cluster.store_shards):
-        shard = ShardProcess.start(
+    # Every shard's process is started before any is waited for: they import and
+    # restore side by side, and the job waits for its slowest shard, not their sum.
+    starting = [
+        ShardProcess.spawn(
             job_file,
             job.run_dir / "store" / f"shard-{i:03d}",
             token_file=token_file,
             die_with_parent=True,
             metrics_port=0 if job.cluster.store_metrics else None,
         )
+        for i in range(job.cluster.store_shards)
+    ]
+    shards = []
+    for i, one in enumerate(starting):
+        try:
+            shard = one.wait()
+        except BaseException:
+            for other in starting[i + 1 :]:
+                other.proc.kill()
+                other.proc.wait()
+            raise
         stack.callback(shard.stop)
         shards.append(shard)
     store = "grpc://" + ",".join(s.address for s in shards)

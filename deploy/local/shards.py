@@ -99,7 +99,8 @@ class ShardProcess:
         env: dict[str, str] | None = None,
         follow: str | None = None,
     ) -> ShardProcess:
-        """Start a shard and wait until it serves (it may first restore from ``data_dir``).
+        """Start a shard and wait until it serves (it may first restore from ``data_dir``):
+        :meth:`spawn`, then ``wait`` on what it returns.
 
         ``die_with_parent``: the shard gets SIGTERM (so it checkpoints and exits)
         when this process dies, even by ``kill -9``; a restarted job then never
@@ -110,6 +111,42 @@ class ShardProcess:
         ``env``: the process's environment (default: this one's).
         ``follow``: start a serving replica of the shard at this address instead
         (``streamrec store replica``; ``snapshots`` is then where it starts from).
+        """
+        return cls.spawn(
+            config,
+            data_dir,
+            token_file=token_file,
+            port=port,
+            host=host,
+            die_with_parent=die_with_parent,
+            metrics_port=metrics_port,
+            allow_dirs=allow_dirs,
+            snapshots=snapshots,
+            env=env,
+            follow=follow,
+        ).wait(timeout_s)
+
+    @classmethod
+    def spawn(
+        cls,
+        config: Path,
+        data_dir: Path,
+        *,
+        token_file: Path | None,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        die_with_parent: bool = False,
+        metrics_port: int | None = None,
+        allow_dirs: tuple[Path, ...] = (),
+        snapshots: str | None = None,
+        env: dict[str, str] | None = None,
+        follow: str | None = None,
+    ) -> StartingShard:
+        """Start a shard's process and return at once (the arguments are :meth:`start`'s):
+        several shards then start side by side, each waited for with ``wait``.
+
+        Call it from a thread that outlives the shard when ``die_with_parent``: the
+        shard's SIGTERM comes when the thread that started it ends.
         """
         data_dir.mkdir(parents=True, exist_ok=True)
         log_path = data_dir.with_name(data_dir.name + ".log")
@@ -151,43 +188,19 @@ class ShardProcess:
                 # process group, which would stop it in the middle of that checkpoint.
                 start_new_session=die_with_parent,
             )
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with log_path.open("rb") as f:
-                f.seek(offset)
-                text = f.read().decode(errors="replace")
-            m = _SERVING.search(text)
-            if m:
-                bound_metrics = None
-                if metrics_port is not None:
-                    # The shard prints the metrics line before the serving one.
-                    mm = _METRICS.search(text)
-                    if mm is None:
-                        proc.kill()
-                        msg = f"store shard serves but printed no metrics URL; log: {log_path}"
-                        raise RuntimeError(msg)
-                    bound_metrics = int(mm.group("port"))
-                return cls(
-                    proc,
-                    m.group("host"),
-                    int(m.group("port")),
-                    data_dir,
-                    log_path,
-                    config,
-                    token_file,
-                    metrics_port=bound_metrics,
-                    die_with_parent=die_with_parent,
-                    allow_dirs=allow_dirs,
-                    snapshots=snapshots,
-                    follow=follow,
-                )
-            if proc.poll() is not None:
-                msg = f"store shard exited with code {proc.returncode}:\n{text[-4000:]}"
-                raise RuntimeError(msg)
-            time.sleep(0.05)
-        proc.kill()
-        msg = f"store shard did not start within {timeout_s}s; log: {log_path}"
-        raise TimeoutError(msg)
+        return StartingShard(
+            proc,
+            log_path,
+            offset,
+            data_dir,
+            config,
+            token_file,
+            metrics=metrics_port is not None,
+            die_with_parent=die_with_parent,
+            allow_dirs=allow_dirs,
+            snapshots=snapshots,
+            follow=follow,
+        )
 
     def restart(self, timeout_s: float = 120.0) -> ShardProcess:
         """Start a fresh process on the same data dir and ports (after a stop or a kill)."""
@@ -217,6 +230,64 @@ class ShardProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+@dataclass
+class StartingShard:
+    """A shard process started by :meth:`ShardProcess.spawn`, not yet known to serve."""
+
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    offset: int  # where this start's output begins in the log
+    data_dir: Path
+    config: Path
+    token_file: Path | None
+    metrics: bool
+    die_with_parent: bool
+    allow_dirs: tuple[Path, ...]
+    snapshots: str | None
+    follow: str | None
+
+    def wait(self, timeout_s: float = 120.0) -> ShardProcess:
+        """Until the shard serves (it may first restore from its data dir); killed and an
+        error if it exits or does not serve within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self.log_path.open("rb") as f:
+                f.seek(self.offset)
+                text = f.read().decode(errors="replace")
+            m = _SERVING.search(text)
+            if m:
+                bound_metrics = None
+                if self.metrics:
+                    # The shard prints the metrics line before the serving one.
+                    mm = _METRICS.search(text)
+                    if mm is None:
+                        self.proc.kill()
+                        msg = f"store shard serves but printed no metrics URL; log: {self.log_path}"
+                        raise RuntimeError(msg)
+                    bound_metrics = int(mm.group("port"))
+                return ShardProcess(
+                    self.proc,
+                    m.group("host"),
+                    int(m.group("port")),
+                    self.data_dir,
+                    self.log_path,
+                    self.config,
+                    self.token_file,
+                    metrics_port=bound_metrics,
+                    die_with_parent=self.die_with_parent,
+                    allow_dirs=self.allow_dirs,
+                    snapshots=self.snapshots,
+                    follow=self.follow,
+                )
+            if self.proc.poll() is not None:
+                msg = f"store shard exited with code {self.proc.returncode}:\n{text[-4000:]}"
+                raise RuntimeError(msg)
+            time.sleep(0.05)
+        self.proc.kill()
+        msg = f"store shard did not start within {timeout_s}s; log: {self.log_path}"
+        raise TimeoutError(msg)
 
 
 class ShardSupervisor:
