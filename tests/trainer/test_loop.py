@@ -764,7 +764,12 @@ def test_a_quiet_stream_still_gets_its_due_checkpoint(tmp_path: Path) -> None:
     latest = book.latest()
     assert latest is not None
     assert latest.positions == {"synthetic/0": 7 * BATCH}
-    assert loop.stats.checkpoints == 2, "one at step 5, one when due while quiet; none repeated"
+    # One at step 5 (or earlier ones when `every_s` fell due between slow steps), then
+    # one when due while quiet; none repeated.
+    steps = [book.read(name).step for name in book.manifests()]
+    assert len(steps) >= 2, steps
+    assert steps == sorted(set(steps)), steps
+    assert loop.stats.checkpoints == len(steps)
     store.close()
 
 
