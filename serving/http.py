@@ -518,8 +518,12 @@ class InferenceServer:
         if max_batch_records is not None and max_batch_records < 1:
             msg = f"max_batch_records: expected a positive record count, got {max_batch_records}"
             raise ValueError(msg)
-        self._max_batch_records = max_batch_records
-        self._batcher: LoopBatcher | None = None
+        # No thread of its own: one for the server's life, idle while it is stopped.
+        self._batcher = (
+            None
+            if max_batch_records is None
+            else LoopBatcher(predictor, max_records=max_batch_records)
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._startup_error: BaseException | None = None
@@ -533,8 +537,6 @@ class InferenceServer:
         self.port = int(sockets[0].getsockname()[1])
         host = f"[{self.host}]" if ":" in self.host else self.host
         self.url = f"http://{host}:{self.port}"
-        if self._max_batch_records is not None:
-            self._batcher = LoopBatcher(self.predictor, max_records=self._max_batch_records)
         self._loop = asyncio.new_event_loop()
         started = threading.Event()
         self._thread = threading.Thread(
@@ -548,7 +550,6 @@ class InferenceServer:
         if self._startup_error is not None:
             self._thread.join()
             self._thread = None
-            self._batcher = None
             raise self._startup_error
         return self.url
 
@@ -609,7 +610,6 @@ class InferenceServer:
         thread.join()
         self._thread = None
         self._loop = None
-        self._batcher = None
 
     def __enter__(self) -> InferenceServer:
         self.start()

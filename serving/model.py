@@ -200,7 +200,10 @@ class ServingModel:
         self.dense = dense
         self._sparse_version = sparse_version
         self._rows_ready = rows_ready
-        self._plain = PlainBatchBuilder(self.spec) if isinstance(codec, JsonLinesCodec) else None
+        # The plain path reads JSON only: the codec that parses and the builder, or None.
+        self._plain = (
+            (codec, PlainBatchBuilder(self.spec)) if isinstance(codec, JsonLinesCodec) else None
+        )
 
     def ready(self) -> bool:
         rows = self._rows_ready is None or self._rows_ready()
@@ -227,8 +230,9 @@ class ServingModel:
         if self._plain is not None and n <= self.plain_max_records:
             # A few plainly good JSON records skip Arrow (see pipeline.plain); anything
             # else takes the columnar path below, which names what is wrong.
-            objects = self.codec.plain_objects(records, self.spec)  # type: ignore[attr-defined]
-            batch = self._plain.build(objects) if objects is not None else None
+            json_codec, builder = self._plain
+            objects = json_codec.plain_objects(records, self.spec)
+            batch = builder.build(objects) if objects is not None else None
             if batch is not None:
                 positions = np.arange(n, dtype=np.int64)
                 return self._score_batch(batch, positions, [], version)
