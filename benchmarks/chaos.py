@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import random
 import re
@@ -64,6 +65,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -289,12 +291,27 @@ def write_job(
 
 
 class Producer(threading.Thread):
-    """Writes the synthetic stream in blocks, alternating partitions, retrying through outages."""
+    """Writes the synthetic stream in blocks, alternating partitions, retrying through outages.
 
-    def __init__(self, broker: Broker, topic: str, rate: float, seed: int) -> None:
+    ``pool``: events written in turn, over and over, instead of generating new ones.
+    Generating an event (Arrow, then JSON) costs about as much CPU as the Kafka client
+    writing it: on a small machine a generating producer takes a core from the job
+    it feeds, and writes below its rate once the job is busy.
+    """
+
+    def __init__(
+        self,
+        broker: Broker,
+        topic: str,
+        rate: float,
+        seed: int,
+        pool: Sequence[bytes] | None = None,
+    ) -> None:
         super().__init__(name="chaos-producer", daemon=True)
         self.bootstrap, self.topic, self.rate, self.seed = broker.bootstrap, topic, rate, seed
         self.api_version = broker.api_version
+        self.pool = pool
+        self.block = max(1, int(rate / 4))  # what one write holds
         self.stopped = threading.Event()
         self.blocks = 0
         self.errors = 0
@@ -303,8 +320,12 @@ class Producer(threading.Thread):
         from connectors.kafka import produce
         from connectors.synthetic import SyntheticConfig, iter_json_lines
 
-        block = max(1, int(self.rate / 4))
-        lines = iter_json_lines(SyntheticConfig(seed=self.seed), 1 << 40)
+        block = self.block
+        lines: Iterator[bytes] = (
+            itertools.cycle(self.pool)
+            if self.pool
+            else iter_json_lines(SyntheticConfig(seed=self.seed), 1 << 40)
+        )
         t0 = time.monotonic()
         while not self.stopped.is_set():
             payloads = [next(lines) for _ in range(block)]

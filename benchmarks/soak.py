@@ -11,12 +11,23 @@ what piles up over weeks: job checkpoints every ``--checkpoint-s`` seconds,
 deltas (a full one every ``store.full_checkpoint_every``, 10), and
 ``serving.keep`` (3) published dense versions. Nothing is killed.
 
-1. **Capacity.** ``--capacity-events`` are produced before the job starts; its
-   rate over that backlog (learned events per second, from its first learned
-   chunk until the backlog is learned) is its capacity.
+The events come from a pool of ``--pool-events`` generated before the job
+starts, which the producer writes over and over: generating an event costs
+about as much CPU as the Kafka client writing it, and on a small machine a
+producer that generates takes a core from the job and falls below its rate
+(a soak of 18 minutes on 2 cores wrote 9,931 events/s in its first window and
+7,129 in its last while the job kept up with every one).
+
+1. **Capacity.** Two backlogs of ``--capacity-events`` are produced before the
+   job starts. Its rate over the first (learned events per second, from its
+   first learned chunk on) is its capacity alone; over the second, while a
+   producer writes another topic at ``--load`` times that, its capacity
+   beside the producer, which the steady rate is taken from: the producer
+   shares the machine in the steady phase too.
 2. **Steady.** The producer writes ``--load`` (0.7) times that capacity, or
-   ``--rate``, for ``--minutes``. Every ``--sample-s`` seconds: the RSS of
-   every process by role (``job``: the ``streamrec run`` process, which trains
+   ``--rate``, for ``--minutes``. Every ``--sample-s`` seconds: the RSS and
+   the CPU time of every process by role (``job``: the ``streamrec run``
+   process, which trains
    rank 0; ``shard``; ``worker``: the Dask workers and their nannies; ``broker``,
    whose JVM holds its whole heap from the start, ``-Xms`` = ``-Xmx``),
    the events produced and learned (the ledger), the lag (produced minus
@@ -35,11 +46,14 @@ holds the growth between the sample at the warm-up's end and the last one),
 window after the warm-up: the store's disk swings within each cycle of a full
 snapshot and its deltas). The steady phase is
 cut into ``--window-minutes`` (5) windows: ``throughput_last_vs_first_window``
-is the last whole window's learned events/s over the first's. ``lag_max_s``
+is the last whole window's learned events/s over the first's; each window also
+has the cores each role kept busy and its CPU milliseconds per learned event
+(``producer``: the benchmark's own process). ``lag_max_s``
 is the largest lag after the first window (the first holds the job settling
 from the backlog to the rate).
 
-JSON keys: minutes, rate, rate_achieved, capacity_events_per_s, produced, learned_once,
+JSON keys: minutes, rate, rate_achieved, capacity_events_per_s,
+capacity_alone_events_per_s, produced, learned_once,
 learned_twice, never_learned, rss_growth_pct_after_warmup, rss_mb_by_role,
 lag_max_s, disk_bytes_first_vs_last, disk_bytes_by_kind, windows,
 throughput_last_vs_first_window, samples (every sample), targets, exit_code,
@@ -77,6 +91,8 @@ from chaos import (  # noqa: E402
 from common import print_figures, write_json  # noqa: E402
 
 ROLES = ("job", "shard", "worker", "broker")
+# The capacity phase's producer writes here: a topic the job does not read.
+SIDE_TOPIC = "soak-side"
 # key -> (comparison, bound)
 TARGETS: dict[str, tuple[str, float]] = {
     "never_learned": ("<=", 0),
@@ -97,6 +113,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--window-minutes", type=float, default=5.0)
     parser.add_argument("--sample-s", type=float, default=10.0)
     parser.add_argument("--capacity-events", type=int, default=60_000)
+    parser.add_argument(
+        "--pool-events",
+        type=int,
+        default=300_000,
+        help=(
+            "events generated before the job starts (at least twice --capacity-events); "
+            "the backlogs come from it and the producer writes it over and over"
+        ),
+    )
     parser.add_argument("--load", type=float, default=0.7, help="share of the capacity")
     parser.add_argument("--rate", type=float, default=None, help="events/s (instead of --load)")
     parser.add_argument("--checkpoint-s", type=float, default=30.0)
@@ -135,6 +160,31 @@ def soak_job(work: Path, broker: Broker, topic: str, args: argparse.Namespace) -
     return path
 
 
+POLL_S = 0.2  # how often the ledger is read while a backlog is learned
+
+
+def wait_learned(job: subprocess.Popen[bytes], run_dir: Path, count: int, log_path: Path) -> float:
+    """When (``time.monotonic()``) the job had learned ``count`` events."""
+    deadline = time.monotonic() + 600
+    while learned_count(run_dir) < count:
+        if job.poll() is not None or time.monotonic() > deadline:
+            msg = f"the job did not learn {count:,} events; see {log_path}"
+            raise RuntimeError(msg)
+        time.sleep(POLL_S)
+    return time.monotonic()
+
+
+def rate_over(events: int, began: float, ended: float) -> float:
+    """Events per second; a backlog learned within one poll counts as one poll long
+    (a small one can be, and an unbounded rate would ask the producer for blocks it
+    cannot write).
+
+    >>> rate_over(1000, 5.0, 5.5), rate_over(1000, 5.0, 5.0)
+    (2000.0, 5000.0)
+    """
+    return events / max(ended - began, POLL_S)
+
+
 def processes(job: subprocess.Popen[bytes], broker: Broker) -> dict[str, list[Any]]:
     """The processes of each role now (the job's descendants, and the broker)."""
     import psutil
@@ -163,6 +213,23 @@ def rss_by_process(procs: dict[str, list[Any]]) -> dict[str, dict[int, int]]:
         for p in found:
             with contextlib.suppress(psutil.Error):
                 out[role][p.pid] = int(p.memory_info().rss)
+    return out
+
+
+def cpu_seconds(procs: dict[str, list[Any]]) -> dict[str, float]:
+    """CPU seconds (user and system) each role's processes have used so far, and the
+    benchmark's own process as ``producer`` (its producer thread, and the sampling)."""
+    import psutil
+
+    out: dict[str, float] = {}
+    for role, found in procs.items():
+        out[role] = 0.0
+        for p in found:
+            with contextlib.suppress(psutil.Error):
+                times = p.cpu_times()
+                out[role] += times.user + times.system
+    times = psutil.Process().cpu_times()
+    out["producer"] = times.user + times.system
     return out
 
 
@@ -231,11 +298,15 @@ def windows_of(
     samples: list[dict[str, Any]], start_s: float, window_s: float
 ) -> list[dict[str, Any]]:
     """Whole windows of ``window_s`` from ``start_s`` on (a sample at or after a window's
-    end makes it whole): learned events/s between its first and last samples.
+    end makes it whole): learned events/s between its first and last samples and, where
+    the samples have each role's CPU seconds, the ``cores`` each role kept busy and its
+    ``cpu_ms_per_event`` learned.
 
-    >>> s = [{"t": t + 0.1, "learned": 10 * t} for t in range(0, 32, 3)]
+    >>> s = [{"t": t + 0.1, "learned": 10 * t, "cpu": {"job": t / 2}} for t in range(0, 32, 3)]
     >>> [(w["from_s"], round(w["events_per_s"], 1)) for w in windows_of(s, 0, 10)]
     [(0, 10.0), (10, 10.0), (20, 10.0)]
+    >>> windows_of(s, 0, 10)[0]["cores"], windows_of(s, 0, 10)[0]["cpu_ms_per_event"]
+    ({'job': 0.5}, {'job': 50.0})
     """
     out = []
     begin = start_s
@@ -244,8 +315,17 @@ def windows_of(
         inside = [s for s in samples if begin <= s["t"] <= end]
         if len(inside) >= 2:
             first, last = inside[0], inside[-1]
-            rate = (last["learned"] - first["learned"]) / max(last["t"] - first["t"], 1e-9)
-            out.append({"from_s": round(begin, 1), "to_s": round(end, 1), "events_per_s": rate})
+            span = max(last["t"] - first["t"], 1e-9)
+            learned = last["learned"] - first["learned"]
+            window: dict[str, Any] = {"from_s": round(begin, 1), "to_s": round(end, 1)}
+            window["events_per_s"] = learned / span
+            if "cpu" in first and "cpu" in last:
+                used = {r: last["cpu"][r] - first["cpu"].get(r, 0.0) for r in last["cpu"]}
+                window["cores"] = {r: round(v / span, 3) for r, v in used.items()}
+                window["cpu_ms_per_event"] = {
+                    r: round(1000 * v / max(learned, 1), 4) for r, v in used.items()
+                }
+            out.append(window)
         begin = end
     return out
 
@@ -299,36 +379,43 @@ def main(argv: list[str] | None = None) -> int:
     try:
         topic = "soak"
         broker.create_topic(topic, partitions=2)
-        # 1. Capacity: a backlog first, then the job on it.
+        broker.create_topic(SIDE_TOPIC, partitions=2)
         from connectors.kafka import produce
         from connectors.synthetic import SyntheticConfig, iter_json_lines
 
-        lines = iter_json_lines(SyntheticConfig(seed=args.seed), args.capacity_events)
-        payloads = list(lines)
-        half = len(payloads) // 2
-        for p, part in enumerate((payloads[:half], payloads[half:])):
+        cap = args.capacity_events
+        pool = list(
+            iter_json_lines(SyntheticConfig(seed=args.seed), max(args.pool_events, 2 * cap))
+        )
+        # 1. Capacity: two backlogs before the job starts (each half on each partition):
+        # the first learned with the machine to itself, the second while a producer
+        # writes another topic at the rate the first one gives (the steady phase's
+        # producer shares the machine too).
+        for p in (0, 1):
+            part = pool[:cap][p::2] + pool[cap : 2 * cap][p::2]
             produce(broker.bootstrap, topic, part, api_version=broker.api_version, partition=p)
-        del payloads
         job = soak_job(work, broker, topic, args)
         log_path = work / "job.log"
         job_proc = start_job(job, log_path)
-        t_start = time.monotonic()
-        first_learned_at: float | None = None
-        while learned_count(run_dir) < args.capacity_events:
-            if job_proc.poll() is not None or time.monotonic() - t_start > 600:
-                msg = f"the job did not learn the backlog; see {log_path}"
-                raise RuntimeError(msg)
-            if first_learned_at is None and learned_count(run_dir) > 0:
-                first_learned_at = time.monotonic()
-            time.sleep(0.2)
-        began = first_learned_at or t_start
-        capacity = args.capacity_events / max(time.monotonic() - began, 1e-9)
+        began = wait_learned(job_proc, run_dir, 1, log_path)
+        half = wait_learned(job_proc, run_dir, cap, log_path)
+        capacity_alone = rate_over(cap, began, half)
+        side = Producer(broker, SIDE_TOPIC, args.load * capacity_alone, args.seed + 2, pool)
+        side.start()
+        try:
+            end = wait_learned(job_proc, run_dir, 2 * cap, log_path)
+        finally:
+            side.stopped.set()
+            side.join(timeout=60)
+        capacity = rate_over(cap, half, end)
         rate = args.rate or args.load * capacity
-        print(f"capacity {capacity:,.0f} events/s; steady phase at {rate:,.0f} events/s")
+        print(
+            f"capacity {capacity_alone:,.0f} events/s alone, {capacity:,.0f} beside a producer; "
+            f"steady phase at {rate:,.0f} events/s"
+        )
 
         # 2. Steady: the producer at the rate, samples every --sample-s.
-        producer = Producer(broker, topic, rate, args.seed + 1)
-        block = max(1, int(rate / 4))  # the producer's block: what one of its writes holds
+        producer = Producer(broker, topic, rate, args.seed + 1, pool[2 * cap :] + pool[: 2 * cap])
         producer.start()
         t0 = time.monotonic()
         samples: list[dict[str, Any]] = []
@@ -344,8 +431,9 @@ def main(argv: list[str] | None = None) -> int:
             if now >= next_sample:
                 procs = processes(job_proc, broker)
                 rss = rss_by_process(procs)
+                cpu = cpu_seconds(procs)
                 disk = disk_bytes(run_dir)
-                produced = args.capacity_events + producer.blocks * block
+                produced = 2 * cap + producer.blocks * producer.block
                 learned = learned_count(run_dir)
                 t = now - t0
                 samples.append(
@@ -357,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                         # In seconds of the producer's rate so far (on a small machine
                         # it may not reach the rate it was given).
                         "lag_s": (produced - learned)
-                        / max(1.0, (produced - args.capacity_events) / max(t, 1.0)),
+                        / max(1.0, (produced - 2 * cap) / max(t, 1.0)),
                         "rss_mb": {
                             role: round(sum(v.values()) / 2**20, 1) for role, v in rss.items()
                         },
@@ -365,6 +453,7 @@ def main(argv: list[str] | None = None) -> int:
                             role: {str(pid): b for pid, b in v.items()} for role, v in rss.items()
                         },
                         "disk": disk,
+                        "cpu": {role: round(v, 2) for role, v in cpu.items()},
                     }
                 )
                 if rss_first is None and t >= warmup_s:
@@ -389,7 +478,7 @@ def main(argv: list[str] | None = None) -> int:
         exit_code = interrupt(job_proc)
 
         steady_s = samples[-1]["t"] if samples else 0.0
-        achieved = (samples[-1]["produced"] - args.capacity_events) / steady_s if steady_s else 0.0
+        achieved = (samples[-1]["produced"] - 2 * cap) / steady_s if steady_s else 0.0
         window_s = args.window_minutes * 60
         windows = windows_of(samples, 0.0, window_s)
         after_first = [s for s in samples if s["t"] >= window_s] or samples
@@ -406,7 +495,9 @@ def main(argv: list[str] | None = None) -> int:
             # What the producer wrote per second, which a loaded machine may keep below
             # the rate: the load the job really had.
             "rate_achieved": round(achieved, 1),
+            "producer_retries": producer.errors,
             "capacity_events_per_s": round(capacity, 1),
+            "capacity_alone_events_per_s": round(capacity_alone, 1),
             "produced": sum(ends.values()),
             **count_offsets(run_dir, ends),
             "rss_growth_pct_after_warmup": {

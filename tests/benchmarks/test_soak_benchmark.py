@@ -1,8 +1,8 @@
-"""``benchmarks/soak.py`` at its tiniest: a backlog, 12 s at a steady rate, every figure.
+"""``benchmarks/soak.py`` at its tiniest: two backlogs, 12 s at a steady rate, every figure.
 
 The whole script runs as in its hour-long run (a local Kafka 0.9 broker, the
 producer, ``streamrec run`` with checkpoints on a clock), with a 2,000-event
-backlog, samples every 1.5 s, a 3 s warm-up and 3.6 s windows. Every offset must
+backlog (twice), samples every 1.5 s, a 3 s warm-up and 3.6 s windows. Every offset must
 be learned once; no figure is compared with a bound.
 """
 
@@ -17,15 +17,17 @@ from tests.conftest import REPO_ROOT
 
 def test_a_short_soak_learns_every_offset_once_and_reports_every_figure(tmp_path: Path) -> None:
     args = ["--minutes", "0.2", "--warmup-minutes", "0.05", "--window-minutes", "0.06"]
-    args += ["--sample-s", "1.5", "--capacity-events", "2000", "--checkpoint-s", "4"]
+    args += ["--sample-s", "1.5", "--capacity-events", "2000", "--pool-events", "4000"]
+    args += ["--checkpoint-s", "4"]
     args += ["--work-dir", str(tmp_path / "work"), "--table-rows", "2048"]
     figures = run_benchmark("soak.py", tmp_path / "soak.json", *args, timeout=300)
     assert figures["exit_code"] == 0
     assert figures["table_rows"] == 2048
-    assert figures["produced"] > 2000
+    assert figures["produced"] > 4000  # two backlogs, then the steady phase
     assert figures["learned_once"] == figures["produced"]
     assert figures["learned_twice"] == figures["never_learned"] == 0
     assert figures["capacity_events_per_s"] > 0
+    assert figures["capacity_alone_events_per_s"] > 0
     assert 0 < figures["rate"] < figures["capacity_events_per_s"]
     assert figures["rate_achieved"] > 0
     growth = figures["rss_growth_pct_after_warmup"]
@@ -39,6 +41,11 @@ def test_a_short_soak_learns_every_offset_once_and_reports_every_figure(tmp_path
     # A loaded machine may learn nothing in a 4 s window: no rate is compared here.
     assert len(figures["windows"]) >= 2
     assert all(w["events_per_s"] >= 0 for w in figures["windows"])
+    for w in figures["windows"]:
+        assert set(w["cores"]) == {"job", "shard", "worker", "broker", "producer"}, w
+        assert w["cores"]["job"] > 0, w
+        assert w["cores"]["producer"] > 0, w
+        assert set(w["cpu_ms_per_event"]) == set(w["cores"]), w
     assert "throughput_last_vs_first_window" in figures
     assert figures["lag_max_s"] >= 0
     assert all(t["met"] in (True, False) for t in figures["targets"].values())
