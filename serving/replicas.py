@@ -32,12 +32,79 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from embedding_store.client import GrpcTransport, RetryPolicy, StoreClient
+import numpy as np
+import numpy.typing as npt
+
+from embedding_store.client import GrpcTransport, RetryPolicy
+from embedding_store.errors import InvalidRequest, StoreUnavailable
+from embedding_store.hashing import shard_of
 from embedding_store.replica import ChangeSource, ShardFollower
 from embedding_store.shard import StoreShard
-from embedding_store.types import StoreConfig
+from embedding_store.types import RowDtype, StoreConfig
+
+
+class ReplicaRows:
+    """Reads rows from replicas of this process in place, each id from the shard that
+    owns it (the store's routing), in the store's ``row_dtype`` as a replica process
+    sends them: a ``RowReader`` with the ``current_at`` of a ``StoreClient``.
+
+    A request's ids are few: a client's machinery (a transport per shard, each
+    shard's part of every table, the reply put together from the parts) cost more
+    than the reads themselves.
+    """
+
+    def __init__(
+        self,
+        shards: Sequence[StoreShard],
+        row_dtype: RowDtype,
+        current_at: Sequence[Callable[[], float]],
+    ) -> None:
+        self.shards = list(shards)
+        self.row_dtype = row_dtype
+        self._current_at = list(current_at)
+
+    def lookup(
+        self, ids: Mapping[str, npt.ArrayLike], *, train: bool = False
+    ) -> dict[str, npt.NDArray[np.floating]]:
+        """Rows (``row_dtype``, ``[n, dim]``) for the ids of each table, in order.
+
+        ``train`` must be False: replicas are read-only.
+        """
+        if train:
+            msg = "train: serving replicas are read-only"
+            raise InvalidRequest(msg)
+        for shard in self.shards:
+            if shard.unavailable is not None:
+                raise StoreUnavailable(shard.unavailable)
+        n = len(self.shards)
+        out: dict[str, npt.NDArray[np.floating]] = {}
+        for name, wanted in ids.items():
+            arr = np.asarray(wanted)
+            if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.shape[0] > 0):
+                msg = f"ids[{name}]: expected a 1-d array of integer ids, got {arr.dtype}"
+                raise InvalidRequest(msg)
+            keys = np.ascontiguousarray(arr, dtype=np.uint64)
+            owner = shard_of(keys, n)
+            if keys.shape[0] == 0 or (owner == owner[0]).all():
+                shard = self.shards[int(owner[0])] if keys.shape[0] else self.shards[0]
+                rows, _ = shard.table(name).read(keys)
+            else:
+                rows = np.empty((keys.shape[0], self.shards[0].table(name).dim), np.float32)
+                for s in np.unique(owner):
+                    mine = owner == s
+                    rows[mine] = self.shards[int(s)].table(name).read(keys[mine])[0]
+            out[name] = rows.astype(self.row_dtype, copy=False)
+        return out
+
+    def current_at(self) -> float:
+        """The oldest replica's newest round: every row read now is at least as fresh
+        as the training shards were then."""
+        return min(at() for at in self._current_at)
+
+    def close(self) -> None:
+        """Nothing to close: the replicas are the :class:`LocalReplicas`'."""
 
 
 class LocalReplicas:
@@ -54,12 +121,8 @@ class LocalReplicas:
             ShardFollower(shard, source, poll_s=poll_s)
             for shard, source in zip(self.shards, self.sources, strict=True)
         ]
-        self.rows = StoreClient.from_shards(
-            self.shards,
-            row_dtype=config.row_dtype,
-            current_at=[f.current_at for f in self.followers],
-            # A request's rows are few: a hand-off to a thread per shard costs more.
-            parallel=False,
+        self.rows = ReplicaRows(
+            self.shards, config.row_dtype, [f.current_at for f in self.followers]
         )
         self._stop = threading.Event()
         self._threads = [

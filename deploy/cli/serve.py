@@ -251,10 +251,11 @@ class ServingStack:
         from serving.freshness import FreshnessCollector, SparseFreshness
         from serving.http import InferenceServer
         from serving.model import DenseFollower, ServingModel
-        from serving.replicas import LocalReplicas
+        from serving.replicas import LocalReplicas, ReplicaRows
 
         cfg = job.serving
         self.replicas: LocalReplicas | None = None
+        self.rows: ReplicaRows | StoreClient
         if follow:
             self.replicas = LocalReplicas.follow(job.store, store, token=store_token)
             self.rows = self.replicas.rows
