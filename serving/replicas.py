@@ -78,20 +78,30 @@ class ReplicaRows:
         for shard in self.shards:
             if shard.unavailable is not None:
                 raise StoreUnavailable(shard.unavailable)
-        n = len(self.shards)
-        out: dict[str, npt.NDArray[np.floating]] = {}
+        keys_of: dict[str, npt.NDArray[np.uint64]] = {}
         for name, wanted in ids.items():
             arr = np.asarray(wanted)
             if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.shape[0] > 0):
                 msg = f"ids[{name}]: expected a 1-d array of integer ids, got {arr.dtype}"
                 raise InvalidRequest(msg)
-            keys = np.ascontiguousarray(arr, dtype=np.uint64)
-            owner = shard_of(keys, n)
-            if keys.shape[0] == 0 or (owner == owner[0]).all():
-                shard = self.shards[int(owner[0])] if keys.shape[0] else self.shards[0]
+            keys_of[name] = np.ascontiguousarray(arr, dtype=np.uint64)
+        # Every table's owners in one call: a request's tables hold an id or a few each.
+        owners = (
+            shard_of(np.concatenate(list(keys_of.values())), len(self.shards))
+            if len(self.shards) > 1 and keys_of
+            else None
+        )
+        out: dict[str, npt.NDArray[np.floating]] = {}
+        at = 0
+        for name, keys in keys_of.items():
+            k = keys.shape[0]
+            owner = owners[at : at + k] if owners is not None else None
+            at += k
+            if owner is None or k <= 1 or owner.min() == owner.max():
+                shard = self.shards[int(owner[0]) if owner is not None and k else 0]
                 rows, _ = shard.table(name).read(keys)
             else:
-                rows = np.empty((keys.shape[0], self.shards[0].table(name).dim), np.float32)
+                rows = np.empty((k, self.shards[0].table(name).dim), np.float32)
                 for s in np.unique(owner):
                     mine = owner == s
                     rows[mine] = self.shards[int(s)].table(name).read(keys[mine])[0]
