@@ -51,7 +51,9 @@ It is the trainer's path on a CPU; a CUDA device keeps the general one.
 
 from __future__ import annotations
 
+import functools
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import numba as nb
@@ -62,9 +64,67 @@ from torch import Tensor
 
 from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch
-from trainer.pooling import checked_table
+from trainer.pooling import checked_pooled_table
 
 __all__ = ["JoinedFields"]
+
+# A spec's sparse fields as (name, table, pooling), in spec order: what the layout of
+# the joined matrix depends on, with the tables' dims.
+_SpecKey = tuple[tuple[str, str, str], ...]
+
+
+@functools.lru_cache(maxsize=64)
+def _tables_of(key: _SpecKey) -> dict[str, tuple[tuple[str, ...], tuple[str, ...]]]:
+    """Each table's fields and their pooling, in spec order (``FeatureSpec.tables``)."""
+    out: dict[str, tuple[list[str], list[str]]] = {}
+    for name, table, pooling in key:
+        fields, poolings = out.setdefault(table, ([], []))
+        fields.append(name)
+        poolings.append(pooling)
+    return {t: (tuple(f), tuple(p)) for t, (f, p) in out.items()}
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where each table's fields go in the joined matrix (per table, in table order)."""
+
+    width: int
+    cols: tuple[npt.NDArray[np.int64], ...]  # each field's first column
+    mean: tuple[npt.NDArray[np.bool_], ...]  # each field's mean flag
+    one_id: tuple[npt.NDArray[np.int64], ...] | None  # each field's index; None: dims differ
+
+
+def _frozen(a: npt.NDArray[Any]) -> npt.NDArray[Any]:
+    a.flags.writeable = False  # shared by every batch of the spec
+    return a
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(key: _SpecKey, dims: tuple[int, ...]) -> _Layout:
+    """The layout of the spec ``key`` with its tables' ``dims`` (in table order): the
+    same for every batch, and a request's batch is small enough to notice making it."""
+    tables = _tables_of(key)
+    dim_of = dict(zip(tables, dims, strict=True))
+    starts: dict[str, int] = {}
+    column = 0
+    for name, table, _ in key:
+        starts[name] = column
+        column += dim_of[table]
+    index_of = {name: i for i, (name, _, _) in enumerate(key)}
+    return _Layout(
+        width=column,
+        cols=tuple(
+            _frozen(np.array([starts[f] for f in fs], np.int64)) for fs, _ in tables.values()
+        ),
+        mean=tuple(
+            _frozen(np.array([p == "mean" for p in ps], np.bool_)) for _, ps in tables.values()
+        ),
+        one_id=tuple(
+            _frozen(np.array([index_of[f] for f in fs], np.int64)) for fs, _ in tables.values()
+        )
+        if len(set(dims)) == 1
+        else None,
+    )
 
 
 @nb.njit(nogil=True, cache=True)
@@ -202,20 +262,17 @@ class JoinedFields:
 
     def __init__(self, batch: PreparedBatch, spec: FeatureSpec) -> None:
         self.batch_size = len(batch)
-        checked = {
-            name: checked_table(batch, spec, name, fields) for name, fields in spec.tables().items()
-        }
-        starts: dict[str, int] = {}
-        column = 0
-        for s in spec.sparse:
-            starts[s.name] = column
-            rows = checked[s.table][0].rows
-            assert rows is not None  # checked
-            column += int(rows.shape[1])
-        self.width = column
+        key = tuple((s.name, s.table, s.pooling) for s in spec.sparse)
+        checked = [
+            (name, checked_pooled_table(batch, name, fields, pooling))
+            for name, (fields, pooling) in _tables_of(key).items()
+        ]
+        dims = tuple(int(tb.rows.shape[1]) for _, tb in checked if tb.rows is not None)
+        layout = _layout(key, dims)
+        self.width = layout.width
         # Per table: the batch's arrays, each field's first column, and its mean flag.
         self._tables: list[tuple[str, Any, Any, Any, npt.NDArray[np.int64], Any]] = []
-        for name, (tb, pooling) in checked.items():
+        for (name, tb), cols, mean in zip(checked, layout.cols, layout.mean, strict=True):
             fields = tb.fields
             if tb.offsets.shape[0] != self.batch_size * len(fields) + 1:
                 msg = (
@@ -224,34 +281,28 @@ class JoinedFields:
                     f"{self.batch_size * len(fields) + 1}"
                 )
                 raise ValueError(msg)
-            cols = np.array([starts[f] for f in fields], dtype=np.int64)
-            mean = np.array([p == "mean" for p in pooling], dtype=np.bool_)
             inverse = np.ascontiguousarray(tb.inverse, dtype=np.int32)
             offsets = np.ascontiguousarray(tb.offsets, dtype=np.int32)
             self._tables.append((name, tb.rows, inverse, offsets, cols, mean))
         self._grads: dict[str, npt.NDArray[np.float32]] | None = None
         self._every_grad: npt.NDArray[np.float32] | None = None  # the one-id path's
-        self._one_id = self._one_id_index(
-            spec, {name: tb.fields for name, (tb, _) in checked.items()}
-        )
+        self._one_id = self._one_id_index(layout.one_id, len(key))
 
     def _one_id_index(
-        self, spec: FeatureSpec, fields_of: dict[str, tuple[str, ...]]
+        self, columns: tuple[npt.NDArray[np.int64], ...] | None, num_fields: int
     ) -> npt.NDArray[np.int64] | None:
         """Where every bag holds one id and every field has one dim (one categorical
         value per field, as in Criteo): per sample and field (``spec.sparse``
         order), the id's row among all the tables' rows put end to end. None
-        otherwise (the per-table kernels pool any bags).
+        otherwise (the per-table kernels pool any bags). ``columns``: each table's
+        fields' indices (None: the dims differ).
         """
-        dims = {int(rows.shape[1]) for _, rows, _, _, _, _ in self._tables}
-        if len(dims) != 1:
+        if columns is None:
             return None
-        column = {s.name: i for i, s in enumerate(spec.sparse)}
-        index = np.empty((self.batch_size, len(column)), dtype=np.int64)
+        index = np.empty((self.batch_size, num_fields), dtype=np.int64)
         base = 0
-        for name, rows, inverse, offsets, _, _ in self._tables:
-            columns = np.array([column[f] for f in fields_of[name]], dtype=np.int64)
-            if not _fill_one_id(inverse, offsets, columns, base, index):
+        for (_, rows, inverse, offsets, _, _), cols in zip(self._tables, columns, strict=True):
+            if not _fill_one_id(inverse, offsets, cols, base, index):
                 return None
             base += int(rows.shape[0])
         return index

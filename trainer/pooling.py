@@ -117,6 +117,14 @@ def checked_table(
     The table must be there, with the spec's fields in its order, their pooling
     (where the batch says), and looked-up rows, one per unique id.
     """
+    pooling = tuple(spec.field(f).pooling for f in fields)
+    return checked_pooled_table(batch, name, fields, pooling), pooling
+
+
+def checked_pooled_table(
+    batch: PreparedBatch, name: str, fields: tuple[str, ...], pooling: tuple[str, ...]
+) -> TableBatch:
+    """:func:`checked_table` with the fields' ``pooling`` already known."""
     tb = batch.tables.get(name)
     if tb is None:
         msg = f"batch has no table {name!r} (it has {sorted(batch.tables)}); the spec needs it"
@@ -124,7 +132,6 @@ def checked_table(
     if tb.fields != fields:
         msg = f"table {name!r}: batch fields {tb.fields} differ from the spec's {fields}"
         raise ValueError(msg)
-    pooling = tuple(spec.field(f).pooling for f in fields)
     if tb.pooling and tb.pooling != pooling:
         msg = f"table {name!r}: batch pooling {tb.pooling} differs from the spec's {pooling}"
         raise ValueError(msg)
@@ -136,7 +143,7 @@ def checked_table(
             f"table {name!r}: rows of shape {tb.rows.shape} for {tb.unique_ids.shape[0]} unique ids"
         )
         raise ValueError(msg)
-    return tb, pooling
+    return tb
 
 
 def host_tensor(array: npt.NDArray[np.generic], dtype: torch.dtype = torch.float32) -> Tensor:
