@@ -125,6 +125,49 @@ def dedup_bags(ids: U64, starts: I64, lengths: I32, total: int) -> tuple[U64, I3
     return unique[:u].copy(), inverse, offsets
 
 
+@nb.njit(nogil=True, cache=True)
+def dedup_tables(
+    ids: U64, starts: I64, lengths: I32, firsts: I64
+) -> tuple[U64, I64, I32, I32, I64]:
+    """:func:`dedup_bags` for every table in one call (a request's batch has a few ids
+    in each of dozens of tables, and a call each cost more than the work).
+
+    Table ``t`` has the fields ``firsts[t]`` to ``firsts[t + 1] - 1``, their ids side
+    by side (field ``f``'s from ``ids[starts[f]]``, ``starts[F]`` the end). Returns
+    ``(unique, unique_bounds, inverse, offsets, offset_bounds)``: table ``t``'s
+    ``dedup_bags`` answer is ``unique[unique_bounds[t]:unique_bounds[t + 1]]``,
+    ``inverse[starts[firsts[t]]:starts[firsts[t + 1]]]`` (into its own unique
+    ids) and ``offsets[offset_bounds[t]:offset_bounds[t + 1]]``.
+
+    >>> ids = np.array([7, 7, 3, 9, 3], np.uint64)  # field 0: 7 7 | field 1: 3 | field 2: 9 3
+    >>> starts = np.array([0, 2, 3, 5], np.int64)
+    >>> lengths = np.array([[1, 1], [1, 0], [1, 1]], np.int32)  # [field, sample]
+    >>> out = dedup_tables(ids, starts, lengths, np.array([0, 1, 3], np.int64))
+    >>> [a.tolist() for a in out]
+    [[7, 3, 9], [0, 1, 3], [0, 0, 0, 1, 0], [0, 1, 2, 0, 1, 2, 2, 3], [0, 3, 8]]
+    """
+    T = firsts.shape[0] - 1
+    B = lengths.shape[1]
+    total = starts[firsts[T]] - starts[firsts[0]]
+    unique = np.empty(total, dtype=np.uint64)
+    inverse = np.empty(total, dtype=np.int32)
+    unique_bounds = np.zeros(T + 1, dtype=np.int64)
+    offset_bounds = np.zeros(T + 1, dtype=np.int64)
+    for t in range(T):
+        offset_bounds[t + 1] = offset_bounds[t] + B * (firsts[t + 1] - firsts[t]) + 1
+    offsets = np.empty(offset_bounds[T], dtype=np.int32)
+    for t in range(T):
+        f0, f1 = firsts[t], firsts[t + 1]
+        lo, hi = starts[f0], starts[f1]
+        u, inv, off = dedup_bags(ids[lo:hi], starts[f0:f1] - lo, lengths[f0:f1], hi - lo)
+        n = u.shape[0]
+        unique[unique_bounds[t] : unique_bounds[t] + n] = u
+        unique_bounds[t + 1] = unique_bounds[t] + n
+        inverse[lo - starts[firsts[0]] : hi - starts[firsts[0]]] = inv
+        offsets[offset_bounds[t] : offset_bounds[t + 1]] = off
+    return unique[: unique_bounds[T]].copy(), unique_bounds, inverse, offsets, offset_bounds
+
+
 def dedup(ids: npt.ArrayLike) -> tuple[U64, I32]:
     """``(unique, inverse)`` with ``unique[inverse] == ids``; unique in first-seen order.
 

@@ -6,7 +6,7 @@ its cost is per field, not per record: a cast, a check and a hash call for each
 of some 40 fields, about 3 ms for one Criteo-like record. :class:`PlainBatchBuilder`
 takes records already parsed (``JsonLinesCodec.plain_objects``) and builds the
 same ``PreparedBatch`` in one pass over their values, with the training path's
-hash (:class:`pipeline.hashing.ValueHasher`), dedup (``dedup_bags``) and dense
+hash (:class:`pipeline.hashing.ValueHasher`), dedup (``dedup_tables``) and dense
 transforms (``transform_dense``).
 
 It only ever accepts. A record holding anything it is not sure of (a value of
@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from connectors.spec import FeatureSpec, SparseField
-from pipeline.batch import dedup_bags, transform_dense
+from pipeline.batch import dedup_tables, transform_dense
 from pipeline.hashing import ValueHasher
 from pipeline.types import PreparedBatch, TableBatch
 
@@ -84,6 +84,7 @@ class PlainBatchBuilder:
             pooling = tuple(spec.field(f).pooling for f in fields)
             self._tables.append((name, fields, pooling, first))
             first += len(fields)
+        self._firsts = np.array([f for *_, f in self._tables] + [first], dtype=np.int64)
 
     def build(self, records: Sequence[Mapping[str, object]]) -> PreparedBatch | None:
         """The batch of ``records`` (parsed objects), or None when one is not plainly good."""
@@ -125,14 +126,19 @@ class PlainBatchBuilder:
         per_field = np.asarray(lengths, dtype=np.int32).reshape(len(self._sparse), n)
         starts = np.zeros(len(self._sparse) + 1, dtype=np.int64)
         np.cumsum(per_field.sum(axis=1), out=starts[1:])
+        unique, unique_at, inverse, offsets, offsets_at = dedup_tables(
+            ids, starts, per_field, self._firsts
+        )
         tables: dict[str, TableBatch] = {}
-        for name, fields, pooling, first in self._tables:
-            last = first + len(fields)
-            lo, hi = int(starts[first]), int(starts[last])
-            unique, inverse, offsets = dedup_bags(
-                ids[lo:hi], starts[first:last] - lo, per_field[first:last], hi - lo
+        for t, (name, fields, pooling, first) in enumerate(self._tables):
+            lo, hi = int(starts[first]), int(starts[first + len(fields)])
+            tables[name] = TableBatch(
+                fields,
+                unique[unique_at[t] : unique_at[t + 1]],
+                inverse[lo:hi],
+                offsets[offsets_at[t] : offsets_at[t + 1]],
+                pooling=pooling,
             )
-            tables[name] = TableBatch(fields, unique, inverse, offsets, pooling=pooling)
         return PreparedBatch(labels=labels, dense=dense, tables=tables)
 
     def _labels(self, records: Sequence[Mapping[str, object]]) -> np.ndarray | None:
