@@ -28,7 +28,8 @@ producer that generates takes a core from the job and falls below its rate
    ``--rate``, for ``--minutes``. Every ``--sample-s`` seconds: the RSS and
    the CPU time of every process by role (``job``: the ``streamrec run``
    process, which trains
-   rank 0; ``shard``; ``worker``: the Dask workers and their nannies; ``broker``,
+   rank 0; ``shard``; ``worker``: the Dask workers and their nannies;
+   ``scheduler``: the Dask scheduler's process; ``broker``,
    whose JVM holds its whole heap from the start, ``-Xms`` = ``-Xmx``),
    the events produced and learned (the ledger), the lag (produced minus
    learned, in events and in seconds at the rate) and the disk used by the
@@ -90,7 +91,7 @@ from chaos import (  # noqa: E402
 )
 from common import print_figures, write_json  # noqa: E402
 
-ROLES = ("job", "shard", "worker", "broker")
+ROLES = ("job", "shard", "worker", "scheduler", "broker")
 # The capacity phase's producer writes here: a topic the job does not read.
 SIDE_TOPIC = "soak-side"
 # key -> (comparison, bound)
@@ -197,6 +198,8 @@ def processes(job: subprocess.Popen[bytes], broker: Broker) -> dict[str, list[An
                 line = " ".join(c.cmdline())
                 if "store serve" in line:
                     out["shard"].append(c)
+                elif "distributed.Scheduler" in line:  # the local cluster's own process
+                    out["scheduler"].append(c)
                 elif "spawn_main" in line or "distributed" in line:
                     out["worker"].append(c)
     with contextlib.suppress(psutil.Error):

@@ -29,6 +29,7 @@ from deploy.job.services import (
     batch_client,
     check_named_services,
     install_page,
+    install_span_pruner,
     start_services,
 )
 from deploy.job.sources import RankSource, build_codec, build_deadletter, build_source
@@ -53,6 +54,7 @@ __all__ = [
     "check_named_services",
     "checkpoint_location",
     "install_page",
+    "install_span_pruner",
     "run_job",
     "run_rank",
     "run_ranks",

@@ -210,6 +210,7 @@ def _start_dask(job: JobConfig, stack: ExitStack) -> tuple[str, str | None]:
     # the first rank registered the plugin.
     with Client(cluster, timeout=30) as client:
         install_page(client)
+        install_span_pruner(client)
     return cluster.scheduler_address, cluster.dashboard_link
 
 
@@ -224,6 +225,22 @@ def batch_client(cluster: ClusterConfig, scheduler: str) -> Client:
     from distributed import Client
 
     return Client(scheduler, direct_to_workers=cluster.direct_to_workers)
+
+
+def install_span_pruner(client: Any) -> None:
+    """Keep the scheduler's finished spans from piling up for as long as the job runs
+    (see :mod:`pipeline.scheduler_spans`). Idempotent; a scheduler that cannot load
+    it costs a warning, not the job."""
+    from pipeline.scheduler_spans import SpanPruner
+
+    try:
+        client.register_plugin(SpanPruner())
+    except Exception as exc:
+        log.warning(
+            "the Dask scheduler could not load streamrec's span pruner (%s): its memory "
+            "grows with every finished span; install streamrec where it runs",
+            exc,
+        )
 
 
 def install_page(client: Any) -> None:

@@ -31,7 +31,7 @@ def test_a_short_soak_learns_every_offset_once_and_reports_every_figure(tmp_path
     assert 0 < figures["rate"] < figures["capacity_events_per_s"]
     assert figures["rate_achieved"] > 0
     growth = figures["rss_growth_pct_after_warmup"]
-    assert set(growth) == {"job", "shard", "worker", "broker"}
+    assert set(growth) == {"job", "shard", "worker", "scheduler", "broker"}
     assert all(isinstance(v, float | int) for v in growth.values()), growth
     assert all(figures["rss_mb_by_role"][role] > 0 for role in growth)
     assert set(figures["rss_growth_pct_two_samples"]) == set(growth)
@@ -42,7 +42,7 @@ def test_a_short_soak_learns_every_offset_once_and_reports_every_figure(tmp_path
     assert len(figures["windows"]) >= 2
     assert all(w["events_per_s"] >= 0 for w in figures["windows"])
     for w in figures["windows"]:
-        assert set(w["cores"]) == {"job", "shard", "worker", "broker", "producer"}, w
+        assert set(w["cores"]) == {"job", "shard", "worker", "scheduler", "broker", "producer"}
         assert w["cores"]["job"] > 0, w
         assert w["cores"]["producer"] > 0, w
         assert set(w["cpu_ms_per_event"]) == set(w["cores"]), w
