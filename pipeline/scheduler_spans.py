@@ -6,7 +6,7 @@ the tasks are forgotten: spans have no lifetime yet (dask/distributed issue
 7977). A batch job does not notice. A streaming job does: whenever all its
 tasks are done for a moment, the scheduler starts a new default span for the
 next ones, so spans and task groups pile up for as long as the job runs. In a
-soak on 2 cores (6,300 events/s, chunks of 500) the scheduler held 2,872 spans
+soak on 2 cores (6,300 events/s) the scheduler held 2,872 spans
 and task groups after 30 minutes, and its RSS grew 1.3 MB a minute, about 2 GB
 a day.
 
