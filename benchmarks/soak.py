@@ -387,15 +387,16 @@ def main(argv: list[str] | None = None) -> int:
         from connectors.synthetic import SyntheticConfig, iter_json_lines
 
         cap = args.capacity_events
+        backlog = 2 * cap  # the two backlogs, produced before the steady phase
         pool = list(
-            iter_json_lines(SyntheticConfig(seed=args.seed), max(args.pool_events, 2 * cap))
+            iter_json_lines(SyntheticConfig(seed=args.seed), max(args.pool_events, backlog))
         )
         # 1. Capacity: two backlogs before the job starts (each half on each partition):
         # the first learned with the machine to itself, the second while a producer
         # writes another topic at the rate the first one gives (the steady phase's
         # producer shares the machine too).
         for p in (0, 1):
-            part = pool[:cap][p::2] + pool[cap : 2 * cap][p::2]
+            part = pool[:cap][p::2] + pool[cap:backlog][p::2]
             produce(broker.bootstrap, topic, part, api_version=broker.api_version, partition=p)
         job = soak_job(work, broker, topic, args)
         log_path = work / "job.log"
@@ -406,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
         side = Producer(broker, SIDE_TOPIC, args.load * capacity_alone, args.seed + 2, pool)
         side.start()
         try:
-            end = wait_learned(job_proc, run_dir, 2 * cap, log_path)
+            end = wait_learned(job_proc, run_dir, backlog, log_path)
         finally:
             side.stopped.set()
             side.join(timeout=60)
@@ -418,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         )
 
         # 2. Steady: the producer at the rate, samples every --sample-s.
-        producer = Producer(broker, topic, rate, args.seed + 1, pool[2 * cap :] + pool[: 2 * cap])
+        producer = Producer(broker, topic, rate, args.seed + 1, pool[backlog:] + pool[:backlog])
         producer.start()
         t0 = time.monotonic()
         samples: list[dict[str, Any]] = []
@@ -436,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
                 rss = rss_by_process(procs)
                 cpu = cpu_seconds(procs)
                 disk = disk_bytes(run_dir)
-                produced = 2 * cap + producer.blocks * producer.block
+                produced = backlog + producer.blocks * producer.block
                 learned = learned_count(run_dir)
                 t = now - t0
                 samples.append(
@@ -448,7 +449,7 @@ def main(argv: list[str] | None = None) -> int:
                         # In seconds of the producer's rate so far (on a small machine
                         # it may not reach the rate it was given).
                         "lag_s": (produced - learned)
-                        / max(1.0, (produced - 2 * cap) / max(t, 1.0)),
+                        / max(1.0, (produced - backlog) / max(t, 1.0)),
                         "rss_mb": {
                             role: round(sum(v.values()) / 2**20, 1) for role, v in rss.items()
                         },
@@ -481,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         exit_code = interrupt(job_proc)
 
         steady_s = samples[-1]["t"] if samples else 0.0
-        achieved = (samples[-1]["produced"] - 2 * cap) / steady_s if steady_s else 0.0
+        achieved = (samples[-1]["produced"] - backlog) / steady_s if steady_s else 0.0
         window_s = args.window_minutes * 60
         windows = windows_of(samples, 0.0, window_s)
         after_first = [s for s in samples if s["t"] >= window_s] or samples

@@ -196,6 +196,24 @@ class ShardTransport(Protocol):
     def close(self) -> None: ...
 
 
+def id_array(ids: npt.ArrayLike, field: str) -> U64:
+    """``ids`` as a contiguous uint64 array; ``InvalidRequest`` naming ``field`` unless
+    they are a 1-d array of integers (or empty).
+
+    >>> id_array([3, 4], "ids[t]").dtype
+    dtype('uint64')
+    >>> id_array([0.5], "ids[t]")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    embedding_store.errors.InvalidRequest: ids[t]: expected a 1-d array of integer ids, ...
+    """
+    arr = np.asarray(ids)
+    if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.shape[0] > 0):
+        msg = f"{field}: expected a 1-d array of integer ids, got {arr.dtype} shape {arr.shape}"
+        raise InvalidRequest(msg)
+    return np.ascontiguousarray(arr, dtype=np.uint64)
+
+
 class InprocTransport:
     """A shard object in this process; calls run on a thread (kernels release the GIL).
 
@@ -995,11 +1013,7 @@ class StoreClient:
     def _route(
         self, ids: npt.ArrayLike, field: str
     ) -> tuple[U64, npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-        arr = np.asarray(ids)
-        if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.shape[0] > 0):
-            msg = f"{field}: expected a 1-d array of integer ids, got {arr.dtype} shape {arr.shape}"
-            raise InvalidRequest(msg)
-        arr = np.ascontiguousarray(arr, dtype=np.uint64)
+        arr = id_array(ids, field)
         if self.num_shards == 1:
             return arr, np.arange(arr.shape[0], dtype=np.int64), np.array([0, arr.shape[0]])
         order, bounds = group_by_shard(arr, self.num_shards)

@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from embedding_store.client import GrpcTransport, RetryPolicy
+from embedding_store.client import GrpcTransport, RetryPolicy, id_array
 from embedding_store.errors import InvalidRequest, StoreUnavailable
 from embedding_store.hashing import shard_of
 from embedding_store.replica import ChangeSource, ShardFollower
@@ -80,11 +80,7 @@ class ReplicaRows:
                 raise StoreUnavailable(shard.unavailable)
         keys_of: dict[str, npt.NDArray[np.uint64]] = {}
         for name, wanted in ids.items():
-            arr = np.asarray(wanted)
-            if arr.ndim != 1 or (arr.dtype.kind not in "iu" and arr.shape[0] > 0):
-                msg = f"ids[{name}]: expected a 1-d array of integer ids, got {arr.dtype}"
-                raise InvalidRequest(msg)
-            keys_of[name] = np.ascontiguousarray(arr, dtype=np.uint64)
+            keys_of[name] = id_array(wanted, f"ids[{name}]")
         # Every table's owners in one call: a request's tables hold an id or a few each.
         owners = (
             shard_of(np.concatenate(list(keys_of.values())), len(self.shards))
