@@ -61,30 +61,45 @@ def run_ranks(
     restarted.
     """
     stop = stop or threading.Event()
-    with _quiet_cancelled_reconnects():
+    with _quiet_expected_losses():
         return _run_lives(job, services, max_events, deadline, stop, on_progress)
 
 
-class _CancelledReconnect(logging.Filter):
-    """Drops Dask's ERROR record of a client's reconnect cancelled as it is closed."""
+class _ExpectedLoss(logging.Filter):
+    """Drops a Dask record whose exception is ``expected``: the loss the job recovers from."""
+
+    def __init__(self, expected: type[BaseException]) -> None:
+        super().__init__()
+        self.expected = expected
 
     def filter(self, record: logging.LogRecord) -> bool:
         error = record.exc_info[1] if record.exc_info else None
-        return not isinstance(error, asyncio.CancelledError)
+        return not isinstance(error, self.expected)
 
 
 @contextlib.contextmanager
-def _quiet_cancelled_reconnects() -> Iterator[None]:
-    """A world whose scheduler was lost closes its Dask client while the client is still
-    trying to reconnect; Dask then logs the cancelled attempt as an ERROR with three
-    tracebacks, in the middle of the job's output, for what is the job recovering."""
-    quiet = _CancelledReconnect()
-    client_log = logging.getLogger("distributed.client")
-    client_log.addFilter(quiet)
+def _quiet_expected_losses() -> Iterator[None]:
+    """Dask's records, with their tracebacks, of a lost scheduler the job recovers from.
+
+    The job says itself that the scheduler ended the world and that it starts the
+    ranks again; in the middle of its output Dask would add, each with a traceback:
+    the client's batched comm closed as the scheduler dies (INFO, ``distributed.batched``)
+    and the dead world's client's reconnect, cancelled as the job closes it (ERROR,
+    three tracebacks, ``distributed.client``). Dask's other records still show.
+    """
+    from distributed.comm.core import CommClosedError
+
+    quiet = {
+        "distributed.client": _ExpectedLoss(asyncio.CancelledError),
+        "distributed.batched": _ExpectedLoss(CommClosedError),
+    }
+    for name, drop in quiet.items():
+        logging.getLogger(name).addFilter(drop)
     try:
         yield
     finally:
-        client_log.removeFilter(quiet)
+        for name, drop in quiet.items():
+            logging.getLogger(name).removeFilter(drop)
 
 
 def _run_lives(
