@@ -134,6 +134,21 @@ class RetryPolicy:
     max_backoff_s: float = 2.0
     timeout_s: float = 30.0
 
+    @property
+    def longest_s(self) -> float:
+        """The longest a call's attempts can span: every attempt timing out, with the
+        backoffs between them. A shard remembers a push's request id for longer
+        (``store.remembered_push_s``), so a retried push is never applied twice.
+
+        >>> RetryPolicy().longest_s
+        181.55
+        """
+        backoffs, delay = 0.0, self.initial_backoff_s
+        for _ in range(self.attempts - 1):
+            backoffs += delay
+            delay = min(delay * 2, self.max_backoff_s)
+        return round(self.attempts * self.timeout_s + backoffs, 6)
+
 
 class ShardTransport(Protocol):
     """How a client talks to one shard. ``start_*`` send now; the returned callable waits.

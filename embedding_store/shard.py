@@ -98,7 +98,8 @@ class StoreShard:
         self.incarnation = uuid.uuid4().hex
         self._tables = {name: EmbeddingTable(name, cfg) for name, cfg in config.tables.items()}
         self._push_lock = threading.Lock()
-        self._pushes: OrderedDict[str, PushResult | _PendingPush] = OrderedDict()
+        # request id -> (monotonic time first seen, its push), oldest first
+        self._pushes: OrderedDict[str, tuple[float, PushResult | _PendingPush]] = OrderedDict()
         self._duplicate_pushes = 0
         self._checkpoint_lock = threading.Lock()
         # (directory, seq of the newest checkpoint there, deltas since its full)
@@ -219,10 +220,12 @@ class StoreShard:
         if request_id is None:
             return self._apply(checked, into)
         with self._push_lock:
-            entry = self._pushes.get(request_id)
+            seen = self._pushes.get(request_id)
+            entry = seen[1] if seen is not None else None
             if entry is None:
+                first_seen = time.monotonic()
                 pending = _PendingPush()
-                self._pushes[request_id] = pending
+                self._pushes[request_id] = (first_seen, pending)
         if entry is not None:
             if isinstance(entry, _PendingPush):
                 entry.done.wait()
@@ -244,11 +247,22 @@ class StoreShard:
             raise
         pending.result = result
         with self._push_lock:
-            self._pushes[request_id] = result
-            while len(self._pushes) > self.config.remembered_push_ids:
-                self._pushes.popitem(last=False)
+            self._pushes[request_id] = (first_seen, result)
+            self._forget_old_pushes()
         pending.done.set()
         return result
+
+    def _forget_old_pushes(self) -> None:
+        """Drop the oldest request ids beyond ``remembered_push_ids`` or older than
+        ``remembered_push_s``: a retry comes within the client's retry span, and a
+        count alone let the ids fill the shard's memory for an hour at a slow rate."""
+        horizon = time.monotonic() - self.config.remembered_push_s
+        pushes = self._pushes
+        while pushes and (
+            len(pushes) > self.config.remembered_push_ids
+            or next(iter(pushes.values()))[0] < horizon
+        ):
+            pushes.popitem(last=False)
 
     @staticmethod
     def _apply(

@@ -214,6 +214,15 @@ class StoreConfig(_Strict):
     )
     keep_full_checkpoints: int = Field(2, ge=1)
     remembered_push_ids: int = Field(65536, ge=1, description="push request ids kept for dedup")
+    remembered_push_s: float = Field(
+        300.0,
+        gt=0,
+        description=(
+            "seconds a push request id is kept for dedup: longer than a client's retries "
+            "of one push (the default RetryPolicy's longest, about 3 minutes), short "
+            "enough that the shard's memory for them is flat within minutes"
+        ),
+    )
     server_threads: int = Field(8, ge=1, le=256)
 
     @field_validator("tables")

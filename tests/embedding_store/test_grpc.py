@@ -233,6 +233,36 @@ def test_a_retried_push_is_applied_once(write_job, token_file, start_shards) -> 
         assert c.stats()[0].duplicate_pushes == 1
 
 
+def test_a_push_id_is_forgotten_after_remembered_push_s(
+    write_job, token_file, start_shards
+) -> None:
+    """A shard keeps a push's request id for ``remembered_push_s`` only: a retry within
+    it is answered once more without applying it, one after it is applied again. With
+    the count alone the ids filled a shard's memory (18 MB at 65,536 ids) for the
+    hour of a 20-pushes-a-second soak: its RSS grew 7.6% after the warm-up."""
+    procs = start_shards(1, write_job(remembered_push_s=1.0), token_file)
+    with StoreClient.connect(grpc_address(procs), token=token_file.read_text().strip()) as c:
+        ids = np.arange(5, dtype=np.uint64)
+        c.lookup({"item": ids})  # the rows exist: a push applies to each
+        grads = {"item": (ids, np.ones((5, 4), np.float32))}
+        assert not c.push(grads, request_id="kept").duplicate_request
+        assert c.push(grads, request_id="kept").duplicate_request
+        assert not c.push(grads, request_id="old").duplicate_request
+        time.sleep(1.5)
+        c.push(grads, request_id="new")  # a push after the window forgets the old ids
+        again = c.push(grads, request_id="old")
+        assert not again.duplicate_request
+        assert again.applied == 5
+        assert c.stats()[0].duplicate_pushes == 1
+
+
+def test_a_push_id_is_remembered_past_the_client_s_retries() -> None:
+    from embedding_store.types import StoreConfig
+
+    config = StoreConfig(tables={"t": {"dim": 2}})
+    assert RetryPolicy().longest_s < config.remembered_push_s
+
+
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "socket"])
 def test_a_push_brings_back_the_rows_it_left(
     write_job, token_file, start_shards, shared_memory: bool
