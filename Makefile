@@ -14,7 +14,8 @@ PEERS_SPEC ?= torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0
 # Two test processes, each taking whole files (a file's tests share its fixtures and
 # run in order): most tests wait on real processes, so two cores run two files at
 # once (9.5 minutes instead of 15). `make test PYTEST_ARGS=` runs them one by one.
-PYTEST_ARGS ?= -n 2 --dist loadfile
+# The 30 slowest are listed at the end: the suite has a 25-minute budget on 2 cores.
+PYTEST_ARGS ?= -n 2 --dist loadfile --durations=30
 DEMO_ARGS ?=
 
 .PHONY: install browser lint typecheck proto proto-check test test-only demo s3 bench-store bench-pipeline bench-e2e bench-chaos bench-scale bench-quality bench-serve bench-soak clean

@@ -53,14 +53,21 @@ In the order they run:
    published with ``DensePublisher`` into the job's serving location; from the
    publish call's start to the first response naming the new ``dense_version``.
 4. **Training slowdown**: the same job on the same ``--samples`` events, with
-   and without a client thread sending 100 requests/s of batch 64 through the
-   server, alternated over ``--repeat`` rounds (the order flips each round);
+   and without 100 requests/s of batch 64 sent through the server on a fixed
+   schedule (four client threads, so that the rate holds while a request takes
+   longer than 10 ms; ``load_requests_per_s_achieved`` says what was sent),
+   alternated over ``--repeat`` rounds (the order flips each round);
    ``training_slowdown`` is the median samples/s with load over the median
    without. Samples/s as ``benchmarks/e2e.py`` reads it from the job's metrics
    file: from its first progress report to its last (start-up left out).
 
 Per-core figures divide by ``os.cpu_count()`` (``cpus`` in the JSON). On a
 2-core machine every process above shares the same two cores: the client too.
+So ``*_per_server_core`` divides instead by the cores the server's own processes
+(``streamrec serve``, and its replicas with ``--rows replicas``) kept busy at
+the sweep's best level, from their CPU time: what a core gives a server whose
+clients run elsewhere, as they do in a deployment (each sweep level's
+``server_cores`` is in the JSON).
 """
 
 from __future__ import annotations
@@ -432,8 +439,29 @@ def sequential(
     }
 
 
-def concurrent(address: str, reqs: list[Request], threads: int, seconds: float) -> dict[str, Any]:
-    """``threads`` client threads, each with its own client, for ``seconds``."""
+def cpu_s(pids: Sequence[int]) -> float:
+    """CPU seconds (user and system, every thread) the processes ``pids`` used so far."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        with suppress(psutil.Error):
+            times = psutil.Process(pid).cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def concurrent(
+    address: str,
+    reqs: list[Request],
+    threads: int,
+    seconds: float,
+    server_pids: Sequence[int] = (),
+) -> dict[str, Any]:
+    """``threads`` client threads, each with its own client, for ``seconds``.
+
+    ``server_cores``: the cores the processes ``server_pids`` (the server, its replicas)
+    kept busy meanwhile; the rest of the machine went to the clients."""
     barrier = threading.Barrier(threads + 1)
     lat: list[list[float]] = [[] for _ in range(threads)]
     ends = [0.0] * threads
@@ -469,8 +497,10 @@ def concurrent(address: str, reqs: list[Request], threads: int, seconds: float) 
     with suppress(threading.BrokenBarrierError):
         barrier.wait()
     t0 = time.perf_counter()
+    cpu0 = cpu_s(server_pids)
     for t in pool:
         t.join()
+    cpu1 = cpu_s(server_pids)
     if errors:
         raise errors[0]
     elapsed = max(ends) - t0
@@ -480,47 +510,71 @@ def concurrent(address: str, reqs: list[Request], threads: int, seconds: float) 
         "requests_per_s": len(ms) / elapsed,
         "p50_ms": pct(ms, 50),
         "p99_ms": pct(ms, 99),
+        # the last thread's end is where both reads were taken, near enough
+        "server_cores": (cpu1 - cpu0) / (time.perf_counter() - t0) if server_pids else None,
     }
 
 
-class Load(threading.Thread):
-    """Sends ``rate`` requests/s (paced, never bursting to catch up) until stopped."""
+class Load:
+    """Sends ``rate`` requests/s until stopped: an open schedule (a request every
+    ``1 / rate`` seconds, never bursting to catch up) served by ``senders`` threads,
+    each with its own client, so that the rate holds while a request takes longer
+    than the period (one sequential client sent 46 of 100 requests/s of batch 64
+    beside training, where a request took 22 ms)."""
 
-    def __init__(self, address: str, reqs: list[Request], rate: float) -> None:
-        super().__init__(name="serve-load", daemon=True)
+    def __init__(self, address: str, reqs: list[Request], rate: float, senders: int = 4) -> None:
         self.address, self.reqs, self.rate = address, reqs, rate
         self.stop_event = threading.Event()
         self.lat: list[float] = []
         self.errors = 0
         self.elapsed = 0.0
+        self._lock = threading.Lock()
+        self._next = 0.0
+        self._sent = 0
+        self._threads = [
+            threading.Thread(target=self._send, name=f"serve-load-{k}", daemon=True)
+            for k in range(senders)
+        ]
 
-    def run(self) -> None:
-        client = client_for(self.address)
+    def start(self) -> None:
+        self._t0 = self._next = time.perf_counter()
+        for t in self._threads:
+            t.start()
+
+    def _slot(self) -> tuple[float, int]:
+        """The next send time and request; a slot more than a period late is dropped."""
         period = 1.0 / self.rate
-        t0 = nxt = time.perf_counter()
-        i = 0
+        with self._lock:
+            slot = max(self._next, time.perf_counter() - period)
+            self._next = slot + period
+            self._sent += 1
+            return slot, self._sent
+
+    def _send(self) -> None:
+        client = client_for(self.address)
         try:
             while not self.stop_event.is_set():
-                now = time.perf_counter()
-                if now < nxt:
-                    self.stop_event.wait(nxt - now)
-                    continue
+                slot, i = self._slot()
+                wait = slot - time.perf_counter()
+                if wait > 0 and self.stop_event.wait(wait):
+                    break
                 req = self.reqs[i % len(self.reqs)]
-                i += 1
                 ta = time.perf_counter()
                 try:
                     client.infer(MODEL, req.inputs, outputs=req.outputs)
-                    self.lat.append(time.perf_counter() - ta)
+                    with self._lock:
+                        self.lat.append(time.perf_counter() - ta)
                 except Exception:
-                    self.errors += 1
-                nxt = max(nxt + period, time.perf_counter() - period)
+                    with self._lock:
+                        self.errors += 1
         finally:
-            self.elapsed = time.perf_counter() - t0
             client.close()
 
     def finish(self) -> dict[str, Any]:
         self.stop_event.set()
-        self.join()
+        for t in self._threads:
+            t.join()
+        self.elapsed = time.perf_counter() - self._t0
         ms = [x * 1000 for x in self.lat]
         return {
             "requests": len(ms),
@@ -866,21 +920,33 @@ class Setup:
     reqs: dict[int, list[Request]] = field(default_factory=dict)
     fresh_records: list[bytes] = field(default_factory=list)
     stamps: list[bytes] = field(default_factory=list)
+    server_pids: list[int] = field(default_factory=list)  # the server's and its replicas'
 
 
 def client_sweep(s: Setup, batch: int, levels: Sequence[int], suffix: str) -> list[dict[str, Any]]:
     """Requests of ``batch`` records from each number of client threads in ``levels``."""
     sweep = []
     for threads in levels:
-        r = concurrent(s.address, s.reqs[batch], threads, s.args.seconds)
-        sweep.append({k: r[k] for k in ("threads", "requests_per_s", "p99_ms", "p50_ms")})
+        r = concurrent(s.address, s.reqs[batch], threads, s.args.seconds, s.server_pids)
+        keys = ("threads", "requests_per_s", "p99_ms", "p50_ms", "server_cores")
+        sweep.append({k: r[k] for k in keys})
         if s.log:
             say(
                 f"  batch {batch}, {threads} threads{suffix}: {r['requests_per_s']:,.0f} "
                 f"requests/s ({batch * r['requests_per_s']:,.0f} samples/s)  "
-                f"p99 {r['p99_ms']:.2f} ms"
+                f"p99 {r['p99_ms']:.2f} ms  server {r['server_cores']:.2f} cores"
             )
     return sweep
+
+
+def per_server_core(sweep: Sequence[Mapping[str, Any]], per_request: int) -> float | None:
+    """At the sweep's best level: what one core of the server's own processes gives
+    (with the clients on other machines, the server could have them all)."""
+    measured = [r for r in sweep if r.get("server_cores")]
+    if not measured:
+        return None
+    best = max(measured, key=lambda r: r["requests_per_s"])
+    return float(per_request * best["requests_per_s"] / best["server_cores"])
 
 
 def latency_phase(s: Setup, suffix: str, out: dict[str, Any]) -> None:
@@ -901,9 +967,11 @@ def latency_phase(s: Setup, suffix: str, out: dict[str, Any]) -> None:
     sweep512 = [first512, *client_sweep(s, 512, SWEEP_512, suffix)]
     out[f"sweep512{suffix}"] = sweep512
     out[f"samples_per_s_batch512{suffix}"] = 512 * max(r["requests_per_s"] for r in sweep512)
+    out[f"samples_per_s_batch512_per_server_core{suffix}"] = per_server_core(sweep512, 512)
     sweep = client_sweep(s, 1, s.args.sweep, suffix)
     out[f"sweep{suffix}"] = sweep
     out[f"requests_per_s_batch1{suffix}"] = max(r["requests_per_s"] for r in sweep)
+    out[f"requests_per_s_batch1_per_server_core{suffix}"] = per_server_core(sweep, 1)
     out[f"requests_per_s_batch1_sequential{suffix}"] = detail["batch1"]["requests_per_s"]
     out[f"latency{suffix}"] = detail
 
@@ -983,7 +1051,7 @@ def ceiling_phase(s: Setup, tmp: Path, out: dict[str, Any]) -> None:
     try:
         seq = sequential(server.address, s.reqs[1], s.args.seconds)
         sweep = [
-            concurrent(server.address, s.reqs[1], threads, s.args.seconds)
+            concurrent(server.address, s.reqs[1], threads, s.args.seconds, [server.proc.pid])
             for threads in s.args.sweep
         ]
     finally:
@@ -993,13 +1061,18 @@ def ceiling_phase(s: Setup, tmp: Path, out: dict[str, Any]) -> None:
         "p50_ms_batch1": seq["p50_ms"],
         "p99_ms_batch1": seq["p99_ms"],
         "requests_per_s_batch1": best,
-        "sweep": [{k: r[k] for k in ("threads", "requests_per_s", "p99_ms")} for r in sweep],
+        "requests_per_s_batch1_per_server_core": per_server_core(sweep, 1),
+        "sweep": [
+            {k: r[k] for k in ("threads", "requests_per_s", "p99_ms", "server_cores")}
+            for r in sweep
+        ],
     }
     out["requests_per_s_batch1_vs_ceiling"] = out["requests_per_s_batch1"] / best
     if s.log:
         say(
             f"  a model that costs nothing: batch 1 p50 {seq['p50_ms']:.2f} ms  "
-            f"p99 {seq['p99_ms']:.2f} ms  best {best:,.0f} requests/s"
+            f"p99 {seq['p99_ms']:.2f} ms  best {best:,.0f} requests/s, "
+            f"{out['ceiling']['requests_per_s_batch1_per_server_core'] or 0:,.0f} per server core"
         )
 
 
@@ -1130,7 +1203,9 @@ def print_table(out: dict[str, Any]) -> None:
         "p50_ms_batch1", "p99_ms_batch1", "p50_ms_batch64", "p99_ms_batch64",
         "p50_ms_batch512", "p99_ms_batch512",
         "requests_per_s_batch1", "requests_per_s_batch1_per_core",
+        "requests_per_s_batch1_per_server_core",
         "samples_per_s_batch512", "samples_per_s_batch512_per_core",
+        "samples_per_s_batch512_per_server_core",
         "sparse_freshness_s_p50", "sparse_freshness_s_p99",
         "dense_freshness_s_p50", "dense_freshness_s_p99",
     ]  # fmt: skip
@@ -1289,6 +1364,7 @@ def main(argv: list[str] | None = None) -> int:
         out["setup_s"] = round(time.monotonic() - t, 1)
         training_store = stack.enter_context(StoreClient.connect(store, token=token))
         s = Setup(server.address, job, training_store, args, log)
+        s.server_pids = [server.proc.pid, *(r.proc.pid for r in replicas)]
         s.fresh_records = stream_records(max(4096, 512 * 4))
         s.reqs = {
             1: requests_of(s.fresh_records, 1, 256),

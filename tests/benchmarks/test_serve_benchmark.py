@@ -36,6 +36,7 @@ def test_every_serving_figure_is_reported(tmp_path: Path) -> None:
     keys = LATENCY + FRESHNESS
     keys += [f"{k}_while_training" for k in keys]
     keys += ["requests_per_s_batch1_per_core", "samples_per_s_batch512_per_core"]
+    keys += ["requests_per_s_batch1_per_server_core", "samples_per_s_batch512_per_server_core"]
     keys += ["training_slowdown", "training_samples_per_s_with_load"]
     keys += ["training_samples_per_s_without_load", "cpus"]
     assert_positive(figures, keys)
@@ -44,7 +45,8 @@ def test_every_serving_figure_is_reported(tmp_path: Path) -> None:
         sweep = figures[f"sweep{suffix}"]
         assert [level["threads"] for level in sweep] == [1, 2]
         for level in sweep:
-            assert_positive(level, ["requests_per_s", "p99_ms"])
+            # the server's own processes' cores, from their CPU time
+            assert_positive(level, ["requests_per_s", "p99_ms", "server_cores"])
         best = max(level["requests_per_s"] for level in sweep)
         assert figures[f"requests_per_s_batch1{suffix}"] == best
         sweep512 = figures[f"sweep512{suffix}"]
@@ -57,7 +59,15 @@ def test_every_serving_figure_is_reported(tmp_path: Path) -> None:
         assert figures[f"dense_freshness{suffix}"]["timeouts"] == 0
     assert figures["slowdown_runs"]["with"][0]["serving_load"]["requests"] > 0
     # The ceiling: the same server code and client with a model that costs nothing.
-    assert_positive(figures["ceiling"], ["p50_ms_batch1", "p99_ms_batch1", "requests_per_s_batch1"])
+    assert_positive(
+        figures["ceiling"],
+        [
+            "p50_ms_batch1",
+            "p99_ms_batch1",
+            "requests_per_s_batch1",
+            "requests_per_s_batch1_per_server_core",
+        ],
+    )
     assert [level["threads"] for level in figures["ceiling"]["sweep"]] == [1, 2]
     assert (
         0

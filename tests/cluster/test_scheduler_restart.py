@@ -16,6 +16,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -75,6 +76,19 @@ def test_a_job_finds_its_restarted_scheduler_and_goes_on(tmp_path: Path, dask_ho
     assert "started the trainer ranks again 1 time(s)" in out, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
     assert_every_offset_learned_once(run_dir)
+    # The restarted scheduler got the job's plugins again: its page and the span pruner
+    # that keeps its memory flat (pipeline.scheduler_spans).
+    assert {"streamrec", "streamrec-span-pruner"} <= scheduler_plugins(scheduler)
+
+
+def scheduler_plugins(address: str) -> set[str]:
+    from distributed import Client
+
+    def names(dask_scheduler: Any) -> list[str]:
+        return list(dask_scheduler.plugins)
+
+    with Client(address, timeout=30) as client:
+        return set(client.run_on_scheduler(names))
 
 
 def test_a_lost_scheduler_s_expected_errors_are_not_reported(

@@ -58,3 +58,25 @@ def test_finished_spans_are_dropped_and_live_ones_kept() -> None:
         # The scheduler goes on as before: new work, new spans, right answers.
         assert client.submit(operator.mul, 6, 7, pure=False).result() == 42
         del held
+
+
+def test_a_heartbeat_naming_a_dropped_span_does_not_close_its_worker() -> None:
+    """Spans dropped as soon as they are done: a worker's next heartbeat still names the
+    span of the task it just ran. Dask's scheduler answered it with a KeyError, on
+    which the worker closed itself ("Unexpected exception during heartbeat. Closing
+    worker.", seen with an earlier pruner); the pruner has those metrics dropped."""
+    with dask_cluster() as client:
+        workers = set(client.scheduler_info()["workers"])
+        client.register_plugin(SpanPruner(keep=0, every_s=0.05, min_age_s=0.0))
+        rounds(client, 40, "eager")  # each round's future is released at once
+        time.sleep(2)  # a few more heartbeats, each worker's every 0.5 s
+
+        def late(dask_scheduler: Any) -> tuple[int, int]:
+            pruner = dask_scheduler.plugins[SpanPruner.name]
+            return pruner.late_metrics, pruner.dropped
+
+        late_metrics, dropped = client.run_on_scheduler(late)
+        assert dropped >= 30
+        assert late_metrics > 0  # the race this is about did happen
+        assert set(client.scheduler_info()["workers"]) == workers  # none closed
+        assert client.submit(operator.mul, 6, 7, pure=False).result() == 42
