@@ -95,7 +95,6 @@ class SpanPruner(SchedulerPlugin):
         self.dropped = 0
         self.late_metrics = 0  # heartbeat metrics of spans already dropped, not kept
         self._callback: Any = None
-        self._heartbeat: Any = None  # the spans extension's own, while replaced
 
     async def start(self, scheduler: Any) -> None:
         from tornado.ioloop import PeriodicCallback
@@ -110,8 +109,9 @@ class SpanPruner(SchedulerPlugin):
     def _tolerate_dropped_spans(self, ext: Any) -> None:
         """Metrics a heartbeat names by a span the pruner dropped are left out: Dask's
         extension raises a KeyError for them, and the worker then closes itself
-        ("Unexpected exception during heartbeat. Closing worker.")."""
-        own = self._heartbeat = ext.heartbeat
+        ("Unexpected exception during heartbeat. Closing worker."). For the
+        scheduler's life: spans already dropped may be named after the plugin goes."""
+        own = ext.heartbeat
 
         def heartbeat(ws: Any, data: dict[tuple[Any, ...], float]) -> None:
             known = {key: v for key, v in data.items() if key[1] in ext.spans}
@@ -132,14 +132,9 @@ class SpanPruner(SchedulerPlugin):
             self._stop()
 
     def _stop(self) -> None:
-        # The tolerant heartbeat stays: spans dropped before a failure may still be named.
         if self._callback is not None:
             self._callback.stop()
             self._callback = None
 
     async def close(self) -> None:
         self._stop()
-        ext = self.scheduler.extensions.get("spans") if self._heartbeat is not None else None
-        if ext is not None:
-            ext.heartbeat = self._heartbeat  # Dask's own again
-            self._heartbeat = None
