@@ -529,7 +529,7 @@ class Load:
         self.errors = 0
         self.elapsed = 0.0
         self._lock = threading.Lock()
-        self._next = 0.0
+        self._t0 = self._next = 0.0  # set when started
         self._sent = 0
         self._threads = [
             threading.Thread(target=self._send, name=f"serve-load-{k}", daemon=True)

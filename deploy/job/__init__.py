@@ -28,8 +28,7 @@ from deploy.job.services import (
     Services,
     batch_client,
     check_named_services,
-    install_page,
-    install_span_pruner,
+    install_scheduler_plugins,
     start_services,
 )
 from deploy.job.sources import RankSource, build_codec, build_deadletter, build_source
@@ -53,8 +52,7 @@ __all__ = [
     "build_source",
     "check_named_services",
     "checkpoint_location",
-    "install_page",
-    "install_span_pruner",
+    "install_scheduler_plugins",
     "run_job",
     "run_rank",
     "run_ranks",

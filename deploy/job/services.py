@@ -209,8 +209,7 @@ def _start_dask(job: JobConfig, stack: ExitStack) -> tuple[str, str | None]:
     # Before the page's address is printed: it used to answer 404 for seconds, until
     # the first rank registered the plugin.
     with Client(cluster, timeout=30) as client:
-        install_page(client)
-        install_span_pruner(client)
+        install_scheduler_plugins(client)
     return cluster.scheduler_address, cluster.dashboard_link
 
 
@@ -227,33 +226,28 @@ def batch_client(cluster: ClusterConfig, scheduler: str) -> Client:
     return Client(scheduler, direct_to_workers=cluster.direct_to_workers)
 
 
-def install_span_pruner(client: Any) -> None:
-    """Keep the scheduler's finished spans from piling up for as long as the job runs
-    (see :mod:`pipeline.scheduler_spans`). Idempotent; a scheduler that cannot load
-    it costs a warning, not the job."""
+def install_scheduler_plugins(client: Any) -> None:
+    """Register the job's plugins on the client's scheduler: the "streamrec" dashboard
+    page and metrics, and the pruner that keeps its finished spans from piling up
+    (see :mod:`pipeline.scheduler_spans`).
+
+    Idempotent (the first registration of each stays). A scheduler that cannot load
+    one (an external one without streamrec installed) costs a warning, not the job.
+    """
     from pipeline.scheduler_spans import SpanPruner
 
-    try:
-        client.register_plugin(SpanPruner())
-    except Exception as exc:
-        log.warning(
-            "the Dask scheduler could not load streamrec's span pruner (%s): its memory "
-            "grows with every finished span; install streamrec where it runs",
-            exc,
-        )
-
-
-def install_page(client: Any) -> None:
-    """Serve the "streamrec" dashboard page and metrics from the client's scheduler.
-
-    Idempotent (the first registration stays). A scheduler that cannot load the
-    plugin (an external one without streamrec installed) costs a warning, not the job.
-    """
-    try:
-        client.register_plugin(StreamrecPlugin())
-    except Exception as exc:
-        log.warning(
-            "the Dask scheduler could not load the streamrec plugin (%s): no /streamrec "
-            "page and no streamrec_ metrics; install streamrec where it runs",
-            exc,
-        )
+    plugins: list[tuple[Any, str]] = [
+        (StreamrecPlugin(), "no /streamrec page and no streamrec_ metrics"),
+        (SpanPruner(), "its memory grows with every finished span"),
+    ]
+    for plugin, without in plugins:
+        try:
+            client.register_plugin(plugin)
+        except Exception as exc:
+            log.warning(
+                "the Dask scheduler could not load streamrec's %s plugin (%s): %s; "
+                "install streamrec where it runs",
+                plugin.name,
+                exc,
+                without,
+            )
