@@ -343,30 +343,46 @@ def test_a_worker_killed_while_reading_kafka_costs_a_retry_not_a_record(
     with dask_cluster() as client:
         runner = StreamRunner(client, source, SPEC, store, staleness=4, codec=CODEC, max_records=40)
 
-        def kill_a_busy_worker(n: int) -> None:
-            if n != 3:
-                return
-            pids = client.run(os.getpid)
-            busy: list[tuple[str, Any]] = []
-            # A worker with a prepare task: with slow reads, it is in the middle of a chunk.
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                busy = [(w, ks) for w, ks in client.processing().items() if ks and w in pids]
-                if busy:
-                    break
-                time.sleep(0.05)
-            assert busy, "no worker was preparing a chunk"
-            worker, keys = busy[0]
-            for key in keys:
-                # prepare-<partition name>-<start>-<end>-<runner token>
-                name, start, end = str(key).removeprefix("prepare-").rsplit("-", 3)[:3]
-                lost.append((name, int(start), int(end)))
-            killed.append(pids[worker])
-            os.kill(pids[worker], signal.SIGKILL)
+        pids = client.run(os.getpid)
+        stop_watching = threading.Event()
+        errors: list[BaseException] = []
 
-        batches = consume(runner, lambda: runner.positions == stream.ends, kill_a_busy_worker)
+        def kill_a_busy_worker() -> None:
+            # Watches while the runner goes on submitting: a check from the consumer's
+            # thread would hold submission up, so on a fast broker or a loaded machine
+            # every chunk in flight could be done before it looked.
+            try:
+                while not stop_watching.is_set():
+                    busy = [(w, ks) for w, ks in client.processing().items() if ks and w in pids]
+                    if busy:
+                        break
+                    time.sleep(0.01)
+                else:
+                    return
+                worker, keys = busy[0]
+                for key in keys:
+                    # prepare-<partition name>-<start>-<end>-<runner token>
+                    name, start, end = str(key).removeprefix("prepare-").rsplit("-", 3)[:3]
+                    lost.append((name, int(start), int(end)))
+                killed.append(pids[worker])
+                os.kill(pids[worker], signal.SIGKILL)
+            except BaseException as e:  # surfaced by the test's thread
+                errors.append(e)
+
+        watcher = threading.Thread(target=kill_a_busy_worker, daemon=True)
+
+        def start_watching(n: int) -> None:
+            if n == 3:  # a few batches in: the runner is well under way
+                watcher.start()
+
+        try:
+            batches = consume(runner, lambda: runner.positions == stream.ends, start_watching)
+        finally:
+            stop_watching.set()
+            watcher.join(timeout=30)
+        assert not errors, errors
         # The process is gone; its nanny started another worker in its place.
-        assert killed
+        assert killed, "no worker was preparing a chunk while the stream was read"
         assert killed[0] not in client.run(os.getpid).values()
     source.close()
     stream.assert_in_the_log()
