@@ -52,6 +52,7 @@ from embedding_store.errors import (
     StoreUnavailable,
     UnknownTable,
 )
+from embedding_store.heap import trim_heap
 from embedding_store.latency import LatencyHistogram
 from embedding_store.proto import embedding_store_pb2 as pb
 from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
@@ -526,6 +527,9 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
             raise InvalidRequest(msg)
         directory = self._confined(request.directory)
         result = self.shard.checkpoint(directory, kind, metadata=metadata)  # type: ignore[arg-type]
+        # A checkpoint allocates and frees a copy of every table's rows: the pages
+        # go back to the OS now rather than staying in the heap between live blocks.
+        trim_heap()
         reply = checkpoint_to_pb(result)
         reply.incarnation = self.shard.incarnation
         return reply

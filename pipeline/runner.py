@@ -46,7 +46,7 @@ from distributed import Client, Future, wait
 from connectors.codecs import Codec
 from connectors.spec import FeatureSpec
 from connectors.types import BadRecord, Chunk, DeadLetterSink, Source
-from pipeline.prepare import StoreAddress, StoreClientPlugin, prepare
+from pipeline.prepare import PrepareContext, StoreAddress, StoreClientPlugin, prepare_in_context
 from pipeline.types import PreparedBatch
 
 Prepared = tuple[PreparedBatch, list[BadRecord]]
@@ -132,6 +132,9 @@ class StreamRunner:
         self._next_worker = int(self._token, 16)  # ranks sharing a cluster start apart
         if store is not None:
             client.register_plugin(StoreClientPlugin(store), name=StoreClientPlugin.name)
+        self._context = f"streamrec-prepare-{self._token}"
+        client.register_plugin(PrepareContext(self._context, source, spec, codec))
+        self._context_dropped = False
 
     # --- positions ----------------------------------------------------------------
 
@@ -183,11 +186,9 @@ class StreamRunner:
             self._next_worker += 1
             placement = {"workers": [worker], "allow_other_workers": True}
         return self.client.submit(
-            prepare,
+            prepare_in_context,
             chunk,
-            self.source,
-            self.spec,
-            self.codec,
+            self._context,
             lookup=self.store is not None,
             key=key,
             retries=self.retries,
@@ -302,3 +303,10 @@ class StreamRunner:
         if self._fetcher is not None:
             # Its fetches end with the cancelled tasks; nothing waits for them.
             self._fetcher.shutdown(wait=False, cancel_futures=True)
+        # Workers drop their copy of the context (and its connections). Only while the
+        # client is connected: a call to a scheduler that went away would wait for it,
+        # and a restarted one has no copy anyway.
+        if self.client.status == "running" and not self._context_dropped:
+            self._context_dropped = True
+            with contextlib.suppress(Exception):
+                self.client.unregister_worker_plugin(self._context)

@@ -228,17 +228,20 @@ def batch_client(cluster: ClusterConfig, scheduler: str) -> Client:
 
 def install_scheduler_plugins(client: Any) -> None:
     """Register the job's plugins on the client's scheduler: the "streamrec" dashboard
-    page and metrics, and the pruner that keeps its finished spans from piling up
-    (see :mod:`pipeline.scheduler_spans`).
+    page and metrics, the pruner that keeps its finished spans from piling up (see
+    :mod:`pipeline.scheduler_spans`) and the trim of its key cache and heap (see
+    :mod:`pipeline.scheduler_memory`).
 
     Idempotent (the first registration of each stays). A scheduler that cannot load
     one (an external one without streamrec installed) costs a warning, not the job.
     """
+    from pipeline.scheduler_memory import SchedulerTrim
     from pipeline.scheduler_spans import SpanPruner
 
     plugins: list[tuple[Any, str]] = [
         (StreamrecPlugin(), "no /streamrec page and no streamrec_ metrics"),
         (SpanPruner(), "its memory grows with every finished span"),
+        (SchedulerTrim(), "its memory grows with every task name and freed block"),
     ]
     for plugin, without in plugins:
         try:

@@ -78,7 +78,9 @@ def test_a_job_finds_its_restarted_scheduler_and_goes_on(tmp_path: Path, dask_ho
     assert_every_offset_learned_once(run_dir)
     # The restarted scheduler got the job's plugins again: its page and the span pruner
     # that keeps its memory flat (pipeline.scheduler_spans).
-    assert {"streamrec", "streamrec-span-pruner"} <= scheduler_plugins(scheduler)
+    assert {"streamrec", "streamrec-span-pruner", "streamrec-scheduler-trim"} <= (
+        scheduler_plugins(scheduler)
+    )
 
 
 def scheduler_plugins(address: str) -> set[str]:

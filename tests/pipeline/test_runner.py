@@ -115,6 +115,34 @@ def test_results_are_fetched_while_the_consumer_holds_a_batch(cluster: Client) -
     runner.close()
 
 
+def test_a_task_carries_its_chunk_not_the_runners_source_and_spec(cluster: Client) -> None:
+    # The scheduler unpickles every task and keeps its streams' last thousand messages:
+    # with the spec and source in each, a job's scheduler churned tens of MB a minute.
+    source = SyntheticSource(SyntheticConfig(seed=4, partitions=2, events=2000))
+    runner = StreamRunner(cluster, source, SPEC, None, staleness=3, max_records=200)
+    batches = iter(runner)
+    next(batches)
+
+    def specs(dask_scheduler: Any) -> list[bytes]:
+        import pickle
+
+        return [
+            pickle.dumps(ts.run_spec)
+            for key, ts in dask_scheduler.tasks.items()
+            if str(key).startswith("prepare-")
+        ]
+
+    held = cluster.run_on_scheduler(specs)
+    assert len(held) >= 3  # in flight (and the one yielded, until its release lands)
+    for blob in held:
+        assert b"Chunk" in blob
+        assert b"FeatureSpec" not in blob, len(blob)
+        assert b"SyntheticSource" not in blob, len(blob)
+    # Every worker holds them once, and still prepares every chunk.
+    assert sum(1 for _ in batches) == 19
+    runner.close()
+
+
 def test_tasks_are_spread_over_the_workers() -> None:
     # Left to choose, the scheduler gave one of two idle workers nearly every task: a
     # job's pipeline ran on one worker whatever cluster.workers said.
