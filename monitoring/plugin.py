@@ -19,6 +19,7 @@ Register it once per cluster: ``client.register_plugin(StreamrecPlugin())``
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from importlib import resources
@@ -31,7 +32,11 @@ from monitoring.prometheus import JobMetricsCollector
 from monitoring.state import MonitorState
 from monitoring.types import TOPIC
 
+log = logging.getLogger(__name__)
+
 PAGE = "streamrec"
+# Reports Dask's event broker keeps on the topic (see _keep_few_events).
+EVENTS_KEPT = 10
 
 
 class _Handler(web.RequestHandler):
@@ -81,6 +86,7 @@ class StreamrecPlugin(SchedulerPlugin):
             )
         _add_to_dashboard_menu(scheduler)
         self._collector = JobMetricsCollector(self.state, time.time)
+        _keep_few_events(scheduler, TOPIC, EVENTS_KEPT)
         # The scheduler's /metrics serves prometheus_client's default registry.
         from prometheus_client import REGISTRY
 
@@ -96,6 +102,26 @@ class StreamrecPlugin(SchedulerPlugin):
 
             REGISTRY.unregister(self._collector)
             self._collector = None
+
+
+def _keep_few_events(scheduler: Any, topic: str, keep: int) -> None:
+    """Have Dask's event broker keep only the last ``keep`` events of ``topic``.
+
+    It keeps every topic's last ``distributed.admin.low-level-log-length`` (1,000)
+    events for clients that ask for them. The plugin takes what it draws from a
+    report as it arrives, so the broker's copies are only memory: about 22 KB and
+    280 objects each, so a full topic held 22 MB, and at a report every few
+    seconds it kept filling for most of a soak's hour. A Dask whose broker has
+    moved keeps its default.
+    """
+    from collections import deque
+
+    topics = getattr(getattr(scheduler, "_broker", None), "_topics", None)
+    try:
+        held = topics[topic]  # type: ignore[index]  # a defaultdict: made if new
+        held.events = deque(held.events, maxlen=keep)
+    except Exception:  # Dask's internals moved: its default stays
+        log.warning("could not bound Dask's history of the %r events; it keeps its own", topic)
 
 
 def _finite(value: Any) -> Any:

@@ -23,16 +23,12 @@ True
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
-from typing import Any
 
 from dask.utils import key_split
-from distributed.diagnostics.plugin import SchedulerPlugin
 
 from embedding_store.heap import trim_heap
-
-log = logging.getLogger(__name__)
+from pipeline.scheduler_periodic import PeriodicPlugin
 
 
 @dataclass(frozen=True)
@@ -53,39 +49,19 @@ def trim_scheduler_memory(key_cache_limit: int = 10_000) -> Trimmed:
     return Trimmed(key_names_dropped=dropped, heap_trimmed=trim_heap())
 
 
-class SchedulerTrim(SchedulerPlugin):
+class SchedulerTrim(PeriodicPlugin):
     """Calls :func:`trim_scheduler_memory` on its scheduler every ``every_s`` seconds."""
 
     name = "streamrec-scheduler-trim"
-    idempotent = True  # every rank may register it; the first one stays
+    doing = "trimming memory"
 
     def __init__(self, every_s: float = 60.0, key_cache_limit: int = 10_000) -> None:
-        self.every_s = every_s
+        super().__init__(every_s)
         self.key_cache_limit = key_cache_limit
         self.trims = 0
         self.key_names_dropped = 0
-        self._callback: Any = None
 
-    async def start(self, scheduler: Any) -> None:
-        from tornado.ioloop import PeriodicCallback
-
-        self._callback = PeriodicCallback(self.trim, self.every_s * 1000)
-        self._callback.start()
-
-    def trim(self) -> None:
-        try:
-            done = trim_scheduler_memory(self.key_cache_limit)
-        except Exception:  # Dask's cache moved: keep the scheduler, say so once
-            log.exception("trimming the Dask scheduler's memory failed; stopped")
-            self._stop()
-            return
+    def tick(self) -> None:
+        done = trim_scheduler_memory(self.key_cache_limit)
         self.trims += 1
         self.key_names_dropped += done.key_names_dropped
-
-    def _stop(self) -> None:
-        if self._callback is not None:
-            self._callback.stop()
-            self._callback = None
-
-    async def close(self) -> None:
-        self._stop()

@@ -34,14 +34,11 @@ plugin also has the spans extension drop those metrics (counted in
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from distributed.diagnostics.plugin import SchedulerPlugin
-
-log = logging.getLogger(__name__)
+from pipeline.scheduler_periodic import PeriodicPlugin
 
 
 def _live(span: Any, task_groups: Mapping[str, Any]) -> bool:
@@ -77,11 +74,11 @@ def prune_spans(ext: Any, task_groups: Mapping[str, Any], keep: int, done_before
     return len(gone)
 
 
-class SpanPruner(SchedulerPlugin):
+class SpanPruner(PeriodicPlugin):
     """Calls :func:`prune_spans` on its scheduler every ``every_s`` seconds."""
 
     name = "streamrec-span-pruner"
-    idempotent = True  # every rank may register it; the first one stays
+    doing = "pruning finished spans"
 
     def __init__(self, keep: int = 100, every_s: float = 30.0, min_age_s: float = 60.0) -> None:
         """``min_age_s``: a span is dropped once done this long, so that the metrics of
@@ -89,22 +86,17 @@ class SpanPruner(SchedulerPlugin):
         or so), still reach it. In an hour's soak (the job started 26 to 79 spans a
         minute) the scheduler held about 500 when they were kept 10 minutes, at
         most 140 when kept one."""
+        super().__init__(every_s)
         self.keep = keep
-        self.every_s = every_s
         self.min_age_s = min_age_s
         self.dropped = 0
         self.late_metrics = 0  # heartbeat metrics of spans already dropped, not kept
-        self._callback: Any = None
 
     async def start(self, scheduler: Any) -> None:
-        from tornado.ioloop import PeriodicCallback
-
-        self.scheduler = scheduler
         ext = scheduler.extensions.get("spans")
         if ext is not None and callable(getattr(ext, "heartbeat", None)):
             self._tolerate_dropped_spans(ext)
-        self._callback = PeriodicCallback(self.prune, self.every_s * 1000)
-        self._callback.start()
+        await super().start(scheduler)
 
     def _tolerate_dropped_spans(self, ext: Any) -> None:
         """Metrics a heartbeat names by a span the pruner dropped are left out: Dask's
@@ -120,21 +112,9 @@ class SpanPruner(SchedulerPlugin):
 
         ext.heartbeat = heartbeat
 
-    def prune(self) -> None:
+    def tick(self) -> None:
         ext = self.scheduler.extensions.get("spans")
         if ext is None:  # a Dask without spans: nothing piles up
             return
-        try:
-            done_before = time.time() - self.min_age_s
-            self.dropped += prune_spans(ext, self.scheduler.task_groups, self.keep, done_before)
-        except Exception:  # Dask's internals moved: keep the scheduler, say so once
-            log.exception("pruning the Dask scheduler's finished spans failed; stopped")
-            self._stop()
-
-    def _stop(self) -> None:
-        if self._callback is not None:
-            self._callback.stop()
-            self._callback = None
-
-    async def close(self) -> None:
-        self._stop()
+        done_before = time.time() - self.min_age_s
+        self.dropped += prune_spans(ext, self.scheduler.task_groups, self.keep, done_before)
