@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import time
+from collections import deque
 from importlib import resources
 from typing import Any
 
@@ -114,8 +115,6 @@ def _keep_few_events(scheduler: Any, topic: str, keep: int) -> None:
     seconds it kept filling for most of a soak's hour. A Dask whose broker has
     moved keeps its default.
     """
-    from collections import deque
-
     topics = getattr(getattr(scheduler, "_broker", None), "_topics", None)
     try:
         held = topics[topic]  # type: ignore[index]  # a defaultdict: made if new

@@ -134,7 +134,6 @@ class StreamRunner:
             client.register_plugin(StoreClientPlugin(store), name=StoreClientPlugin.name)
         self._context = f"streamrec-prepare-{self._token}"
         client.register_plugin(PrepareContext(self._context, source, spec, codec))
-        self._context_dropped = False
 
     # --- positions ----------------------------------------------------------------
 
@@ -296,6 +295,7 @@ class StreamRunner:
 
     def close(self) -> None:
         """Cancel what is in flight; the positions stay those of the batches yielded."""
+        was_open = not self._closed
         self._closed = True
         if self._submitted:
             self.client.cancel([f for f, _, _ in self._submitted])
@@ -306,7 +306,6 @@ class StreamRunner:
         # Workers drop their copy of the context (and its connections). Only while the
         # client is connected: a call to a scheduler that went away would wait for it,
         # and a restarted one has no copy anyway.
-        if self.client.status == "running" and not self._context_dropped:
-            self._context_dropped = True
+        if was_open and self.client.status == "running":
             with contextlib.suppress(Exception):
                 self.client.unregister_worker_plugin(self._context)

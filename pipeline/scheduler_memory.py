@@ -15,7 +15,7 @@ then the heap is trimmed.
 
 >>> from dask.utils import key_split
 >>> _ = [key_split(f"prepare-topic-0-{i}-{i + 10}-ab12cd34") for i in range(50)]
->>> trim_scheduler_memory(key_cache_limit=10).key_names_dropped >= 50
+>>> trim_scheduler_memory(key_cache_limit=10) >= 50
 True
 >>> key_split.cache_info().currsize
 0
@@ -23,30 +23,22 @@ True
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from dask.utils import key_split
 
 from embedding_store.heap import trim_heap
 from pipeline.scheduler_periodic import PeriodicPlugin
 
 
-@dataclass(frozen=True)
-class Trimmed:
-    """What one :func:`trim_scheduler_memory` did."""
-
-    key_names_dropped: int
-    heap_trimmed: bool
-
-
-def trim_scheduler_memory(key_cache_limit: int = 10_000) -> Trimmed:
-    """Empty Dask's key-name cache if it holds more than ``key_cache_limit``; trim the heap."""
+def trim_scheduler_memory(key_cache_limit: int = 10_000) -> int:
+    """Empty Dask's key-name cache if it holds more than ``key_cache_limit``, trim the
+    heap; return how many names were dropped."""
     size = key_split.cache_info().currsize
     dropped = 0
     if size > key_cache_limit:
         key_split.cache_clear()
         dropped = size
-    return Trimmed(key_names_dropped=dropped, heap_trimmed=trim_heap())
+    trim_heap()
+    return dropped
 
 
 class SchedulerTrim(PeriodicPlugin):
@@ -62,6 +54,5 @@ class SchedulerTrim(PeriodicPlugin):
         self.key_names_dropped = 0
 
     def tick(self) -> None:
-        done = trim_scheduler_memory(self.key_cache_limit)
+        self.key_names_dropped += trim_scheduler_memory(self.key_cache_limit)
         self.trims += 1
-        self.key_names_dropped += done.key_names_dropped
