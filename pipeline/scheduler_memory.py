@@ -8,14 +8,14 @@ and glibc keeps the pages freed between live blocks of the scheduler's churn of
 task messages. In an hour's soak the scheduler's RSS rose by about 0.7 MB a
 minute with both.
 
-:class:`SchedulerTrim` is a scheduler plugin that calls :func:`trim_scheduler_memory`
+:class:`SchedulerTrim` is a scheduler plugin that calls :func:`trim_key_cache_and_heap`
 every ``every_s``: the key cache is emptied once it holds more than
 ``key_cache_limit`` names (the live tasks' are split again on their next use),
 then the heap is trimmed.
 
 >>> from dask.utils import key_split
 >>> _ = [key_split(f"prepare-topic-0-{i}-{i + 10}-ab12cd34") for i in range(50)]
->>> trim_scheduler_memory(key_cache_limit=10) >= 50
+>>> trim_key_cache_and_heap(key_cache_limit=10) >= 50
 True
 >>> key_split.cache_info().currsize
 0
@@ -26,10 +26,10 @@ from __future__ import annotations
 from dask.utils import key_split
 
 from embedding_store.heap import trim_heap
-from pipeline.scheduler_periodic import PeriodicPlugin
+from pipeline.periodic import PeriodicPlugin
 
 
-def trim_scheduler_memory(key_cache_limit: int = 10_000) -> int:
+def trim_key_cache_and_heap(key_cache_limit: int = 10_000) -> int:
     """Empty Dask's key-name cache if it holds more than ``key_cache_limit``, trim the
     heap; return how many names were dropped."""
     size = key_split.cache_info().currsize
@@ -42,7 +42,7 @@ def trim_scheduler_memory(key_cache_limit: int = 10_000) -> int:
 
 
 class SchedulerTrim(PeriodicPlugin):
-    """Calls :func:`trim_scheduler_memory` on its scheduler every ``every_s`` seconds."""
+    """Calls :func:`trim_key_cache_and_heap` on its scheduler every ``every_s`` seconds."""
 
     name = "streamrec-scheduler-trim"
     doing = "trimming memory"
@@ -54,5 +54,5 @@ class SchedulerTrim(PeriodicPlugin):
         self.key_names_dropped = 0
 
     def tick(self) -> None:
-        self.key_names_dropped += trim_scheduler_memory(self.key_cache_limit)
+        self.key_names_dropped += trim_key_cache_and_heap(self.key_cache_limit)
         self.trims += 1

@@ -38,7 +38,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.scheduler_periodic import PeriodicPlugin
+from pipeline.periodic import PeriodicPlugin
 
 
 def _live(span: Any, task_groups: Mapping[str, Any]) -> bool:

@@ -28,7 +28,7 @@ from deploy.job.services import (
     Services,
     batch_client,
     check_named_services,
-    install_scheduler_plugins,
+    install_dask_plugins,
     start_services,
 )
 from deploy.job.sources import RankSource, build_codec, build_deadletter, build_source
@@ -52,7 +52,7 @@ __all__ = [
     "build_source",
     "check_named_services",
     "checkpoint_location",
-    "install_scheduler_plugins",
+    "install_dask_plugins",
     "run_job",
     "run_rank",
     "run_ranks",

@@ -20,7 +20,7 @@ from connectors.kafka import KafkaSource, KafkaUnavailable
 from connectors.synthetic import SyntheticSource
 from connectors.types import DeadLetterSink, Source
 from deploy.config import JobConfig
-from deploy.job.services import Services, batch_client, install_scheduler_plugins
+from deploy.job.services import Services, batch_client, install_dask_plugins
 from deploy.job.sources import RankSource, build_deadletter, build_source, stop_waiting_when
 from deploy.job.threads import step_threads_for, take_short_gil_turns, torch_threads_for
 from embedding_store.client import StoreClient
@@ -144,7 +144,7 @@ def open_rank_parts(
     best_auc = None
     if rank == 0 and isinstance(source, SyntheticSource):
         best_auc = metrics.best_auc(source, n_samples=100_000)
-    install_scheduler_plugins(dask)
+    install_dask_plugins(dask)
     progress = _reporting(job, rank, store, dask, stack, limits.stopping, on_progress)
     checkpointer = None
     if book is not None:

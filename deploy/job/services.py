@@ -209,7 +209,7 @@ def _start_dask(job: JobConfig, stack: ExitStack) -> tuple[str, str | None]:
     # Before the page's address is printed: it used to answer 404 for seconds, until
     # the first rank registered the plugin.
     with Client(cluster, timeout=30) as client:
-        install_scheduler_plugins(client)
+        install_dask_plugins(client)
     return cluster.scheduler_address, cluster.dashboard_link
 
 
@@ -226,29 +226,32 @@ def batch_client(cluster: ClusterConfig, scheduler: str) -> Client:
     return Client(scheduler, direct_to_workers=cluster.direct_to_workers)
 
 
-def install_scheduler_plugins(client: Any) -> None:
-    """Register the job's plugins on the client's scheduler: the "streamrec" dashboard
-    page and metrics, the pruner that keeps its finished spans from piling up (see
-    :mod:`pipeline.scheduler_spans`) and the trim of its key cache and heap (see
-    :mod:`pipeline.scheduler_memory`).
+def install_dask_plugins(client: Any) -> None:
+    """Register the job's plugins on the client's scheduler and workers: the "streamrec"
+    dashboard page and metrics, the pruner that keeps the scheduler's finished spans
+    from piling up (see :mod:`pipeline.scheduler_spans`), the trim of the scheduler's
+    key cache and heap (see :mod:`pipeline.scheduler_memory`) and that of every
+    worker's metrics by span, key cache and heap (see :mod:`pipeline.worker_memory`).
 
     Idempotent (the first registration of each stays). A scheduler that cannot load
     one (an external one without streamrec installed) costs a warning, not the job.
     """
     from pipeline.scheduler_memory import SchedulerTrim
     from pipeline.scheduler_spans import SpanPruner
+    from pipeline.worker_memory import WorkerTrim
 
     plugins: list[tuple[Any, str]] = [
         (StreamrecPlugin(), "no /streamrec page and no streamrec_ metrics"),
         (SpanPruner(), "its memory grows with every finished span"),
         (SchedulerTrim(), "its memory grows with every task name and freed block"),
+        (WorkerTrim(), "the workers' memory grows with every span and task name"),
     ]
     for plugin, without in plugins:
         try:
             client.register_plugin(plugin)
         except Exception as exc:
             log.warning(
-                "the Dask scheduler could not load streamrec's %s plugin (%s): %s; "
+                "Dask could not load streamrec's %s plugin (%s): %s; "
                 "install streamrec where it runs",
                 plugin.name,
                 exc,

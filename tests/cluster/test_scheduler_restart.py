@@ -76,21 +76,24 @@ def test_a_job_finds_its_restarted_scheduler_and_goes_on(tmp_path: Path, dask_ho
     assert "started the trainer ranks again 1 time(s)" in out, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
     assert_every_offset_learned_once(run_dir)
-    # The restarted scheduler got the job's plugins again: its page and the span pruner
-    # that keeps its memory flat (pipeline.scheduler_spans).
-    assert {"streamrec", "streamrec-span-pruner", "streamrec-scheduler-trim"} <= (
-        scheduler_plugins(scheduler)
-    )
+    # The restarted scheduler got the job's plugins again: its page, the span pruner and
+    # the trims that keep its memory and its workers' flat (pipeline.scheduler_spans,
+    # pipeline.scheduler_memory, pipeline.worker_memory).
+    own, workers = scheduler_plugins(scheduler)
+    assert {"streamrec", "streamrec-span-pruner", "streamrec-scheduler-trim"} <= own
+    assert "streamrec-worker-trim" in workers
 
 
-def scheduler_plugins(address: str) -> set[str]:
+def scheduler_plugins(address: str) -> tuple[set[str], set[str]]:
+    """The plugins of the scheduler at ``address``, and those it gives every worker."""
     from distributed import Client
 
-    def names(dask_scheduler: Any) -> list[str]:
-        return list(dask_scheduler.plugins)
+    def names(dask_scheduler: Any) -> tuple[list[str], list[str]]:
+        return list(dask_scheduler.plugins), list(dask_scheduler.worker_plugins)
 
     with Client(address, timeout=30) as client:
-        return set(client.run_on_scheduler(names))
+        own, workers = client.run_on_scheduler(names)
+    return set(own), set(workers)
 
 
 def test_a_lost_scheduler_s_expected_errors_are_not_reported(
