@@ -230,14 +230,17 @@ def install_dask_plugins(client: Any) -> None:
     """Register the job's plugins on the client's scheduler and workers: the "streamrec"
     dashboard page and metrics, the pruner that keeps the scheduler's finished spans
     from piling up (see :mod:`pipeline.scheduler_spans`), the trim of the scheduler's
-    key cache and heap (see :mod:`pipeline.scheduler_memory`) and that of every
-    worker's metrics by span, key cache and heap (see :mod:`pipeline.worker_memory`).
+    key cache and heap (see :mod:`pipeline.scheduler_memory`), that of every
+    worker's metrics by span, key cache and heap (see :mod:`pipeline.worker_memory`),
+    and the filter that keeps a killed rank's hang-up out of the workers' logs (see
+    :mod:`pipeline.worker_logs`).
 
     Idempotent (the first registration of each stays). A scheduler that cannot load
     one (an external one without streamrec installed) costs a warning, not the job.
     """
     from pipeline.scheduler_memory import SchedulerTrim
     from pipeline.scheduler_spans import SpanPruner
+    from pipeline.worker_logs import QuietLostPeers
     from pipeline.worker_memory import WorkerTrim
 
     plugins: list[tuple[Any, str]] = [
@@ -245,6 +248,7 @@ def install_dask_plugins(client: Any) -> None:
         (SpanPruner(), "its memory grows with every finished span"),
         (SchedulerTrim(), "its memory grows with every task name and freed block"),
         (WorkerTrim(), "the workers' memory grows with every span and task name"),
+        (QuietLostPeers(), "a killed rank's hang-up shows as a worker's traceback"),
     ]
     for plugin, without in plugins:
         try:
