@@ -14,14 +14,13 @@ PEERS_SPEC ?= torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0
 # Two test processes, each taking whole files (a file's tests share its fixtures and
 # run in order): most tests wait on real processes, so two cores run two files at
 # once (9.5 minutes instead of 15). `make test PYTEST_ARGS=` runs them one by one.
-# Files go out longest first, by the seconds tests/file_seconds.json recorded
-# (tests/file_order.py; `--no-loadscope-reorder` keeps that order), so that both
-# processes finish together; `make test-seconds` records them anew.
+# Files go out in collection order (`--no-loadscope-reorder`): xdist's own order
+# (most tests first) and longest first both put the heavy files side by side.
 # The 30 slowest are listed at the end: the suite has a 25-minute budget on 2 cores.
 PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder --durations=30
 DEMO_ARGS ?=
 
-.PHONY: install browser lint typecheck proto proto-check test test-only test-seconds demo s3 bench-store bench-pipeline bench-e2e bench-chaos bench-scale bench-quality bench-serve bench-soak clean
+.PHONY: install browser lint typecheck proto proto-check test test-only demo s3 bench-store bench-pipeline bench-e2e bench-chaos bench-scale bench-quality bench-serve bench-soak clean
 
 install: $(STAMP)
 
@@ -60,9 +59,6 @@ test: install browser proto-check
 
 test-only:
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
-
-test-seconds: install browser
-	$(BIN)/python -m pytest $(PYTEST_ARGS) --record-file-seconds tests/file_seconds.json
 
 # The embedded default: local Dask cluster, two store shards, the synthetic stream.
 demo: install

@@ -18,7 +18,7 @@ import yaml
 from deploy.local.kafka import REPO_ROOT
 from deploy.local.shards import ShardProcess
 
-pytest_plugins = ["tests.kafka_fixtures", "tests.s3_fixtures", "tests.file_order"]
+pytest_plugins = ["tests.kafka_fixtures", "tests.s3_fixtures"]
 
 # Shared check helpers: pytest rewrites their asserts too, so failures show the values.
 pytest.register_assert_rewrite("tests.connectors.contract", "tests.connectors.bad_records")

@@ -65,18 +65,6 @@ def run_ranks(
         return _run_lives(job, services, max_events, deadline, stop, on_progress)
 
 
-class _ExpectedLoss(logging.Filter):
-    """Drops a Dask record whose exception is ``expected``: the loss the job recovers from."""
-
-    def __init__(self, expected: type[BaseException]) -> None:
-        super().__init__()
-        self.expected = expected
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        error = record.exc_info[1] if record.exc_info else None
-        return not isinstance(error, self.expected)
-
-
 @contextlib.contextmanager
 def _quiet_expected_losses() -> Iterator[None]:
     """Dask's records, with their tracebacks, of a lost scheduler the job recovers from.
@@ -89,9 +77,11 @@ def _quiet_expected_losses() -> Iterator[None]:
     """
     from distributed.comm.core import CommClosedError
 
+    from pipeline.worker_logs import ExpectedLoss
+
     quiet = {
-        "distributed.client": _ExpectedLoss(asyncio.CancelledError),
-        "distributed.batched": _ExpectedLoss(CommClosedError),
+        "distributed.client": ExpectedLoss(asyncio.CancelledError),
+        "distributed.batched": ExpectedLoss(CommClosedError),
     }
     for name, drop in quiet.items():
         logging.getLogger(name).addFilter(drop)
