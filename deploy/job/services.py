@@ -35,7 +35,7 @@ from monitoring.plugin import StreamrecPlugin
 if TYPE_CHECKING:
     from distributed import Client
 
-    from deploy.local.shards import ShardSupervisor
+    from deploy.local.shards import ShardSupervisor, StartingShard
 
 log = logging.getLogger(__name__)
 
@@ -127,21 +127,32 @@ def start_services(
     run_dir.mkdir(parents=True, exist_ok=True)
     job_file = run_dir / "job.yaml"
     job_file.write_text(yaml.safe_dump(job.model_dump(mode="json"), sort_keys=False))
-    supervisor: ShardSupervisor | None = None
-    if job.cluster.store is None:
-        token_file = job.cluster.token_file
-        if token_file is None:
-            token_file = _local_token_file(run_dir)
-        store, store_metrics, supervisor = _start_shards(job, job_file, token_file, stack)
-        token: str | None = token_file.read_text().strip()
-    else:
-        store, store_metrics = job.cluster.store, ()
+    if job.cluster.store is not None:
+        store = job.cluster.store
         token = store_token(job, env if env is not None else environment())
+        named = check_named_services(job, store, token, deadline=deadline)
+        if job.cluster.scheduler is not None:
+            return Services(job.cluster.scheduler, None, store, token, (), None, named)
+        scheduler, dashboard = _start_dask(job, stack)
+        return Services(scheduler, dashboard, store, token)
+    token_file = job.cluster.token_file
+    if token_file is None:
+        token_file = _local_token_file(run_dir)
+    # The shard processes import and restore while the Dask cluster starts: the job
+    # waits for the slower of the two, not their sum.
+    starting = _spawn_shards(job, job_file, token_file)
+    try:
+        if job.cluster.scheduler is not None:
+            scheduler, dashboard = job.cluster.scheduler, None
+        else:
+            scheduler, dashboard = _start_dask(job, stack)
+    except BaseException:
+        _kill_all(starting)
+        raise
+    store, store_metrics, supervisor = _wait_for_shards(starting, stack)
+    token = token_file.read_text().strip()
     named = check_named_services(job, store, token, deadline=deadline)
-    if job.cluster.scheduler is not None:
-        return Services(job.cluster.scheduler, None, store, token, store_metrics, supervisor, named)
-    scheduler, dashboard = _start_dask(job, stack)
-    return Services(scheduler, dashboard, store, token, store_metrics, supervisor)
+    return Services(scheduler, dashboard, store, token, store_metrics, supervisor, named)
 
 
 def _local_token_file(run_dir: Path) -> Path:
@@ -153,15 +164,13 @@ def _local_token_file(run_dir: Path) -> Path:
     return token_file
 
 
-def _start_shards(
-    job: JobConfig, job_file: Path, token_file: Path, stack: ExitStack
-) -> tuple[str, tuple[str, ...], ShardSupervisor]:
-    """Start the job's store shard processes: their address, metrics URLs and supervisor."""
-    from deploy.local.shards import ShardProcess, ShardSupervisor
+def _spawn_shards(job: JobConfig, job_file: Path, token_file: Path) -> list[StartingShard]:
+    """Start the job's store shard processes, without waiting for them to serve."""
+    from deploy.local.shards import ShardProcess
 
     # Every shard's process is started before any is waited for: they import and
     # restore side by side, and the job waits for its slowest shard, not their sum.
-    starting = [
+    return [
         ShardProcess.spawn(
             job_file,
             job.run_dir / "store" / f"shard-{i:03d}",
@@ -171,14 +180,26 @@ def _start_shards(
         )
         for i in range(job.cluster.store_shards)
     ]
+
+
+def _kill_all(starting: list[StartingShard]) -> None:
+    for one in starting:
+        one.proc.kill()
+        one.proc.wait()
+
+
+def _wait_for_shards(
+    starting: list[StartingShard], stack: ExitStack
+) -> tuple[str, tuple[str, ...], ShardSupervisor]:
+    """Until every started shard serves: the store's address, metrics URLs and supervisor."""
+    from deploy.local.shards import ShardSupervisor
+
     shards = []
     for i, one in enumerate(starting):
         try:
             shard = one.wait()
         except BaseException:
-            for other in starting[i + 1 :]:
-                other.proc.kill()
-                other.proc.wait()
+            _kill_all(starting[i + 1 :])
             raise
         stack.callback(shard.stop)
         shards.append(shard)
