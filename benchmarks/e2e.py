@@ -718,6 +718,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="leave out the small-model (MLP 64-32) sync/hybrid pair with added latency",
     )
+    parser.add_argument(
+        "--skip-default-at-latency",
+        action="store_true",
+        help="leave out the default-model sync/hybrid pair with added latency",
+    )
     parser.add_argument("--window", type=int, default=100_000, help="progressive AUC window")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -785,7 +790,8 @@ def main(argv: list[str] | None = None) -> int:
         plan.append((mode, mode, samples, 0.0, args.async_ranks if mode == "async" else 1, HIDDEN))
     if lat > 0:
         pairs = [m for m in ("sync", "hybrid", "hybrid_stale") if m in args.modes]
-        plan += [(f"{m}_at_{lat_key}", m, lat_samples, lat, 1, HIDDEN) for m in pairs]
+        if not args.skip_default_at_latency:
+            plan += [(f"{m}_at_{lat_key}", m, lat_samples, lat, 1, HIDDEN) for m in pairs]
         if not args.skip_small:
             plan += [
                 (f"{m}_small_at_{lat_key}", m, small_samples, lat, 1, SMALL_HIDDEN) for m in pairs

@@ -125,6 +125,10 @@ class _NoFrames(StoreError):
 _Routed = tuple[U64, npt.NDArray[np.int64], npt.NDArray[np.int64]]
 
 
+# The longest a channel waits before it tries to reach a shard that was gone again.
+_RECONNECT_MS = 500
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """How the gRPC transport retries idempotent calls."""
@@ -410,6 +414,12 @@ class GrpcTransport:
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
+                # gRPC waits 1 s between attempts to reconnect, then 1.6 times longer each
+                # time, up to 120 s: a shard restarted after a few seconds was refused for
+                # seconds more, past every retry of a call. Shards are restarted in place,
+                # so the channel tries again at least every half second.
+                ("grpc.initial_reconnect_backoff_ms", _RECONNECT_MS),
+                ("grpc.max_reconnect_backoff_ms", _RECONNECT_MS),
             ],
         )
         self._stub = pb_grpc.EmbeddingStoreStub(self._channel)  # type: ignore[no-untyped-call]

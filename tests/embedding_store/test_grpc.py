@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import threading
 import time
@@ -17,6 +18,7 @@ from embedding_store.client import RetryPolicy, StoreClient
 from embedding_store.errors import (
     InvalidRequest,
     MessageTooLarge,
+    StoreUnavailable,
     Unauthenticated,
     UnknownTable,
 )
@@ -434,3 +436,32 @@ def test_cli_help_and_errors(tmp_path: Path, write_job: Callable[..., Path]) -> 
     r = serve(write_job())
     assert r.returncode == 2
     assert "give the job's token with --token-file or $STREAMREC_STORE_TOKEN" in r.stderr
+
+
+def test_a_shard_back_after_a_long_outage_answers_the_default_retries(
+    write_job, token_file, start_shards
+) -> None:
+    """A client that kept calling a dead shard for seconds reaches it as soon as it is back.
+
+    gRPC's channel waits between connection attempts, 1 s at first, then 1.6
+    times longer each time, up to 120 s by default; the client's own retries
+    span 1.55 s. A shard restarted on the same port after a few seconds'
+    outage (a loaded machine) was then refused for seconds more: a trainer rank
+    taking the restart ended the job on "connection refused" with the shard
+    serving again.
+    """
+    job = write_job()
+    token = token_file.read_text().strip()
+    (proc,) = start_shards(1, job, token_file)
+    with StoreClient.connect(grpc_address([proc]), token=token) as c:
+        c.accept_restarts()
+        proc.kill()
+        # Calls meet the dead shard for 6 s, as a rank's pushes and polls would.
+        deadline = time.monotonic() + 6.0
+        while time.monotonic() < deadline:
+            with contextlib.suppress(StoreUnavailable):
+                c.stats()
+        again = proc.restart()
+        start_shards.track(again)
+        c.accept_restarts()  # the default retries: about 1.5 s
+        assert c.stats() is not None
