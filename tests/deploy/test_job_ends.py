@@ -84,7 +84,8 @@ def produce_in_blocks(kafka: KafkaForTests, topic: str, n: int, block: int) -> N
 
 @pytest.mark.parametrize(
     ("mode", "broker"),
-    [("sync", "kafka-0.9"), ("hybrid", "kafka-0.9"), ("hybrid", "tansu")],
+    # Each mode and each broker once: the ending is the source's, on either broker.
+    [("sync", "kafka-0.9"), ("hybrid", "tansu")],
     indirect=["broker"],
 )
 def test_max_events_equal_to_the_topic_ends_by_itself(
