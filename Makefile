@@ -11,15 +11,13 @@ TORCH_SPEC ?= torch==2.13.0
 # installed without their declared dependencies (torchrec asks for the CUDA fbgemm-gpu);
 # the `peers` extra holds the ones they do need. The 1.9 releases fail to load on torch 2.13.
 PEERS_SPEC ?= torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0
-# Three test processes on two cores, each taking whole files (a file's tests share its
-# fixtures and run in order): most tests wait on real processes, whose start-up is
-# mostly imports, so a third file in flight fills the cores' idle time (a fresh-clone
-# suite took 1,432 s of pytest with two, 1,323 s with three). `make test PYTEST_ARGS=`
-# runs them one by one. Files go out in collection order (`--no-loadscope-reorder`):
-# xdist's own order (most tests first) and longest first both put the heavy files
-# side by side. The 30 slowest are listed at the end: the suite has a 25-minute
-# budget on 2 cores.
-PYTEST_ARGS ?= -n 3 --dist loadfile --no-loadscope-reorder --durations=30
+# Two test processes, each taking whole files (a file's tests share its fixtures and
+# run in order): most tests wait on real processes, so two cores run two files at
+# once (9.5 minutes instead of 15). `make test PYTEST_ARGS=` runs them one by one.
+# Files go out in collection order (`--no-loadscope-reorder`): xdist's own order
+# (most tests first) and longest first both put the heavy files side by side.
+# The 30 slowest are listed at the end: the suite has a 25-minute budget on 2 cores.
+PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder --durations=30
 DEMO_ARGS ?=
 
 .PHONY: install browser lint typecheck proto proto-check test test-only demo s3 bench-store bench-pipeline bench-e2e bench-chaos bench-scale bench-quality bench-serve bench-soak clean

@@ -107,7 +107,7 @@ def _run_lives(
     budget = RankRestarts(job.trainer.recovery)
     known = services.scheduler_id
     while True:
-        learned = _learned_since(start, book)
+        learned = _learned_since(start, book.latest() if book is not None else None)
         left = None if max_events is None else max(0, max_events - learned)
         try:
             stats, manifest = _run_world(job, services, left, deadline, stop, on_progress)
@@ -134,6 +134,11 @@ def _run_lives(
             _await_quiet(job, services, stop)
             continue
         stats.rank_restarts = budget.restarts
+        if manifest is not None and (world > 1 or budget.restarts):
+            # The summary is the whole run's, every rank and every life of the world:
+            # rank 0's own loop counts its samples since this life's checkpoint only.
+            stats.samples = _learned_since(start, manifest)
+            stats.steps = manifest.step - (start.step if start is not None else 0)
         return stats, manifest
 
 
@@ -214,10 +219,9 @@ class RankRestarts:
         return None
 
 
-def _learned_since(start: JobManifest | None, book: CheckpointBook | None) -> int:
-    """Samples the job's newest checkpoint holds beyond the one it started from: what
+def _learned_since(start: JobManifest | None, newest: JobManifest | None) -> int:
+    """Samples the job's ``newest`` checkpoint holds beyond the one it started from: what
     its earlier lives of the rank world learned (``--max-events`` counts them)."""
-    newest = book.latest() if book is not None else None
     if newest is None:
         return 0
     return newest.samples - (start.samples if start is not None else 0)

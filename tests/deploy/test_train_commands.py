@@ -159,6 +159,8 @@ def test_two_ranks_train_their_own_partitions_and_resume_exactly_once(
     m1 = book.latest()
     assert m1 is not None
     assert 0 < m1.samples <= 1000
+    # The summary counts both ranks' samples (it once counted rank 0's only).
+    assert f"trained {m1.samples:,} samples in " in first.stdout, first.stdout
     ledger_lines = {r: len(ledger(run_dir, r)) for r in (0, 1)}
     assert all(ledger_lines.values()), "both ranks learned in the first run"
 

@@ -129,6 +129,8 @@ def test_a_killed_store_shard_is_healed_in_a_two_rank_job(tmp_path: Path) -> Non
         kill_leftovers(proc)
     assert code == 0, out[-4000:]
     assert "recovered 1 time(s) from a lost store shard" in out, out[-4000:]
+    # Both ranks' samples, net of what the rollback took back.
+    assert f"trained {EVENTS * PARTITIONS:,} samples in " in out, out[-4000:]
     assert_every_offset_learned_once(run_dir)
 
 
@@ -149,5 +151,7 @@ def test_a_killed_trainer_rank_is_started_again_and_the_job_goes_on(tmp_path: Pa
     ]
     assert "starting the 2 rank(s) again from the newest checkpoint" in out, out[-4000:]
     assert "started the trainer ranks again 1 time(s)" in out, out[-4000:]
+    # The summary is the whole run's: the first life's checkpointed work included.
+    assert f"trained {EVENTS * PARTITIONS:,} samples in " in out, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
     assert_every_offset_learned_once(run_dir)
