@@ -125,10 +125,6 @@ class _NoFrames(StoreError):
 _Routed = tuple[U64, npt.NDArray[np.int64], npt.NDArray[np.int64]]
 
 
-# The longest a channel waits before it tries to reach a shard that was gone again.
-_RECONNECT_MS = 500
-
-
 @dataclass(frozen=True)
 class RetryPolicy:
     """How the gRPC transport retries idempotent calls."""
@@ -414,12 +410,6 @@ class GrpcTransport:
             options=[
                 ("grpc.max_receive_message_length", max_message_bytes),
                 ("grpc.max_send_message_length", max_message_bytes),
-                # gRPC waits 1 s between attempts to reconnect, then 1.6 times longer each
-                # time, up to 120 s: a shard restarted after a few seconds was refused for
-                # seconds more, past every retry of a call. Shards are restarted in place,
-                # so the channel tries again at least every half second.
-                ("grpc.initial_reconnect_backoff_ms", _RECONNECT_MS),
-                ("grpc.max_reconnect_backoff_ms", _RECONNECT_MS),
             ],
         )
         self._stub = pb_grpc.EmbeddingStoreStub(self._channel)  # type: ignore[no-untyped-call]
@@ -597,8 +587,23 @@ class GrpcTransport:
         return result
 
     def accept_restart(self) -> None:
-        """Take the shard's current process as the one to train against from now on."""
-        self.incarnation = self._call("Health", pb.HealthRequest()).incarnation
+        """Take the shard's current process as the one to train against from now on.
+
+        Waits for the channel to reach the shard, up to the policy's ``timeout_s``:
+        gRPC waits 1 s before it tries a lost peer again, then 1.6 times longer each
+        time, so after a few seconds' outage a restarted shard was refused past every
+        retry of a call (a rank taking the restart ended its job, the shard serving).
+        """
+        try:
+            reply = self._stub.Health(
+                pb.HealthRequest(),
+                metadata=self._metadata,
+                timeout=self._retry.timeout_s,
+                wait_for_ready=True,
+            )
+        except grpc.RpcError as exc:
+            raise _map_rpc_error(exc, self.address, "Health") from None
+        self.incarnation = reply.incarnation
 
     def _check_incarnation(self, seen: str, what: str) -> None:
         if self.incarnation and seen and seen != self.incarnation:

@@ -441,14 +441,14 @@ def test_cli_help_and_errors(tmp_path: Path, write_job: Callable[..., Path]) -> 
 def test_a_shard_back_after_a_long_outage_answers_the_default_retries(
     write_job, token_file, start_shards
 ) -> None:
-    """A client that kept calling a dead shard for seconds reaches it as soon as it is back.
+    """A client that kept calling a dead shard for seconds takes its restart once it is back.
 
     gRPC's channel waits between connection attempts, 1 s at first, then 1.6
     times longer each time, up to 120 s by default; the client's own retries
     span 1.55 s. A shard restarted on the same port after a few seconds'
-    outage (a loaded machine) was then refused for seconds more: a trainer rank
+    outage (a loaded machine) was then refused past them: a trainer rank
     taking the restart ended the job on "connection refused" with the shard
-    serving again.
+    serving again. ``accept_restarts`` now waits for the channel.
     """
     job = write_job()
     token = token_file.read_text().strip()
