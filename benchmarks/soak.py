@@ -441,19 +441,19 @@ def main(argv: list[str] | None = None) -> int:
                 # it, and the job may read and learn it before that acknowledgement.
                 learned = learned_count(run_dir)
                 produced = backlog + producer.blocks * producer.block
+                # Never below 0: a block whose acknowledgement is still on its way is
+                # not counted as produced, though the job may have it.
+                lag = max(0, produced - learned)
                 t = now - t0
                 samples.append(
                     {
                         "t": round(t, 1),
                         "produced": produced,
                         "learned": learned,
-                        # Never below 0: a block whose acknowledgement is still on its
-                        # way is not counted as produced, though the job may have it.
-                        "lag_events": max(0, produced - learned),
+                        "lag_events": lag,
                         # In seconds of the producer's rate so far (on a small machine
                         # it may not reach the rate it was given).
-                        "lag_s": max(0, produced - learned)
-                        / max(1.0, (produced - backlog) / max(t, 1.0)),
+                        "lag_s": lag / max(1.0, (produced - backlog) / max(t, 1.0)),
                         "rss_mb": {
                             role: round(sum(v.values()) / 2**20, 1) for role, v in rss.items()
                         },

@@ -131,10 +131,8 @@ def start_services(
         store = job.cluster.store
         token = store_token(job, env if env is not None else environment())
         named = check_named_services(job, store, token, deadline=deadline)
-        if job.cluster.scheduler is not None:
-            return Services(job.cluster.scheduler, None, store, token, (), None, named)
-        scheduler, dashboard = _start_dask(job, stack)
-        return Services(scheduler, dashboard, store, token)
+        scheduler, dashboard = _scheduler(job, stack)
+        return Services(scheduler, dashboard, store, token, scheduler_id=named)
     token_file = job.cluster.token_file
     if token_file is None:
         token_file = _local_token_file(run_dir)
@@ -142,10 +140,7 @@ def start_services(
     # waits for the slower of the two, not their sum.
     starting = _spawn_shards(job, job_file, token_file)
     try:
-        if job.cluster.scheduler is not None:
-            scheduler, dashboard = job.cluster.scheduler, None
-        else:
-            scheduler, dashboard = _start_dask(job, stack)
+        scheduler, dashboard = _scheduler(job, stack)
     except BaseException:
         _kill_all(starting)
         raise
@@ -153,6 +148,13 @@ def start_services(
     token = token_file.read_text().strip()
     named = check_named_services(job, store, token, deadline=deadline)
     return Services(scheduler, dashboard, store, token, store_metrics, supervisor, named)
+
+
+def _scheduler(job: JobConfig, stack: ExitStack) -> tuple[str, str | None]:
+    """The scheduler the job names, else a local Dask cluster's: address and dashboard."""
+    if job.cluster.scheduler is not None:
+        return job.cluster.scheduler, None
+    return _start_dask(job, stack)
 
 
 def _local_token_file(run_dir: Path) -> Path:

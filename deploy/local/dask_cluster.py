@@ -52,7 +52,7 @@ def _kill_with_parent() -> None:
 
 
 class SchedulerProcess(SubprocessScheduler):
-    """A Dask scheduler in a ``dask spec`` process that dies with its starter.
+    """A Dask scheduler in a ``distributed.cli.dask_spec`` process that dies with its starter.
 
     Unlike distributed's ``SubprocessScheduler`` its stderr goes to ``log_path``
     (a pipe nobody reads fills up and blocks the scheduler), and its scheduler
