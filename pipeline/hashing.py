@@ -315,6 +315,32 @@ class ValueHasher:
         )
         return out
 
+    def scanned_ids(
+        self,
+        is_string: npt.NDArray[np.bool_],
+        field_of: I32,
+        string_offsets: npt.NDArray[np.int64],
+        strings: U8,
+        ints: npt.NDArray[np.int64],
+    ) -> U64:
+        """The ids of values already laid out as arrays (``pipeline.json_scan``): element
+        ``e`` is field ``field_of[e]``'s; the ``k``-th string element is the UTF-8
+        bytes ``strings[string_offsets[k]:string_offsets[k + 1]]``, the ``k``-th int
+        element ``ints[k]``.
+
+        >>> hasher = ValueHasher(["user", "tags"])
+        >>> ids = hasher.scanned_ids(np.array([True, False]), np.array([0, 1], np.int32),
+        ...     np.array([0, 3]), np.frombuffer(b"abc", np.uint8), np.array([12]))
+        >>> [int(i) for i in ids] == [feature_id("user", "abc"), feature_id("tags", 12)]
+        True
+        """
+        out = np.empty(is_string.shape[0], dtype=np.uint64)
+        _hash_elements(
+            is_string, field_of, string_offsets, strings, ints.view(np.uint64),
+            self._string, self._lo, self._hi, out,
+        )  # fmt: skip
+        return out
+
 
 @dataclass(frozen=True)
 class FieldSeeds:

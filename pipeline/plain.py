@@ -38,6 +38,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from connectors.spec import FeatureSpec, SparseField
 from pipeline.batch import dedup_tables, transform_dense
@@ -76,8 +77,10 @@ class PlainBatchBuilder:
         self.spec = spec
         tables = spec.tables()
         # Sparse fields table by table, so that each table's values lie side by side.
-        self._sparse: list[SparseField] = [spec.field(f) for fs in tables.values() for f in fs]
-        self._hasher = ValueHasher([s.name for s in self._sparse])
+        self.sparse_fields: list[SparseField] = [
+            spec.field(f) for fs in tables.values() for f in fs
+        ]
+        self.hasher = ValueHasher([s.name for s in self.sparse_fields])
         self._tables: list[tuple[str, tuple[str, ...], tuple[str, ...], int]] = []
         first = 0
         for name, fields in tables.items():
@@ -95,7 +98,7 @@ class PlainBatchBuilder:
         field_of: list[int] = []
         values: list[str | int] = []
         lengths: list[int] = []  # field-major: lengths[f * B + b]
-        for f, s in enumerate(self._sparse):
+        for f, s in enumerate(self.sparse_fields):
             name, kind = s.name, s.type
             single = not kind.startswith("list_")
             element = kind.removeprefix("list_")
@@ -119,12 +122,24 @@ class PlainBatchBuilder:
                     field_of.extend([f] * len(value))
                     lengths.append(len(value))
         try:
-            ids = self._hasher.ids(field_of, values)
+            ids = self.hasher.ids(field_of, values)
         except UnicodeEncodeError:  # a lone surrogate: not UTF-8, the columnar path says so
             return None
         n = len(records)
-        per_field = np.asarray(lengths, dtype=np.int32).reshape(len(self._sparse), n)
-        starts = np.zeros(len(self._sparse) + 1, dtype=np.int64)
+        per_field = np.asarray(lengths, dtype=np.int32).reshape(len(self.sparse_fields), n)
+        return self.assemble(ids, per_field, labels, dense)
+
+    def assemble(
+        self,
+        ids: npt.NDArray[np.uint64],
+        per_field: npt.NDArray[np.int32],
+        labels: npt.NDArray[np.float32],
+        dense: npt.NDArray[np.float32],
+    ) -> PreparedBatch:
+        """The batch of checked records: ``ids`` of every sparse value, field by field
+        (``sparse_fields`` order) and record by record within a field; ``per_field``:
+        ``[fields, records]``, how many values each record gives each field."""
+        starts = np.zeros(len(self.sparse_fields) + 1, dtype=np.int64)
         np.cumsum(per_field.sum(axis=1), out=starts[1:])
         unique, unique_at, inverse, offsets, offsets_at = dedup_tables(
             ids, starts, per_field, self._firsts

@@ -36,6 +36,7 @@ from connectors.validate import POSITION, validate
 from embedding_store.errors import StoreUnavailable
 from embedding_store.location import Location
 from pipeline.batch import build_batch
+from pipeline.json_scan import JsonScanBuilder
 from pipeline.plain import PlainBatchBuilder
 from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch
@@ -167,9 +168,11 @@ class Scored:
 class ServingModel:
     """Scores records as the trainer would, with the newest parameters it has.
 
-    Requests of up to ``plain_max_records`` JSON records whose values are all
-    plainly good are built into a batch straight from Python objects
-    (:mod:`pipeline.plain`), the rest go through the codec's columnar decode.
+    JSON records whose values are all plainly good are scanned straight from
+    their bytes into a batch (:mod:`pipeline.json_scan`); what that path
+    declines goes, up to ``plain_max_records`` records, through Python objects
+    (:mod:`pipeline.plain`), and otherwise through the codec's columnar decode,
+    which names what is wrong.
     """
 
     # Where the per-record Python of the plain path starts to cost more than the
@@ -200,10 +203,11 @@ class ServingModel:
         self.dense = dense
         self._sparse_version = sparse_version
         self._rows_ready = rows_ready
-        # The plain path reads JSON only: the codec that parses and the builder, or None.
+        # The scanned and plain paths read JSON only: their builders, or None.
         self._plain = (
             (codec, PlainBatchBuilder(self.spec)) if isinstance(codec, JsonLinesCodec) else None
         )
+        self._scan = JsonScanBuilder(self.spec) if isinstance(codec, JsonLinesCodec) else None
 
     def ready(self) -> bool:
         rows = self._rows_ready is None or self._rows_ready()
@@ -227,6 +231,11 @@ class ServingModel:
         """Decode and score ``records`` (bytes in the job's format); bad ones are returned."""
         version = self._version()
         n = len(records)
+        if self._scan is not None:
+            batch = self._scan.build(records)
+            if batch is not None:
+                positions = np.arange(n, dtype=np.int64)
+                return self._score_batch(batch, positions, [], version)
         if self._plain is not None and n <= self.plain_max_records:
             # A few plainly good JSON records skip Arrow (see pipeline.plain); anything
             # else takes the columnar path below, which names what is wrong.

@@ -36,6 +36,7 @@ per-record and per-value costs, which the scanner's single pass does not.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numba as nb
@@ -759,37 +760,92 @@ def _string_array(
     return pa.Array.from_buffers(pa.string(), valid.shape[0], buffers)
 
 
-def scan_json(
-    joined: bytes,
-    starts: npt.NDArray[np.int64],
-    skip: npt.NDArray[np.bool_],
-    spec: FeatureSpec,
-    schema: pa.Schema,
-) -> tuple[pa.Table, npt.NDArray[np.int64], npt.NDArray[np.int64]]:
-    """The scanner: a table of the records it read, their indices, and those it left."""
+@dataclass(frozen=True)
+class ScanPlan:
+    """What the kernels need to know of a spec: its keys, and each field's kind and its
+    column among the arrays of its kind (``floats``: the labels, then the dense fields)."""
+
+    floats: tuple[str, ...]
+    by_kind: dict[int, tuple[SparseField, ...]]
+    kind: npt.NDArray[np.int64]
+    slot: npt.NDArray[np.int64]
+    keys: npt.NDArray[np.uint8]
+    key_off: npt.NDArray[np.int64]
+    table: npt.NDArray[np.int64]
+    mask: int
+
+    @classmethod
+    def of(cls, spec: FeatureSpec) -> ScanPlan:
+        floats = (*spec.labels, *(d.name for d in spec.dense))
+        by_kind: dict[int, list[SparseField]] = {k: [] for k in _KINDS.values()}
+        for s in spec.sparse:
+            by_kind[_KINDS[s.type]].append(s)
+        names = [*floats, *(s.name for k in _KINDS.values() for s in by_kind[k])]
+        kind = np.array(
+            [_K_FLOAT] * len(floats) + [k for k in _KINDS.values() for _ in by_kind[k]],
+            dtype=np.int64,
+        )
+        # A field's column in the arrays of its kind; both list kinds share the list arrays.
+        n_string_lists = len(by_kind[_K_LIST_STRING])
+        slot = np.array(
+            [
+                *range(len(floats)),
+                *range(len(by_kind[_K_STRING])),
+                *range(len(by_kind[_K_INT])),
+                *range(n_string_lists),
+                *range(n_string_lists, n_string_lists + len(by_kind[_K_LIST_INT])),
+            ],
+            dtype=np.int64,
+        )
+        keys, key_off, table, mask = _key_table(names)
+        return cls(
+            floats, {k: tuple(v) for k, v in by_kind.items()}, kind, slot, keys, key_off,
+            table, mask,
+        )  # fmt: skip
+
+    def sparse_layout(
+        self, fields: Sequence[SparseField]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """Each of ``fields``' kind and column, in the order given (for ``sparse_elements``)."""
+        names = [*self.floats, *(s.name for k in _KINDS.values() for s in self.by_kind[k])]
+        at = [names.index(f.name) for f in fields]
+        return self.kind[at].copy(), self.slot[at].copy()
+
+
+@dataclass(frozen=True)
+class ScannedValues:
+    """The kernels' reading of a chunk, before any Arrow column is made.
+
+    ``status[i]``: 0 read, 1 left (bad, or rare: ``json.loads`` decides), 2
+    skipped. Each ``*state`` is 0 where a value is absent or null; ``fstate`` 2
+    marks a number beyond the fast path (its text at ``fspan``), ``sstate`` 2 a
+    string with escapes. List elements are ``lints`` / ``lstrs`` (span and an
+    escape flag) from ``lfirst``, ``lcount`` of them.
+    """
+
+    buf: npt.NDArray[np.uint8]
+    status: npt.NDArray[np.uint8]
+    fval: npt.NDArray[np.float64]
+    fstate: npt.NDArray[np.uint8]
+    fspan: npt.NDArray[np.int64]
+    ival: npt.NDArray[np.int64]
+    istate: npt.NDArray[np.uint8]
+    sspan: npt.NDArray[np.int64]
+    sstate: npt.NDArray[np.uint8]
+    lfirst: npt.NDArray[np.int64]
+    lcount: npt.NDArray[np.int64]
+    lstate: npt.NDArray[np.uint8]
+    lints: npt.NDArray[np.int64]
+    lstrs: npt.NDArray[np.int64]
+
+
+def scan_values(
+    joined: bytes, starts: npt.NDArray[np.int64], skip: npt.NDArray[np.bool_], plan: ScanPlan
+) -> ScannedValues:
+    """Run the kernels over the joined payloads (see :func:`scan_json`)."""
     n = starts.shape[0] - 1
-    floats = [*spec.labels, *(d.name for d in spec.dense)]
-    by_kind: dict[int, list[SparseField]] = {k: [] for k in _KINDS.values()}
-    for s in spec.sparse:
-        by_kind[_KINDS[s.type]].append(s)
-    names = [*floats, *(s.name for k in _KINDS.values() for s in by_kind[k])]
-    kind = np.array(
-        [_K_FLOAT] * len(floats) + [k for k in _KINDS.values() for _ in by_kind[k]], dtype=np.int64
-    )
-    # A field's column in the arrays of its kind; both list kinds share the list arrays.
-    n_string_lists = len(by_kind[_K_LIST_STRING])
-    slot = np.array(
-        [
-            *range(len(floats)),
-            *range(len(by_kind[_K_STRING])),
-            *range(len(by_kind[_K_INT])),
-            *range(n_string_lists),
-            *range(n_string_lists, n_string_lists + len(by_kind[_K_LIST_INT])),
-        ],
-        dtype=np.int64,
-    )
-    keys, key_off, table, mask = _key_table(names)
-    nf, ns, ni = len(floats), len(by_kind[_K_STRING]), len(by_kind[_K_INT])
+    by_kind = plan.by_kind
+    nf, ns, ni = len(plan.floats), len(by_kind[_K_STRING]), len(by_kind[_K_INT])
     nl = len(by_kind[_K_LIST_STRING]) + len(by_kind[_K_LIST_INT])
     buf = np.frombuffer(joined, dtype=np.uint8)
     status = np.zeros(n, dtype=np.uint8)
@@ -805,10 +861,128 @@ def scan_json(
     lcount = np.empty((n, nl), dtype=np.int64)
     lstate = np.zeros((n, nl), dtype=np.uint8)
     lints, lstrs, _ = _scan_records(
-        buf, starts, skip, kind, slot, keys, key_off, table, mask, status, fval, fstate, fspan,
-        ival, istate, sspan, sstate, lfirst, lcount, lstate,
-        np.empty(1024, dtype=np.int64), np.empty((1024, 3), dtype=np.int64),
+        buf, starts, skip, plan.kind, plan.slot, plan.keys, plan.key_off, plan.table,
+        plan.mask, status, fval, fstate, fspan, ival, istate, sspan, sstate, lfirst, lcount,
+        lstate, np.empty(1024, dtype=np.int64), np.empty((1024, 3), dtype=np.int64),
     )  # fmt: skip
+    return ScannedValues(
+        buf, status, fval, fstate, fspan, ival, istate, sspan, sstate, lfirst, lcount, lstate,
+        lints, lstrs,
+    )  # fmt: skip
+
+
+@nb.njit(nogil=True, cache=True)
+def _elements(
+    buf: Any, kind: Any, slot: Any, max_len: Any, ival: Any, istate: Any, sspan: Any,
+    sstate: Any, lfirst: Any, lcount: Any, lstate: Any, lints: Any, lstrs: Any,
+    lengths: Any, field_of: Any, is_string: Any, string_offsets: Any, strings: Any, ints: Any,
+) -> tuple[int, int, int]:  # fmt: skip
+    """Every sparse value field by field (``kind``/``slot`` order), record by record
+    within a field; -1 when a list is over its field's ``max_len``."""
+    n = lengths.shape[1]
+    e = 0
+    s = 0
+    k = 0
+    string_offsets[0] = 0
+    for f in range(kind.shape[0]):
+        j = slot[f]
+        c = kind[f]
+        for i in range(n):
+            count = 0
+            if c == _K_STRING or c == _K_INT:  # noqa: PLR1714, SIM109 (numba: no sets)
+                present = (sstate[i, j] if c == _K_STRING else istate[i, j]) > 0
+                count = 1 if present else 0
+            elif lstate[i, j] > 0:
+                count = lcount[i, j]
+                if count > max_len[f]:
+                    return -1, 0, 0
+            for m in range(count):
+                field_of[e] = f
+                if c == _K_STRING or c == _K_LIST_STRING:  # noqa: PLR1714, SIM109 (numba: no sets)
+                    if c == _K_STRING:
+                        a, b, escaped = sspan[i, j, 0], sspan[i, j, 1], sstate[i, j] == 2
+                    else:
+                        el = lfirst[i, j] + m
+                        a, b, escaped = lstrs[el, 0], lstrs[el, 1], lstrs[el, 2] == 1
+                    o = string_offsets[s]
+                    if escaped:
+                        o = _unescape(buf, a, b, strings, o)
+                    else:
+                        for q in range(b - a):
+                            strings[o + q] = buf[a + q]
+                        o += b - a
+                    s += 1
+                    string_offsets[s] = o
+                    is_string[e] = True
+                else:
+                    ints[k] = ival[i, j] if c == _K_INT else lints[lfirst[i, j] + m]
+                    k += 1
+                    is_string[e] = False
+                e += 1
+            lengths[f, i] = count
+    return e, s, k
+
+
+@dataclass(frozen=True)
+class SparseElements:
+    """A chunk's sparse values, field by field and record by record within a field:
+    value ``e`` is field ``field_of[e]``'s; the ``k``-th string value is the UTF-8
+    bytes ``strings[string_offsets[k]:string_offsets[k + 1]]`` (escapes decoded), the
+    ``k``-th int value ``ints[k]``; ``lengths[f, i]`` counts record ``i``'s values of
+    field ``f``."""
+
+    lengths: npt.NDArray[np.int32]
+    field_of: npt.NDArray[np.int32]
+    is_string: npt.NDArray[np.bool_]
+    string_offsets: npt.NDArray[np.int64]
+    strings: npt.NDArray[np.uint8]
+    ints: npt.NDArray[np.int64]
+
+
+def sparse_elements(
+    values: ScannedValues,
+    kind: npt.NDArray[np.int64],
+    slot: npt.NDArray[np.int64],
+    max_len: npt.NDArray[np.int64],
+) -> SparseElements | None:
+    """The sparse values of a chunk read whole (every ``status`` 0), in the order of
+    ``kind`` and ``slot`` (``ScanPlan.sparse_layout``); None when a list is over its
+    field's ``max_len``."""
+    n = values.status.shape[0]
+    room = int(values.buf.shape[0]) // 2 + 1  # a value takes two bytes at least ("1,")
+    lengths = np.zeros((kind.shape[0], n), dtype=np.int32)
+    field_of = np.empty(room, dtype=np.int32)
+    is_string = np.empty(room, dtype=np.bool_)
+    string_offsets = np.empty(room + 1, dtype=np.int64)
+    strings = np.empty(max(1, values.buf.shape[0]), dtype=np.uint8)
+    ints = np.empty(room, dtype=np.int64)
+    e, s, k = _elements(
+        values.buf, kind, slot, max_len, values.ival, values.istate, values.sspan,
+        values.sstate, values.lfirst, values.lcount, values.lstate, values.lints, values.lstrs,
+        lengths, field_of, is_string, string_offsets, strings, ints,
+    )  # fmt: skip
+    if e < 0:
+        return None
+    return SparseElements(
+        lengths, field_of[:e], is_string[:e], string_offsets[: s + 1], strings, ints[:k]
+    )
+
+
+def scan_json(
+    joined: bytes,
+    starts: npt.NDArray[np.int64],
+    skip: npt.NDArray[np.bool_],
+    spec: FeatureSpec,
+    schema: pa.Schema,
+) -> tuple[pa.Table, npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """The scanner: a table of the records it read, their indices, and those it left."""
+    plan = ScanPlan.of(spec)
+    v = scan_values(joined, starts, skip, plan)
+    floats, by_kind = plan.floats, plan.by_kind
+    ns = len(by_kind[_K_STRING])
+    buf, status, fval, fstate, fspan = v.buf, v.status, v.fval, v.fstate, v.fspan
+    ival, istate, sspan, sstate = v.ival, v.istate, v.sspan, v.sstate
+    lfirst, lcount, lstate, lints, lstrs = v.lfirst, v.lcount, v.lstate, v.lints, v.lstrs
     # Numbers beyond the fast path: Arrow's parser, the one pyarrow.json uses, reads them.
     hard_rows, hard_cols = np.nonzero((fstate == 2) & (status == 0)[:, None])
     if hard_rows.shape[0]:
