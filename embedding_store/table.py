@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import platform
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -270,6 +271,95 @@ def _probe(buckets: I64, ids: I64, clock: int, touch: bool, rows_out: I64) -> in
                 break
             b = _next(b, n_buckets)
     return missing
+
+
+@nb.njit(nogil=True, cache=True)
+def _read_tables(
+    buckets: Any, weights: Any, seeds: U64, kinds: I64, a: Any, b: Any, which: I64,
+    keys: I64, out: F32, unknown: I64,
+) -> None:  # fmt: skip
+    """``out[i]``: the row of ``keys[i]`` in table ``which[i]`` (``buckets`` and
+    ``weights`` hold every table's arrays), or its initial row where it has none,
+    counted in ``unknown``: ``EmbeddingTable.read`` of several tables in one call."""
+    dim = out.shape[1]
+    for i in range(keys.shape[0]):
+        t = which[i]
+        index = buckets[t]
+        key = keys[i]
+        n = index.shape[0]
+        r = index[_slot_for(index, key, _home(key, n), n), ROW]
+        if r < 0:
+            init_row(out[i], np.uint64(key), seeds[t], kinds[t], a[t], b[t])
+            unknown[t] += 1
+        else:
+            w = weights[t]
+            for j in range(dim):
+                out[i, j] = w[r, j]
+
+
+class TableGroup:
+    """Tables read together: :meth:`EmbeddingTable.read` of all of them in one kernel
+    call. A prediction request reads a few ids from each of dozens of tables (of
+    every shard), and a call per table cost more than the reads.
+
+    >>> from embedding_store.types import TableConfig
+    >>> config = TableConfig(dim=2, optimizer={"kind": "sgd", "lr": 1.0})
+    >>> t, u = EmbeddingTable("t", config), EmbeddingTable("u", config)
+    >>> _ = t.lookup([5])  # 5 has a row in t; 6 and 7 have none
+    >>> out = np.empty((3, 2), np.float32)
+    >>> TableGroup([t, u]).read(np.array([0, 1, 0]), np.array([5, 6, 7], np.uint64), out)
+    True
+    >>> want = [x.read([k])[0][0] for x, k in [(t, 5), (u, 6), (t, 7)]]
+    >>> bool((out == np.stack(want)).all())
+    True
+    """
+
+    def __init__(self, tables: Sequence[EmbeddingTable]) -> None:
+        self.tables = tuple(tables)
+        dims = {t.dim for t in self.tables}
+        self.dim = dims.pop() if len(dims) == 1 else None  # None: not one dim
+        self._seeds = np.array([t._seed for t in self.tables], dtype=np.uint64)
+        self._kinds = np.array([t._init[0] for t in self.tables], dtype=np.int64)
+        self._a = np.array([t._init[1] for t in self.tables], dtype=np.float64)
+        self._b = np.array([t._init[2] for t in self.tables], dtype=np.float64)
+        # Taken in one global order, so that two groups never wait on each other.
+        self._locks = [lock for _, lock in sorted({id(t._lock): t._lock for t in tables}.items())]
+
+    def holds(self, tables: Sequence[EmbeddingTable]) -> bool:
+        """Whether this group is of ``tables`` (the very objects, in order)."""
+        return len(tables) == len(self.tables) and all(
+            a is b for a, b in zip(tables, self.tables, strict=True)
+        )
+
+    def read(self, which: I64, ids: npt.ArrayLike, out: F32) -> bool:
+        """``out[i]``: the row of ``ids[i]`` in ``tables[which[i]]``, read under every
+        table's lock. False, with nothing read, when the tables' dims differ from
+        ``out``'s or their arrays are laid out otherwise than the kernel takes them
+        (read them one by one)."""
+        keys = _as_ids(ids).view(np.int64)
+        if not self.tables or self.dim != out.shape[1]:
+            return False
+        unknown = np.zeros(len(self.tables), dtype=np.int64)
+        for lock in self._locks:
+            lock.acquire()
+        try:
+            # The arrays are read under the locks: a table that grows replaces them.
+            buckets = tuple(t._buckets for t in self.tables)
+            weights = tuple(t._weights for t in self.tables)
+            arrays: tuple[npt.NDArray[Any], ...] = (*buckets, *weights)
+            if not all(a.flags.c_contiguous for a in arrays):
+                return False
+            _read_tables(
+                buckets, weights, self._seeds, self._kinds, self._a, self._b,
+                np.asarray(which, dtype=np.int64), keys, out, unknown,
+            )  # fmt: skip
+            for t, n in zip(self.tables, unknown.tolist(), strict=True):
+                if n:
+                    t._counters["unknown_reads"] += n
+        finally:
+            for lock in self._locks:
+                lock.release()
+        return True
 
 
 @nb.njit(nogil=True, cache=True)

@@ -42,6 +42,7 @@ from embedding_store.errors import InvalidRequest, StoreUnavailable
 from embedding_store.hashing import shard_of
 from embedding_store.replica import ChangeSource, ShardFollower
 from embedding_store.shard import StoreShard
+from embedding_store.table import TableGroup
 from embedding_store.types import RowDtype, StoreConfig
 
 
@@ -64,6 +65,7 @@ class ReplicaRows:
         self.shards = list(shards)
         self.row_dtype = row_dtype
         self._current_at = list(current_at)
+        self._groups: dict[tuple[str, ...], TableGroup] = {}  # by the tables a call reads
 
     def lookup(
         self, ids: Mapping[str, npt.ArrayLike], *, train: bool = False
@@ -81,10 +83,38 @@ class ReplicaRows:
         keys_of: dict[str, npt.NDArray[np.uint64]] = {}
         for name, wanted in ids.items():
             keys_of[name] = id_array(wanted, f"ids[{name}]")
-        # Every table's owners in one call: a request's tables hold an id or a few each.
+        if not keys_of:
+            return {}
+        names = list(keys_of)
+        sizes = [k.shape[0] for k in keys_of.values()]
+        keys = np.concatenate(list(keys_of.values()))
+        # Every table of every shard in one kernel call (shard-major), each id read from
+        # the shard that owns it.
+        tables = [shard.table(name) for shard in self.shards for name in names]
+        group = self._groups.get(tuple(names))
+        if group is None or not group.holds(tables):  # new, or a shard restored its tables
+            group = self._groups[tuple(names)] = TableGroup(tables)
+        which = np.repeat(np.arange(len(names), dtype=np.int64), sizes)
+        if len(self.shards) > 1:
+            which += shard_of(keys, len(self.shards)).astype(np.int64) * len(names)
+        rows = np.empty((keys.shape[0], group.dim or 0), np.float32)
+        if group.dim is None or not group.read(which, keys, rows):
+            return self._lookup_by_table(keys_of)
+        out: dict[str, npt.NDArray[np.floating]] = {}
+        at = 0
+        for name, k in zip(names, sizes, strict=True):
+            out[name] = rows[at : at + k].astype(self.row_dtype, copy=False)
+            at += k
+        return out
+
+    def _lookup_by_table(
+        self, keys_of: Mapping[str, npt.NDArray[np.uint64]]
+    ) -> dict[str, npt.NDArray[np.floating]]:
+        """Table by table: tables of several dims, or laid out otherwise than
+        ``read_tables`` takes them."""
         owners = (
             shard_of(np.concatenate(list(keys_of.values())), len(self.shards))
-            if len(self.shards) > 1 and keys_of
+            if len(self.shards) > 1
             else None
         )
         out: dict[str, npt.NDArray[np.floating]] = {}

@@ -255,3 +255,45 @@ def test_routing_spreads_ids_and_moves_few_when_shards_are_added() -> None:
     moved = np.mean(three != four)
     assert 0.2 < moved < 0.3  # jump hash moves about 1/4 of the ids from 3 to 4 shards
     assert np.all(four[three != four] == 3)
+
+
+def test_a_table_group_reads_as_each_table_does_as_the_tables_grow() -> None:
+    from embedding_store.table import TableGroup
+
+    sgd = {"kind": "sgd", "lr": 1.0}
+    tables = [
+        EmbeddingTable("t0", TableConfig(dim=3, optimizer=sgd, initial_rows=16)),
+        EmbeddingTable(
+            "t1", TableConfig(dim=3, optimizer=sgd, initializer={"kind": "normal", "std": 0.5})
+        ),
+        EmbeddingTable("t2", TableConfig(dim=3, optimizer=sgd, initializer={"kind": "zeros"})),
+    ]
+    group = TableGroup(tables)
+    rng = np.random.default_rng(1)
+    learned: list[list[int]] = [[], [], []]
+    for round_ in range(4):
+        # Each round adds rows (t0 outgrows its 16 and replaces its arrays), then reads
+        # learned and unknown ids of every table in one call.
+        for t, have in zip(tables, learned, strict=True):
+            new = rng.integers(0, 1 << 40, 30 * (round_ + 1), dtype=np.uint64)
+            t.lookup(new)
+            t.push(new, rng.normal(size=(new.shape[0], 3)).astype(np.float32))
+            have.extend(new.tolist())
+        ids = np.concatenate(
+            [rng.integers(0, 1 << 40, 200, dtype=np.uint64)]
+            + [np.array(have[-30:], np.uint64) for have in learned]
+        )
+        which = np.concatenate([rng.integers(0, 3, 200), np.repeat(np.arange(3), 30)])
+        before = [t.stats().unknown_reads for t in tables]
+        out = np.empty((ids.shape[0], 3), np.float32)
+        assert group.read(which, ids, out)
+        for i, t in enumerate(tables):
+            mine = which == i
+            want, unknown = t.read(ids[mine])
+            np.testing.assert_array_equal(out[mine], want)
+            # The group's reads were counted as the table's own are.
+            assert t.stats().unknown_reads - before[i] == 2 * unknown
+            assert unknown >= 40  # random ids of 2**40: unknown, so initial rows were read
+    wider = np.empty((1, 4), np.float32)
+    assert not group.read(np.zeros(1, np.int64), np.ones(1, np.uint64), wider)
+    assert TableGroup([tables[0], EmbeddingTable("wide", TableConfig(dim=4))]).dim is None

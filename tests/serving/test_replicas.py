@@ -18,16 +18,29 @@ CONFIG = StoreConfig(
         "item": {"dim": 3, "optimizer": {"kind": "adagrad", "lr": 0.1}},
     }
 )
+# One dim: every table of every shard is read in one kernel call (TableGroup); the
+# dims above are read table by table.
+ONE_DIM = StoreConfig(
+    tables={
+        "user": {"dim": 4, "optimizer": {"kind": "sgd", "lr": 0.5}},
+        "item": {
+            "dim": 4, "optimizer": {"kind": "adagrad", "lr": 0.1},
+            "initializer": {"kind": "normal", "std": 0.2},
+        },
+    }
+)  # fmt: skip
 
 
 @pytest.mark.parametrize("row_dtype", ["float16", "float32"])
-def test_rows_read_in_place_are_the_clients_rows(row_dtype: str) -> None:
-    config = CONFIG.model_copy(update={"row_dtype": row_dtype})
+@pytest.mark.parametrize("base", [CONFIG, ONE_DIM], ids=["dims", "one-dim"])
+def test_rows_read_in_place_are_the_clients_rows(row_dtype: str, base: StoreConfig) -> None:
+    config = base.model_copy(update={"row_dtype": row_dtype})
     rng = np.random.default_rng(5)
     training_shards = [StoreShard(config) for _ in range(3)]
     with StoreClient.from_shards(training_shards) as trainer:
         learned = rng.integers(0, 1 << 62, 400, dtype=np.uint64)
-        for name, dim in (("user", 4), ("item", 3)):
+        for name, table in config.tables.items():
+            dim = table.dim
             trainer.lookup({name: learned})
             trainer.push({name: (learned, rng.normal(size=(400, dim)))})
     replicas = LocalReplicas(config, training_shards, poll_s=0.02)
