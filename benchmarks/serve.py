@@ -59,7 +59,12 @@ In the order they run:
    alternated over ``--repeat`` rounds (the order flips each round);
    ``training_slowdown`` is the median samples/s with load over the median
    without. Samples/s as ``benchmarks/e2e.py`` reads it from the job's metrics
-   file: from its first progress report to its last (start-up left out).
+   file: from its first progress report to its last (start-up left out). The
+   control, ``training_slowdown_burner``: the same job beside a process that
+   only spins, for the share of a core the load cost the server
+   (``serving_load_cores``: the server's cores with load less its cores
+   without), which tells the cost of that CPU share from the rest of what
+   serving does to the job.
 
 Per-core figures divide by ``os.cpu_count()`` (``cpus`` in the JSON). On a
 2-core machine every process above shares the same two cores: the client too.
@@ -1076,17 +1081,32 @@ def ceiling_phase(s: Setup, tmp: Path, out: dict[str, Any]) -> None:
         )
 
 
+# A busy loop for ``share`` of every 10 ms: CPU taken from the job as the server takes it,
+# with none of the server's memory traffic, wake-ups or messages.
+_BURNER = """
+import os, sys, time
+share, parent = float(sys.argv[1]), os.getppid()
+while os.getppid() == parent:  # ends with the benchmark, however it ends
+    t = time.perf_counter()
+    while time.perf_counter() - t < share * 0.01:
+        pass
+    time.sleep((1.0 - share) * 0.01)
+"""
+
+
 def slowdown_phase(
     s: Setup, tmp: Path, store: str, shards: int, token_file: Path, out: dict[str, Any]
 ) -> None:
-    """The same job on the same events with and without 100 requests/s of batch 64."""
+    """The same job on the same events with and without 100 requests/s of batch 64, and
+    beside a CPU burner that takes the cores the load cost the server (the control)."""
     step = BATCH * PARTITIONS
     samples = -(-s.args.samples // step) * step
     out["slowdown_samples"] = samples
     load_reqs = requests_of(s.fresh_records, LOAD_BATCH, 16)
-    runs: dict[str, list[dict[str, Any]]] = {"with": [], "without": []}
+    runs: dict[str, list[dict[str, Any]]] = {"with": [], "without": [], "burner": []}
     for r in range(s.args.repeat):
-        order = ("without", "with") if r % 2 == 0 else ("with", "without")
+        # The burner takes the share the last run with load measured, so it follows one.
+        order = ("without", "with", "burner") if r % 2 == 0 else ("with", "burner", "without")
         for kind in order:
             # The same job but for its run directory (metrics files are appended to).
             name = f"slowdown-{kind}-{r}"
@@ -1097,37 +1117,64 @@ def slowdown_phase(
             before = load()
             run = TrainingRun(job_file, samples)
             loader = Load(s.address, load_reqs, LOAD_RPS) if kind == "with" else None
+            share = _burner_share(runs) if kind == "burner" else None
+            # No preexec_fn: this process holds gRPC channels (grpc/grpc#43055).
+            burner = (
+                subprocess.Popen([sys.executable, "-c", _BURNER, f"{share:.4f}"])
+                if share is not None
+                else None
+            )
+            cpu0, t0 = cpu_s(s.server_pids), time.monotonic()
             if loader is not None:
                 loader.start()
             try:
                 run.wait(s.args.job_timeout_s)
             finally:
                 served = loader.finish() if loader is not None else None
+                if burner is not None:
+                    burner.kill()
+                    burner.wait()
             rate = run.rate()
             rate |= {"round": r, "load_before": before, "load_after": load()}
+            rate["server_cores"] = (cpu_s(s.server_pids) - cpu0) / (time.monotonic() - t0)
             if served is not None:
                 rate["serving_load"] = served
+            if share is not None:
+                rate["burner_share"] = share
             runs[kind].append(rate)
             if s.log:
-                extra = ""
+                extra = f", server {rate['server_cores']:.2f} cores"
                 if served is not None:
-                    extra = (
+                    extra += (
                         f", load {served['requests_per_s']:.0f} requests/s of batch {LOAD_BATCH}"
                         f" (p99 {served['p99_ms']:.1f} ms)"
                     )
+                if share is not None:
+                    extra += f", a burner taking {share:.2f} of a core"
                 say(
                     f"  round {r + 1} {kind:<7}: {rate['samples_per_s']:,.0f} samples/s "
                     f"({rate['from']}){extra}"
                 )
     with_rate = statistics.median(x["samples_per_s"] for x in runs["with"])
     without_rate = statistics.median(x["samples_per_s"] for x in runs["without"])
+    burner_rate = statistics.median(x["samples_per_s"] for x in runs["burner"])
     out["training_samples_per_s_with_load"] = with_rate
     out["training_samples_per_s_without_load"] = without_rate
+    out["training_samples_per_s_beside_burner"] = burner_rate
     out["training_slowdown"] = with_rate / without_rate
+    out["training_slowdown_burner"] = burner_rate / without_rate
+    out["serving_load_cores"] = _burner_share(runs)
     out["load_requests_per_s_achieved"] = statistics.median(
         x["serving_load"]["requests_per_s"] for x in runs["with"]
     )
     out["slowdown_runs"] = runs
+
+
+def _burner_share(runs: Mapping[str, Sequence[Mapping[str, Any]]]) -> float:
+    """The cores the load cost the server: its cores with load (the last run's) over its
+    cores without (the median; it follows the training shards either way)."""
+    idle = statistics.median(x["server_cores"] for x in runs["without"]) if runs["without"] else 0
+    return float(min(1.0, max(0.01, runs["with"][-1]["server_cores"] - idle)))
 
 
 def while_training_phase(s: Setup, run: TrainingRun, out: dict[str, Any]) -> None:
@@ -1215,6 +1262,9 @@ def print_table(out: dict[str, Any]) -> None:
         "training_samples_per_s_with_load",
         "training_slowdown",
         "load_requests_per_s_achieved",
+        "serving_load_cores",
+        "training_samples_per_s_beside_burner",
+        "training_slowdown_burner",
     ]
     say("")
     print_figures({k: out[k] for k in keys if k in out}, show)

@@ -39,6 +39,9 @@ def test_every_serving_figure_is_reported(tmp_path: Path) -> None:
     keys += ["requests_per_s_batch1_per_server_core", "samples_per_s_batch512_per_server_core"]
     keys += ["training_slowdown", "training_samples_per_s_with_load"]
     keys += ["training_samples_per_s_without_load", "cpus"]
+    # The control: the job beside a burner of the cores the load cost the server.
+    keys += ["training_slowdown_burner", "training_samples_per_s_beside_burner"]
+    keys += ["serving_load_cores"]
     assert_positive(figures, keys)
     assert figures["tensor_encoding"].startswith("binary")
     for suffix in ("", "_while_training"):
@@ -58,6 +61,8 @@ def test_every_serving_figure_is_reported(tmp_path: Path) -> None:
         assert figures[f"sparse_freshness{suffix}"]["timeouts"] == 0
         assert figures[f"dense_freshness{suffix}"]["timeouts"] == 0
     assert figures["slowdown_runs"]["with"][0]["serving_load"]["requests"] > 0
+    burner = figures["slowdown_runs"]["burner"][0]
+    assert burner["burner_share"] == figures["serving_load_cores"]
     # The ceiling: the same server code and client with a model that costs nothing.
     assert_positive(
         figures["ceiling"],
