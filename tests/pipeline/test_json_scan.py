@@ -21,9 +21,9 @@ from tests.pipeline.test_plain import (
     ODD_VALUES,
     SPEC,
     _assert_same,
-    _base,
     _columnar,
     _plain,
+    odd_payloads,
 )
 
 # The plain test's values but one this path leaves to the others: a number beyond the
@@ -82,14 +82,11 @@ def test_an_odd_value_is_declined_or_agrees_with_the_columnar_path(
     field: str, text: str, required: bool
 ) -> None:
     spec = SPEC if required else SPEC.for_scoring()
-    record = _base()
-    record[field] = "@@"
-    odd = json.dumps(record).replace('"@@"', text)
-    payloads = [json.dumps(_base()).encode(), odd.encode()]
+    payloads = odd_payloads(field, text)
     columnar, bad = _columnar(payloads, spec)
     batch = JsonScanBuilder(spec).build(payloads)
     if batch is not None:
-        assert bad == 0, f"the scanned path took a record the columnar path finds bad: {odd}"
+        assert bad == 0, f"the scanned path took a record the columnar path finds bad: {payloads}"
         assert columnar is not None
         _assert_same(batch, columnar)
 

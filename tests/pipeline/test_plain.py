@@ -170,20 +170,25 @@ def _base() -> dict[str, object]:
     return {"click": 1, "buy": 0, "price": 1.5, "delta": 0.5, "age": 30, "n": 2, "user": "u"}
 
 
+def odd_payloads(field: str, text: str) -> list[bytes]:
+    """A good record, then one whose ``field`` holds the JSON ``text``."""
+    record = _base()
+    record[field] = "@@"
+    odd = json.dumps(record).replace('"@@"', text)
+    return [json.dumps(_base()).encode(), odd.encode()]
+
+
 @pytest.mark.parametrize("required", [False, True])
 @pytest.mark.parametrize(("field", "text"), ODD_VALUES)
 def test_an_odd_value_is_left_to_the_columnar_path_or_agrees_with_it(
     field: str, text: str, required: bool
 ) -> None:
     spec = SPEC if required else SPEC.for_scoring()
-    record = _base()
-    record[field] = "@@"
-    odd = json.dumps(record).replace('"@@"', text)
-    payloads = [json.dumps(_base()).encode(), odd.encode()]
+    payloads = odd_payloads(field, text)
     columnar, bad = _columnar(payloads, spec)
     plain = _plain(payloads, spec)
     if plain is not None:
-        assert bad == 0, f"the plain path took a record the columnar path finds bad: {odd}"
+        assert bad == 0, f"the plain path took a record the columnar path finds bad: {payloads}"
         assert columnar is not None
         _assert_same(plain, columnar)
 
