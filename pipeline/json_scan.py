@@ -47,7 +47,7 @@ from connectors.codecs.steps import join, utf8_ok
 from connectors.spec import DenseField, FeatureSpec
 from pipeline.batch import transform_dense
 from pipeline.plain import PlainBatchBuilder
-from pipeline.types import PreparedBatch
+from pipeline.types import FlatBatch, FlatIds, PreparedBatch, TableBatch
 
 __all__ = ["JsonScanBuilder"]
 
@@ -81,6 +81,13 @@ class JsonScanBuilder:
     def build(self, payloads: Sequence[bytes]) -> PreparedBatch | None:
         """The batch of ``payloads`` (one JSON object each), or None when one is not
         plainly good."""
+        flat = self.scan(payloads)
+        if flat is None:
+            return None
+        return PreparedBatch(flat.labels, flat.dense, self.tables_of(flat.ids))
+
+    def scan(self, payloads: Sequence[bytes]) -> FlatBatch | None:
+        """:meth:`build`'s batch with its tables' ids still in shared arrays."""
         n = len(payloads)
         if n == 0 or any(type(p) is not bytes for p in payloads):
             return None
@@ -107,7 +114,16 @@ class JsonScanBuilder:
             elements.is_string, elements.field_of, elements.string_offsets, elements.strings,
             elements.ints,
         )  # fmt: skip
-        return self._plain.assemble(ids, elements.lengths, labels, dense)
+        return FlatBatch(labels, dense, self._plain.flat_ids(ids, elements.lengths))
+
+    @property
+    def table_names(self) -> list[str]:
+        """The tables, in the order of the :class:`FlatIds` of :meth:`scan`."""
+        return self._plain.table_names
+
+    def tables_of(self, ids: FlatIds) -> dict[str, TableBatch]:
+        """One ``TableBatch`` per table of :meth:`scan`'s ids (views of its arrays)."""
+        return self._plain.tables_of(ids)
 
     def _labels(self, labels: npt.NDArray[np.float64]) -> npt.NDArray[np.float32] | None:
         if self.spec.labels_required and (

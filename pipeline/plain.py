@@ -43,7 +43,7 @@ import numpy.typing as npt
 from connectors.spec import FeatureSpec, SparseField
 from pipeline.batch import dedup_tables, transform_dense
 from pipeline.hashing import ValueHasher
-from pipeline.types import PreparedBatch, TableBatch
+from pipeline.types import FlatIds, PreparedBatch, TableBatch
 
 _INT64_MIN = -(1 << 63)
 _INT64_MAX = (1 << 63) - 1
@@ -139,22 +139,38 @@ class PlainBatchBuilder:
         """The batch of checked records: ``ids`` of every sparse value, field by field
         (``sparse_fields`` order) and record by record within a field; ``per_field``:
         ``[fields, records]``, how many values each record gives each field."""
+        tables = self.tables_of(self.flat_ids(ids, per_field))
+        return PreparedBatch(labels=labels, dense=dense, tables=tables)
+
+    def flat_ids(self, ids: npt.NDArray[np.uint64], per_field: npt.NDArray[np.int32]) -> FlatIds:
+        """Every table's deduplicated ids (see :meth:`assemble` for the arguments)."""
         starts = np.zeros(len(self.sparse_fields) + 1, dtype=np.int64)
         np.cumsum(per_field.sum(axis=1), out=starts[1:])
         unique, unique_at, inverse, offsets, offsets_at = dedup_tables(
             ids, starts, per_field, self._firsts
         )
+        return FlatIds(
+            unique, unique_at, inverse, starts[self._firsts], offsets, offsets_at, self._firsts
+        )
+
+    def tables_of(self, flat: FlatIds) -> dict[str, TableBatch]:
+        """One ``TableBatch`` per table, views of ``flat``'s arrays."""
         tables: dict[str, TableBatch] = {}
-        for t, (name, fields, pooling, first) in enumerate(self._tables):
-            lo, hi = int(starts[first]), int(starts[first + len(fields)])
+        u, i, o = flat.unique_at, flat.inverse_at, flat.offsets_at
+        for t, (name, fields, pooling, _) in enumerate(self._tables):
             tables[name] = TableBatch(
                 fields,
-                unique[unique_at[t] : unique_at[t + 1]],
-                inverse[lo:hi],
-                offsets[offsets_at[t] : offsets_at[t + 1]],
+                flat.unique[u[t] : u[t + 1]],
+                flat.inverse[i[t] : i[t + 1]],
+                flat.offsets[o[t] : o[t + 1]],
                 pooling=pooling,
             )
-        return PreparedBatch(labels=labels, dense=dense, tables=tables)
+        return tables
+
+    @property
+    def table_names(self) -> list[str]:
+        """The tables, in the order of :class:`FlatIds`."""
+        return [name for name, *_ in self._tables]
 
     def _labels(self, records: Sequence[Mapping[str, object]]) -> np.ndarray | None:
         required = self.spec.labels_required

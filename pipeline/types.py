@@ -58,3 +58,37 @@ class PreparedBatch:
 
     def __len__(self) -> int:
         return int(self.labels.shape[0])
+
+
+@dataclass(frozen=True)
+class FlatIds:
+    """Every table's deduplicated ids in shared arrays: what ``TableBatch`` views
+    would hold, before any is made (a prediction request's few ids in each of
+    dozens of tables cost more in objects than in work).
+
+    Table ``t`` (in ``spec.tables()`` order) has the unique ids
+    ``unique[unique_at[t]:unique_at[t + 1]]``, the inverse
+    ``inverse[inverse_at[t]:inverse_at[t + 1]]`` (into its own unique ids) and the
+    bag offsets ``offsets[offsets_at[t]:offsets_at[t + 1]]`` (into its inverse).
+    ``firsts[t]`` is its first field among every table's fields side by side.
+    """
+
+    unique: npt.NDArray[np.uint64]
+    unique_at: npt.NDArray[np.int64]
+    inverse: npt.NDArray[np.int32]
+    inverse_at: npt.NDArray[np.int64]
+    offsets: npt.NDArray[np.int32]
+    offsets_at: npt.NDArray[np.int64]
+    firsts: npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class FlatBatch:
+    """Records read to a batch whose tables are still :class:`FlatIds`."""
+
+    labels: npt.NDArray[np.float32]  # [B, T]
+    dense: npt.NDArray[np.float32]  # [B, D]
+    ids: FlatIds
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])

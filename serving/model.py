@@ -39,10 +39,10 @@ from pipeline.batch import build_batch
 from pipeline.json_scan import JsonScanBuilder
 from pipeline.plain import PlainBatchBuilder
 from pipeline.spec import FeatureSpec
-from pipeline.types import PreparedBatch
+from pipeline.types import FlatBatch, PreparedBatch
 from serving.types import BadRecords, ModelUnavailable, Prediction, RecordError
 from trainer.config import TrainerConfig
-from trainer.joined_fields import JoinedFields
+from trainer.joined_fields import JoinedFields, joined_flat
 from trainer.models import DenseNet, build_model, field_dims
 from trainer.pooling import host_tensor
 from trainer.publish import PublishedDense, load_weights, published
@@ -232,10 +232,9 @@ class ServingModel:
         version = self._version()
         n = len(records)
         if self._scan is not None:
-            batch = self._scan.build(records)
-            if batch is not None:
-                positions = np.arange(n, dtype=np.int64)
-                return self._score_batch(batch, positions, [], version)
+            flat = self._scan.scan(records)
+            if flat is not None:
+                return self._score_flat(flat, version)
         if self._plain is not None and n <= self.plain_max_records:
             # A few plainly good JSON records skip Arrow (see pipeline.plain); anything
             # else takes the columnar path below, which names what is wrong.
@@ -274,6 +273,29 @@ class ServingModel:
         if self._sparse_version is not None:
             parameters["sparse_version"] = self._sparse_version()
         return parameters
+
+    def _score_flat(self, flat: FlatBatch, version: DenseVersion) -> Scored:
+        """Score scanned records: with replicas of this process whose tables share one dim,
+        their rows in one read and the model's input in one kernel call, no per-table
+        objects (``trainer.joined_fields.joined_flat``); otherwise as any batch."""
+        positions = np.arange(len(flat), dtype=np.int64)
+        assert self._scan is not None  # scanned records come from it
+        read_flat = getattr(self.rows, "read_flat", None)
+        rows = None
+        if read_flat is not None:
+            ids = flat.ids
+            try:
+                rows = read_flat(self._scan.table_names, ids.unique, ids.unique_at)
+            except StoreUnavailable as exc:
+                raise ModelUnavailable(str(exc)) from exc
+        if rows is None:
+            batch = PreparedBatch(flat.labels, flat.dense, self._scan.tables_of(flat.ids))
+            return self._score_batch(batch, positions, [], version)
+        with torch.no_grad():
+            joined = joined_flat(rows, flat.ids, self.spec, len(flat))
+            logits = version.module.forward_joined(host_tensor(flat.dense), joined)
+            probs = torch.sigmoid(logits).numpy().astype(np.float32, copy=False)
+        return Scored(positions, probs, flat.labels, [], self._parameters(version))
 
     def _score_batch(
         self,

@@ -87,18 +87,8 @@ class ReplicaRows:
             return {}
         names = list(keys_of)
         sizes = [k.shape[0] for k in keys_of.values()]
-        keys = np.concatenate(list(keys_of.values()))
-        # Every table of every shard in one kernel call (shard-major), each id read from
-        # the shard that owns it.
-        tables = [shard.table(name) for shard in self.shards for name in names]
-        group = self._groups.get(tuple(names))
-        if group is None or not group.holds(tables):  # new, or a shard restored its tables
-            group = self._groups[tuple(names)] = TableGroup(tables)
-        which = np.repeat(np.arange(len(names), dtype=np.int64), sizes)
-        if len(self.shards) > 1:
-            which += shard_of(keys, len(self.shards)).astype(np.int64) * len(names)
-        rows = np.empty((keys.shape[0], group.dim or 0), np.float32)
-        if group.dim is None or not group.read(which, keys, rows):
+        rows = self._read(names, np.concatenate(list(keys_of.values())), sizes)
+        if rows is None:
             return self._lookup_by_table(keys_of)
         out: dict[str, npt.NDArray[np.floating]] = {}
         at = 0
@@ -106,6 +96,41 @@ class ReplicaRows:
             out[name] = rows[at : at + k].astype(self.row_dtype, copy=False)
             at += k
         return out
+
+    def read_flat(
+        self, names: Sequence[str], ids: npt.NDArray[np.uint64], bounds: npt.NDArray[np.int64]
+    ) -> npt.NDArray[np.float32] | None:
+        """The rows of every table's ids side by side (table ``names[t]``'s are
+        ``ids[bounds[t]:bounds[t + 1]]``), float32 as :meth:`lookup` gives them in
+        ``row_dtype``; None when the tables are not of one dim (use :meth:`lookup`)."""
+        for shard in self.shards:
+            if shard.unavailable is not None:
+                raise StoreUnavailable(shard.unavailable)
+        rows = self._read(list(names), ids, np.diff(bounds))
+        if rows is not None and self.row_dtype != "float32":
+            rows = rows.astype(self.row_dtype).astype(np.float32)  # rounded as lookup's are
+        return rows
+
+    def _read(
+        self,
+        names: list[str],
+        keys: npt.NDArray[np.uint64],
+        sizes: Sequence[int] | npt.NDArray[np.int64],
+    ) -> npt.NDArray[np.float32] | None:
+        """Every table of every shard in one kernel call (shard-major), each id read from
+        the shard that owns it; None when the tables are not of one dim or not laid out
+        for the kernel."""
+        tables = [shard.table(name) for shard in self.shards for name in names]
+        group = self._groups.get(tuple(names))
+        if group is None or not group.holds(tables):  # new, or a shard restored its tables
+            group = self._groups[tuple(names)] = TableGroup(tables)
+        if group.dim is None:
+            return None
+        which = np.repeat(np.arange(len(names), dtype=np.int64), sizes)
+        if len(self.shards) > 1:
+            which += shard_of(keys, len(self.shards)).astype(np.int64) * len(names)
+        rows = np.empty((keys.shape[0], group.dim), np.float32)
+        return rows if group.read(which, keys, rows) else None
 
     def _lookup_by_table(
         self, keys_of: Mapping[str, npt.NDArray[np.uint64]]

@@ -228,3 +228,96 @@ def test_a_version_collected_between_listing_and_reading_is_skipped(tmp_path: Pa
             return where.read_bytes(name)
 
     assert [d.version for d in published(Collecting())] == [2]  # type: ignore[arg-type]
+
+
+class _TableByTable:
+    """The same replicas read only through ``lookup``: the per-table path."""
+
+    def __init__(self, rows: object) -> None:
+        self._rows = rows
+
+    def lookup(self, ids: object, *, train: bool = False) -> object:
+        return self._rows.lookup(ids, train=train)  # type: ignore[attr-defined]
+
+
+class _Flat(_TableByTable):
+    """The same replicas with their flat read too, counted."""
+
+    flat_reads = 0
+
+    def read_flat(self, *args: object) -> object:
+        self.flat_reads += 1
+        return self._rows.read_flat(*args)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("row_dtype", ["float32", "float16"])
+def test_the_flat_path_scores_as_the_per_table_path_bit_for_bit(
+    tmp_path: Path, row_dtype: str
+) -> None:
+    """Replicas of one dim take the flat path (one read, one kernel for the model's
+    input); it must give the per-table path's answer exactly, over two shards, sum and
+    mean pools, lists and fields that share a table."""
+    from serving.replicas import LocalReplicas
+
+    spec = FeatureSpec.model_validate(
+        {
+            "labels": ["click"],
+            "dense": [{"name": "price", "transform": "log1p"}],
+            "sparse": [
+                {"name": "user", "table": "ids"},
+                {"name": "item", "table": "ids", "type": "int"},
+                {"name": "tags", "table": "tags", "type": "list_string", "pooling": "mean"},
+                {"name": "cats", "table": "cats", "type": "list_int"},
+            ],
+        }
+    )
+    sgd = {"kind": "sgd", "lr": 0.5}
+    store = StoreConfig(
+        tables={name: {"dim": 4, "optimizer": sgd} for name in ("ids", "tags", "cats")},
+        row_dtype=row_dtype,
+    )
+    training = [StoreShard(store), StoreShard(store)]
+    rng = np.random.default_rng(3)
+    records = [
+        json.dumps(
+            {
+                "user": f"u{rng.integers(20)}",
+                "item": int(rng.integers(-50, 50)),
+                "price": float(rng.integers(0, 9)),
+                "tags": [f"t{x}" for x in rng.integers(0, 9, rng.integers(0, 4))],
+                "cats": [int(x) for x in rng.integers(0, 30, rng.integers(0, 3))],
+            }
+        ).encode()
+        for _ in range(70)
+    ]
+    with StoreClient.from_shards(training) as trainer:
+        raw = RawChunk(Chunk("s", "p", 0, 40), np.arange(40), records[:40])
+        scoring = spec.for_scoring()
+        batch = build_batch(make_codec("json").decode(raw, scoring)[0], scoring)
+        for name, tb in batch.tables.items():  # rows learned for some ids, initial for others
+            trainer.lookup({name: tb.unique_ids})
+            trainer.push({name: (tb.unique_ids, rng.normal(size=(len(tb.unique_ids), 4)))})
+    replicas = LocalReplicas(store, training, poll_s=0.02)
+    try:
+        assert replicas.wait_caught_up(timeout_s=30)
+        config = TrainerConfig()
+        dims = {name: 4 for name in store.tables}
+        dense = DenseModel(config, spec, dims, torch.device("cpu"))
+        where = Location.parse(tmp_path / "serving")
+        publisher = DensePublisher(where, every_s=0.0)
+        publisher.maybe_publish(step=1, samples=1, module=dense.module)
+        publisher.close()
+        follower = DenseFollower(where, config, spec, dims)
+        assert follower.refresh()
+        codec = make_codec("json")
+        flat_rows = _Flat(replicas.rows)
+        flat = ServingModel("m", spec, codec, flat_rows, follower)
+        by_table = ServingModel("m", spec, codec, _TableByTable(replicas.rows), follower)
+        for size in (1, 2, 17, 70):
+            request = records[:size]
+            got = flat.predict(request).probabilities["click"]
+            want = by_table.predict(request).probabilities["click"]
+            np.testing.assert_array_equal(got, want)
+        assert flat_rows.flat_reads == 4  # every request took the flat path
+    finally:
+        replicas.close()
