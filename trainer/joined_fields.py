@@ -128,40 +128,6 @@ def _layout(key: _SpecKey, dims: tuple[int, ...]) -> _Layout:
 
 
 @nb.njit(nogil=True, cache=True)
-def _gather(
-    rows: npt.NDArray[np.float32],
-    inverse: npt.NDArray[np.int32],
-    offsets: npt.NDArray[np.int32],
-    cols: npt.NDArray[np.int64],
-    mean: npt.NDArray[np.bool_],
-    out: npt.NDArray[np.float32],
-) -> None:
-    fields = cols.shape[0]
-    dim = rows.shape[1]
-    acc = np.empty(dim, dtype=np.float32)
-    for b in range(out.shape[0]):
-        for k in range(fields):
-            bag = b * fields + k
-            lo = offsets[bag]
-            hi = offsets[bag + 1]
-            c = cols[k]
-            if hi - lo == 1:  # one id: a copy (most fields hold one categorical value)
-                r = inverse[lo]
-                for d in range(dim):
-                    out[b, c + d] = rows[r, d]
-                continue
-            for d in range(dim):
-                acc[d] = 0.0
-            for j in range(lo, hi):
-                r = inverse[j]
-                for d in range(dim):
-                    acc[d] += rows[r, d]
-            n = np.float32(hi - lo) if mean[k] and hi - lo > 1 else np.float32(1.0)
-            for d in range(dim):
-                out[b, c + d] = acc[d] / n
-
-
-@nb.njit(nogil=True, cache=True)
 def _gather_flat(
     rows: npt.NDArray[np.float32],
     unique_at: npt.NDArray[np.int64],
@@ -174,8 +140,10 @@ def _gather_flat(
     mean: npt.NDArray[np.bool_],
     out: npt.NDArray[np.float32],
 ) -> None:
-    """``_gather`` of every table at once, from shared arrays (``pipeline.types.FlatIds``):
-    table ``t``'s unique ids have their rows from ``rows[unique_at[t]]`` on."""
+    """Every table's fields, sum- or mean-pooled, into their columns of ``out``, from
+    shared arrays (``pipeline.types.FlatIds``): table ``t``'s unique ids have their rows
+    from ``rows[unique_at[t]]`` on, and its bags ``b * fields + k``. Sums run in bag
+    order; a bag of one id is a copy."""
     dim = rows.shape[1]
     acc = np.empty(dim, dtype=np.float32)
     for t in range(firsts.shape[0] - 1):
@@ -202,6 +170,22 @@ def _gather_flat(
                 n = np.float32(hi - lo) if mean[f0 + k] and hi - lo > 1 else np.float32(1.0)
                 for d in range(dim):
                     out[b, c + d] = acc[d] / n
+
+
+@nb.njit(nogil=True, cache=True)
+def _gather(
+    rows: npt.NDArray[np.float32],
+    inverse: npt.NDArray[np.int32],
+    offsets: npt.NDArray[np.int32],
+    cols: npt.NDArray[np.int64],
+    mean: npt.NDArray[np.bool_],
+    out: npt.NDArray[np.float32],
+) -> None:
+    """One table's fields pooled into their columns of ``out``: ``_gather_flat`` of it."""
+    _gather_flat(
+        rows, np.array([0, rows.shape[0]]), inverse, np.array([0, inverse.shape[0]]), offsets,
+        np.array([0, offsets.shape[0]]), np.array([0, cols.shape[0]]), cols, mean, out,
+    )  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)
