@@ -95,6 +95,47 @@ def test_a_replica_refuses_pushes_and_checkpoints() -> None:
         replica.checkpoint("/nonexistent")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_replica_reads_many_tables_at_once_as_each_alone(dtype: str) -> None:
+    """A lookup of several tables of one dim is one kernel call (``TableGroup``): the
+    rows of each table's own read, learned and unknown ids alike, into reply buffers
+    too; bad ids are refused as a lone table's read refuses them."""
+    sgd = {"kind": "sgd", "lr": 0.5}
+    config = StoreConfig(
+        tables={
+            "a": {"dim": 3, "optimizer": sgd},
+            "b": {"dim": 3, "optimizer": sgd, "initializer": {"kind": "normal", "std": 0.3}},
+            "c": {"dim": 3, "optimizer": sgd},
+        }
+    )
+    training = StoreShard(config)
+    rng = np.random.default_rng(2)
+    learned = {name: rng.integers(0, 1 << 50, 40, dtype=np.uint64) for name in config.tables}
+    training.lookup(learned)
+    training.push({n: (ids, rng.normal(size=(40, 3))) for n, ids in learned.items()})
+    replica = StoreShard(config, read_only=True)
+    assert ShardFollower(replica, training).sync_once()
+    request = {
+        name: np.concatenate([ids[:: i + 2], rng.integers(0, 1 << 50, 5, dtype=np.uint64)])
+        for i, (name, ids) in enumerate(learned.items())
+    }
+    request["c"] = np.array([], np.uint64)  # a table with no ids in the request
+    before = {n: replica.table(n).stats().unknown_reads for n in config.tables}
+    got = replica.lookup(request, train=False, dtype=dtype)  # type: ignore[arg-type]
+    buffers = {"b": np.empty((len(request["b"]), 3), dtype)}
+    into = replica.lookup(request, train=False, out=buffers)
+    for name, ids in request.items():
+        want = _served(replica, name, ids).astype(dtype)
+        assert got[name].dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(got[name], want)
+        np.testing.assert_array_equal(into[name].astype(dtype), want)
+        unknown = replica.table(name).stats().unknown_reads - before[name]
+        assert unknown == 3 * (5 if name != "c" else 0)  # two lookups and the check's read
+    assert into["b"] is buffers["b"]
+    with pytest.raises(InvalidRequest, match="integer ids"):
+        replica.lookup({"a": np.array([1], U64), "b": np.array([0.5])}, train=False)
+
+
 def _wait_until(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> float:
     """Seconds until ``check()`` held; fails the test after ``timeout_s``."""
     start = time.monotonic()
