@@ -40,7 +40,7 @@ from embedding_store.errors import (
 )
 from embedding_store.hashing import shard_of
 from embedding_store.location import Location
-from embedding_store.table import MAX_STEP, EmbeddingTable, TableGroup, apply_changes
+from embedding_store.table import MAX_STEP, EmbeddingTable, TableGroups, apply_changes
 from embedding_store.types import (
     CheckpointKind,
     CheckpointResult,
@@ -97,7 +97,7 @@ class StoreShard:
         # knows that what was pushed since the last checkpoint is gone.
         self.incarnation = uuid.uuid4().hex
         self._tables = {name: EmbeddingTable(name, cfg) for name, cfg in config.tables.items()}
-        self._groups: dict[tuple[str, ...], TableGroup] = {}  # a replica's reads, by tables
+        self._groups = TableGroups()  # a replica's reads of several tables at once
         self._push_lock = threading.Lock()
         # request id -> (monotonic time first seen, its push), oldest first
         self._pushes: OrderedDict[str, tuple[float, PushResult | _PendingPush]] = OrderedDict()
@@ -177,7 +177,7 @@ class StoreShard:
                 raise StoreUnavailable(self.unavailable)
             # A serving request's few ids in each of many tables: one kernel call for all.
             together = (
-                self._read_group([t for _, t in tables]).read_each(
+                self._groups.of([t for _, t in tables]).read_each(
                     [requests[name] for name, _ in tables]
                 )
                 if len(tables) > 1
@@ -196,17 +196,6 @@ class StoreShard:
                 dest = np.empty((np.shape(requests[name])[0], t.dim), dtype=dtype)
             result[name] = t.lookup(requests[name], train=train, step=step, out=dest)
         return result
-
-    def _read_group(self, tables: list[EmbeddingTable]) -> TableGroup:
-        """The group that reads ``tables`` together, made again once a restore replaced
-        one of them; a few dozen sets of tables are kept (a client chooses them)."""
-        key = tuple(t.name for t in tables)
-        group = self._groups.get(key)
-        if group is None or not group.holds(tables):
-            if len(self._groups) >= 64:
-                self._groups.clear()
-            group = self._groups[key] = TableGroup(tables)
-        return group
 
     def peek(self, ids: Mapping[str, npt.ArrayLike]) -> dict[str, RowState]:
         """Each table's rows of ``ids`` with their optimizer state, changing nothing."""

@@ -384,6 +384,26 @@ class TableGroup:
         return True
 
 
+class TableGroups:
+    """The groups a reader keeps, one per set of tables it reads together; a group is
+    made again once a restore replaced one of its tables, and at most ``limit`` sets
+    are kept (a client chooses them)."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self.limit = limit
+        self._groups: dict[tuple[str, ...], TableGroup] = {}
+
+    def of(self, tables: Sequence[EmbeddingTable]) -> TableGroup:
+        """The group of ``tables`` (the very objects, in order)."""
+        key = tuple(t.name for t in tables)
+        group = self._groups.get(key)
+        if group is None or not group.holds(tables):
+            if len(self._groups) >= self.limit:
+                self._groups.clear()
+            group = self._groups[key] = TableGroup(tables)
+        return group
+
+
 @nb.njit(nogil=True, cache=True)
 def _gather(weights: F32, rows: I64, out: F32) -> None:
     """``out[i] = weights[rows[i]]``, zeros where ``rows[i] < 0``."""

@@ -47,7 +47,7 @@ from connectors.codecs.steps import join, utf8_ok
 from connectors.spec import DenseField, FeatureSpec
 from pipeline.batch import transform_dense
 from pipeline.plain import PlainBatchBuilder
-from pipeline.types import FlatBatch, FlatIds, PreparedBatch, TableBatch
+from pipeline.types import FlatBatch, PreparedBatch
 
 __all__ = ["JsonScanBuilder"]
 
@@ -57,9 +57,10 @@ class JsonScanBuilder:
 
     def __init__(self, spec: FeatureSpec) -> None:
         self.spec = spec
-        self._plain = PlainBatchBuilder(spec)
+        # Its hash, dedup and tables are the plain path's; callers share this one.
+        self.plain = PlainBatchBuilder(spec)
         self._plan = ScanPlan.of(spec)
-        fields = self._plain.sparse_fields
+        fields = self.plain.sparse_fields
         self._kind, self._slot = self._plan.sparse_layout(fields)
         self._max_len = np.array([f.max_len for f in fields], dtype=np.int64)
         dense = spec.dense
@@ -84,7 +85,7 @@ class JsonScanBuilder:
         flat = self.scan(payloads)
         if flat is None:
             return None
-        return PreparedBatch(flat.labels, flat.dense, self.tables_of(flat.ids))
+        return PreparedBatch(flat.labels, flat.dense, self.plain.tables_of(flat.ids))
 
     def scan(self, payloads: Sequence[bytes]) -> FlatBatch | None:
         """:meth:`build`'s batch with its tables' ids still in shared arrays."""
@@ -110,20 +111,11 @@ class JsonScanBuilder:
         elements = sparse_elements(values, self._kind, self._slot, self._max_len)
         if elements is None:
             return None
-        ids = self._plain.hasher.scanned_ids(
+        ids = self.plain.hasher.scanned_ids(
             elements.is_string, elements.field_of, elements.string_offsets, elements.strings,
             elements.ints,
         )  # fmt: skip
-        return FlatBatch(labels, dense, self._plain.flat_ids(ids, elements.lengths))
-
-    @property
-    def table_names(self) -> list[str]:
-        """The tables, in the order of the :class:`FlatIds` of :meth:`scan`."""
-        return self._plain.table_names
-
-    def tables_of(self, ids: FlatIds) -> dict[str, TableBatch]:
-        """One ``TableBatch`` per table of :meth:`scan`'s ids (views of its arrays)."""
-        return self._plain.tables_of(ids)
+        return FlatBatch(labels, dense, self.plain.flat_ids(ids, elements.lengths))
 
     def _labels(self, labels: npt.NDArray[np.float64]) -> npt.NDArray[np.float32] | None:
         if self.spec.labels_required and (

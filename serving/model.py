@@ -203,11 +203,13 @@ class ServingModel:
         self.dense = dense
         self._sparse_version = sparse_version
         self._rows_ready = rows_ready
-        # The scanned and plain paths read JSON only: their builders, or None.
-        self._plain = (
-            (codec, PlainBatchBuilder(self.spec)) if isinstance(codec, JsonLinesCodec) else None
-        )
-        self._scan = JsonScanBuilder(self.spec) if isinstance(codec, JsonLinesCodec) else None
+        # The scanned and plain paths read JSON only: their builders (one plain builder,
+        # the scanner's), or None.
+        self._scan: JsonScanBuilder | None = None
+        self._plain: tuple[JsonLinesCodec, PlainBatchBuilder] | None = None
+        if isinstance(codec, JsonLinesCodec):
+            self._scan = JsonScanBuilder(self.spec)
+            self._plain = (codec, self._scan.plain)
 
     def ready(self) -> bool:
         rows = self._rows_ready is None or self._rows_ready()
@@ -285,11 +287,11 @@ class ServingModel:
         if read_flat is not None:
             ids = flat.ids
             try:
-                rows = read_flat(self._scan.table_names, ids.unique, ids.unique_at)
+                rows = read_flat(self._scan.plain.table_names, ids.unique, ids.unique_at)
             except StoreUnavailable as exc:
                 raise ModelUnavailable(str(exc)) from exc
         if rows is None:
-            batch = PreparedBatch(flat.labels, flat.dense, self._scan.tables_of(flat.ids))
+            batch = PreparedBatch(flat.labels, flat.dense, self._scan.plain.tables_of(flat.ids))
             return self._score_batch(batch, positions, [], version)
         with torch.no_grad():
             joined = joined_flat(rows, flat.ids, self.spec, len(flat))

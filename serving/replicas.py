@@ -42,7 +42,7 @@ from embedding_store.errors import InvalidRequest, StoreUnavailable
 from embedding_store.hashing import shard_of
 from embedding_store.replica import ChangeSource, ShardFollower
 from embedding_store.shard import StoreShard
-from embedding_store.table import TableGroup
+from embedding_store.table import TableGroups
 from embedding_store.types import RowDtype, StoreConfig
 
 
@@ -65,7 +65,7 @@ class ReplicaRows:
         self.shards = list(shards)
         self.row_dtype = row_dtype
         self._current_at = list(current_at)
-        self._groups: dict[tuple[str, ...], TableGroup] = {}  # by the tables a call reads
+        self._groups = TableGroups()  # by the tables a call reads
 
     def lookup(
         self, ids: Mapping[str, npt.ArrayLike], *, train: bool = False
@@ -120,10 +120,7 @@ class ReplicaRows:
         """Every table of every shard in one kernel call (shard-major), each id read from
         the shard that owns it; None when the tables are not of one dim or not laid out
         for the kernel."""
-        tables = [shard.table(name) for shard in self.shards for name in names]
-        group = self._groups.get(tuple(names))
-        if group is None or not group.holds(tables):  # new, or a shard restored its tables
-            group = self._groups[tuple(names)] = TableGroup(tables)
+        group = self._groups.of([shard.table(name) for shard in self.shards for name in names])
         if group.dim is None:
             return None
         which = np.repeat(np.arange(len(names), dtype=np.int64), sizes)
@@ -136,7 +133,7 @@ class ReplicaRows:
         self, keys_of: Mapping[str, npt.NDArray[np.uint64]]
     ) -> dict[str, npt.NDArray[np.floating]]:
         """Table by table: tables of several dims, or laid out otherwise than
-        ``read_tables`` takes them."""
+        ``TableGroup`` reads them."""
         owners = (
             shard_of(np.concatenate(list(keys_of.values())), len(self.shards))
             if len(self.shards) > 1
