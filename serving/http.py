@@ -36,14 +36,24 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
+from email.utils import formatdate
+from http.client import responses
 from types import TracebackType
-from typing import Any, ClassVar, Final
+from typing import Any, ClassVar, Final, NamedTuple
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import generate_latest
 from tornado.http1connection import HTTP1Connection
 from tornado.httpserver import HTTPServer
+from tornado.httputil import (
+    HTTPConnection,
+    HTTPHeaders,
+    HTTPMessageDelegate,
+    HTTPServerConnectionDelegate,
+    RequestStartLine,
+    ResponseStartLine,
+)
 from tornado.netutil import bind_sockets
 from tornado.web import Application, RequestHandler, stream_request_body
 
@@ -385,55 +395,218 @@ class _Infer(_ModelHandler):
         chunks = self._chunks
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self._chunks = []
-        predictor = self.shared.predictor
-        if not predictor.ready():
-            message = f'model "{name}" is not ready (parameters loading or catching up); retry'
-            self._fail(503, message, "not_ready")
-            return
-        try:
-            request = oip.parse_infer_request(
-                body, predictor.heads, self.request.headers.get(oip.HEADER_LENGTH)
-            )
-        except OipError as e:
-            self._fail(e.status, e.message, e.reason)
-            return
-        n = len(request.records)
-        batcher = self.shared.batcher
-        try:
-            # With a batcher, the requests this loop read in one turn share one call.
-            if batcher is not None:
-                prediction = await batcher.submit(request.records)
-            else:
-                prediction = predictor.predict(request.records)
-            response = oip.infer_response(
-                predictor.name, predictor.heads, request, prediction, version
-            )
-        except BadRecords as e:
-            metrics = self.shared.metrics
-            metrics.errors.labels("bad_records").inc()
-            for error in e.errors:
-                metrics.bad_records.labels(error.reason).inc()
-            _, reply = oip.bad_records_body(e.errors, n)
-            self._send(400, reply)
-            return
-        except ModelUnavailable as e:
-            self._fail(503, f'model "{name}" cannot answer now: {e}; retry', "unavailable")
-            return
-        except Exception as e:
-            log.exception('model "%s" failed on a request of %d records', name, n)
-            message = (
-                f'model "{name}" failed on {n} records ({type(e).__name__}); see the server log'
-            )
-            self._fail(500, message, "internal")
-            return
-        self.shared.metrics.records.inc(n)
-        if response.header_length is not None:
-            self.set_header(oip.HEADER_LENGTH, str(response.header_length))
-        self._send(200, response.body, response.content_type)
+        reply = await _answer_infer(
+            self.shared, name, version, body, self.request.headers.get(oip.HEADER_LENGTH)
+        )
+        if reply.header_length is not None:
+            self.set_header(oip.HEADER_LENGTH, str(reply.header_length))
+        self._send(reply.status, reply.body, reply.content_type)
 
     def on_finish(self) -> None:
         super().on_finish()
         self.shared.metrics.infer_latency.observe(time.perf_counter() - self._start)
+
+
+class _Reply(NamedTuple):
+    status: int
+    body: bytes
+    content_type: str = _JSON
+    header_length: int | None = None  # the JSON part's length of a binary response
+
+
+def _failed(shared: _Shared, status: int, message: str, reason: str) -> _Reply:
+    shared.metrics.errors.labels(reason).inc()
+    return _Reply(status, oip.error_body(message))
+
+
+async def _answer_infer(
+    shared: _Shared, name: str, version: str | None, body: bytes, header_length: str | None
+) -> _Reply:
+    """The answer to an infer request whose body was read whole, whichever path read it
+    (``_Infer`` or ``_FastInfer``); errors are counted here."""
+    predictor = shared.predictor
+    if not predictor.ready():
+        message = f'model "{name}" is not ready (parameters loading or catching up); retry'
+        return _failed(shared, 503, message, "not_ready")
+    try:
+        request = oip.parse_infer_request(body, predictor.heads, header_length)
+    except OipError as e:
+        return _failed(shared, e.status, e.message, e.reason)
+    n = len(request.records)
+    batcher = shared.batcher
+    try:
+        # With a batcher, the requests this loop read in one turn share one call.
+        if batcher is not None:
+            prediction = await batcher.submit(request.records)
+        else:
+            prediction = predictor.predict(request.records)
+        response = oip.infer_response(predictor.name, predictor.heads, request, prediction, version)
+    except BadRecords as e:
+        metrics = shared.metrics
+        metrics.errors.labels("bad_records").inc()
+        for error in e.errors:
+            metrics.bad_records.labels(error.reason).inc()
+        _, reply = oip.bad_records_body(e.errors, n)
+        return _Reply(400, reply)
+    except ModelUnavailable as e:
+        return _failed(shared, 503, f'model "{name}" cannot answer now: {e}; retry', "unavailable")
+    except Exception as e:
+        log.exception('model "%s" failed on a request of %d records', name, n)
+        message = f'model "{name}" failed on {n} records ({type(e).__name__}); see the server log'
+        return _failed(shared, 500, message, "internal")
+    shared.metrics.records.inc(n)
+    return _Reply(200, response.body, response.content_type, response.header_length)
+
+
+class _Connections(HTTPServerConnectionDelegate):
+    """Routes each request read: a plain infer request to :class:`_FastInfer`, anything
+    else to the tornado application (``app``), which answers every case.
+
+    Plain: ``POST`` to this model's infer URL with no query, a Content-Length within
+    ``max_request_bytes``, no Transfer-Encoding, Content-Encoding or Expect header, and
+    the token when the server has one. Such a request needs none of what a
+    ``RequestHandler`` gives (routing, refusals, streaming), which was most of the
+    loop's CPU for a request beyond the model's own: a server sharing cores with a
+    training job pays for it on every request.
+    """
+
+    def __init__(self, app: Application, shared: _Shared) -> None:
+        self.app = app
+        self.shared = shared
+        name = shared.predictor.name
+        # A name the URL carries as is (else its requests take the application's path,
+        # which unquotes the URL's segment).
+        safe = name and all(c.isalnum() or c in "-_." for c in name)
+        self.infer_path = f"/v2/models/{name}/infer" if safe else None
+        self._date = (0, "")
+
+    def date(self) -> str:
+        """The Date header's value, formatted once a second."""
+        now = int(time.time())
+        if self._date[0] != now:
+            self._date = (now, formatdate(now, usegmt=True))
+        return self._date[1]
+
+    def start_request(
+        self, server_conn: object, request_conn: HTTPConnection
+    ) -> HTTPMessageDelegate:
+        return _Route(self, server_conn, request_conn)
+
+    def on_close(self, server_conn: object) -> None:
+        self.app.on_close(server_conn)
+
+    def plain_infer(self, start_line: RequestStartLine, headers: HTTPHeaders) -> bool:
+        """Whether :class:`_FastInfer` answers this request (see the class)."""
+        if start_line.method != "POST" or start_line.path != self.infer_path:
+            return False
+        length = headers.get("Content-Length", "")
+        if not (length.isdigit() and int(length) <= self.shared.max_request_bytes):
+            return False
+        if "Transfer-Encoding" in headers or "Expect" in headers:
+            return False
+        encoding = headers.get("Content-Encoding")
+        if encoding is not None and encoding.lower() != "identity":
+            return False
+        token = self.shared.token
+        if token is None:
+            return True
+        scheme, _, credentials = headers.get("Authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            credentials.strip().encode("latin-1"), token
+        )
+
+
+class _Route(HTTPMessageDelegate):
+    """One request of a connection: answered by :class:`_FastInfer`, or handed whole to
+    the application's delegate."""
+
+    __slots__ = ("_conn", "_connections", "_server_conn", "delegate")
+
+    def __init__(
+        self, connections: _Connections, server_conn: object, request_conn: HTTPConnection
+    ) -> None:
+        self._connections = connections
+        self._server_conn = server_conn
+        self._conn = request_conn
+        self.delegate: HTTPMessageDelegate | None = None
+
+    def headers_received(
+        self, start_line: RequestStartLine | ResponseStartLine, headers: HTTPHeaders
+    ) -> Awaitable[None] | None:
+        connections = self._connections
+        if isinstance(start_line, RequestStartLine) and connections.plain_infer(
+            start_line, headers
+        ):
+            self.delegate = _FastInfer(connections, self._conn, headers)
+            return None
+        self.delegate = connections.app.start_request(self._server_conn, self._conn)
+        return self.delegate.headers_received(start_line, headers)
+
+    def data_received(self, chunk: bytes) -> Awaitable[None] | None:
+        assert self.delegate is not None  # the connection sends headers first
+        return self.delegate.data_received(chunk)
+
+    def finish(self) -> None:
+        assert self.delegate is not None
+        self.delegate.finish()
+
+    def on_connection_close(self) -> None:
+        if self.delegate is not None:
+            self.delegate.on_connection_close()
+
+
+class _FastInfer(HTTPMessageDelegate):
+    """A plain infer request (see :class:`_Connections`): its body gathered, answered
+    by :func:`_answer_infer` as ``_Infer`` answers it, written straight to the
+    connection."""
+
+    __slots__ = ("_chunks", "_conn", "_connections", "_header_length", "_start", "_task")
+
+    def __init__(
+        self, connections: _Connections, conn: HTTPConnection, headers: HTTPHeaders
+    ) -> None:
+        self._connections = connections
+        self._conn = conn
+        self._task: asyncio.Future[None] | None = None
+        self._header_length = headers.get(oip.HEADER_LENGTH)
+        self._chunks: list[bytes] = []
+        self._start = time.perf_counter()
+
+    def data_received(self, chunk: bytes) -> None:
+        self._chunks.append(chunk)
+
+    def finish(self) -> None:
+        # The connection reads no further request until this one's answer is finished.
+        self._task = asyncio.ensure_future(self._answer())
+
+    def on_connection_close(self) -> None:
+        self._chunks = []
+
+    async def _answer(self) -> None:
+        shared = self._connections.shared
+        chunks = self._chunks
+        self._chunks = []
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        name = shared.predictor.name
+        try:
+            reply = await _answer_infer(shared, name, None, body, self._header_length)
+        except Exception:  # a bug here must not leave the client waiting
+            log.exception('answering an infer request of model "%s"', name)
+            reply = _failed(shared, 500, "internal error answering the request", "internal")
+        headers = HTTPHeaders()
+        headers["Content-Type"] = reply.content_type
+        headers["Content-Length"] = str(len(reply.body))
+        headers["Date"] = self._connections.date()
+        if reply.header_length is not None:
+            headers[oip.HEADER_LENGTH] = str(reply.header_length)
+        start_line = ResponseStartLine("HTTP/1.1", reply.status, responses.get(reply.status, ""))
+        self._conn.write_headers(start_line, headers, reply.body)
+        self._conn.finish()
+        metrics = shared.metrics
+        metrics.count_request("infer", reply.status)
+        metrics.infer_latency.observe(time.perf_counter() - self._start)
+        if reply.status >= 500:
+            log.warning("%d POST /v2/models/%s/infer", reply.status, name)
 
 
 def _log_request(handler: RequestHandler) -> None:
@@ -457,8 +630,14 @@ def make_app(
     batcher: LoopBatcher | None = None,
 ) -> Application:
     """The tornado application of the server (serve it with an ``HTTPServer``);
-    ``batcher``: joins the requests read in one turn of the loop (None: each alone)."""
+    ``batcher``: joins the requests read in one turn of the loop (None: each alone).
+    ``InferenceServer`` serves it behind :class:`_Connections`, which answers plain
+    infer requests itself."""
     shared = _Shared(predictor, token, max_request_bytes, metrics or ServeMetrics(), batcher)
+    return _application(shared)
+
+
+def _application(shared: _Shared) -> Application:
     args = {"shared": shared}
     routes: Sequence[tuple[str, type[RequestHandler], dict[str, Any]]] = [
         (r"/v2/health/live", _Live, args),
@@ -577,14 +756,11 @@ class InferenceServer:
             loop.close()
 
     async def _open(self, sockets: list[socket.socket]) -> HTTPServer:
-        app = make_app(
-            self.predictor,
-            token=self._token,
-            max_request_bytes=self._max_request_bytes,
-            metrics=self.metrics,
-            batcher=self._batcher,
+        shared = _Shared(
+            self.predictor, self._token, self._max_request_bytes, self.metrics, self._batcher
         )
-        server = HTTPServer(app, max_body_size=self._max_request_bytes)
+        connections = _Connections(_application(shared), shared)
+        server = HTTPServer(connections, max_body_size=self._max_request_bytes)
         server.add_sockets(sockets)
         return server
 

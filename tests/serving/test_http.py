@@ -370,6 +370,56 @@ def test_binary_request_by_hand(server: InferenceServer) -> None:
     np.testing.assert_array_equal(np.frombuffer(body[split:], "<f4"), expected_click(RECORDS))
 
 
+def test_plain_and_streamed_infer_requests_answer_alike(
+    server: InferenceServer, ranker: FakeRanker
+) -> None:
+    """A request with a Content-Length takes the server's lean path, a chunked one the
+    application's: the same bodies get the same answers on one kept-alive connection."""
+    tensor = encode_bytes_tensor(RECORDS)
+    head = json.dumps({
+        "inputs": [{"name": "records", "datatype": "BYTES", "shape": [2],
+                    "parameters": {"binary_data_size": len(tensor)}}],
+    }).encode()  # fmt: skip
+    cases: list[tuple[bytes, dict[str, str], int]] = [
+        (head + tensor, {"Inference-Header-Content-Length": str(len(head))}, 200),
+        (json_request([r.decode() for r in RECORDS]), {}, 200),
+        (json_request(['{"user": 1}', "not json"]), {}, 400),
+        (json_request(['{"user": "boom"}']), {}, 500),
+        (b'{"inputs": 7}', {}, 400),
+        (head + tensor, {"Inference-Header-Content-Length": "x"}, 400),
+    ]
+    assert server.url is not None
+    conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=10)
+    seen = []
+    try:
+        for body, headers, status in cases:
+            answers = []
+            for chunked in (False, True):
+                payload: Any = iter([body[:5], body[5:]]) if chunked else body
+                conn.request("POST", f"{MODEL}/infer", payload, headers, encode_chunked=chunked)
+                reply = conn.getresponse()
+                got = {k.lower(): v for k, v in reply.getheaders()}
+                answers.append((
+                    reply.status, reply.read(), got.get("content-type"),
+                    got.get("inference-header-content-length"), "date" in got,
+                ))  # fmt: skip
+            assert answers[0] == answers[1]
+            assert answers[0][0] == status
+            seen.append(answers[0][1])
+        ranker.is_ready = False
+        conn.request("POST", f"{MODEL}/infer", json_request(['{"user": 1}']))
+        reply = conn.getresponse()
+        assert (reply.status, json.loads(reply.read())["error"]) == (
+            503,
+            'model "ranker" is not ready (parameters loading or catching up); retry',
+        )
+    finally:
+        ranker.is_ready = True
+        conn.close()
+    outputs = {o["name"]: o["data"] for o in json.loads(seen[1])["outputs"]}
+    np.testing.assert_allclose(outputs["click"], expected_click(RECORDS), rtol=1e-6)
+
+
 # --- limits and the token -----------------------------------------------------------------
 
 
