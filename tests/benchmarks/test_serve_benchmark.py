@@ -60,7 +60,10 @@ def test_every_serving_figure_is_reported(tmp_path: Path) -> None:
     for suffix in ("", "_while_training"):
         assert figures[f"sparse_freshness{suffix}"]["timeouts"] == 0
         assert figures[f"dense_freshness{suffix}"]["timeouts"] == 0
-    assert figures["slowdown_runs"]["with"][0]["serving_load"]["requests"] > 0
+    load = figures["slowdown_runs"]["with"][0]["serving_load"]
+    assert load["requests"] > 0
+    assert load["errors"] == 0  # each answer read whole, a 200
+    assert 0 < figures["load_client_cores"] == load["client_cores"] < 1
     burner = figures["slowdown_runs"]["burner"][0]
     assert burner["burner_share"] == figures["serving_load_cores"]
     # The ceiling: the same server code and client with a model that costs nothing.
