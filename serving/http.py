@@ -7,6 +7,10 @@ registry of the server's own). With a token, every endpoint but the probes'
 and the scraper's (``/v2/health/live``, ``/v2/health/ready``, ``/metrics``)
 needs ``Authorization: Bearer <token>``.
 
+A plain infer request (see ``_Connections``) is answered by a lean delegate,
+everything else by tornado ``RequestHandler``s; both answer an infer request
+with the same function, so the two paths cannot drift apart.
+
 Input never causes a 500: the protocol layer turns whatever is wrong with a
 request into a 400 naming the field and the value; an exception inside the
 model is a 500, logged with its traceback, and the server keeps serving.
