@@ -33,6 +33,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -164,6 +165,56 @@ class ReplicaRows:
 
     def close(self) -> None:
         """Nothing to close: the replicas are the :class:`LocalReplicas`'."""
+
+
+class StoreRows:
+    """A ``StoreClient``'s rows (serving replicas in processes of their own) with the
+    flat read of :class:`ReplicaRows`: every table's ids in one lookup (one call to
+    each shard, as ``lookup`` makes), the rows side by side in float32, so that a
+    request's rows skip the per-table batch objects and the per-table half-precision
+    casts (``serving.model.ServingModel`` takes whichever a reader has).
+
+    ``client``: anything with ``lookup`` and the tables' ``dims``.
+    """
+
+    def __init__(self, client: _DimsAndLookup) -> None:
+        self.client = client
+        self._one_dim = len(set(client.dims.values())) == 1
+
+    def lookup(
+        self, ids: Mapping[str, npt.ArrayLike], *, train: bool = False
+    ) -> Mapping[str, npt.NDArray[np.floating]]:
+        """The client's lookup (``train`` must be False: serving reads)."""
+        if train:
+            msg = "train: serving reads rows without changing them"
+            raise InvalidRequest(msg)
+        return self.client.lookup(ids, train=False)
+
+    def read_flat(
+        self, names: Sequence[str], ids: npt.NDArray[np.uint64], bounds: npt.NDArray[np.int64]
+    ) -> npt.NDArray[np.float32] | None:
+        """As :meth:`ReplicaRows.read_flat`: table ``names[t]``'s ids are
+        ``ids[bounds[t]:bounds[t + 1]]``; None when the tables are not of one dim."""
+        if not self._one_dim or not names:
+            return None
+        at = bounds.tolist()
+        got = self.client.lookup(
+            {name: ids[at[t] : at[t + 1]] for t, name in enumerate(names)}, train=False
+        )
+        rows = np.concatenate([got[name] for name in names])
+        if rows.dtype == np.float16:
+            # Widening is exact either way; torch's cast is vectorised, numpy's is not.
+            return torch.from_numpy(rows).to(torch.float32).numpy()
+        return rows.astype(np.float32, copy=False)
+
+
+class _DimsAndLookup(Protocol):
+    @property
+    def dims(self) -> Mapping[str, int]: ...
+
+    def lookup(
+        self, ids: Mapping[str, npt.ArrayLike], *, train: bool = ...
+    ) -> Mapping[str, npt.NDArray[np.floating]]: ...
 
 
 class LocalReplicas:

@@ -251,7 +251,7 @@ class ServingStack:
         from serving.freshness import FreshnessCollector, SparseFreshness
         from serving.http import InferenceServer
         from serving.model import DenseFollower, ServingModel
-        from serving.replicas import LocalReplicas, ReplicaRows
+        from serving.replicas import LocalReplicas, ReplicaRows, StoreRows
 
         cfg = job.serving
         self.replicas: LocalReplicas | None = None
@@ -268,8 +268,10 @@ class ServingStack:
         self.sparse = SparseFreshness(self.rows)
         self.sparse.start()
         codec = build_codec(job) or make_codec("json")
+        # Rows of replica processes go through the client; StoreRows adds the flat read.
+        reader = self.rows if isinstance(self.rows, ReplicaRows) else StoreRows(self.rows)
         self.model = ServingModel(
-            cfg.model_name, job.features, codec, self.rows, self.dense,
+            cfg.model_name, job.features, codec, reader, self.dense,
             sparse_version=self.sparse.version, rows_ready=self._rows_ready,
         )  # fmt: skip
         self.server = InferenceServer(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,6 +20,7 @@ from embedding_store.types import StoreConfig
 from pipeline.batch import build_batch
 from pipeline.spec import FeatureSpec
 from serving.model import DenseFollower, ServingModel
+from serving.replicas import StoreRows
 from serving.types import BadRecords
 from trainer.config import TrainerConfig
 from trainer.loop import DenseModel
@@ -250,6 +252,14 @@ class _Flat(_TableByTable):
         return self._rows.read_flat(*args)  # type: ignore[attr-defined]
 
 
+class _CountedStoreRows(StoreRows):
+    flat_reads = 0
+
+    def read_flat(self, *args: Any) -> Any:
+        self.flat_reads += 1
+        return super().read_flat(*args)
+
+
 @pytest.mark.parametrize("row_dtype", ["float32", "float16"])
 def test_the_flat_path_scores_as_the_per_table_path_bit_for_bit(
     tmp_path: Path, row_dtype: str
@@ -313,11 +323,18 @@ def test_the_flat_path_scores_as_the_per_table_path_bit_for_bit(
         flat_rows = _Flat(replicas.rows)
         flat = ServingModel("m", spec, codec, flat_rows, follower)
         by_table = ServingModel("m", spec, codec, _TableByTable(replicas.rows), follower)
+        # The flat read of a store client (replicas in processes of their own), here
+        # over the replicas above.
+        client = StoreClient.from_shards(replicas.rows.shards)
+        client_rows = _CountedStoreRows(client)
+        via_client = ServingModel("m", spec, codec, client_rows, follower)
         for size in (1, 2, 17, 70):
             request = records[:size]
             got = flat.predict(request).probabilities["click"]
             want = by_table.predict(request).probabilities["click"]
             np.testing.assert_array_equal(got, want)
+            np.testing.assert_array_equal(via_client.predict(request).probabilities["click"], want)
         assert flat_rows.flat_reads == 4  # every request took the flat path
+        assert client_rows.flat_reads == 4
     finally:
         replicas.close()
