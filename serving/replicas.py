@@ -175,6 +175,16 @@ class StoreRows:
     casts (``serving.model.ServingModel`` takes whichever a reader has).
 
     ``client``: anything with ``lookup`` and the tables' ``dims``.
+
+    >>> from embedding_store.client import StoreClient
+    >>> config = StoreConfig(tables={"a": {"dim": 2}, "b": {"dim": 2}}, row_dtype="float16")
+    >>> with StoreClient.from_shards([StoreShard(config, read_only=True)]) as client:
+    ...     rows = StoreRows(client)
+    ...     ids = np.array([7, 8, 9], np.uint64)  # two of table a, one of b
+    ...     flat = rows.read_flat(["a", "b"], ids, np.array([0, 2, 3]))
+    ...     apart = rows.lookup({"a": ids[:2], "b": ids[2:]})
+    >>> flat.dtype, bool((flat == np.concatenate([apart["a"], apart["b"]])).all())
+    (dtype('float32'), True)
     """
 
     def __init__(self, client: _DimsAndLookup) -> None:
