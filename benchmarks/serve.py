@@ -585,9 +585,7 @@ class Load:
 
     def _send(self) -> None:
         cpu0 = time.thread_time()
-        host, _, port = self.address.rpartition(":")
-        sock = socket.create_connection((host, int(port)), timeout=60)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock = self._connect()
         buffer = bytearray(1 << 16)
         try:
             while not self.stop_event.is_set():
@@ -605,12 +603,17 @@ class Load:
                     with self._lock:
                         self.errors += 1
                     sock.close()
-                    sock = socket.create_connection((host, int(port)), timeout=60)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    sock = self._connect()
         finally:
             sock.close()
             with self._lock:
                 self.cpu_s += time.thread_time() - cpu0
+
+    def _connect(self) -> socket.socket:
+        host, _, port = self.address.rpartition(":")
+        sock = socket.create_connection((host, int(port)), timeout=60)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
 
     def finish(self) -> dict[str, Any]:
         self.stop_event.set()

@@ -155,6 +155,16 @@ class _Shared:
         self.version = _version()
 
 
+def _bearer_ok(token: bytes | None, headers: HTTPHeaders) -> bool:
+    """Whether ``headers`` carry ``Authorization: Bearer <token>`` (always, with no token)."""
+    if token is None:
+        return True
+    scheme, _, credentials = headers.get("Authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(
+        credentials.strip().encode("latin-1"), token
+    )
+
+
 class _Handler(RequestHandler):
     endpoint: ClassVar[str] = "unknown"
     public: ClassVar[bool] = False  # answered without the token
@@ -166,13 +176,7 @@ class _Handler(RequestHandler):
         return None  # no hashing of every body
 
     def _authorized(self) -> bool:
-        token = self.shared.token
-        if token is None or self.public:
-            return True
-        scheme, _, credentials = self.request.headers.get("Authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            credentials.strip().encode("latin-1"), token
-        )
+        return self.public or _bearer_ok(self.shared.token, self.request.headers)
 
     def _unauthorized_message(self) -> str:
         self.set_header("WWW-Authenticate", 'Bearer realm="streamrec"')
@@ -511,13 +515,7 @@ class _Connections(HTTPServerConnectionDelegate):
         encoding = headers.get("Content-Encoding")
         if encoding is not None and encoding.lower() != "identity":
             return False
-        token = self.shared.token
-        if token is None:
-            return True
-        scheme, _, credentials = headers.get("Authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(
-            credentials.strip().encode("latin-1"), token
-        )
+        return _bearer_ok(self.shared.token, headers)
 
 
 class _Route(HTTPMessageDelegate):

@@ -46,6 +46,7 @@ from embedding_store.replica import ChangeSource, ShardFollower
 from embedding_store.shard import StoreShard
 from embedding_store.table import TableGroups
 from embedding_store.types import RowDtype, StoreConfig
+from trainer.joined_fields import widened
 
 
 class ReplicaRows:
@@ -211,11 +212,7 @@ class StoreRows:
         got = self.client.lookup(
             {name: ids[at[t] : at[t + 1]] for t, name in enumerate(names)}, train=False
         )
-        rows = np.concatenate([got[name] for name in names])
-        if rows.dtype == np.float16:
-            # Widening is exact either way; torch's cast is vectorised, numpy's is not.
-            return torch.from_numpy(rows).to(torch.float32).numpy()
-        return rows.astype(np.float32, copy=False)
+        return widened(np.concatenate([got[name] for name in names]))
 
 
 class _DimsAndLookup(Protocol):

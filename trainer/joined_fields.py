@@ -66,7 +66,7 @@ from pipeline.spec import FeatureSpec
 from pipeline.types import FlatIds, PreparedBatch
 from trainer.pooling import checked_pooled_table
 
-__all__ = ["JoinedFields", "joined_flat"]
+__all__ = ["JoinedFields", "joined_flat", "widened"]
 
 # A spec's sparse fields as (name, table, pooling), in spec order: what the layout of
 # the joined matrix depends on, with the tables' dims.
@@ -299,7 +299,7 @@ def _scatter_one_id(
                 grad_rows[r, d] += grad_out[b, c + d]
 
 
-def _widened(rows: npt.NDArray[np.floating]) -> npt.NDArray[np.float32]:
+def widened(rows: npt.NDArray[np.floating]) -> npt.NDArray[np.float32]:
     """``rows`` as float32 (float16 rows widened by torch: numpy's cast is ~15x slower)."""
     if rows.dtype == np.float32:
         return np.ascontiguousarray(rows)
@@ -384,12 +384,12 @@ class JoinedFields:
         if self._one_id is not None:
             # One gather of whole rows, which torch copies faster than a numba loop.
             every = np.concatenate([rows for _, rows, _, _, _, _ in self._tables])
-            widened = torch.from_numpy(every).float()  # a new array: writable
+            wide = torch.from_numpy(every).float()  # a new array: writable
             index = torch.from_numpy(self._one_id).view(-1)
-            return widened.index_select(0, index).view(self.batch_size, self.width)
+            return wide.index_select(0, index).view(self.batch_size, self.width)
         out = np.empty((self.batch_size, self.width), dtype=np.float32)
         for _, rows, inverse, offsets, cols, mean in self._tables:
-            _gather(_widened(rows), inverse, offsets, cols, mean, out)
+            _gather(widened(rows), inverse, offsets, cols, mean, out)
         return torch.from_numpy(out)
 
     def tensor(self) -> Tensor:

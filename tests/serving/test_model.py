@@ -120,16 +120,18 @@ def test_serving_agrees_with_the_trainers_forward_and_follows_new_versions(
         assert [d.version for d in published(where)] == [1, 2]
 
 
-def _one_published_version(tmp_path: Path) -> DenseFollower:
+def _one_published_version(
+    tmp_path: Path, spec: FeatureSpec = SPEC, store: StoreConfig = STORE
+) -> DenseFollower:
     """A follower of a location where one version of a fresh dense network is published."""
     config = TrainerConfig()
-    dims = {n: t.dim for n, t in STORE.tables.items()}
-    dense = DenseModel(config, SPEC, dims, torch.device("cpu"))
+    dims = {n: t.dim for n, t in store.tables.items()}
+    dense = DenseModel(config, spec, dims, torch.device("cpu"))
     where = Location.parse(tmp_path / "serving")
     publisher = DensePublisher(where, every_s=0.0)
     publisher.maybe_publish(step=1, samples=1, module=dense.module)
     publisher.close()
-    follower = DenseFollower(where, config, SPEC, dims)
+    follower = DenseFollower(where, config, spec, dims)
     assert follower.refresh()
     return follower
 
@@ -310,15 +312,7 @@ def test_the_flat_path_scores_as_the_per_table_path_bit_for_bit(
     replicas = LocalReplicas(store, training, poll_s=0.02)
     try:
         assert replicas.wait_caught_up(timeout_s=30)
-        config = TrainerConfig()
-        dims = {name: 4 for name in store.tables}
-        dense = DenseModel(config, spec, dims, torch.device("cpu"))
-        where = Location.parse(tmp_path / "serving")
-        publisher = DensePublisher(where, every_s=0.0)
-        publisher.maybe_publish(step=1, samples=1, module=dense.module)
-        publisher.close()
-        follower = DenseFollower(where, config, spec, dims)
-        assert follower.refresh()
+        follower = _one_published_version(tmp_path, spec, store)
         codec = make_codec("json")
         flat_rows = _Flat(replicas.rows)
         flat = ServingModel("m", spec, codec, flat_rows, follower)
