@@ -7,7 +7,7 @@ registry of the server's own). With a token, every endpoint but the probes'
 and the scraper's (``/v2/health/live``, ``/v2/health/ready``, ``/metrics``)
 needs ``Authorization: Bearer <token>``.
 
-A plain infer request (see ``_Connections``) is answered by a lean delegate,
+A plain infer request is answered on the socket (:mod:`serving.wire`),
 everything else by tornado ``RequestHandler``s; both answer an infer request
 with the same function, so the two paths cannot drift apart.
 
@@ -41,8 +41,6 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Sequence
-from email.utils import formatdate
-from http.client import responses
 from types import TracebackType
 from typing import Any, ClassVar, Final, NamedTuple
 
@@ -51,12 +49,7 @@ from prometheus_client.exposition import generate_latest
 from tornado.http1connection import HTTP1Connection
 from tornado.httpserver import HTTPServer
 from tornado.httputil import (
-    HTTPConnection,
     HTTPHeaders,
-    HTTPMessageDelegate,
-    HTTPServerConnectionDelegate,
-    RequestStartLine,
-    ResponseStartLine,
 )
 from tornado.netutil import bind_sockets
 from tornado.web import Application, RequestHandler, stream_request_body
@@ -64,6 +57,7 @@ from tornado.web import Application, RequestHandler, stream_request_body
 from serving import oip
 from serving.batching import LoopBatcher
 from serving.types import BadRecords, ModelUnavailable, OipError, Predictor
+from serving.wire import Reply, WireServer
 
 __all__ = ["InferenceServer", "ServeMetrics", "make_app"]
 
@@ -415,23 +409,16 @@ class _Infer(_ModelHandler):
         self.shared.metrics.infer_latency.observe(time.perf_counter() - self._start)
 
 
-class _Reply(NamedTuple):
-    status: int
-    body: bytes
-    content_type: str = _JSON
-    header_length: int | None = None  # the JSON part's length of a binary response
-
-
-def _failed(shared: _Shared, status: int, message: str, reason: str) -> _Reply:
+def _failed(shared: _Shared, status: int, message: str, reason: str) -> Reply:
     shared.metrics.errors.labels(reason).inc()
-    return _Reply(status, oip.error_body(message))
+    return Reply(status, oip.error_body(message))
 
 
 async def _answer_infer(
     shared: _Shared, name: str, version: str | None, body: bytes, header_length: str | None
-) -> _Reply:
+) -> Reply:
     """The answer to an infer request whose body was read whole, whichever path read it
-    (``_Infer`` or ``_FastInfer``); errors are counted here."""
+    (``_Infer`` or the plain path of :mod:`serving.wire`); errors are counted here."""
     predictor = shared.predictor
     if not predictor.ready():
         message = f'model "{name}" is not ready (parameters loading or catching up); retry'
@@ -455,7 +442,7 @@ async def _answer_infer(
         for error in e.errors:
             metrics.bad_records.labels(error.reason).inc()
         _, reply = oip.bad_records_body(e.errors, n)
-        return _Reply(400, reply)
+        return Reply(400, reply)
     except ModelUnavailable as e:
         return _failed(shared, 503, f'model "{name}" cannot answer now: {e}; retry', "unavailable")
     except Exception as e:
@@ -463,152 +450,7 @@ async def _answer_infer(
         message = f'model "{name}" failed on {n} records ({type(e).__name__}); see the server log'
         return _failed(shared, 500, message, "internal")
     shared.metrics.records.inc(n)
-    return _Reply(200, response.body, response.content_type, response.header_length)
-
-
-class _Connections(HTTPServerConnectionDelegate):
-    """Routes each request read: a plain infer request to :class:`_FastInfer`, anything
-    else to the tornado application (``app``), which answers every case.
-
-    Plain: ``POST`` to this model's infer URL with no query, a Content-Length within
-    ``max_request_bytes``, no Transfer-Encoding, Content-Encoding or Expect header, and
-    the token when the server has one. Such a request needs none of what a
-    ``RequestHandler`` gives (routing, refusals, streaming), which was most of the
-    loop's CPU for a request beyond the model's own: a server sharing cores with a
-    training job pays for it on every request.
-    """
-
-    def __init__(self, app: Application, shared: _Shared) -> None:
-        self.app = app
-        self.shared = shared
-        name = shared.predictor.name
-        # A name the URL carries as is (else its requests take the application's path,
-        # which unquotes the URL's segment).
-        safe = name and all(c.isalnum() or c in "-_." for c in name)
-        self.infer_path = f"/v2/models/{name}/infer" if safe else None
-        self._date = (0, "")
-
-    def date(self) -> str:
-        """The Date header's value, formatted once a second."""
-        now = int(time.time())
-        if self._date[0] != now:
-            self._date = (now, formatdate(now, usegmt=True))
-        return self._date[1]
-
-    def start_request(
-        self, server_conn: object, request_conn: HTTPConnection
-    ) -> HTTPMessageDelegate:
-        return _Route(self, server_conn, request_conn)
-
-    def on_close(self, server_conn: object) -> None:
-        self.app.on_close(server_conn)
-
-    def plain_infer(self, start_line: RequestStartLine, headers: HTTPHeaders) -> bool:
-        """Whether :class:`_FastInfer` answers this request (see the class)."""
-        if start_line.method != "POST" or start_line.path != self.infer_path:
-            return False
-        length = headers.get("Content-Length", "")
-        if not (length.isdigit() and int(length) <= self.shared.max_request_bytes):
-            return False
-        if "Transfer-Encoding" in headers or "Expect" in headers:
-            return False
-        encoding = headers.get("Content-Encoding")
-        if encoding is not None and encoding.lower() != "identity":
-            return False
-        return _bearer_ok(self.shared.token, headers)
-
-
-class _Route(HTTPMessageDelegate):
-    """One request of a connection: answered by :class:`_FastInfer`, or handed whole to
-    the application's delegate."""
-
-    __slots__ = ("_conn", "_connections", "_server_conn", "delegate")
-
-    def __init__(
-        self, connections: _Connections, server_conn: object, request_conn: HTTPConnection
-    ) -> None:
-        self._connections = connections
-        self._server_conn = server_conn
-        self._conn = request_conn
-        self.delegate: HTTPMessageDelegate | None = None
-
-    def headers_received(
-        self, start_line: RequestStartLine | ResponseStartLine, headers: HTTPHeaders
-    ) -> Awaitable[None] | None:
-        connections = self._connections
-        if isinstance(start_line, RequestStartLine) and connections.plain_infer(
-            start_line, headers
-        ):
-            self.delegate = _FastInfer(connections, self._conn, headers)
-            return None
-        self.delegate = connections.app.start_request(self._server_conn, self._conn)
-        return self.delegate.headers_received(start_line, headers)
-
-    def data_received(self, chunk: bytes) -> Awaitable[None] | None:
-        assert self.delegate is not None  # the connection sends headers first
-        return self.delegate.data_received(chunk)
-
-    def finish(self) -> None:
-        assert self.delegate is not None
-        self.delegate.finish()
-
-    def on_connection_close(self) -> None:
-        if self.delegate is not None:
-            self.delegate.on_connection_close()
-
-
-class _FastInfer(HTTPMessageDelegate):
-    """A plain infer request (see :class:`_Connections`): its body gathered, answered
-    by :func:`_answer_infer` as ``_Infer`` answers it, written straight to the
-    connection."""
-
-    __slots__ = ("_chunks", "_conn", "_connections", "_header_length", "_start", "_task")
-
-    def __init__(
-        self, connections: _Connections, conn: HTTPConnection, headers: HTTPHeaders
-    ) -> None:
-        self._connections = connections
-        self._conn = conn
-        self._task: asyncio.Future[None] | None = None
-        self._header_length = headers.get(oip.HEADER_LENGTH)
-        self._chunks: list[bytes] = []
-        self._start = time.perf_counter()
-
-    def data_received(self, chunk: bytes) -> None:
-        self._chunks.append(chunk)
-
-    def finish(self) -> None:
-        # The connection reads no further request until this one's answer is finished.
-        self._task = asyncio.ensure_future(self._answer())
-
-    def on_connection_close(self) -> None:
-        self._chunks = []
-
-    async def _answer(self) -> None:
-        shared = self._connections.shared
-        chunks = self._chunks
-        self._chunks = []
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        name = shared.predictor.name
-        try:
-            reply = await _answer_infer(shared, name, None, body, self._header_length)
-        except Exception:  # a bug here must not leave the client waiting
-            log.exception('answering an infer request of model "%s"', name)
-            reply = _failed(shared, 500, "internal error answering the request", "internal")
-        headers = HTTPHeaders()
-        headers["Content-Type"] = reply.content_type
-        headers["Content-Length"] = str(len(reply.body))
-        headers["Date"] = self._connections.date()
-        if reply.header_length is not None:
-            headers[oip.HEADER_LENGTH] = str(reply.header_length)
-        start_line = ResponseStartLine("HTTP/1.1", reply.status, responses.get(reply.status, ""))
-        self._conn.write_headers(start_line, headers, reply.body)
-        self._conn.finish()
-        metrics = shared.metrics
-        metrics.count_request("infer", reply.status)
-        metrics.infer_latency.observe(time.perf_counter() - self._start)
-        if reply.status >= 500:
-            log.warning("%d POST /v2/models/%s/infer", reply.status, name)
+    return Reply(200, response.body, response.content_type, response.header_length)
 
 
 def _log_request(handler: RequestHandler) -> None:
@@ -633,7 +475,7 @@ def make_app(
 ) -> Application:
     """The tornado application of the server (serve it with an ``HTTPServer``);
     ``batcher``: joins the requests read in one turn of the loop (None: each alone).
-    ``InferenceServer`` serves it behind :class:`_Connections`, which answers plain
+    ``InferenceServer`` serves it behind :mod:`serving.wire`, which answers plain
     infer requests itself."""
     shared = _Shared(predictor, token, max_request_bytes, metrics or ServeMetrics(), batcher)
     return _application(shared)
@@ -658,6 +500,12 @@ def _application(shared: _Shared) -> Application:
         compress_response=False,
         serve_traceback=False,
     )
+
+
+class _Listening(NamedTuple):
+    servers: list[asyncio.Server]
+    wire: WireServer
+    tornado: HTTPServer
 
 
 class InferenceServer:
@@ -757,20 +605,41 @@ class InferenceServer:
             loop.run_until_complete(self._close(server))
             loop.close()
 
-    async def _open(self, sockets: list[socket.socket]) -> HTTPServer:
+    async def _open(self, sockets: list[socket.socket]) -> _Listening:
         shared = _Shared(
             self.predictor, self._token, self._max_request_bytes, self.metrics, self._batcher
         )
-        connections = _Connections(_application(shared), shared)
-        server = HTTPServer(connections, max_body_size=self._max_request_bytes)
-        server.add_sockets(sockets)
-        return server
+        tornado = HTTPServer(_application(shared), max_body_size=self._max_request_bytes)
+        name = self.predictor.name
+        metrics = self.metrics
+
+        def answer(body: bytes, header_length: str | None) -> Awaitable[Reply]:
+            return _answer_infer(shared, name, None, body, header_length)
+
+        def answered(status: int, seconds: float) -> None:
+            metrics.count_request("infer", status)
+            metrics.infer_latency.observe(seconds)
+            if status >= 500:
+                log.warning("%d POST /v2/models/%s/infer", status, name)
+
+        # A name the URL carries as is (else its requests take tornado's path, which
+        # unquotes the URL's segment).
+        safe = name and all(c.isalnum() or c in "-_." for c in name)
+        wire = WireServer(
+            f"/v2/models/{name}/infer" if safe else None,
+            self._max_request_bytes, shared.token, answer, answered, tornado,
+        )  # fmt: skip
+        loop = asyncio.get_running_loop()
+        servers = [await loop.create_server(wire.protocol, sock=sock) for sock in sockets]
+        return _Listening(servers, wire, tornado)
 
     @staticmethod
-    async def _close(server: HTTPServer) -> None:
-        server.stop()
+    async def _close(listening: _Listening) -> None:
+        for server in listening.servers:
+            server.close()
+        listening.wire.close_all()
         try:
-            await asyncio.wait_for(server.close_all_connections(), timeout=5)
+            await asyncio.wait_for(listening.tornado.close_all_connections(), timeout=5)
         except TimeoutError:
             log.warning("connections still open 5 s after stop(); closing the loop anyway")
         current = asyncio.current_task()

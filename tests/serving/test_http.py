@@ -373,8 +373,8 @@ def test_binary_request_by_hand(server: InferenceServer) -> None:
 def test_plain_and_streamed_infer_requests_answer_alike(
     server: InferenceServer, ranker: FakeRanker
 ) -> None:
-    """A request with a Content-Length takes the server's lean path, a chunked one the
-    application's: the same bodies get the same answers on one kept-alive connection."""
+    """A request with a Content-Length is answered on the socket (``serving.wire``), a
+    chunked one by tornado's handler: the same bodies get the same answers."""
     tensor = encode_bytes_tensor(RECORDS)
     head = json.dumps({
         "inputs": [{"name": "records", "datatype": "BYTES", "shape": [2],
@@ -389,16 +389,20 @@ def test_plain_and_streamed_infer_requests_answer_alike(
         (head + tensor, {"Inference-Header-Content-Length": "x"}, 400),
     ]
     assert server.url is not None
-    conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=10)
+    address = server.url.removeprefix("http://")
+    # A chunked request hands its connection to tornado for good: one connection each.
+    plain, streamed = (http.client.HTTPConnection(address, timeout=10) for _ in range(2))
     seen = []
     try:
         for body, headers, status in cases:
             answers = []
-            for chunked in (False, True):
+            for conn, chunked in ((plain, False), (streamed, True)):
                 payload: Any = iter([body[:5], body[5:]]) if chunked else body
                 conn.request("POST", f"{MODEL}/infer", payload, headers, encode_chunked=chunked)
                 reply = conn.getresponse()
                 got = {k.lower(): v for k, v in reply.getheaders()}
+                # Tornado's handlers name it; the socket's answers do not.
+                assert ("server" in got) is chunked
                 answers.append((
                     reply.status, reply.read(), got.get("content-type"),
                     got.get("inference-header-content-length"), "date" in got,
@@ -407,17 +411,135 @@ def test_plain_and_streamed_infer_requests_answer_alike(
             assert answers[0][0] == status
             seen.append(answers[0][1])
         ranker.is_ready = False
-        conn.request("POST", f"{MODEL}/infer", json_request(['{"user": 1}']))
-        reply = conn.getresponse()
-        assert (reply.status, json.loads(reply.read())["error"]) == (
-            503,
-            'model "ranker" is not ready (parameters loading or catching up); retry',
-        )
+        for conn in (plain, streamed):
+            conn.request("POST", f"{MODEL}/infer", json_request(['{"user": 1}']))
+            reply = conn.getresponse()
+            assert (reply.status, json.loads(reply.read())["error"]) == (
+                503,
+                'model "ranker" is not ready (parameters loading or catching up); retry',
+            )
     finally:
         ranker.is_ready = True
-        conn.close()
+        plain.close()
+        streamed.close()
     outputs = {o["name"]: o["data"] for o in json.loads(seen[1])["outputs"]}
     np.testing.assert_allclose(outputs["click"], expected_click(RECORDS), rtol=1e-6)
+
+
+# --- the connection -------------------------------------------------------------------
+
+
+def plain_request(body: bytes, extra: bytes = b"") -> bytes:
+    """An infer request's bytes as a client writes them."""
+    return (
+        b"POST %s/infer HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n%s\r\n"
+        % (MODEL.encode(), len(body), extra)
+        + body
+    )
+
+
+def read_answer(stream: Any) -> tuple[int, dict[str, str], bytes]:
+    """One answer off a connection's read stream: status, lower-cased headers, body."""
+    status = int(stream.readline().split()[1])
+    headers = {}
+    while (line := stream.readline()) not in (b"\r\n", b""):
+        name, _, value = line.decode("latin-1").partition(":")
+        headers[name.strip().lower()] = value.strip()
+    return status, headers, stream.read(int(headers.get("content-length", "0")))
+
+
+def clicks(body: bytes) -> list[float]:
+    return list(next(o["data"] for o in json.loads(body)["outputs"] if o["name"] == "click"))
+
+
+def test_pipelined_requests_are_answered_in_order_across_the_hand_over(
+    server: InferenceServer,
+) -> None:
+    """Requests written in one go, plain ones and others mixed, answered in order: the
+    plain ones on the socket until the first other one hands the connection (and the
+    bytes read after it) to tornado."""
+    one, two = json_request([RECORDS[0].decode()]), json_request([r.decode() for r in RECORDS])
+    assert server.port is not None
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        stream = sock.makefile("rb")
+        sock.sendall(
+            plain_request(one) + plain_request(two)
+            + b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n" + plain_request(two)
+        )  # fmt: skip
+        answers = [read_answer(stream) for _ in range(4)]
+        assert [a[0] for a in answers] == [200, 200, 200, 200]
+        assert ["server" in a[1] for a in answers] == [False, False, True, True]
+        assert answers[2][2] == b'{"live":true}'
+        assert clicks(answers[0][2]) == pytest.approx(expected_click(RECORDS[:1]).tolist())
+        assert clicks(answers[1][2]) == clicks(answers[3][2])
+        assert clicks(answers[1][2]) == pytest.approx(expected_click(RECORDS).tolist())
+        # The handed-over connection goes on serving.
+        sock.sendall(plain_request(one))
+        assert read_answer(stream)[0] == 200
+
+
+def test_a_client_that_writes_ahead_without_reading_gets_every_answer(
+    server: InferenceServer,
+) -> None:
+    """Thousands of requests written before any answer is read: the server stops reading
+    while its answers wait, and every one arrives in order."""
+    bodies = [json_request([json.dumps({"user": i, "pad": "x" * (i % 50)})]) for i in range(3000)]
+    assert server.port is not None
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        stream = sock.makefile("rb")
+        sock.sendall(b"".join(plain_request(b) for b in bodies))
+        for body in bodies:
+            status, _, answer = read_answer(stream)
+            record = json.loads(body)["inputs"][0]["data"][0].encode()
+            assert (status, clicks(answer)) == (200, pytest.approx(expected_click([record])))
+
+
+def test_a_request_dribbled_a_few_bytes_at_a_time_is_answered(server: InferenceServer) -> None:
+    data = plain_request(json_request([r.decode() for r in RECORDS]))
+    assert server.port is not None
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        stream = sock.makefile("rb")
+        for at in range(0, len(data), 7):
+            sock.sendall(data[at : at + 7])
+        status, headers, body = read_answer(stream)
+        assert (status, "server" in headers) == (200, False)
+        assert clicks(body) == pytest.approx(expected_click(RECORDS).tolist())
+
+
+def test_connection_close_and_a_half_closed_client_get_their_answer(
+    server: InferenceServer,
+) -> None:
+    one = json_request([RECORDS[0].decode()])
+    assert server.port is not None
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        stream = sock.makefile("rb")
+        sock.sendall(plain_request(one, b"Connection: close\r\n") + plain_request(one))
+        status, headers, _ = read_answer(stream)
+        assert (status, headers["connection"]) == (200, "close")
+        assert stream.read() == b""  # closed: the request behind it is not answered
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        stream = sock.makefile("rb")
+        sock.sendall(plain_request(one))
+        sock.shutdown(socket.SHUT_WR)
+        assert read_answer(stream)[0] == 200
+        assert stream.read() == b""
+
+
+def test_stop_closes_connections_plain_and_handed_over() -> None:
+    ranker = FakeRanker()
+    with InferenceServer(ranker) as running:
+        assert running.port is not None
+        socks = [socket.create_connection(("127.0.0.1", running.port), timeout=10) for _ in "ab"]
+        streams = [s.makefile("rb") for s in socks]
+        socks[0].sendall(plain_request(json_request([RECORDS[0].decode()])))
+        socks[1].sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert [read_answer(s)[0] for s in streams] == [200, 200]
+    try:
+        assert [s.read() for s in streams] == [b"", b""]
+    finally:
+        for s in socks:
+            s.close()
 
 
 # --- limits and the token -----------------------------------------------------------------

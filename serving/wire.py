@@ -1,0 +1,388 @@
+"""The server's connections: plain infer requests answered on the socket, the rest by tornado.
+
+A prediction server beside a training job pays for every instruction a
+request runs, and each request, arriving alone every few milliseconds, finds
+the caches cold. Tornado's HTTP/1.1 connection (an ``IOStream``, a coroutine
+per request, a header object, a handler) was a third of a batch-64 request's
+CPU beside the model when paced at 100 requests/s; this module's protocol
+answers the requests a client sends over and over with a few dozen lines of
+work.
+
+:class:`Wire` is an ``asyncio.Protocol``. It reads a request's head and, when
+:func:`plain_infer` says it is a plain infer request, reads its body, answers
+it with the server's ``answer`` function and writes the response itself.
+Anything else (another endpoint, a refusal, a chunked body, an ``Expect``
+header, a head it cannot read) hands the connection over to tornado for the
+rest of its life, with the bytes read so far: a socket pair carries them to a
+connection of tornado's ``HTTPServer``, and tornado's answers back. Tornado
+decides everything but the plain case, so the two cannot disagree on what is
+valid HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from email.utils import formatdate
+from http.client import responses
+from typing import Final, NamedTuple
+
+from tornado.httpserver import HTTPServer
+from tornado.iostream import IOStream
+
+__all__ = ["PlainInfer", "Reply", "Wire", "WireServer", "plain_infer"]
+
+log = logging.getLogger("streamrec.serve")
+
+# A head longer than this is left to tornado, which refuses it.
+MAX_HEAD_BYTES: Final = 64 << 10
+# Bytes read ahead of an answer (pipelined requests) before reading pauses.
+READ_AHEAD_BYTES: Final = 1 << 20
+
+
+class PlainInfer(NamedTuple):
+    """What :class:`Wire` needs of a plain infer request's head."""
+
+    body_length: int
+    header_length: str | None  # Inference-Header-Content-Length, as sent
+    keep_alive: bool
+
+
+class Reply(NamedTuple):
+    """An answer to write: status, body, content type and the JSON part's length of a
+    binary response."""
+
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    header_length: int | None = None
+
+
+def plain_infer(head: bytes, path: bytes, max_body: int, token: bytes | None) -> PlainInfer | None:
+    """The plain infer request in ``head`` (the bytes before the blank line), or None.
+
+    Plain: ``POST path HTTP/1.1`` (no query), one Content-Length of at most
+    ``max_body``, no Transfer-Encoding, Expect or Upgrade, no Content-Encoding
+    but ``identity``, and ``Authorization: Bearer <token>`` when there is a
+    token. None leaves the request to tornado, which answers it or refuses it.
+
+    >>> head = b"POST /v2/models/m/infer HTTP/1.1\\r\\nHost: x\\r\\nContent-Length: 12"
+    >>> plain_infer(head, b"/v2/models/m/infer", 1 << 20, None)
+    PlainInfer(body_length=12, header_length=None, keep_alive=True)
+    >>> plain_infer(head, b"/v2/models/m/infer", 10, None) is None  # too long: tornado's 413
+    True
+    >>> plain_infer(head + b"\\r\\nConnection: close", b"/v2/models/m/infer", 99, None)
+    PlainInfer(body_length=12, header_length=None, keep_alive=False)
+    >>> plain_infer(head, b"/v2/models/m/infer", 99, b"secret") is None  # tornado's 401
+    True
+    """
+    lines = head.split(b"\r\n")
+    if lines[0] != b"POST " + path + b" HTTP/1.1":
+        return None
+    length: int | None = None
+    header_length: str | None = None
+    keep_alive = True
+    authorized = token is None
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or not name or name[0] in b" \t" or name[-1] in b" \t":
+            return None  # folded or malformed: tornado says what is wrong
+        name = name.lower()
+        value = value.strip(b" \t")
+        if name == b"content-length":
+            if length is not None or not value.isdigit():
+                return None
+            length = int(value)
+        elif name in (b"transfer-encoding", b"expect", b"upgrade"):
+            return None
+        elif name == b"content-encoding":
+            if value.lower() != b"identity":
+                return None
+        elif name == b"connection":
+            tokens = {t.strip().lower() for t in value.split(b",")}
+            if b"upgrade" in tokens:
+                return None
+            keep_alive = b"close" not in tokens
+        elif name == b"inference-header-content-length":
+            header_length = value.decode("latin-1")
+        elif name == b"authorization" and token is not None:
+            scheme, _, credentials = value.partition(b" ")
+            authorized = scheme.lower() == b"bearer" and hmac.compare_digest(
+                credentials.strip(), token
+            )
+    if length is None or length > max_body or not authorized:
+        return None
+    return PlainInfer(length, header_length, keep_alive)
+
+
+class WireServer:
+    """What every connection of one server shares: how to answer, where to hand over.
+
+    ``answer(body, header_length)`` answers a plain infer request's body;
+    ``answered(status, seconds)`` is told of each answer (the metrics);
+    ``tornado`` serves the connections handed over.
+    """
+
+    def __init__(
+        self,
+        path: str | None,
+        max_body: int,
+        token: bytes | None,
+        answer: Callable[[bytes, str | None], Awaitable[Reply]],
+        answered: Callable[[int, float], None],
+        tornado: HTTPServer,
+    ) -> None:
+        """``path``: the infer URL's path; None: every request goes to tornado."""
+        self.path = None if path is None else path.encode()
+        self.max_body = max_body
+        self.token = token
+        self.answer = answer
+        self.answered = answered
+        self.tornado = tornado
+        self.connections: set[Wire] = set()
+        self._date = (0, b"")
+
+    def date(self) -> bytes:
+        """The Date header's value, formatted once a second."""
+        now = int(time.time())
+        if self._date[0] != now:
+            self._date = (now, formatdate(now, usegmt=True).encode())
+        return self._date[1]
+
+    def protocol(self) -> Wire:
+        """A protocol for one accepted connection (``loop.create_server``'s factory)."""
+        return Wire(self)
+
+    def close_all(self) -> None:
+        """Close every connection, handed over or not."""
+        for wire in list(self.connections):
+            wire.close()
+
+
+class Wire(asyncio.Protocol):
+    """One client connection: plain infer requests answered here, one at a time and in
+    order; the rest of the connection handed to tornado at the first other request."""
+
+    def __init__(self, server: WireServer) -> None:
+        self.server = server
+        self._transport: asyncio.Transport | None = None
+        self._buffer = bytearray()
+        self._request: PlainInfer | None = None  # its head read, its body awaited
+        self._body_at = 0  # where that body starts in the buffer
+        self._started = 0.0
+        self._answering = False
+        self._writing_paused = False
+        self._reading_paused = False
+        self._closed = False
+        self._pipe: asyncio.Transport | None = None  # to tornado, once handed over
+        self._handing_over = False
+        self._eof = False  # the client sent all it will send
+        self._task: asyncio.Future[None] | None = None  # answering, or handing over
+
+    # --- asyncio.Protocol --------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        self.server.connections.add(self)
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # An answer is one write; Nagle would hold it back for the client's ACK.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        if self._pipe is not None:
+            self._pipe.write(data)
+            return
+        self._buffer += data
+        if self._handing_over:
+            return
+        if self._answering or self._writing_paused:
+            if len(self._buffer) > READ_AHEAD_BYTES:
+                self._pause_reading()
+            return
+        self._next()
+
+    def eof_received(self) -> bool:
+        if self._pipe is not None:
+            if self._pipe.can_write_eof():
+                self._pipe.write_eof()
+            return True
+        # A client that half-closes after its request still gets its answer.
+        self._eof = True
+        return self._answering or self._request is not None or self._handing_over
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed = True
+        self.server.connections.discard(self)
+        if self._pipe is not None:
+            self._pipe.close()
+
+    def pause_writing(self) -> None:
+        self._writing_paused = True
+        if self._pipe is not None:
+            self._pipe.pause_reading()
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        if self._pipe is not None:
+            self._pipe.resume_reading()
+        elif not self._answering and not self._handing_over:
+            self._next()
+
+    # --- requests ----------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close()
+        if self._pipe is not None:
+            self._pipe.close()
+
+    def _pause_reading(self) -> None:
+        if not self._reading_paused and self._transport is not None:
+            self._reading_paused = True
+            self._transport.pause_reading()
+
+    def _resume_reading(self) -> None:
+        if self._reading_paused and self._transport is not None:
+            self._reading_paused = False
+            self._transport.resume_reading()
+
+    def _next(self) -> None:
+        """Start answering the next request in the buffer, when it is whole."""
+        buffer = self._buffer
+        request = self._request
+        if request is None:
+            end = buffer.find(b"\r\n\r\n")
+            if end < 0:
+                if len(buffer) > MAX_HEAD_BYTES:
+                    self._hand_over()
+                return
+            server = self.server
+            request = (
+                plain_infer(bytes(buffer[:end]), server.path, server.max_body, server.token)
+                if server.path is not None
+                else None
+            )
+            if request is None:
+                self._hand_over()
+                return
+            self._request = request
+            self._body_at = end + 4
+            self._started = time.perf_counter()
+        end = self._body_at + request.body_length
+        if len(buffer) < end:
+            return
+        body = bytes(buffer[self._body_at : end])
+        del buffer[:end]
+        self._request = None
+        self._answering = True
+        self._task = asyncio.ensure_future(self._answer(body, request, self._started))
+
+    async def _answer(self, body: bytes, request: PlainInfer, started: float) -> None:
+        server = self.server
+        try:
+            reply = await server.answer(body, request.header_length)
+        except Exception:  # a bug there must not leave the client waiting
+            log.exception("answering an infer request")
+            reply = Reply(500, b'{"error":"internal error answering the request"}')
+        if self._closed:
+            return
+        transport = self._transport
+        assert transport is not None
+        extra = b""
+        if reply.header_length is not None:
+            extra = b"Inference-Header-Content-Length: %d\r\n" % reply.header_length
+        if not request.keep_alive:
+            extra += b"Connection: close\r\n"
+        transport.write(
+            b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nDate: %s\r\n%s\r\n"
+            % (
+                reply.status,
+                responses.get(reply.status, "").encode(),
+                reply.content_type.encode(),
+                len(reply.body),
+                server.date(),
+                extra,
+            )
+            + reply.body
+        )
+        server.answered(reply.status, time.perf_counter() - started)
+        if not request.keep_alive or (self._eof and not self._buffer):
+            transport.close()
+            return
+        self._answering = False
+        self._resume_reading()
+        if self._buffer and not self._writing_paused:
+            self._next()
+
+    # --- handing over ------------------------------------------------------------
+
+    def _hand_over(self) -> None:
+        """The rest of this connection, from the bytes in the buffer on, to tornado."""
+        self._handing_over = True
+        ours, theirs = socket.socketpair()
+        assert self._transport is not None
+        peer = self._transport.get_extra_info("peername")
+        self.server.tornado.handle_stream(IOStream(theirs), peer)
+        self._task = asyncio.ensure_future(self._connect(ours))
+
+    async def _connect(self, ours: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            pipe, _ = await loop.create_connection(lambda: _Pipe(self), sock=ours)
+        except OSError:
+            log.exception("handing a connection over to tornado")
+            self.close()
+            return
+        assert isinstance(pipe, asyncio.Transport)
+        if self._closed:
+            pipe.close()
+            return
+        self._pipe = pipe
+        self._handing_over = False
+        if self._buffer:
+            pipe.write(bytes(self._buffer))
+            self._buffer.clear()
+        self._resume_reading()
+        if self._writing_paused:
+            pipe.pause_reading()
+
+    def _from_tornado(self, data: bytes) -> None:
+        if not self._closed and self._transport is not None:
+            self._transport.write(data)
+
+    def _tornado_closed(self) -> None:
+        if self._transport is not None:
+            self._transport.close()  # after what is buffered is sent
+
+
+class _Pipe(asyncio.Protocol):
+    """Tornado's end of a handed-over connection, as seen from the client's."""
+
+    def __init__(self, wire: Wire) -> None:
+        self.wire = wire
+        self._transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.wire._from_tornado(data)
+
+    def eof_received(self) -> bool:
+        return False  # tornado closed its side: close the client's
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.wire._tornado_closed()
+
+    def pause_writing(self) -> None:
+        self.wire._pause_reading()
+
+    def resume_writing(self) -> None:
+        self.wire._resume_reading()
