@@ -141,6 +141,8 @@ class StoreShard:
 
     @property
     def tables(self) -> Mapping[str, EmbeddingTable]:
+        """The tables by name; a restore or a new table replaces the mapping, never
+        changes it, so a reader that keeps tables knows them current by its identity."""
         return self._tables
 
     def table(self, name: str) -> EmbeddingTable:

@@ -27,8 +27,10 @@ True
 
 from __future__ import annotations
 
+import operator
 import platform
 import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -297,6 +299,13 @@ def _read_tables(
                 out[i, j] = w[r, j]
 
 
+_ACQUIRE = operator.methodcaller("acquire")
+_RELEASE = operator.methodcaller("release")
+_BUCKETS = operator.attrgetter("_buckets")
+_WEIGHTS = operator.attrgetter("_weights")
+_NAME = operator.attrgetter("name")
+
+
 class TableGroup:
     """Tables read together: :meth:`EmbeddingTable.read` of all of them in one kernel
     call. A prediction request reads a few ids from each of dozens of tables (of
@@ -327,9 +336,7 @@ class TableGroup:
 
     def holds(self, tables: Sequence[EmbeddingTable]) -> bool:
         """Whether this group is of ``tables`` (the very objects, in order)."""
-        return len(tables) == len(self.tables) and all(
-            a is b for a, b in zip(tables, self.tables, strict=True)
-        )
+        return len(tables) == len(self.tables) and all(map(operator.is_, tables, self.tables))
 
     def read_each(self, ids: Sequence[npt.ArrayLike]) -> list[F32] | None:
         """``tables[t].read(ids[t])[0]`` for every table, in one kernel call; None,
@@ -356,31 +363,26 @@ class TableGroup:
     def read(self, which: I64, ids: npt.ArrayLike, out: F32) -> bool:
         """``out[i]``: the row of ``ids[i]`` in ``tables[which[i]]``, read under every
         table's lock. False, with nothing read, when the tables' dims differ from
-        ``out``'s or their arrays are laid out otherwise than the kernel takes them
-        (read them one by one)."""
+        ``out``'s (read them one by one)."""
         keys = _as_ids(ids).view(np.int64)
         if not self.tables or self.dim != out.shape[1]:
             return False
         unknown = np.zeros(len(self.tables), dtype=np.int64)
-        for lock in self._locks:
-            lock.acquire()
+        # Loops in C (map, consumed by a zero-length deque): a request reads dozens of
+        # tables, and a Python loop over them cost more than the kernel.
+        deque(map(_ACQUIRE, self._locks), 0)
         try:
-            # The arrays are read under the locks: a table that grows replaces them.
-            buckets = tuple(t._buckets for t in self.tables)
-            weights = tuple(t._weights for t in self.tables)
-            arrays: tuple[npt.NDArray[Any], ...] = (*buckets, *weights)
-            if not all(a.flags.c_contiguous for a in arrays):
-                return False
+            # The arrays are read under the locks: a table that grows replaces them (with
+            # C-contiguous ones, as the kernel takes them).
             _read_tables(
-                buckets, weights, self._seeds, self._kinds, self._a, self._b,
-                np.asarray(which, dtype=np.int64), keys, out, unknown,
+                tuple(map(_BUCKETS, self.tables)), tuple(map(_WEIGHTS, self.tables)),
+                self._seeds, self._kinds, self._a, self._b, np.asarray(which, dtype=np.int64),
+                keys, out, unknown,
             )  # fmt: skip
-            for t, n in zip(self.tables, unknown.tolist(), strict=True):
-                if n:
-                    t._counters["unknown_reads"] += n
+            for t in np.flatnonzero(unknown).tolist():
+                self.tables[t]._counters["unknown_reads"] += int(unknown[t])
         finally:
-            for lock in self._locks:
-                lock.release()
+            deque(map(_RELEASE, self._locks), 0)
         return True
 
 
@@ -395,7 +397,7 @@ class TableGroups:
 
     def of(self, tables: Sequence[EmbeddingTable]) -> TableGroup:
         """The group of ``tables`` (the very objects, in order)."""
-        key = tuple(t.name for t in tables)
+        key = tuple(map(_NAME, tables))
         group = self._groups.get(key)
         if group is None or not group.holds(tables):
             if len(self._groups) >= self.limit:
@@ -928,6 +930,8 @@ class EmbeddingTable:
         self._next_expiry = 0
 
     def _reset_storage(self, rows: int) -> None:
+        # The arrays are C-contiguous, here and when they grow: ``TableGroup`` hands
+        # them to its kernel as they are.
         self._alloc_rows = max(1, rows)
         self._buckets = _empty_buckets(min(self._max_buckets, _buckets_for(self._alloc_rows)))
         self._weights = np.zeros((self._alloc_rows, self.dim), dtype=np.float32)

@@ -30,6 +30,7 @@ True
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -44,9 +45,11 @@ from embedding_store.errors import InvalidRequest, StoreUnavailable
 from embedding_store.hashing import shard_of
 from embedding_store.replica import ChangeSource, ShardFollower
 from embedding_store.shard import StoreShard
-from embedding_store.table import TableGroups
+from embedding_store.table import EmbeddingTable, TableGroup
 from embedding_store.types import RowDtype, StoreConfig
 from trainer.joined_fields import widened
+
+_Tables = Mapping[str, EmbeddingTable]
 
 
 class ReplicaRows:
@@ -68,7 +71,10 @@ class ReplicaRows:
         self.shards = list(shards)
         self.row_dtype = row_dtype
         self._current_at = list(current_at)
-        self._groups = TableGroups()  # by the tables a call reads
+        # The group each list of tables read, with the shards' tables it was made of.
+        self._groups: dict[
+            tuple[str, ...], tuple[list[Mapping[str, EmbeddingTable]], TableGroup]
+        ] = {}
 
     def lookup(
         self, ids: Mapping[str, npt.ArrayLike], *, train: bool = False
@@ -109,21 +115,20 @@ class ReplicaRows:
         for shard in self.shards:
             if shard.unavailable is not None:
                 raise StoreUnavailable(shard.unavailable)
-        rows = self._read(list(names), ids, np.diff(bounds))
+        rows = self._read(names, ids, np.diff(bounds))
         if rows is not None and self.row_dtype == "float16":
             rows = rounded_to_half(rows)  # as lookup's are
         return rows
 
     def _read(
         self,
-        names: list[str],
+        names: Sequence[str],
         keys: npt.NDArray[np.uint64],
         sizes: Sequence[int] | npt.NDArray[np.int64],
     ) -> npt.NDArray[np.float32] | None:
         """Every table of every shard in one kernel call (shard-major), each id read from
-        the shard that owns it; None when the tables are not of one dim or not laid out
-        for the kernel."""
-        group = self._groups.of([shard.table(name) for shard in self.shards for name in names])
+        the shard that owns it; None when the tables are not of one dim."""
+        group = self._group(names)
         if group.dim is None:
             return None
         which = np.repeat(np.arange(len(names), dtype=np.int64), sizes)
@@ -131,6 +136,20 @@ class ReplicaRows:
             which += shard_of(keys, len(self.shards)).astype(np.int64) * len(names)
         rows = np.empty((keys.shape[0], group.dim), np.float32)
         return rows if group.read(which, keys, rows) else None
+
+    def _group(self, names: Sequence[str]) -> TableGroup:
+        """The group of the tables ``names`` of every shard (shard-major), made again once
+        a shard's tables were replaced (a restore makes a new mapping)."""
+        key = tuple(names)
+        now = [shard.tables for shard in self.shards]
+        found = self._groups.get(key)
+        if found is not None and all(map(operator.is_, found[0], now)):
+            return found[1]
+        if len(self._groups) >= 64:  # a client chooses the lists: keep a few
+            self._groups.clear()
+        group = TableGroup([shard.table(name) for shard in self.shards for name in names])
+        self._groups[key] = (now, group)
+        return group
 
     def _lookup_by_table(
         self, keys_of: Mapping[str, npt.NDArray[np.uint64]]
