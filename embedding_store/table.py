@@ -278,11 +278,13 @@ def _probe(buckets: I64, ids: I64, clock: int, touch: bool, rows_out: I64) -> in
 @nb.njit(nogil=True, cache=True)
 def _read_tables(
     buckets: Any, weights: Any, seeds: U64, kinds: I64, a: Any, b: Any, which: I64,
-    keys: I64, out: F32, unknown: I64,
+    keys: I64, out: F32, unknown: I64, half: bool,
 ) -> None:  # fmt: skip
     """``out[i]``: the row of ``keys[i]`` in table ``which[i]`` (``buckets`` and
     ``weights`` hold every table's arrays), or its initial row where it has none,
-    counted in ``unknown``: ``EmbeddingTable.read`` of several tables in one call."""
+    counted in ``unknown``: ``EmbeddingTable.read`` of several tables in one call.
+    With ``half`` every value is rounded to float16 (and widened back).
+    """
     dim = out.shape[1]
     for i in range(keys.shape[0]):
         t = which[i]
@@ -297,6 +299,9 @@ def _read_tables(
             w = weights[t]
             for j in range(dim):
                 out[i, j] = w[r, j]
+        if half:
+            for j in range(dim):
+                out[i, j] = _half_rounded(out[i, j])
 
 
 _ACQUIRE = operator.methodcaller("acquire")
@@ -360,10 +365,11 @@ class TableGroup:
         bounds = np.cumsum([0, *sizes])
         return [out[bounds[t] : bounds[t + 1]] for t in range(len(keys))]
 
-    def read(self, which: I64, ids: npt.ArrayLike, out: F32) -> bool:
+    def read(self, which: I64, ids: npt.ArrayLike, out: F32, *, half: bool = False) -> bool:
         """``out[i]``: the row of ``ids[i]`` in ``tables[which[i]]``, read under every
-        table's lock. False, with nothing read, when the tables' dims differ from
-        ``out``'s (read them one by one)."""
+        table's lock; with ``half``, rounded to float16 as rows sent in float16 are
+        (``rows.astype(np.float16).astype(np.float32)``). False, with nothing read,
+        when the tables' dims differ from ``out``'s (read them one by one)."""
         keys = _as_ids(ids).view(np.int64)
         if not self.tables or self.dim != out.shape[1]:
             return False
@@ -377,7 +383,7 @@ class TableGroup:
             _read_tables(
                 tuple(map(_BUCKETS, self.tables)), tuple(map(_WEIGHTS, self.tables)),
                 self._seeds, self._kinds, self._a, self._b, np.asarray(which, dtype=np.int64),
-                keys, out, unknown,
+                keys, out, unknown, half,
             )  # fmt: skip
             for t in np.flatnonzero(unknown).tolist():
                 self.tables[t]._counters["unknown_reads"] += int(unknown[t])
@@ -508,6 +514,51 @@ def _gather_f16(weight_bits: U32, rows: I64, out: U16) -> None:
         else:
             for j in range(dim):
                 out[i, j] = _f16(weight_bits[r, j])
+
+
+@nb.njit(nogil=True, cache=True, inline="always")
+def _f32_of_f16(h: np.uint16) -> np.float32:
+    """The float32 of float16 bits ``h`` (exact: every float16 is a float32)."""
+    u = np.uint32(h)
+    sign = (u & np.uint32(0x8000)) << np.uint32(16)
+    e = (u >> np.uint32(10)) & np.uint32(0x1F)
+    m = u & np.uint32(0x3FF)
+    if e == np.uint32(0x1F):  # Inf, NaN
+        bits = sign | np.uint32(0x7F800000) | (m << np.uint32(13))
+    elif e != np.uint32(0):
+        bits = sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13))
+    else:  # zero or subnormal: m * 2**-24, exact in float32
+        bits = sign | np.float32(np.float32(m) * np.float32(2.0**-24)).view(np.uint32)
+    return np.uint32(bits).view(np.float32)
+
+
+def _f16_round_trip_typer(typingctx: Any, x: Any) -> Any:
+    """Float32 rounded to float16 and widened back with LLVM's ``fptrunc`` and ``fpext``
+    (two F16C instructions on x86, vectorised over a row)."""
+    sig = types.float32(types.float32)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+_f16_round_trip: Any = intrinsic(_f16_round_trip_typer)
+
+
+@nb.njit(nogil=True, cache=True, inline="always")
+def _half_rounded_native(x: np.float32) -> np.float32:
+    y: np.float32 = _f16_round_trip(x)
+    return y
+
+
+@nb.njit(nogil=True, cache=True, inline="always")
+def _half_rounded_bits(x: np.float32) -> np.float32:
+    return _f32_of_f16(_f16_bits(np.float32(x).view(np.uint32)))
+
+
+# ``x`` rounded to float16 and back: ``x.astype(np.float16).astype(np.float32)``.
+_half_rounded = _half_rounded_native if _native_f16() else _half_rounded_bits
 
 
 def f32_to_f16(values: F32) -> U16:

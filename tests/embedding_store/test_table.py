@@ -287,13 +287,45 @@ def test_a_table_group_reads_as_each_table_does_as_the_tables_grow() -> None:
         before = [t.stats().unknown_reads for t in tables]
         out = np.empty((ids.shape[0], 3), np.float32)
         assert group.read(which, ids, out)
+        halves = np.empty_like(out)
+        assert group.read(which, ids, halves, half=True)
+        np.testing.assert_array_equal(halves, out.astype(np.float16).astype(np.float32))
         for i, t in enumerate(tables):
             mine = which == i
             want, unknown = t.read(ids[mine])
             np.testing.assert_array_equal(out[mine], want)
-            # The group's reads were counted as the table's own are.
-            assert t.stats().unknown_reads - before[i] == 2 * unknown
+            # The group's two reads were counted as the table's own is.
+            assert t.stats().unknown_reads - before[i] == 3 * unknown
             assert unknown >= 40  # random ids of 2**40: unknown, so initial rows were read
     wider = np.empty((1, 4), np.float32)
     assert not group.read(np.zeros(1, np.int64), np.ones(1, np.uint64), wider)
     assert TableGroup([tables[0], EmbeddingTable("wide", TableConfig(dim=4))]).dim is None
+
+
+def test_half_rounding_is_numpys_on_both_kernels() -> None:
+    """The read's float16 rounding, with the CPU's instructions and without (CPUs that
+    lack them), is numpy's ``astype(float16).astype(float32)`` on the hard cases."""
+    import numba
+
+    from embedding_store.table import _half_rounded_bits, _half_rounded_native
+
+    @numba.njit
+    def each(kernel: Any, x: Any, out: Any) -> None:  # pragma: no cover - compiled
+        for i in range(x.shape[0]):
+            out[i] = kernel(x[i])
+
+    edges = np.array(
+        [0.0, -0.0, 1.0, 65504.0, 65519.99, 65520.0, 1e6, np.inf, -np.inf, 6.1035e-5,
+         6.1e-5, 5.96e-8, 2.98e-8, 2.99e-8, 1e-10, 1 + 2**-11, 1 + 3 * 2**-11],
+        np.float32,
+    )  # fmt: skip
+    rng = np.random.default_rng(3)
+    bits = rng.integers(0, 1 << 32, 200_000, dtype=np.uint64).astype(np.uint32)
+    x = np.concatenate([edges, -edges, bits.view(np.float32)])
+    x = x[~np.isnan(x)]
+    with np.errstate(over="ignore"):  # beyond float16's range: inf, as wanted
+        want = x.astype(np.float16).astype(np.float32)
+    for kernel in (_half_rounded_bits, _half_rounded_native):
+        got = np.empty_like(x)
+        each(kernel, x, got)
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
