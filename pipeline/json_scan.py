@@ -42,6 +42,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from connectors.codecs.joined import JoinedPayloads
 from connectors.codecs.json_scan import ScanPlan, scan_values, sparse_elements
 from connectors.codecs.steps import join, utf8_ok
 from connectors.spec import DenseField, FeatureSpec
@@ -90,13 +91,21 @@ class JsonScanBuilder:
     def scan(self, payloads: Sequence[bytes]) -> FlatBatch | None:
         """:meth:`build`'s batch with its tables' ids still in shared arrays."""
         n = len(payloads)
-        if n == 0 or any(type(p) is not bytes for p in payloads):
+        if n == 0:
             return None
-        lens = np.fromiter(map(len, payloads), dtype=np.int64, count=n)
+        joined: bytes | npt.NDArray[np.uint8]
+        if isinstance(payloads, JoinedPayloads):  # joined as they were read, UTF-8 known
+            if not payloads.utf8:
+                return None
+            joined, starts, lens = payloads.joined, payloads.starts, payloads.lens
+        elif any(type(p) is not bytes for p in payloads):
+            return None
+        else:
+            lens = np.fromiter(map(len, payloads), dtype=np.int64, count=n)
+            joined, starts, _ = join(payloads, {}, lens)
+            if not utf8_ok(joined):
+                return None
         if lens.min() == 0 or lens.max() > self.spec.max_record_bytes:
-            return None
-        joined, starts, _ = join(payloads, {}, lens)
-        if not utf8_ok(joined):
             return None
         values = scan_values(joined, starts, np.zeros(n, dtype=np.bool_), self._plan)
         if values.status.any() or (values.fstate == 2).any():

@@ -46,8 +46,11 @@ import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Final, cast
 
+import numba as nb
 import numpy as np
+import numpy.typing as npt
 
+from connectors.codecs.joined import JoinedPayloads, utf8_valid
 from serving.types import (
     EncodedResponse,
     InferRequest,
@@ -92,6 +95,8 @@ _REQUEST_PARAMETERS: Final = ("binary_data_output",)
 _INPUT_TEMPLATE: Final = '{"name": "records", "datatype": "BYTES", "shape": [n], "data": [...]}'
 _MISSING: Final = object()
 _LENGTH: Final = struct.Struct("<I")
+_U8 = npt.NDArray[np.uint8]
+_I64 = npt.NDArray[np.int64]
 
 
 # --- JSON: orjson when importable, else the standard library -------------------------
@@ -207,48 +212,82 @@ def encode_bytes_tensor(items: Sequence[bytes]) -> bytes:
 
     >>> encode_bytes_tensor([b"ab", b""])
     b'\\x02\\x00\\x00\\x00ab\\x00\\x00\\x00\\x00'
-    >>> decode_bytes_tensor(encode_bytes_tensor([b"ab", b""]), 2, "inputs[0]")
+    >>> list(decode_bytes_tensor(encode_bytes_tensor([b"ab", b""]), 2, "inputs[0]"))
     [b'ab', b'']
     """
     return b"".join(_LENGTH.pack(len(item)) + item for item in items)
 
 
-def decode_bytes_tensor(data: bytes | memoryview, n: int, where: str) -> list[bytes]:
-    """The ``n`` elements of a BYTES tensor sent as binary data; ``where`` names the input.
+def decode_bytes_tensor(data: bytes | memoryview, n: int, where: str) -> JoinedPayloads:
+    """The ``n`` elements of a BYTES tensor sent as binary data, laid out joined (one
+    kernel pass, see :mod:`connectors.codecs.joined`); ``where`` names the input.
 
     >>> decode_bytes_tensor(b"\\x05\\x00\\x00\\x00ab", 1, "inputs[0]")
     Traceback (most recent call last):
     ...
     serving.types.OipError: inputs[0]: binary element 0 claims 5 bytes at offset 4, but 2 remain
     """
-    view = memoryview(data)
-    out: list[bytes] = []
-    offset = 0
-    end = len(view)
-    for i in range(n):
-        if offset + 4 > end:
-            msg = (
-                f"{where}: binary data holds {i} elements of the {n} its shape gives "
-                f"(it ends at byte {end}, inside element {i}'s 4-byte length)"
-            )
-            raise _bad(msg)
-        (size,) = _LENGTH.unpack_from(view, offset)
-        offset += 4
-        if offset + size > end:
-            msg = (
-                f"{where}: binary element {i} claims {size} bytes at offset {offset}, "
-                f"but {end - offset} remain"
-            )
-            raise _bad(msg)
-        out.append(bytes(view[offset : offset + size]))
-        offset += size
-    if offset != end:
+    buffer = np.frombuffer(data, dtype=np.uint8)
+    end = len(buffer)
+    joined = np.empty(end + 1, dtype=np.uint8)
+    starts = np.zeros(n + 1, dtype=np.int64)
+    status, i, offset, size, utf8 = _split_elements(buffer, n, joined, starts)
+    if status == 1:
+        msg = (
+            f"{where}: binary data holds {i} elements of the {n} its shape gives "
+            f"(it ends at byte {end}, inside element {i}'s 4-byte length)"
+        )
+        raise _bad(msg)
+    if status == 2:
+        msg = (
+            f"{where}: binary element {i} claims {size} bytes at offset {offset}, "
+            f"but {end - offset} remain"
+        )
+        raise _bad(msg)
+    if status == 3:
         msg = (
             f"{where}: binary data has {end - offset} bytes left after the {n} elements "
             f"its shape gives"
         )
         raise _bad(msg)
-    return out
+    return JoinedPayloads(joined[: max(0, int(starts[n]) - 1)], starts, bool(utf8))
+
+
+@nb.njit(nogil=True, cache=True)
+def _split_elements(
+    data: npt.NDArray[np.uint8],
+    n: int,
+    joined: npt.NDArray[np.uint8],
+    starts: npt.NDArray[np.int64],
+) -> tuple[int, int, int, int, bool]:
+    """Copy the ``n`` length-prefixed elements of ``data`` into ``joined``, newline
+    after each, their starts into ``starts``. Returns (status, element, offset, size,
+    whether the joined elements are UTF-8): status 0, or 1 (``data`` ends inside the
+    element's length), 2 (the element's ``size`` bytes at ``offset`` run past the end),
+    3 (bytes are left from ``offset`` on)."""
+    end = data.shape[0]
+    offset = 0
+    at = 0
+    for i in range(n):
+        if offset + 4 > end:
+            return 1, i, offset, 0, False
+        size = 0
+        for k in range(4):  # little-endian
+            size |= int(np.int64(data[offset + k]) << np.int64(8 * k))
+        offset += 4
+        if offset + size > end:
+            return 2, i, offset, size, False
+        starts[i] = at
+        for k in range(size):
+            joined[at + k] = data[offset + k]
+        at += size
+        joined[at] = 10  # a newline
+        at += 1
+        offset += size
+    starts[n] = at
+    if offset != end:
+        return 3, n, offset, 0, False
+    return 0, n, offset, 0, utf8_valid(joined[: max(0, at - 1)])
 
 
 def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview | None]:
@@ -389,7 +428,7 @@ def _json_records(data: object, n: int, where: str) -> list[bytes]:
     return out
 
 
-def _records(inputs: object, binary: memoryview | None) -> list[bytes]:
+def _records(inputs: object, binary: memoryview | None) -> Sequence[bytes]:
     if inputs is _MISSING:
         msg = f"inputs: missing; send [{_INPUT_TEMPLATE}]"
         raise _bad(msg, "missing_input")
@@ -516,7 +555,7 @@ def parse_infer_request(
     ...         b' "parameters": {"binary_data_size": 15}}],'
     ...         b' "outputs": [{"name": "like", "parameters": {"binary_data": true}}]}')
     >>> req = parse_infer_request(head + tensor, ("click", "like"), str(len(head)))
-    >>> req.records, req.outputs
+    >>> list(req.records), req.outputs
     ([b'{"user": 7}'], (RequestedOutput(name='like', binary=True),))
     >>> parse_infer_request(b'{"inputs": [{"name": "records", "datatype": "BYTES",'
     ...                     b' "shape": [3], "data": ["{}"]}]}', ("click",))

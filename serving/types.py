@@ -176,7 +176,7 @@ class InferRequest:
     """
 
     id: str | None
-    records: list[bytes]
+    records: Sequence[bytes]  # a list, or the binary tensor's JoinedPayloads
     outputs: tuple[RequestedOutput, ...] | None = None
     binary_output: bool = False
 

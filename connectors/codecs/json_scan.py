@@ -840,7 +840,10 @@ class ScannedValues:
 
 
 def scan_values(
-    joined: bytes, starts: npt.NDArray[np.int64], skip: npt.NDArray[np.bool_], plan: ScanPlan
+    joined: bytes | npt.NDArray[np.uint8],
+    starts: npt.NDArray[np.int64],
+    skip: npt.NDArray[np.bool_],
+    plan: ScanPlan,
 ) -> ScannedValues:
     """Run the kernels over the joined payloads (see :func:`scan_json`)."""
     n = starts.shape[0] - 1

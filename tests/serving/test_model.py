@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from connectors.codecs import make_codec
+from connectors.codecs.joined import JoinedPayloads
 from connectors.types import Chunk, RawChunk
 from embedding_store.client import StoreClient
 from embedding_store.location import Location
@@ -138,15 +139,19 @@ def _one_published_version(
 
 def test_bad_records_name_their_index_field_and_reason(tmp_path: Path) -> None:
     follower = _one_published_version(tmp_path)
+    bad = [RECORDS[0], b'{"user": 5}', b"{not json", b"", b'{"user": "\xff"}']
     with StoreClient.from_shards([StoreShard(STORE, read_only=True)]) as rows:
         model = ServingModel("m", SPEC, make_codec("json"), rows, follower)
-        with pytest.raises(BadRecords) as caught:
-            model.predict([RECORDS[0], b'{"user": 5}', b"{not json"])
-    errors = caught.value.errors
-    assert [(e.index, e.field, e.reason) for e in errors] == [
-        (1, "user", "sparse_wrong_type"),
-        (2, None, "not_json"),
-    ]
+        # As a list, and joined as a binary tensor's records arrive.
+        for records in (bad, JoinedPayloads.of(bad)):
+            with pytest.raises(BadRecords) as caught:
+                model.predict(records)
+            assert [(e.index, e.field, e.reason) for e in caught.value.errors] == [
+                (1, "user", "sparse_wrong_type"),
+                (2, None, "not_json"),
+                (3, None, "empty_payload"),
+                (4, None, "not_utf8"),
+            ]
 
 
 def test_one_record_at_a_time_scores_as_the_whole_request_does(tmp_path: Path) -> None:
@@ -172,6 +177,9 @@ def test_one_record_at_a_time_scores_as_the_whole_request_does(tmp_path: Path) -
         model = ServingModel("m", SPEC, make_codec("json"), rows, follower)
         assert len(records) > model.plain_max_records
         whole = model.predict(records).probabilities  # the columnar path
+        joined = model.predict(JoinedPayloads.of(records)).probabilities
+        for head in SPEC.labels:
+            np.testing.assert_array_equal(joined[head], whole[head])
         alone = [model.predict([r]).probabilities for r in records]  # the plain path
         for head in SPEC.labels:
             np.testing.assert_allclose(

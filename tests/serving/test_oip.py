@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from connectors.codecs.joined import JoinedPayloads
 from serving import oip
 from serving.types import (
     BadRecords,
@@ -86,7 +87,14 @@ def test_requested_outputs_and_binary_flags() -> None:
 def test_binary_input_round_trip() -> None:
     raw, header = binary_request([b'{"user": 1}', b"", b"\xff\x00 raw"])
     req = oip.parse_infer_request(raw, HEADS, header)
-    assert req.records == [b'{"user": 1}', b"", b"\xff\x00 raw"]
+    assert list(req.records) == [b'{"user": 1}', b"", b"\xff\x00 raw"]
+    assert [req.records[i] for i in (-1, 0)] == [b"\xff\x00 raw", b'{"user": 1}']
+    assert isinstance(req.records, JoinedPayloads)
+    assert not req.records.utf8
+    raw, header = binary_request([b'{"u": "\xc3\xa9"}', b"{}"])
+    utf8 = oip.parse_infer_request(raw, HEADS, header)
+    assert isinstance(utf8.records, JoinedPayloads)
+    assert utf8.records.utf8
 
 
 def test_header_length_equal_to_body_means_json_only() -> None:
