@@ -94,10 +94,16 @@ class JsonScanBuilder:
         if n == 0:
             return None
         joined: bytes | npt.NDArray[np.uint8]
-        if isinstance(payloads, JoinedPayloads):  # joined as they were read, UTF-8 known
+        ends = None
+        if isinstance(payloads, JoinedPayloads):  # read where they lie, UTF-8 known
             if not payloads.utf8:
                 return None
-            joined, starts, lens = payloads.joined, payloads.starts, payloads.lens
+            joined, starts, ends, lens = (
+                payloads.buffer,
+                payloads.starts,
+                payloads.ends,
+                payloads.lens,
+            )
         elif any(type(p) is not bytes for p in payloads):
             return None
         else:
@@ -107,7 +113,8 @@ class JsonScanBuilder:
                 return None
         if lens.min() == 0 or lens.max() > self.spec.max_record_bytes:
             return None
-        values = scan_values(joined, starts, np.zeros(n, dtype=np.bool_), self._plan)
+        skip = np.zeros(n, dtype=np.bool_)
+        values = scan_values(joined, starts, skip, self._plan, ends)
         if values.status.any() or (values.fstate == 2).any():
             return None
         L = len(self.spec.labels)

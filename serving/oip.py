@@ -50,7 +50,7 @@ import numba as nb
 import numpy as np
 import numpy.typing as npt
 
-from connectors.codecs.joined import JoinedPayloads, utf8_valid
+from connectors.codecs.joined import JoinedPayloads, spans_utf8
 from serving.types import (
     EncodedResponse,
     InferRequest,
@@ -219,8 +219,9 @@ def encode_bytes_tensor(items: Sequence[bytes]) -> bytes:
 
 
 def decode_bytes_tensor(data: bytes | memoryview, n: int, where: str) -> JoinedPayloads:
-    """The ``n`` elements of a BYTES tensor sent as binary data, laid out joined (one
-    kernel pass, see :mod:`connectors.codecs.joined`); ``where`` names the input.
+    """The ``n`` elements of a BYTES tensor sent as binary data, where they lie in
+    ``data`` (one kernel pass, see :mod:`connectors.codecs.joined`); ``where`` names
+    the input.
 
     >>> decode_bytes_tensor(b"\\x05\\x00\\x00\\x00ab", 1, "inputs[0]")
     Traceback (most recent call last):
@@ -229,9 +230,9 @@ def decode_bytes_tensor(data: bytes | memoryview, n: int, where: str) -> JoinedP
     """
     buffer = np.frombuffer(data, dtype=np.uint8)
     end = len(buffer)
-    joined = np.empty(end + 1, dtype=np.uint8)
-    starts = np.zeros(n + 1, dtype=np.int64)
-    status, i, offset, size, utf8 = _split_elements(buffer, n, joined, starts)
+    starts = np.empty(n, dtype=np.int64)
+    ends = np.empty(n, dtype=np.int64)
+    status, i, offset, size = _split_elements(buffer, starts, ends)
     if status == 1:
         msg = (
             f"{where}: binary data holds {i} elements of the {n} its shape gives "
@@ -250,44 +251,32 @@ def decode_bytes_tensor(data: bytes | memoryview, n: int, where: str) -> JoinedP
             f"its shape gives"
         )
         raise _bad(msg)
-    return JoinedPayloads(joined[: max(0, int(starts[n]) - 1)], starts, bool(utf8))
+    return JoinedPayloads(buffer, starts, ends, bool(spans_utf8(buffer, starts, ends)))
 
 
 @nb.njit(nogil=True, cache=True)
-def _split_elements(
-    data: npt.NDArray[np.uint8],
-    n: int,
-    joined: npt.NDArray[np.uint8],
-    starts: npt.NDArray[np.int64],
-) -> tuple[int, int, int, int, bool]:
-    """Copy the ``n`` length-prefixed elements of ``data`` into ``joined``, newline
-    after each, their starts into ``starts``. Returns (status, element, offset, size,
-    whether the joined elements are UTF-8): status 0, or 1 (``data`` ends inside the
-    element's length), 2 (the element's ``size`` bytes at ``offset`` run past the end),
-    3 (bytes are left from ``offset`` on)."""
+def _split_elements(data: _U8, starts: _I64, ends: _I64) -> tuple[int, int, int, int]:
+    """Where each of the ``len(starts)`` length-prefixed elements of ``data`` starts and
+    ends. Returns (status, element, offset, size): status 0, or 1 (``data`` ends inside
+    the element's length), 2 (the element's ``size`` bytes at ``offset`` run past the
+    end), 3 (bytes are left from ``offset`` on)."""
     end = data.shape[0]
     offset = 0
-    at = 0
-    for i in range(n):
+    for i in range(starts.shape[0]):
         if offset + 4 > end:
-            return 1, i, offset, 0, False
+            return 1, i, offset, 0
         size = 0
         for k in range(4):  # little-endian
             size |= int(np.int64(data[offset + k]) << np.int64(8 * k))
         offset += 4
         if offset + size > end:
-            return 2, i, offset, size, False
-        starts[i] = at
-        for k in range(size):
-            joined[at + k] = data[offset + k]
-        at += size
-        joined[at] = 10  # a newline
-        at += 1
+            return 2, i, offset, size
+        starts[i] = offset
         offset += size
-    starts[n] = at
+        ends[i] = offset
     if offset != end:
-        return 3, n, offset, 0, False
-    return 0, n, offset, 0, utf8_valid(joined[: max(0, at - 1)])
+        return 3, starts.shape[0], offset, 0
+    return 0, starts.shape[0], offset, 0
 
 
 def _split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview | None]:

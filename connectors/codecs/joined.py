@@ -1,27 +1,26 @@
-"""Payloads that arrive already in one buffer, kept there.
+"""Payloads that arrive in one buffer, read where they lie.
 
 A codec's decode joins its payloads into one buffer, newline-separated, and
-scans that (see :func:`connectors.codecs.steps.join`). Payloads that come
-from one message (a prediction request's records, sent as the binary tensor
-data extension's length-prefixed elements) can be laid out that way once, by
-one kernel pass over the message, instead of becoming a ``bytes`` object
-each and being joined again. :class:`JoinedPayloads` is that buffer: a
-``Sequence[bytes]`` for whoever wants the payloads one by one, and the
-joined form, with each payload's start and whether the whole is valid UTF-8,
-for the scanners.
+scans that (see :func:`connectors.codecs.steps.join`). Payloads that come in
+one message (a prediction request's records, sent as the binary tensor data
+extension's length-prefixed elements) are already in one buffer: one kernel
+pass over the message finds where each starts and ends and whether they are
+valid UTF-8, and the scanner reads them there, instead of each becoming a
+``bytes`` object to be joined again. :class:`JoinedPayloads` is that view: a
+``Sequence[bytes]`` for whoever wants the payloads one by one, and the buffer
+with each payload's span for the scanner.
 
 >>> joined = JoinedPayloads.of([b'{"a": 1}', b"", "é".encode()])
 >>> len(joined), joined[0], joined[1], list(joined)[2].decode()
 (3, b'{"a": 1}', b'', 'é')
->>> bytes(joined.joined), joined.starts.tolist(), joined.utf8
-(b'{"a": 1}\\n\\n\\xc3\\xa9', [0, 9, 10, 13], True)
+>>> joined.starts.tolist(), joined.ends.tolist(), joined.utf8
+([0, 9, 10], [8, 9, 12], True)
 >>> JoinedPayloads.of([b"\\xff"]).utf8
 False
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterator, Sequence
 from typing import overload
 
@@ -29,41 +28,41 @@ import numba as nb
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["JoinedPayloads", "utf8_valid"]
+__all__ = ["JoinedPayloads", "spans_utf8", "utf8_valid"]
 
 U8 = npt.NDArray[np.uint8]
 I64 = npt.NDArray[np.int64]
 
 
 class JoinedPayloads(Sequence[bytes]):
-    """``n`` payloads joined by newlines in ``joined``; payload ``i`` is
-    ``joined[starts[i] : starts[i + 1] - 1]`` (``starts`` has ``n + 1`` entries, as
-    ``steps.join`` gives them); ``utf8``: whether ``joined`` is valid UTF-8."""
+    """``n`` payloads in one buffer: payload ``i`` is ``buffer[starts[i]:ends[i]]``;
+    ``utf8``: whether every payload is valid UTF-8."""
 
-    __slots__ = ("joined", "starts", "utf8")
+    __slots__ = ("buffer", "ends", "starts", "utf8")
 
-    def __init__(self, joined: U8, starts: I64, utf8: bool) -> None:
-        self.joined = joined
+    def __init__(self, buffer: U8, starts: I64, ends: I64, utf8: bool) -> None:
+        self.buffer = buffer
         self.starts = starts
+        self.ends = ends
         self.utf8 = utf8
 
     @classmethod
     def of(cls, payloads: Sequence[bytes]) -> JoinedPayloads:
-        """``payloads`` joined (a test's or a caller's list)."""
-        joined = np.frombuffer(b"\n".join(payloads), dtype=np.uint8)
+        """``payloads`` joined by newlines (a test's or a caller's list)."""
+        buffer = np.frombuffer(b"\n".join(payloads), dtype=np.uint8)
         lens = np.fromiter(map(len, payloads), dtype=np.int64, count=len(payloads))
-        starts = np.zeros(len(payloads) + 1, dtype=np.int64)
-        np.cumsum(lens + 1, out=starts[1:])
-        return cls(joined, starts, bool(utf8_valid(joined)))
+        ends = np.cumsum(lens + 1) - 1
+        starts = ends - lens
+        return cls(buffer, starts, ends, bool(spans_utf8(buffer, starts, ends)))
 
     @property
     def lens(self) -> I64:
         """Each payload's length in bytes."""
-        lens: I64 = np.diff(self.starts) - 1
+        lens: I64 = self.ends - self.starts
         return lens
 
     def __len__(self) -> int:
-        return int(self.starts.shape[0]) - 1
+        return int(self.starts.shape[0])
 
     @overload
     def __getitem__(self, i: int) -> bytes: ...
@@ -79,12 +78,25 @@ class JoinedPayloads(Sequence[bytes]):
             msg = f"payload {i} of {n}"
             raise IndexError(msg)
         i %= n
-        return self.joined[self.starts[i] : self.starts[i + 1] - 1].tobytes()
+        return self.buffer[self.starts[i] : self.ends[i]].tobytes()
 
     def __iter__(self) -> Iterator[bytes]:
-        joined = self.joined
-        for a, b in itertools.pairwise(self.starts.tolist()):
-            yield joined[a : b - 1].tobytes()
+        buffer = self.buffer
+        for a, b in zip(self.starts.tolist(), self.ends.tolist(), strict=True):
+            yield buffer[a:b].tobytes()
+
+
+@nb.njit(nogil=True, cache=True)
+def spans_utf8(b: U8, starts: I64, ends: I64) -> bool:
+    """Whether every ``b[starts[i]:ends[i]]`` is valid UTF-8; ASCII spans (most JSON)
+    are told by one OR over their bytes."""
+    for i in range(starts.shape[0]):
+        acc = np.uint8(0)
+        for k in range(starts[i], ends[i]):
+            acc |= b[k]
+        if acc >= 0x80 and not utf8_valid(b[starts[i] : ends[i]]):
+            return False
+    return True
 
 
 @nb.njit(nogil=True, cache=True)

@@ -533,13 +533,14 @@ def _scan_record(
 
 @nb.njit(nogil=True, cache=True)
 def _scan_records(
-    buf: Any, starts: Any, skip: Any, kind: Any, slot: Any, keys: Any, key_off: Any,
+    buf: Any, starts: Any, ends: Any, skip: Any, kind: Any, slot: Any, keys: Any, key_off: Any,
     table: Any, mask: int, status: Any, fval: Any, fstate: Any, fspan: Any, ival: Any,
     istate: Any, sspan: Any, sstate: Any, lfirst: Any, lcount: Any, lstate: Any,
     lints: Any, lstrs: Any,
 ) -> tuple[Any, Any, Any]:  # fmt: skip
-    """Scan every record not skipped; returns the list element stores and their use."""
-    n = starts.shape[0] - 1
+    """Scan every record not skipped (record ``i`` is ``buf[starts[i]:ends[i]]``);
+    returns the list element stores and their use."""
+    n = ends.shape[0]
     seen = np.full(kind.shape[0], -1, np.int64)
     stack = np.empty(_MAX_DEPTH, np.int64)  # open containers of a skipped value
     used = np.zeros(2, np.int64)
@@ -552,11 +553,11 @@ def _scan_records(
             before0, before1 = used[0], used[1]
             esc[0] = 0
             r = _scan_record(
-                buf, starts[i], starts[i + 1] - 1, i, kind, slot, keys, key_off, table, mask,
+                buf, starts[i], ends[i], i, kind, slot, keys, key_off, table, mask,
                 seen, stack, fval, fstate, fspan, ival, istate, sspan, sstate, lfirst, lcount,
                 lstate, lints, lstrs, used, esc,
             )  # fmt: skip
-            if r == 0 and esc[0] and not _escapes_ok(buf, starts[i], starts[i + 1] - 1):
+            if r == 0 and esc[0] and not _escapes_ok(buf, starts[i], ends[i]):
                 r = 1
             if r != 2:
                 break
@@ -844,9 +845,14 @@ def scan_values(
     starts: npt.NDArray[np.int64],
     skip: npt.NDArray[np.bool_],
     plan: ScanPlan,
+    ends: npt.NDArray[np.int64] | None = None,
 ) -> ScannedValues:
-    """Run the kernels over the joined payloads (see :func:`scan_json`)."""
-    n = starts.shape[0] - 1
+    """Run the kernels over the joined payloads (see :func:`scan_json`); with ``ends``,
+    payload ``i`` is ``joined[starts[i]:ends[i]]`` wherever it lies (``starts`` then
+    has one entry per payload)."""
+    if ends is None:
+        ends = starts[1:] - 1
+    n = ends.shape[0]
     by_kind = plan.by_kind
     nf, ns, ni = len(plan.floats), len(by_kind[_K_STRING]), len(by_kind[_K_INT])
     nl = len(by_kind[_K_LIST_STRING]) + len(by_kind[_K_LIST_INT])
@@ -864,7 +870,7 @@ def scan_values(
     lcount = np.empty((n, nl), dtype=np.int64)
     lstate = np.zeros((n, nl), dtype=np.uint8)
     lints, lstrs, _ = _scan_records(
-        buf, starts, skip, plan.kind, plan.slot, plan.keys, plan.key_off, plan.table,
+        buf, starts, ends, skip, plan.kind, plan.slot, plan.keys, plan.key_off, plan.table,
         plan.mask, status, fval, fstate, fspan, ival, istate, sspan, sstate, lfirst, lcount,
         lstate, np.empty(1024, dtype=np.int64), np.empty((1024, 3), dtype=np.int64),
     )  # fmt: skip

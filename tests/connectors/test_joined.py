@@ -32,14 +32,18 @@ def test_utf8_valid_is_pythons_decoder() -> None:
         except UnicodeDecodeError:
             want = False
         assert bool(utf8_valid(np.frombuffer(data, np.uint8))) is want, data
+        # Spans of a buffer: each checked alone, ASCII ones by their bytes' OR.
+        joined = JoinedPayloads.of([b"{}", data, b"\xc3\xa9"])
+        assert joined.utf8 is want, data
 
 
-def test_joined_payloads_are_the_payloads_joined_as_join_joins_them() -> None:
+def test_joined_payloads_are_the_payloads_where_join_puts_them() -> None:
     payloads = [b'{"a": 1}', b"", "é".encode(), b"x" * 300]
     joined = JoinedPayloads.of(payloads)
     want, starts, lens = join(payloads, {})
-    assert bytes(joined.joined) == want
-    np.testing.assert_array_equal(joined.starts, starts)
+    assert bytes(joined.buffer) == want
+    np.testing.assert_array_equal(joined.starts, starts[:-1])
+    np.testing.assert_array_equal(joined.ends, starts[1:] - 1)
     np.testing.assert_array_equal(joined.lens, lens)
     assert list(joined) == payloads
     assert [joined[i] for i in range(-4, 4)] == payloads + payloads

@@ -132,8 +132,12 @@ def test_a_task_carries_its_chunk_not_the_runners_source_and_spec(cluster: Clien
             if str(key).startswith("prepare-")
         ]
 
-    held = cluster.run_on_scheduler(specs)
-    assert len(held) >= 3  # in flight (and the one yielded, until its release lands)
+    # In flight (and the one yielded, until its release lands); the runner's next
+    # submissions may still be on their way to the scheduler.
+    deadline = time.monotonic() + 10
+    while len(held := cluster.run_on_scheduler(specs)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(held) >= 3
     for blob in held:
         assert b"Chunk" in blob
         assert b"FeatureSpec" not in blob, len(blob)
