@@ -42,7 +42,7 @@ from pipeline.spec import FeatureSpec
 from pipeline.types import FlatBatch, PreparedBatch
 from serving.types import BadRecords, ModelUnavailable, Prediction, RecordError
 from trainer.config import TrainerConfig
-from trainer.joined_fields import JoinedFields, joined_flat
+from trainer.joined_fields import JoinedFields, joined_flat, sparse_key
 from trainer.models import DenseNet, build_model, field_dims
 from trainer.pooling import host_tensor
 from trainer.publish import PublishedDense, load_weights, published
@@ -203,6 +203,7 @@ class ServingModel:
         self.dense = dense
         self._sparse_version = sparse_version
         self._rows_ready = rows_ready
+        self._sparse_key = sparse_key(self.spec)
         # The scanned and plain paths read JSON only: their builders (one plain builder,
         # the scanner's), or None.
         self._scan: JsonScanBuilder | None = None
@@ -294,7 +295,7 @@ class ServingModel:
             batch = PreparedBatch(flat.labels, flat.dense, self._scan.plain.tables_of(flat.ids))
             return self._score_batch(batch, positions, [], version)
         with torch.no_grad():
-            joined = joined_flat(rows, flat.ids, self.spec, len(flat))
+            joined = joined_flat(rows, flat.ids, self._sparse_key, len(flat))
             logits = version.module.forward_joined(host_tensor(flat.dense), joined)
             probs = torch.sigmoid(logits).numpy().astype(np.float32, copy=False)
         return Scored(positions, probs, flat.labels, [], self._parameters(version))

@@ -200,8 +200,14 @@ def _flat_layout(
     return layout.width, _frozen(np.concatenate(layout.cols)), _frozen(np.concatenate(layout.mean))
 
 
+def sparse_key(spec: FeatureSpec) -> _SpecKey:
+    """What the joined layout of ``spec`` depends on: each sparse field's name, table and
+    pooling (a caller that joins many batches of one spec makes it once)."""
+    return tuple((s.name, s.table, s.pooling) for s in spec.sparse)
+
+
 def joined_flat(
-    rows: npt.NDArray[np.float32], flat: FlatIds, spec: FeatureSpec, batch_size: int
+    rows: npt.NDArray[np.float32], flat: FlatIds, key: _SpecKey, batch_size: int
 ) -> Tensor:
     """The joined ``[B, width]`` matrix of :class:`JoinedFields`, straight from every
     table's ids in shared arrays and their rows side by side (``rows[unique_at[t]]`` on
@@ -220,10 +226,9 @@ def joined_flat(
     ...     offsets=np.array([0, 1, 2, 0, 3, 3], np.int32), offsets_at=np.array([0, 3, 6]),
     ...     firsts=np.array([0, 1, 2]))
     >>> rows = np.array([[0.5, 0.5], [1.0, 2.0], [4.0, 8.0]], np.float32)
-    >>> joined_flat(rows, flat, spec, 2).tolist()  # user (spec order), then the tags' mean
+    >>> joined_flat(rows, flat, sparse_key(spec), 2).tolist()  # user, then the tags' mean
     [[0.5, 0.5, 2.0, 4.0], [0.5, 0.5, 0.0, 0.0]]
     """
-    key = tuple((s.name, s.table, s.pooling) for s in spec.sparse)
     width, cols, mean = _flat_layout(key, int(rows.shape[1]))
     out = np.empty((batch_size, width), dtype=np.float32)
     _gather_flat(
@@ -334,7 +339,7 @@ class JoinedFields:
 
     def __init__(self, batch: PreparedBatch, spec: FeatureSpec) -> None:
         self.batch_size = len(batch)
-        key = tuple((s.name, s.table, s.pooling) for s in spec.sparse)
+        key = sparse_key(spec)
         checked = [
             (name, checked_pooled_table(batch, name, fields, pooling))
             for name, (fields, pooling) in _tables_of(key).items()
