@@ -71,9 +71,7 @@ class ReplicaRows:
         self.row_dtype = row_dtype
         self._current_at = list(current_at)
         # The group each list of tables read, with the shards' tables it was made of.
-        self._groups: dict[
-            tuple[str, ...], tuple[list[Mapping[str, EmbeddingTable]], TableGroup]
-        ] = {}
+        self._groups: dict[tuple[str, ...], tuple[list[_Tables], TableGroup]] = {}
 
     def lookup(
         self, ids: Mapping[str, npt.ArrayLike], *, train: bool = False

@@ -21,6 +21,7 @@ from embedding_store.types import StoreConfig
 from pipeline.batch import build_batch
 from pipeline.spec import FeatureSpec
 from serving.model import DenseFollower, ServingModel
+from serving.oip import decode_bytes_tensor, encode_bytes_tensor
 from serving.replicas import StoreRows
 from serving.types import BadRecords
 from trainer.config import TrainerConfig
@@ -142,8 +143,10 @@ def test_bad_records_name_their_index_field_and_reason(tmp_path: Path) -> None:
     bad = [RECORDS[0], b'{"user": 5}', b"{not json", b"", b'{"user": "\xff"}']
     with StoreClient.from_shards([StoreShard(STORE, read_only=True)]) as rows:
         model = ServingModel("m", SPEC, make_codec("json"), rows, follower)
-        # As a list, and joined as a binary tensor's records arrive.
-        for records in (bad, JoinedPayloads.of(bad)):
+        # As a list, joined, and where a binary tensor's records lie (length prefixes
+        # between them).
+        tensor = encode_bytes_tensor(bad)
+        for records in (bad, JoinedPayloads.of(bad), decode_bytes_tensor(tensor, 5, "in")):
             with pytest.raises(BadRecords) as caught:
                 model.predict(records)
             assert [(e.index, e.field, e.reason) for e in caught.value.errors] == [
@@ -177,9 +180,16 @@ def test_one_record_at_a_time_scores_as_the_whole_request_does(tmp_path: Path) -
         model = ServingModel("m", SPEC, make_codec("json"), rows, follower)
         assert len(records) > model.plain_max_records
         whole = model.predict(records).probabilities  # the columnar path
-        joined = model.predict(JoinedPayloads.of(records)).probabilities
-        for head in SPEC.labels:
-            np.testing.assert_array_equal(joined[head], whole[head])
+        # Trailing blanks, and records where a binary tensor's lie: the same answers.
+        padded = [r + b" \t" * (i % 3) for i, r in enumerate(records)]
+        for same in (
+            JoinedPayloads.of(records),
+            JoinedPayloads.of(padded),
+            decode_bytes_tensor(encode_bytes_tensor(padded), len(padded), "inputs[0]"),
+        ):
+            joined = model.predict(same).probabilities
+            for head in SPEC.labels:
+                np.testing.assert_array_equal(joined[head], whole[head])
         alone = [model.predict([r]).probabilities for r in records]  # the plain path
         for head in SPEC.labels:
             np.testing.assert_allclose(
