@@ -212,9 +212,10 @@ class Wire(asyncio.Protocol):
             if self._pipe.can_write_eof():
                 self._pipe.write_eof()
             return True
-        # A client that half-closes after its request still gets its answer.
+        # A client that half-closes after its request still gets its answer; one that
+        # does so inside a request will never send the rest of it.
         self._eof = True
-        return self._answering or self._request is not None or self._handing_over
+        return self._answering or self._handing_over
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True

@@ -524,6 +524,11 @@ def test_connection_close_and_a_half_closed_client_get_their_answer(
         sock.shutdown(socket.SHUT_WR)
         assert read_answer(stream)[0] == 200
         assert stream.read() == b""
+    # Half-closed inside a request: the rest will never come, and the server closes.
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(plain_request(one)[:-5])
+        sock.shutdown(socket.SHUT_WR)
+        assert sock.makefile("rb").read() == b""
 
 
 def test_stop_closes_connections_plain_and_handed_over() -> None:
