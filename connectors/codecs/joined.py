@@ -28,6 +28,8 @@ import numba as nb
 import numpy as np
 import numpy.typing as npt
 
+from connectors.codecs.steps import join
+
 __all__ = ["JoinedPayloads", "spans_utf8", "utf8_valid"]
 
 U8 = npt.NDArray[np.uint8]
@@ -49,11 +51,10 @@ class JoinedPayloads(Sequence[bytes]):
     @classmethod
     def of(cls, payloads: Sequence[bytes]) -> JoinedPayloads:
         """``payloads`` joined by newlines (a test's or a caller's list)."""
-        buffer = np.frombuffer(b"\n".join(payloads), dtype=np.uint8)
-        lens = np.fromiter(map(len, payloads), dtype=np.int64, count=len(payloads))
-        ends = np.cumsum(lens + 1) - 1
-        starts = ends - lens
-        return cls(buffer, starts, ends, bool(spans_utf8(buffer, starts, ends)))
+        joined, starts, _ = join(payloads, {})
+        buffer = np.frombuffer(joined, dtype=np.uint8)
+        ends = starts[1:] - 1
+        return cls(buffer, starts[:-1], ends, bool(spans_utf8(buffer, starts[:-1], ends)))
 
     @property
     def lens(self) -> I64:
