@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -42,6 +42,7 @@ from pipeline.spec import FeatureSpec
 from pipeline.types import FlatBatch, PreparedBatch
 from serving.types import BadRecords, ModelUnavailable, Prediction, RecordError
 from trainer.config import TrainerConfig
+from trainer.fused_linear import fuse_for_inference
 from trainer.joined_fields import JoinedFields, joined_flat, sparse_key
 from trainer.models import DenseNet, build_model, field_dims
 from trainer.pooling import host_tensor
@@ -64,6 +65,24 @@ class DenseVersion:
 
     entry: PublishedDense
     module: DenseNet
+
+
+def inference_module(
+    config: TrainerConfig, spec: FeatureSpec, dims: Mapping[str, int], state: Mapping[str, Any]
+) -> DenseNet:
+    """The job's dense network with ``state`` loaded, in eval mode, its linear layers
+    fused for inference (:mod:`trainer.fused_linear`; the state dict keeps its keys)."""
+    module = build_model(
+        config.model,
+        num_dense=len(spec.dense),
+        field_dims=field_dims(spec, dims),
+        num_tasks=len(spec.labels),
+        field_names=[f.name for f in spec.sparse],
+    )
+    module.load_state_dict(state)
+    module.eval()
+    fuse_for_inference(module)
+    return module
 
 
 class DenseFollower:
@@ -89,15 +108,6 @@ class DenseFollower:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _build(self) -> DenseNet:
-        return build_model(
-            self.config.model,
-            num_dense=len(self.spec.dense),
-            field_dims=field_dims(self.spec, self.dims),
-            num_tasks=len(self.spec.labels),
-            field_names=[f.name for f in self.spec.sparse],
-        )
-
     def refresh(self) -> bool:
         """Swap in the newest version when it is newer than the current one."""
         versions = published(self.location)
@@ -106,9 +116,8 @@ class DenseFollower:
         newest = versions[-1]
         if self.current is not None and newest.version <= self.current.entry.version:
             return False
-        module = self._build()
-        module.load_state_dict(load_weights(self.location, newest))
-        module.eval()
+        state = load_weights(self.location, newest)
+        module = inference_module(self.config, self.spec, self.dims, state)
         self.current = DenseVersion(newest, module)  # one reference: atomic for readers
         self.loaded_at = time.time()
         return True

@@ -28,11 +28,10 @@ from embedding_store.location import Location
 from embedding_store.shard import StoreShard
 from embedding_store.types import StoreConfig
 from pipeline.spec import FeatureSpec
-from serving.model import DenseVersion, Scored, ServingModel
+from serving.model import DenseVersion, Scored, ServingModel, inference_module
 from trainer.checkpoint import CheckpointBook, JobManifest
 from trainer.config import TrainerConfig
 from trainer.metrics import auc, logloss
-from trainer.models import build_model, field_dims
 from trainer.publish import PublishedDense
 
 I64 = npt.NDArray[np.int64]
@@ -88,15 +87,7 @@ def checkpoint_dense(
     except (KeyError, IndexError, TypeError) as exc:
         msg = f"{manifest.path}: no dense model state in it ({exc})"
         raise OfflineError(msg) from exc
-    module = build_model(
-        config.model,
-        num_dense=len(spec.dense),
-        field_dims=field_dims(spec, dims),
-        num_tasks=len(spec.labels),
-        field_names=[f.name for f in spec.sparse],
-    )
-    module.load_state_dict(model_state)
-    module.eval()
+    module = inference_module(config, spec, dims, model_state)
     entry = PublishedDense(
         version=0, step=manifest.step, samples=manifest.samples, file="", created=manifest.created
     )

@@ -41,7 +41,7 @@ def test_every_serving_figure_is_reported(tmp_path: Path) -> None:
     keys += ["training_samples_per_s_without_load", "cpus"]
     # The control: the job beside a burner of the cores the load cost the server.
     keys += ["training_slowdown_burner", "training_samples_per_s_beside_burner"]
-    keys += ["serving_load_cores"]
+    keys += ["serving_load_cores", "burner_cores"]
     assert_positive(figures, keys)
     assert figures["tensor_encoding"].startswith("binary")
     for suffix in ("", "_while_training"):
@@ -66,6 +66,7 @@ def test_every_serving_figure_is_reported(tmp_path: Path) -> None:
     assert 0 < figures["load_client_cores"] == load["client_cores"] < 1
     burner = figures["slowdown_runs"]["burner"][0]
     assert burner["burner_share"] == figures["serving_load_cores"]
+    assert burner["burner_cores"] == figures["burner_cores"]  # its CPU, measured
     # The ceiling: the same server code and client with a model that costs nothing.
     assert_positive(
         figures["ceiling"],
