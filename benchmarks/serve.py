@@ -106,6 +106,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import print_figures, write_json, write_token
 from e2e import load, measured_rate, read_metrics
 
+from deploy.local.parent_death import with_parent_death
 from trainer.run_files import read_lines
 
 if TYPE_CHECKING:
@@ -164,12 +165,6 @@ def wait_for(check: Callable[[], bool], what: str, timeout_s: float = 120.0) -> 
 
 def pct(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q))
-
-
-def _die_with_parent() -> None:
-    from deploy.local.shards import signal_when_parent_dies
-
-    signal_when_parent_dies(signal.SIGTERM)
 
 
 # --- the job and its processes ---------------------------------------------------------
@@ -233,12 +228,11 @@ class Server:
         self.log_path = log
         with log.open("wb") as out:
             self.proc = subprocess.Popen(
-                argv,
+                with_parent_death(argv, signal.SIGTERM),
                 cwd=REPO_ROOT,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509
             )
         wait_for(
             lambda: _URL.search(self.log()) is not None or self.proc.poll() is not None,
@@ -279,12 +273,11 @@ class TrainingRun:
         self.started = time.monotonic()
         with self.log_path.open("wb") as out:
             self.proc = subprocess.Popen(
-                argv,
+                with_parent_death(argv, signal.SIGTERM),
                 cwd=REPO_ROOT,
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509
             )
 
     def log(self) -> str:
@@ -1184,7 +1177,7 @@ def slowdown_phase(
             run = TrainingRun(job_file, samples)
             loader = Load(s.address, load_reqs, LOAD_RPS) if kind == "with" else None
             share = _burner_share(runs) if kind == "burner" else None
-            # No preexec_fn: this process holds gRPC channels (grpc/grpc#43055).
+            # No preexec_fn: this process holds gRPC channels (deploy.local.parent_death).
             burner = (
                 subprocess.Popen([sys.executable, "-c", _BURNER, f"{share:.4f}"])
                 if share is not None

@@ -40,15 +40,11 @@ from distributed.utils import Deadline
 from distributed.worker_memory import parse_memory_limit
 from tornado.ioloop import PeriodicCallback
 
-from deploy.local.shards import signal_when_parent_dies
+from deploy.local.parent_death import with_parent_death
 
 log = logging.getLogger(__name__)
 
 __all__ = ["HeartbeatStopsFirst", "IgnoreCtrlC", "SchedulerProcess", "local_dask_cluster"]
-
-
-def _kill_with_parent() -> None:
-    signal_when_parent_dies(signal.SIGKILL)
 
 
 class SchedulerProcess(SubprocessScheduler):
@@ -77,10 +73,9 @@ class SchedulerProcess(SubprocessScheduler):
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in close()
         deadline = Deadline.after(self.timeout)
         self.process = await asyncio.create_subprocess_exec(
-            *cmd,
+            *with_parent_death(cmd, signal.SIGKILL),
             stdout=self._log,
             stderr=self._log,
-            preexec_fn=_kill_with_parent,
             # Out of the job's process group: a terminal's Ctrl-C reaches the job, which
             # then takes its last checkpoint with the scheduler still there to serve it.
             start_new_session=True,

@@ -8,7 +8,6 @@ shard also serves Prometheus ``/metrics``; its URL is read back from the log too
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import re
@@ -20,26 +19,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from deploy.local.parent_death import with_parent_death
+
 log = logging.getLogger(__name__)
 
 _SERVING = re.compile(r"serving .* on (?P<host>[\w.:-]+):(?P<port>\d+) ")
 _METRICS = re.compile(r"metrics on http://\S+:(?P<port>\d+)/metrics")
-
-
-def signal_when_parent_dies(sig: int) -> None:
-    """In a child, before exec: have the kernel send ``sig`` when the thread that
-    started it ends (Linux ``prctl(PR_SET_PDEATHSIG)``; elsewhere nothing: the
-    child may outlive its parent)."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, sig)
-    except (OSError, AttributeError):
-        pass
-
-
-def _term_with_parent() -> None:
-    # SIGTERM: the shard checkpoints and exits.
-    signal_when_parent_dies(signal.SIGTERM)
 
 
 def terminate(proc: subprocess.Popen[bytes], timeout_s: float) -> int:
@@ -174,6 +159,8 @@ class ShardProcess:
             argv += ["--follow", follow]
         if snapshots is not None:
             argv += ["--snapshots", snapshots]
+        if die_with_parent:  # SIGTERM: the shard checkpoints and exits
+            argv = with_parent_death(argv, signal.SIGTERM)
         with log_path.open("ab") as log:
             offset = log.tell()
             proc = subprocess.Popen(
@@ -182,7 +169,6 @@ class ShardProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_term_with_parent if die_with_parent else None,  # noqa: PLW1509
                 # A shard the job owns is stopped by the job, after the job's last
                 # checkpoint: not by the terminal's Ctrl-C, nor by a signal to the job's
                 # process group, which would stop it in the middle of that checkpoint.
