@@ -1135,11 +1135,10 @@ def ceiling_phase(s: Setup, tmp: Path, out: dict[str, Any]) -> None:
         )
 
 
-# A busy loop for ``share`` of every 10 ms: CPU taken from the job as the server takes it,
-# with none of the server's memory traffic, wake-ups or messages.
-# The burner spins for its share of CPU time (not of wall time: preempted by the job, a
-# wall-clock spin took 0.17 of a core when asked for 0.23) every 10 ms on a fixed
-# schedule, as the load sends its requests, catching up when it falls behind.
+# A busy loop for ``share`` of every 10 ms of CPU time (not of wall time: preempted by the
+# job, a wall-clock spin took 0.17 of a core when asked for 0.23), on a fixed schedule as
+# the load sends its requests, catching up when it falls behind: CPU taken from the job
+# as the server takes it, with none of the server's memory traffic, wake-ups or messages.
 _BURNER = """
 import os, sys, time
 share, parent = float(sys.argv[1]), os.getppid()
