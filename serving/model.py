@@ -21,13 +21,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 import torch
+from torch import Tensor
 
 from connectors.codecs import Codec
 from connectors.codecs.json_lines import JsonLinesCodec
@@ -42,9 +43,9 @@ from pipeline.spec import FeatureSpec
 from pipeline.types import FlatBatch, PreparedBatch
 from serving.types import BadRecords, ModelUnavailable, Prediction, RecordError
 from trainer.config import TrainerConfig
-from trainer.fused_linear import fuse_for_inference
+from trainer.fused_linear import LinearChain, fuse_for_inference
 from trainer.joined_fields import JoinedFields, joined_flat, sparse_key
-from trainer.models import DenseNet, build_model, field_dims
+from trainer.models import FFNN, DenseNet, build_model, field_dims
 from trainer.pooling import host_tensor
 from trainer.publish import PublishedDense, load_weights, published
 
@@ -61,10 +62,17 @@ class RowReader(Protocol):
 
 @dataclass(frozen=True)
 class DenseVersion:
-    """One loaded version of the dense network."""
+    """One loaded version of the dense network; ``chain``: an FFNN's layers as one
+    oneDNN chain (:class:`trainer.fused_linear.LinearChain`), where they fused."""
 
     entry: PublishedDense
     module: DenseNet
+    chain: LinearChain | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        module = self.module
+        chain = LinearChain.of([*module.mlp, module.head]) if isinstance(module, FFNN) else None
+        object.__setattr__(self, "chain", chain)  # frozen: set once, here
 
 
 def inference_module(
@@ -83,6 +91,15 @@ def inference_module(
     module.eval()
     fuse_for_inference(module)
     return module
+
+
+def _probabilities(version: DenseVersion, dense: Tensor, joined: Tensor) -> npt.NDArray[np.float32]:
+    """The sigmoid of the network's logits, ``[B, heads]``: through its chain where it
+    has one, so that every path of a version rounds alike."""
+    if version.chain is not None:
+        return version.chain(torch.cat([dense, joined], dim=1), "sigmoid").numpy()
+    logits = version.module.forward_joined(dense, joined)
+    return torch.sigmoid(logits).numpy().astype(np.float32, copy=False)
 
 
 class DenseFollower:
@@ -304,9 +321,12 @@ class ServingModel:
             batch = PreparedBatch(flat.labels, flat.dense, self._scan.plain.tables_of(flat.ids))
             return self._score_batch(batch, positions, [], version)
         with torch.no_grad():
-            joined = joined_flat(rows, flat.ids, self._sparse_key, len(flat))
-            logits = version.module.forward_joined(host_tensor(flat.dense), joined)
-            probs = torch.sigmoid(logits).numpy().astype(np.float32, copy=False)
+            if version.chain is not None:  # the FFNN's input made as one matrix
+                x = joined_flat(rows, flat.ids, self._sparse_key, len(flat), lead=flat.dense)
+                probs = version.chain(x, "sigmoid").numpy()
+            else:
+                joined = joined_flat(rows, flat.ids, self._sparse_key, len(flat))
+                probs = _probabilities(version, host_tensor(flat.dense), joined)
         return Scored(positions, probs, flat.labels, [], self._parameters(version))
 
     def _score_batch(
@@ -330,8 +350,7 @@ class ServingModel:
             # The trainer's CPU path: every field pooled into the model's input matrix in
             # one pass (a torch op per table was a fifth of a one-record request).
             joined = JoinedFields(batch, self.spec).gather()
-            logits = version.module.forward_joined(host_tensor(batch.dense), joined)
-            probs = torch.sigmoid(logits).numpy().astype(np.float32, copy=False)
+            probs = _probabilities(version, host_tensor(batch.dense), joined)
         return Scored(positions, probs, batch.labels, bad, parameters)
 
     def predict(self, records: Sequence[bytes]) -> Prediction:

@@ -190,14 +190,15 @@ def _gather(
 
 @functools.lru_cache(maxsize=64)
 def _flat_layout(
-    key: _SpecKey, dim: int
+    key: _SpecKey, dim: int, lead: int = 0
 ) -> tuple[int, npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
     """The width, and each field's first column and mean flag in table order, of the
-    spec ``key`` with every table of dim ``dim``."""
+    spec ``key`` with every table of dim ``dim``, after ``lead`` columns."""
     layout = _layout(key, (dim,) * len(_tables_of(key)))
+    width = lead + layout.width
     if not layout.cols:
-        return layout.width, _frozen(np.zeros(0, np.int64)), _frozen(np.zeros(0, np.bool_))
-    return layout.width, _frozen(np.concatenate(layout.cols)), _frozen(np.concatenate(layout.mean))
+        return width, _frozen(np.zeros(0, np.int64)), _frozen(np.zeros(0, np.bool_))
+    return width, _frozen(np.concatenate(layout.cols) + lead), _frozen(np.concatenate(layout.mean))
 
 
 def sparse_key(spec: FeatureSpec) -> _SpecKey:
@@ -207,13 +208,18 @@ def sparse_key(spec: FeatureSpec) -> _SpecKey:
 
 
 def joined_flat(
-    rows: npt.NDArray[np.float32], flat: FlatIds, key: _SpecKey, batch_size: int
+    rows: npt.NDArray[np.float32],
+    flat: FlatIds,
+    key: _SpecKey,
+    batch_size: int,
+    lead: npt.NDArray[np.float32] | None = None,
 ) -> Tensor:
     """The joined ``[B, width]`` matrix of :class:`JoinedFields`, straight from every
     table's ids in shared arrays and their rows side by side (``rows[unique_at[t]]`` on
     for table ``t``; every table of one dim): no per-table objects, for a prediction
     request's few ids in each of dozens of tables. Equal to ``JoinedFields.gather``
-    bit for bit: the same copies and the same sums in the same order.
+    bit for bit: the same copies and the same sums in the same order. With ``lead``
+    (``[B, k]``), its columns come first: ``concat(dense, joined)`` in one matrix.
 
     >>> from pipeline.spec import FeatureSpec
     >>> from pipeline.types import FlatIds
@@ -228,9 +234,14 @@ def joined_flat(
     >>> rows = np.array([[0.5, 0.5], [1.0, 2.0], [4.0, 8.0]], np.float32)
     >>> joined_flat(rows, flat, sparse_key(spec), 2).tolist()  # user, then the tags' mean
     [[0.5, 0.5, 2.0, 4.0], [0.5, 0.5, 0.0, 0.0]]
+    >>> joined_flat(rows, flat, sparse_key(spec), 2, np.array([[7], [8]], np.float32)).tolist()
+    [[7.0, 0.5, 0.5, 2.0, 4.0], [8.0, 0.5, 0.5, 0.0, 0.0]]
     """
-    width, cols, mean = _flat_layout(key, int(rows.shape[1]))
+    k = 0 if lead is None else int(lead.shape[1])
+    width, cols, mean = _flat_layout(key, int(rows.shape[1]), k)
     out = np.empty((batch_size, width), dtype=np.float32)
+    if lead is not None:
+        out[:, :k] = lead
     _gather_flat(
         np.ascontiguousarray(rows, dtype=np.float32), flat.unique_at, flat.inverse,
         flat.inverse_at, flat.offsets, flat.offsets_at, flat.firsts, cols, mean, out,
