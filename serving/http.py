@@ -40,7 +40,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, ClassVar, Final, NamedTuple
 
@@ -56,7 +56,14 @@ from tornado.web import Application, RequestHandler, stream_request_body
 
 from serving import oip
 from serving.batching import LoopBatcher
-from serving.types import BadRecords, ModelUnavailable, OipError, Predictor
+from serving.types import (
+    BadRecords,
+    InferRequest,
+    ModelUnavailable,
+    OipError,
+    Prediction,
+    Predictor,
+)
 from serving.wire import Reply, WireServer
 
 __all__ = ["InferenceServer", "ServeMetrics", "make_app"]
@@ -414,33 +421,42 @@ def _failed(shared: _Shared, status: int, message: str, reason: str) -> Reply:
     return Reply(status, oip.error_body(message))
 
 
-async def _answer_infer(
-    shared: _Shared, name: str, version: str | None, body: bytes, header_length: str | None
-) -> Reply:
-    """The answer to an infer request whose body was read whole, whichever path read it
-    (``_Infer`` or the plain path of :mod:`serving.wire`); errors are counted here."""
+def _infer_request(
+    shared: _Shared, name: str, body: bytes, header_length: str | None
+) -> InferRequest | Reply:
+    """An infer request read whole, parsed; or the answer that refuses it (counted)."""
     predictor = shared.predictor
     if not predictor.ready():
         message = f'model "{name}" is not ready (parameters loading or catching up); retry'
         return _failed(shared, 503, message, "not_ready")
     try:
-        request = oip.parse_infer_request(body, predictor.heads, header_length)
+        return oip.parse_infer_request(body, predictor.heads, header_length)
     except OipError as e:
         return _failed(shared, e.status, e.message, e.reason)
+
+
+def _infer_reply(
+    shared: _Shared,
+    name: str,
+    version: str | None,
+    request: InferRequest,
+    prediction: Prediction | None,
+    error: Exception | None,
+) -> Reply:
+    """The answer to a scored request: its prediction's, or its error's (counted)."""
     n = len(request.records)
-    batcher = shared.batcher
     try:
-        # With a batcher, the requests this loop read in one turn share one call.
-        if batcher is not None:
-            prediction = await batcher.submit(request.records)
-        else:
-            prediction = predictor.predict(request.records)
-        response = oip.infer_response(predictor.name, predictor.heads, request, prediction, version)
+        if error is not None:
+            raise error
+        assert prediction is not None  # one of the two is given
+        response = oip.infer_response(
+            shared.predictor.name, shared.predictor.heads, request, prediction, version
+        )
     except BadRecords as e:
         metrics = shared.metrics
         metrics.errors.labels("bad_records").inc()
-        for error in e.errors:
-            metrics.bad_records.labels(error.reason).inc()
+        for bad in e.errors:
+            metrics.bad_records.labels(bad.reason).inc()
         _, reply = oip.bad_records_body(e.errors, n)
         return Reply(400, reply)
     except ModelUnavailable as e:
@@ -451,6 +467,56 @@ async def _answer_infer(
         return _failed(shared, 500, message, "internal")
     shared.metrics.records.inc(n)
     return Reply(200, response.body, response.content_type, response.header_length)
+
+
+async def _answer_infer(
+    shared: _Shared, name: str, version: str | None, body: bytes, header_length: str | None
+) -> Reply:
+    """The answer to an infer request whose body ``_Infer`` read whole."""
+    request = _infer_request(shared, name, body, header_length)
+    if isinstance(request, Reply):
+        return request
+    try:
+        # With a batcher, the requests this loop read in one turn share one call.
+        batcher = shared.batcher
+        if batcher is not None:
+            prediction = await batcher.submit(request.records)
+        else:
+            prediction = shared.predictor.predict(request.records)
+    except Exception as e:
+        return _infer_reply(shared, name, version, request, None, e)
+    return _infer_reply(shared, name, version, request, prediction, None)
+
+
+def _answer_plain(
+    shared: _Shared,
+    name: str,
+    body: bytes,
+    header_length: str | None,
+    done: Callable[[Reply], None],
+) -> None:
+    """:func:`_answer_infer` for the plain path of :mod:`serving.wire`, without a
+    coroutine: ``done`` is told the answer, at once when the model was idle
+    (``LoopBatcher.score``), else once this turn's requests were scored."""
+    request = _infer_request(shared, name, body, header_length)
+    if isinstance(request, Reply):
+        done(request)
+        return
+    batcher = shared.batcher
+    if batcher is None:
+        try:
+            prediction = shared.predictor.predict(request.records)
+        except Exception as e:
+            done(_infer_reply(shared, name, None, request, None, e))
+            return
+        done(_infer_reply(shared, name, None, request, prediction, None))
+        return
+    batcher.score(
+        request.records,
+        lambda prediction, error: done(
+            _infer_reply(shared, name, None, request, prediction, error)
+        ),
+    )
 
 
 def _log_request(handler: RequestHandler) -> None:
@@ -613,8 +679,8 @@ class InferenceServer:
         name = self.predictor.name
         metrics = self.metrics
 
-        def answer(body: bytes, header_length: str | None) -> Awaitable[Reply]:
-            return _answer_infer(shared, name, None, body, header_length)
+        def answer(body: bytes, header_length: str | None, done: Callable[[Reply], None]) -> None:
+            _answer_plain(shared, name, body, header_length, done)
 
         def answered(status: int, seconds: float) -> None:
             metrics.count_request("infer", status)

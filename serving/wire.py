@@ -26,7 +26,7 @@ import hmac
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from email.utils import formatdate
 from http.client import responses
 from typing import Final, NamedTuple
@@ -122,7 +122,8 @@ def plain_infer(head: bytes, path: bytes, max_body: int, token: bytes | None) ->
 class WireServer:
     """What every connection of one server shares: how to answer, where to hand over.
 
-    ``answer(body, header_length)`` answers a plain infer request's body;
+    ``answer(body, header_length, done)`` answers a plain infer request's body,
+    telling ``done`` the reply (at once, or on a later turn of the loop);
     ``answered(status, seconds)`` is told of each answer (the metrics);
     ``tornado`` serves the connections handed over.
     """
@@ -132,7 +133,7 @@ class WireServer:
         path: str | None,
         max_body: int,
         token: bytes | None,
-        answer: Callable[[bytes, str | None], Awaitable[Reply]],
+        answer: Callable[[bytes, str | None, Callable[[Reply], None]], None],
         answered: Callable[[int, float], None],
         tornado: HTTPServer,
     ) -> None:
@@ -175,6 +176,7 @@ class Wire(asyncio.Protocol):
         self._body_at = 0  # where that body starts in the buffer
         self._started = 0.0
         self._answering = False
+        self._in_next = False  # in _next's loop, which takes the next request itself
         self._writing_paused = False
         self._reading_paused = False
         self._closed = False
@@ -254,7 +256,28 @@ class Wire(asyncio.Protocol):
             self._transport.resume_reading()
 
     def _next(self) -> None:
-        """Start answering the next request in the buffer, when it is whole."""
+        """Answer the requests in the buffer, one at a time, while they are whole (a
+        loop, not a recursion: an answer may come before ``answer`` returns)."""
+        if self._in_next:
+            return
+        self._in_next = True
+        try:
+            while (
+                not self._answering
+                and not self._writing_paused
+                and not self._handing_over
+                and not self._closed
+                and self._pipe is None
+                and self._buffer
+                and self._start_one()
+            ):
+                pass
+        finally:
+            self._in_next = False
+
+    def _start_one(self) -> bool:
+        """Start answering the request at the buffer's head; False when it is not
+        whole yet, or was handed over."""
         buffer = self._buffer
         request = self._request
         if request is None:
@@ -262,7 +285,7 @@ class Wire(asyncio.Protocol):
             if end < 0:
                 if len(buffer) > MAX_HEAD_BYTES:
                     self._hand_over()
-                return
+                return False
             server = self.server
             request = (
                 plain_infer(bytes(buffer[:end]), server.path, server.max_body, server.token)
@@ -271,26 +294,35 @@ class Wire(asyncio.Protocol):
             )
             if request is None:
                 self._hand_over()
-                return
+                return False
             self._request = request
             self._body_at = end + 4
             self._started = time.perf_counter()
         end = self._body_at + request.body_length
         if len(buffer) < end:
-            return
+            return False
         body = bytes(buffer[self._body_at : end])
         del buffer[:end]
         self._request = None
         self._answering = True
-        self._task = asyncio.ensure_future(self._answer(body, request, self._started))
+        started = self._started
+        answered = False
 
-    async def _answer(self, body: bytes, request: PlainInfer, started: float) -> None:
-        server = self.server
+        def done(reply: Reply) -> None:
+            nonlocal answered
+            if not answered:  # once, whatever calls it
+                answered = True
+                self._answered(reply, request, started)
+
         try:
-            reply = await server.answer(body, request.header_length)
+            self.server.answer(body, request.header_length, done)
         except Exception:  # a bug there must not leave the client waiting
             log.exception("answering an infer request")
-            reply = Reply(500, b'{"error":"internal error answering the request"}')
+            done(Reply(500, b'{"error":"internal error answering the request"}'))
+        return True
+
+    def _answered(self, reply: Reply, request: PlainInfer, started: float) -> None:
+        server = self.server
         if self._closed:
             return
         transport = self._transport
@@ -318,8 +350,7 @@ class Wire(asyncio.Protocol):
             return
         self._answering = False
         self._resume_reading()
-        if self._buffer and not self._writing_paused:
-            self._next()
+        self._next()  # returns at once when called from within _next's loop
 
     # --- handing over ------------------------------------------------------------
 

@@ -165,3 +165,55 @@ def test_a_server_joins_concurrent_requests() -> None:
         inp.set_data_from_numpy(np.array(_records("bad"), dtype=np.object_))
         with pytest.raises(InferenceServerException, match=r"\[400\] bad record at index 0"):
             client.infer("echo", [inp])
+
+
+def test_score_answers_a_lone_request_at_once_and_joins_those_that_follow_a_call() -> None:
+    """A request that finds the model idle skips the loop's turn; the requests read right
+    after a call (those that arrived while it ran) wait for their turn's others."""
+    echo = Echo()
+    batcher = LoopBatcher(echo, idle_s=0.2)
+    got: list[tuple[list[float], Exception | None]] = []
+
+    def done(prediction: Prediction | None, error: Exception | None) -> None:
+        got.append(([] if prediction is None else prediction.probabilities["y"].tolist(), error))
+
+    async def run() -> list[int]:
+        batcher.score(_records(1), done)
+        seen = [len(got)]  # answered before score returned
+        batcher.score(_records(2), done)  # right after a call: joined with the next
+        batcher.score(_records(3, "bad"), done)
+        seen.append(len(got))
+        await asyncio.sleep(0)  # the turn's call
+        await asyncio.sleep(0.25)
+        batcher.score(_records(4), done)  # idle again: at once
+        seen.append(len(got))
+        return seen
+
+    assert asyncio.run(run()) == [1, 1, 4]
+    assert [g[0] for g in got] == [[1.0], [2.0], [], [4.0]]
+    assert isinstance(got[2][1], BadRecords)  # only its own request failed
+    # 1 alone; 2 and 3 joined, then again one by one for the bad record; 4 alone.
+    assert echo.calls == [1, 3, 1, 2, 1]
+
+
+def test_an_answer_that_raises_does_not_fail_the_others_of_its_call() -> None:
+    echo = Echo()
+    batcher = LoopBatcher(echo, idle_s=10.0)
+    got: list[float] = []
+
+    def broken(prediction: Prediction | None, error: Exception | None) -> None:
+        raise RuntimeError("a bug while answering")
+
+    def done(prediction: Prediction | None, error: Exception | None) -> None:
+        assert prediction is not None
+        got.extend(prediction.probabilities["y"].tolist())
+
+    async def run() -> None:
+        batcher.score(_records(0), done)  # alone, at once
+        batcher.score(_records(1), broken)  # these two share the next call
+        batcher.score(_records(2), done)
+        await asyncio.sleep(0)
+
+    asyncio.run(run())
+    assert got == [0.0, 2.0]
+    assert echo.calls == [1, 2]
