@@ -63,10 +63,17 @@ def jump_hash(key: np.uint64, num_buckets: int) -> int:
     return b
 
 
+@nb.njit(nogil=True, cache=True, inline="always")
+def shard_index(key: np.uint64, num_shards: int) -> int:
+    """The shard (0..num_shards-1) that owns ``key``; :func:`shard_of` of one id, for
+    kernels."""
+    return jump_hash(mix64(key ^ _ROUTE_SALT), num_shards)
+
+
 @nb.njit(nogil=True, cache=True)
 def _shard_of(ids: npt.NDArray[np.uint64], num_shards: int, out: npt.NDArray[np.int32]) -> None:
     for i in range(ids.shape[0]):
-        out[i] = jump_hash(mix64(ids[i] ^ _ROUTE_SALT), num_shards)
+        out[i] = shard_index(ids[i], num_shards)
 
 
 def shard_of(ids: npt.NDArray[np.uint64], num_shards: int) -> npt.NDArray[np.int32]:

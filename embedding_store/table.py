@@ -49,6 +49,7 @@ from embedding_store.hashing import (
     init_params,
     init_row,
     mix64,
+    shard_index,
     table_seed,
     unit_float,
 )
@@ -277,8 +278,8 @@ def _probe(buckets: I64, ids: I64, clock: int, touch: bool, rows_out: I64) -> in
 
 @nb.njit(nogil=True, cache=True)
 def _read_tables(
-    buckets: Any, weights: Any, seeds: U64, kinds: I64, a: Any, b: Any, which: I64,
-    keys: I64, out: F32, unknown: I64, half: bool,
+    buckets: Any, weights: Any, seeds: U64, kinds: I64, a: Any, b: Any, unknown: I64,
+    which: I64, keys: I64, out: F32, half: bool,
 ) -> None:  # fmt: skip
     """``out[i]``: the row of ``keys[i]`` in table ``which[i]`` (``buckets`` and
     ``weights`` hold every table's arrays), or its initial row where it has none,
@@ -302,6 +303,23 @@ def _read_tables(
         if half:
             for j in range(dim):
                 out[i, j] = _half_rounded(out[i, j])
+
+
+@nb.njit(nogil=True, cache=True)
+def _read_tables_bounds(
+    buckets: Any, weights: Any, seeds: U64, kinds: I64, a: Any, b: Any, unknown: I64,
+    bounds: I64, num_shards: int, keys: I64, out: F32, half: bool,
+) -> None:  # fmt: skip
+    """``_read_tables`` of the ids of table ``t`` at ``keys[bounds[t]:bounds[t + 1]]``,
+    each read from the shard that owns it (the group holds every table of shard 0,
+    then of shard 1, ...)."""
+    n_tables = bounds.shape[0] - 1
+    which = np.empty(keys.shape[0], dtype=np.int64)
+    for t in range(n_tables):
+        for i in range(bounds[t], bounds[t + 1]):
+            shard = shard_index(np.uint64(keys[i]), num_shards) if num_shards > 1 else 0
+            which[i] = t + n_tables * shard
+    _read_tables(buckets, weights, seeds, kinds, a, b, unknown, which, keys, out, half)
 
 
 _ACQUIRE = operator.methodcaller("acquire")
@@ -357,12 +375,11 @@ class TableGroup:
         keys = [_as_ids(k) for k in ids]  # refused as EmbeddingTable.read refuses them
         if self.dim is None or len(keys) != len(self.tables):
             return None
-        sizes = [k.shape[0] for k in keys]
-        which = np.repeat(np.arange(len(keys), dtype=np.int64), sizes)
-        out = np.empty((sum(sizes), self.dim), np.float32)
-        if not self.read(which, np.concatenate(keys) if keys else np.zeros(0, np.uint64), out):
+        bounds = np.cumsum([0, *(k.shape[0] for k in keys)], dtype=np.int64)
+        out = np.empty((int(bounds[-1]), self.dim), np.float32)
+        flat = np.concatenate(keys) if keys else np.zeros(0, np.uint64)
+        if not self.read_bounds(bounds, flat, out):
             return None
-        bounds = np.cumsum([0, *sizes])
         return [out[bounds[t] : bounds[t + 1]] for t in range(len(keys))]
 
     def read(self, which: I64, ids: npt.ArrayLike, out: F32, *, half: bool = False) -> bool:
@@ -373,6 +390,44 @@ class TableGroup:
         keys = _as_ids(ids).view(np.int64)
         if not self.tables or self.dim != out.shape[1]:
             return False
+        self._locked(_read_tables, np.asarray(which, dtype=np.int64), keys, out, half)
+        return True
+
+    def read_bounds(
+        self, bounds: I64, ids: U64, out: F32, *, num_shards: int = 1, half: bool = False
+    ) -> bool:
+        """:meth:`read` of the ids of table ``t`` at ``ids[bounds[t]:bounds[t + 1]]``,
+        each from the shard that owns it, where the group holds every table of shard
+        0, then every table of shard 1, ... (``num_shards`` of them): a prediction's
+        ids as it has them, with no per-id table index made first.
+
+        >>> from embedding_store.types import TableConfig
+        >>> config = TableConfig(dim=2, optimizer={"kind": "sgd", "lr": 1.0})
+        >>> t, u = EmbeddingTable("t", config), EmbeddingTable("u", config)
+        >>> _ = t.lookup([5])
+        >>> out = np.empty((3, 2), np.float32)
+        >>> TableGroup([t, u]).read_bounds(np.array([0, 1, 3]), np.array([5, 6, 7], np.uint64), out)
+        True
+        >>> bool((out == np.stack([t.read([5])[0][0], *u.read([6, 7])[0]])).all())
+        True
+        """
+        keys = _as_ids(ids).view(np.int64)
+        if not self.tables or self.dim != out.shape[1]:
+            return False
+        if (bounds.shape[0] - 1) * num_shards != len(self.tables):
+            msg = (
+                f"bounds: {bounds.shape[0] - 1} tables of {num_shards} shard(s), but the group "
+                f"holds {len(self.tables)} tables"
+            )
+            raise ValueError(msg)
+        bounds = np.asarray(bounds, dtype=np.int64)
+        self._locked(_read_tables_bounds, bounds, num_shards, keys, out, half)
+        return True
+
+    def _locked(self, kernel: Any, *args: object) -> None:
+        """``kernel(buckets, weights, seeds, kinds, a, b, unknown, *args)`` over every
+        table's arrays, read under the tables' locks; the ids it found without a row
+        (``unknown[t]``) counted."""
         unknown = np.zeros(len(self.tables), dtype=np.int64)
         # Loops in C (map, consumed by a zero-length deque): a request reads dozens of
         # tables, and a Python loop over them cost more than the kernel.
@@ -380,16 +435,14 @@ class TableGroup:
         try:
             # The arrays are read under the locks: a table that grows replaces them (with
             # C-contiguous ones, as the kernel takes them).
-            _read_tables(
+            kernel(
                 tuple(map(_BUCKETS, self.tables)), tuple(map(_WEIGHTS, self.tables)),
-                self._seeds, self._kinds, self._a, self._b, np.asarray(which, dtype=np.int64),
-                keys, out, unknown, half,
+                self._seeds, self._kinds, self._a, self._b, unknown, *args,
             )  # fmt: skip
             for t in np.flatnonzero(unknown).tolist():
                 self.tables[t]._counters["unknown_reads"] += int(unknown[t])
         finally:
             deque(map(_RELEASE, self._locks), 0)
-        return True
 
 
 class TableGroups:

@@ -9,8 +9,10 @@ a hash call each). :class:`JsonScanBuilder` runs the codec's own scanner
 (:mod:`connectors.codecs.json_scan`) and takes its values as arrays: every
 sparse value, field by field, to the training path's hash
 (:class:`pipeline.hashing.ValueHasher`) in one call, then its dedup
-(``dedup_tables``), and the dense matrix checked, filled and transformed
-(``transform_dense``) a few columns at a time.
+(``dedup_tables``), and the labels and the dense matrix checked and filled in
+one kernel pass (a request that finds the caches cold pays for every numpy
+call it makes), then transformed (``transform_dense``) a few columns at a
+time.
 
 Like the plain path it only ever accepts: a record the scanner leaves to
 ``json.loads`` (a bad one, or a rare form such as an escaped key), a number
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numba as nb
 import numpy as np
 import numpy.typing as npt
 
@@ -115,14 +118,12 @@ class JsonScanBuilder:
             return None
         skip = np.zeros(n, dtype=np.bool_)
         values = scan_values(joined, starts, skip, self._plan, ends)
-        if values.status.any() or (values.fstate == 2).any():
-            return None
-        L = len(self.spec.labels)
-        given = values.fstate > 0
-        floats = np.where(given, values.fval, np.nan)
-        labels = self._labels(floats[:, :L])
-        dense = self._dense(floats[:, L:], given[:, L:])
-        if labels is None or dense is None:
+        labels = np.empty((n, len(self.spec.labels)), dtype=np.float32)
+        dense = np.empty((n, len(self.spec.dense)), dtype=np.float64)
+        if not _checked_floats(
+            values.status, values.fstate, values.fval, self.spec.labels_required,
+            self._min_value, self._max_value, self._no_fill, self._fill, labels, dense,
+        ):  # fmt: skip
             return None
         elements = sparse_elements(values, self._kind, self._slot, self._max_len)
         if elements is None:
@@ -131,27 +132,12 @@ class JsonScanBuilder:
             elements.is_string, elements.field_of, elements.string_offsets, elements.strings,
             elements.ints,
         )  # fmt: skip
-        return FlatBatch(labels, dense, self.plain.flat_ids(ids, elements.lengths))
+        return FlatBatch(
+            labels, self._transformed(dense), self.plain.flat_ids(ids, elements.lengths)
+        )
 
-    def _labels(self, labels: npt.NDArray[np.float64]) -> npt.NDArray[np.float32] | None:
-        if self.spec.labels_required and (
-            np.isnan(labels).any() or (labels < 0.0).any() or (labels > 1.0).any()
-        ):
-            return None
-        return labels.astype(np.float32)
-
-    def _dense(
-        self, dense: npt.NDArray[np.float64], given: npt.NDArray[np.bool_]
-    ) -> npt.NDArray[np.float32] | None:
-        """The dense matrix checked, filled and transformed, every field at once (a value
-        not given is NaN, which compares false with the bounds)."""
-        if (dense < self._min_value).any() or (dense > self._max_value).any():
-            return None
-        missing = ~given
-        if missing.any():
-            if (missing & self._no_fill).any():
-                return None
-            np.copyto(dense, self._fill, where=missing)
+    def _transformed(self, dense: npt.NDArray[np.float64]) -> npt.NDArray[np.float32]:
+        """The filled dense matrix transformed, fields that share a transform at once."""
         for columns, d in self._transforms:
             if columns is None:
                 transform_dense(dense, d)
@@ -160,3 +146,42 @@ class JsonScanBuilder:
                 transform_dense(block, d)
                 dense[:, columns] = block
         return dense.astype(np.float32)
+
+
+@nb.njit(nogil=True, cache=True)
+def _checked_floats(
+    status: npt.NDArray[np.uint8], fstate: npt.NDArray[np.uint8], fval: npt.NDArray[np.float64],
+    labels_required: bool, min_value: npt.NDArray[np.float64],
+    max_value: npt.NDArray[np.float64], no_fill: npt.NDArray[np.bool_],
+    fill: npt.NDArray[np.float64], labels: npt.NDArray[np.float32],
+    dense: npt.NDArray[np.float64],
+) -> bool:  # fmt: skip
+    """The scanned labels (NaN where absent) into ``labels`` and the dense values,
+    absent ones filled, into ``dense``; False, part written, where a record is not
+    plainly good: left to ``json.loads``, a number beyond the fast path, a label
+    absent or outside [0, 1] where labels are required, a value outside its field's
+    bounds, or one absent without a fill."""
+    n_labels = labels.shape[1]
+    for i in range(status.shape[0]):
+        if status[i] != 0:
+            return False
+        for j in range(fstate.shape[1]):
+            if fstate[i, j] == 2:
+                return False
+        for j in range(n_labels):
+            v = fval[i, j] if fstate[i, j] > 0 else np.nan
+            if labels_required and not (v >= 0.0 and v <= 1.0):  # NaN fails both
+                return False
+            labels[i, j] = v
+        for k in range(dense.shape[1]):
+            j = n_labels + k
+            if fstate[i, j] > 0:
+                v = fval[i, j]
+                if v < min_value[k] or v > max_value[k]:
+                    return False
+            elif no_fill[k]:
+                return False
+            else:
+                v = fill[k]
+            dense[i, k] = v
+    return True

@@ -92,13 +92,13 @@ class ReplicaRows:
         if not keys_of:
             return {}
         names = list(keys_of)
-        sizes = [k.shape[0] for k in keys_of.values()]
-        rows = self._read(names, np.concatenate(list(keys_of.values())), sizes)
+        bounds = np.cumsum([0, *(k.shape[0] for k in keys_of.values())], dtype=np.int64)
+        rows = self._read(names, np.concatenate(list(keys_of.values())), bounds)
         if rows is None:
             return self._lookup_by_table(keys_of)
         out: dict[str, npt.NDArray[np.floating]] = {}
         at = 0
-        for name, k in zip(names, sizes, strict=True):
+        for name, k in zip(names, np.diff(bounds).tolist(), strict=True):
             out[name] = rows[at : at + k].astype(self.row_dtype, copy=False)
             at += k
         return out
@@ -113,27 +113,25 @@ class ReplicaRows:
             if shard.unavailable is not None:
                 raise StoreUnavailable(shard.unavailable)
         # Rounded to float16 as lookup's rows are, in the read.
-        return self._read(names, ids, np.diff(bounds), half=self.row_dtype == "float16")
+        return self._read(names, ids, bounds, half=self.row_dtype == "float16")
 
     def _read(
         self,
         names: Sequence[str],
         keys: npt.NDArray[np.uint64],
-        sizes: Sequence[int] | npt.NDArray[np.int64],
+        bounds: npt.NDArray[np.int64],
         *,
         half: bool = False,
     ) -> npt.NDArray[np.float32] | None:
-        """Every table of every shard in one kernel call (shard-major), each id read from
-        the shard that owns it (``half``: rounded to float16); None when the tables are
-        not of one dim."""
+        """Every table of every shard in one kernel call (shard-major; table ``names[t]``'s
+        ids are ``keys[bounds[t]:bounds[t + 1]]``), each id read from the shard that owns
+        it (``half``: rounded to float16); None when the tables are not of one dim."""
         group = self._group(names)
         if group.dim is None:
             return None
-        which = np.repeat(np.arange(len(names), dtype=np.int64), sizes)
-        if len(self.shards) > 1:
-            which += shard_of(keys, len(self.shards)).astype(np.int64) * len(names)
         rows = np.empty((keys.shape[0], group.dim), np.float32)
-        return rows if group.read(which, keys, rows, half=half) else None
+        read = group.read_bounds(bounds, keys, rows, num_shards=len(self.shards), half=half)
+        return rows if read else None
 
     def _group(self, names: Sequence[str]) -> TableGroup:
         """The group of the tables ``names`` of every shard (shard-major), made again once

@@ -302,6 +302,40 @@ def test_a_table_group_reads_as_each_table_does_as_the_tables_grow() -> None:
     assert TableGroup([tables[0], EmbeddingTable("wide", TableConfig(dim=4))]).dim is None
 
 
+def test_a_group_of_shards_reads_each_id_from_the_shard_that_owns_it() -> None:
+    """``read_bounds``: table ``t``'s ids in ``ids[bounds[t]:bounds[t + 1]]``, the group
+    holding every table of shard 0, then of shard 1, ...: each id is read from its
+    owner (``shard_of``), as ``read`` with an explicit table index reads it."""
+    from embedding_store.table import TableGroup
+
+    sgd = {"kind": "sgd", "lr": 1.0}
+    shards, names = 3, ("a", "b")
+    tables = [
+        EmbeddingTable(name, TableConfig(dim=2, optimizer=sgd))
+        for _ in range(shards)
+        for name in names
+    ]
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 1 << 40, 90, dtype=np.uint64)
+    owner = shard_of(ids, shards)
+    for i in range(ids.shape[0]):  # every id learned by its owner only
+        t = tables[int(owner[i]) * len(names) + i % len(names)]
+        t.lookup(ids[i : i + 1])
+        t.push(ids[i : i + 1], rng.normal(size=(1, 2)).astype(np.float32))
+    by_table = np.concatenate([ids[t :: len(names)] for t in range(len(names))])
+    bounds = np.array([0, 45, 90])
+    group = TableGroup(tables)
+    got = np.empty((90, 2), np.float32)
+    assert group.read_bounds(bounds, by_table, got, num_shards=shards)
+    which = np.repeat(np.arange(len(names)), 45) + shard_of(by_table, shards) * len(names)
+    want = np.empty_like(got)
+    assert group.read(which, by_table, want)
+    np.testing.assert_array_equal(got, want)
+    assert sum(t.stats().unknown_reads for t in tables) == 0  # each read from its owner
+    with pytest.raises(ValueError, match="2 tables of 2 shard"):
+        group.read_bounds(bounds, by_table, got, num_shards=2)
+
+
 def test_half_rounding_is_numpys_on_both_kernels() -> None:
     """The read's float16 rounding, with the CPU's instructions and without (CPUs that
     lack them), is numpy's ``astype(float16).astype(float32)`` on the hard cases."""
