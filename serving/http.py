@@ -447,7 +447,7 @@ def _infer_reply(
     n = len(request.records)
     try:
         if error is not None:
-            raise error
+            raise error  # sorted by the clauses below
         assert prediction is not None  # one of the two is given
         response = oip.infer_response(
             shared.predictor.name, shared.predictor.heads, request, prediction, version
@@ -476,16 +476,23 @@ async def _answer_infer(
     request = _infer_request(shared, name, body, header_length)
     if isinstance(request, Reply):
         return request
+    batcher = shared.batcher
+    if batcher is None:
+        return _infer_reply(shared, name, version, request, *_scored(shared, request))
     try:
-        # With a batcher, the requests this loop read in one turn share one call.
-        batcher = shared.batcher
-        if batcher is not None:
-            prediction = await batcher.submit(request.records)
-        else:
-            prediction = shared.predictor.predict(request.records)
+        # The requests this loop read in one turn share one call.
+        prediction = await batcher.submit(request.records)
     except Exception as e:
         return _infer_reply(shared, name, version, request, None, e)
     return _infer_reply(shared, name, version, request, prediction, None)
+
+
+def _scored(shared: _Shared, request: InferRequest) -> tuple[Prediction | None, Exception | None]:
+    """The request scored alone, now: its prediction, or the error scoring raised."""
+    try:
+        return shared.predictor.predict(request.records), None
+    except Exception as e:
+        return None, e
 
 
 def _answer_plain(
@@ -504,12 +511,7 @@ def _answer_plain(
         return
     batcher = shared.batcher
     if batcher is None:
-        try:
-            prediction = shared.predictor.predict(request.records)
-        except Exception as e:
-            done(_infer_reply(shared, name, None, request, None, e))
-            return
-        done(_infer_reply(shared, name, None, request, prediction, None))
+        done(_infer_reply(shared, name, None, request, *_scored(shared, request)))
         return
     batcher.score(
         request.records,
