@@ -12,9 +12,9 @@ another order: within 2e-7 of torch's on those layers, well inside the 1e-5
 that serving, scoring and the trainer's forward are held to.
 
 Each layer hands oneDNN its weight reordered once into oneDNN's blocked layout
-(again after the weight changes in place), not the plain matrix it would
-reorder on every call: at 64 rows, 227 against 255 us warm and 499 against
-580 cold for that FFNN, the same sums to the bit. :class:`LinearChain` runs an
+(again after the weight changes in place) rather than the plain matrix: at 64
+rows, 227 against 255 us warm and 499 against 580 cold for that FFNN, the
+same sums to the bit. :class:`LinearChain` runs an
 MLP's layers as consecutive oneDNN calls, a last sigmoid included, without a
 module call between them: a request that finds the caches cold pays for every
 call it makes (340 against 446 us at 64 rows, calls interleaved after 10 ms
