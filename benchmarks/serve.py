@@ -1140,10 +1140,10 @@ def ceiling_phase(s: Setup, tmp: Path, out: dict[str, Any]) -> None:
 # the load sends its requests, catching up when it falls behind: CPU taken from the job
 # as the server takes it, with none of the server's memory traffic, wake-ups or messages.
 _BURNER = """
-import os, sys, time
-share, parent = float(sys.argv[1]), os.getppid()
+import sys, time
+share = float(sys.argv[1])
 slot = time.monotonic()
-while os.getppid() == parent:  # ends with the benchmark, however it ends
+while True:  # killed with the benchmark, however it ends (with_parent_death)
     t = time.thread_time()
     while time.thread_time() - t < share * 0.01:
         pass
@@ -1176,9 +1176,12 @@ def slowdown_phase(
             run = TrainingRun(job_file, samples)
             loader = Load(s.address, load_reqs, LOAD_RPS) if kind == "with" else None
             share = _burner_share(runs) if kind == "burner" else None
-            # No preexec_fn: this process holds gRPC channels (deploy.local.parent_death).
             burner = (
-                subprocess.Popen([sys.executable, "-c", _BURNER, f"{share:.4f}"])
+                subprocess.Popen(
+                    with_parent_death(
+                        [sys.executable, "-c", _BURNER, f"{share:.4f}"], signal.SIGKILL
+                    )
+                )
                 if share is not None
                 else None
             )

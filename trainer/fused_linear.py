@@ -139,6 +139,11 @@ def _set_omp_team() -> None:
     torch.set_num_threads(torch.get_num_threads())
 
 
+def _relu_chain(layers: Sequence[InferenceLinear]) -> bool:
+    """Whether ``layers`` make a chain: each but the last with its ReLU."""
+    return bool(layers) and all(x.relu for x in layers[:-1]) and not layers[-1].relu
+
+
 class LinearChain:
     """An MLP of :class:`InferenceLinear` layers (each but the last with its ReLU)
     run as consecutive oneDNN calls, the last one's output through ``last``: a
@@ -157,7 +162,7 @@ class LinearChain:
     """
 
     def __init__(self, layers: Sequence[InferenceLinear]) -> None:
-        if not layers or not all(x.relu for x in layers[:-1]) or layers[-1].relu:
+        if not _relu_chain(layers):
             msg = "a chain is layers with their ReLU and a last one without"
             raise ValueError(msg)
         self.layers = tuple(layers)
@@ -168,11 +173,7 @@ class LinearChain:
         where they are anything else (another activation, a layer not fused)."""
         layers = [m for m in modules if type(m) is not nn.Identity]
         linear = [m for m in layers if type(m) is InferenceLinear]
-        if not linear or len(linear) < len(layers):
-            return None
-        if not all(x.relu for x in linear[:-1]) or linear[-1].relu:
-            return None
-        return cls(linear)
+        return cls(linear) if len(linear) == len(layers) and _relu_chain(linear) else None
 
     def __call__(self, x: Tensor, last: Literal["none", "sigmoid"] = "none") -> Tensor:
         """The chain's output for ``x``, through ``last``."""
