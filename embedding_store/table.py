@@ -42,6 +42,7 @@ import numpy.typing as npt
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
+from numba.np.numpy_support import carray
 
 from embedding_store.changes import ChangeLog
 from embedding_store.errors import CheckpointError, InvalidRequest
@@ -276,20 +277,47 @@ def _probe(buckets: I64, ids: I64, clock: int, touch: bool, rows_out: I64) -> in
     return missing
 
 
+def _address_typer(typingctx: Any, address: Any) -> Any:
+    """The memory at ``address`` (an int64 from an array's ``ctypes.data``) as a pointer,
+    for ``numba.carray``."""
+    sig = types.voidptr(address)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+
+    return sig, codegen
+
+
+_address: Any = intrinsic(_address_typer)
+
+# A table's placement (``EmbeddingTable._placement``): where its arrays lie and their rows.
+_P_BUCKETS, _P_BUCKET_ROWS, _P_WEIGHTS, _P_WEIGHT_ROWS = range(4)
+
+
+@nb.njit(nogil=True, cache=True, inline="always")
+def _placed_arrays(placements: I64, t: int | np.int64, dim: int) -> tuple[I64, F32]:
+    """Table ``t``'s buckets and weights, from its placement (``placements[t]`` is the
+    address of the table's placement array)."""
+    p = carray(_address(placements[t]), 4, np.int64)
+    buckets = carray(_address(p[_P_BUCKETS]), (p[_P_BUCKET_ROWS], 4), np.int64)
+    weights = carray(_address(p[_P_WEIGHTS]), (p[_P_WEIGHT_ROWS], dim), np.float32)
+    return buckets, weights
+
+
 @nb.njit(nogil=True, cache=True)
 def _read_tables(
-    buckets: Any, weights: Any, seeds: U64, kinds: I64, a: Any, b: Any, unknown: I64,
+    placements: I64, seeds: U64, kinds: I64, a: Any, b: Any, unknown: I64,
     which: I64, keys: I64, out: F32, half: bool,
 ) -> None:  # fmt: skip
-    """``out[i]``: the row of ``keys[i]`` in table ``which[i]`` (``buckets`` and
-    ``weights`` hold every table's arrays), or its initial row where it has none,
+    """``out[i]``: the row of ``keys[i]`` in table ``which[i]`` (``placements`` holds the
+    address of every table's placement), or its initial row where it has none,
     counted in ``unknown``: ``EmbeddingTable.read`` of several tables in one call.
     With ``half`` every value is rounded to float16 (and widened back).
     """
     dim = out.shape[1]
     for i in range(keys.shape[0]):
         t = which[i]
-        index = buckets[t]
+        index, w = _placed_arrays(placements, t, dim)
         key = keys[i]
         n = index.shape[0]
         r = index[_slot_for(index, key, _home(key, n), n), ROW]
@@ -297,7 +325,6 @@ def _read_tables(
             init_row(out[i], np.uint64(key), seeds[t], kinds[t], a[t], b[t])
             unknown[t] += 1
         else:
-            w = weights[t]
             for j in range(dim):
                 out[i, j] = w[r, j]
         if half:
@@ -307,7 +334,7 @@ def _read_tables(
 
 @nb.njit(nogil=True, cache=True)
 def _read_tables_bounds(
-    buckets: Any, weights: Any, seeds: U64, kinds: I64, a: Any, b: Any, unknown: I64,
+    placements: I64, seeds: U64, kinds: I64, a: Any, b: Any, unknown: I64,
     bounds: I64, num_shards: int, keys: I64, out: F32, half: bool,
 ) -> None:  # fmt: skip
     """``_read_tables`` of the ids of table ``t`` at ``keys[bounds[t]:bounds[t + 1]]``,
@@ -319,13 +346,11 @@ def _read_tables_bounds(
         for i in range(bounds[t], bounds[t + 1]):
             shard = shard_index(np.uint64(keys[i]), num_shards) if num_shards > 1 else 0
             which[i] = t + n_tables * shard
-    _read_tables(buckets, weights, seeds, kinds, a, b, unknown, which, keys, out, half)
+    _read_tables(placements, seeds, kinds, a, b, unknown, which, keys, out, half)
 
 
 _ACQUIRE = operator.methodcaller("acquire")
 _RELEASE = operator.methodcaller("release")
-_BUCKETS = operator.attrgetter("_buckets")
-_WEIGHTS = operator.attrgetter("_weights")
 _NAME = operator.attrgetter("name")
 
 
@@ -354,6 +379,9 @@ class TableGroup:
         self._kinds = np.array([t._init[0] for t in self.tables], dtype=np.int64)
         self._a = np.array([t._init[1] for t in self.tables], dtype=np.float64)
         self._b = np.array([t._init[2] for t in self.tables], dtype=np.float64)
+        # Each table's placement array is made once and updated in place: its address
+        # holds for the table's life, and the group holds the tables.
+        self._placements = np.array([t._placement.ctypes.data for t in self.tables], dtype=np.int64)
         # Taken in one global order, so that two groups never wait on each other.
         self._locks = [lock for _, lock in sorted({id(t._lock): t._lock for t in tables}.items())]
 
@@ -425,8 +453,8 @@ class TableGroup:
         return True
 
     def _locked(self, kernel: Any, *args: object) -> None:
-        """``kernel(buckets, weights, seeds, kinds, a, b, unknown, *args)`` over every
-        table's arrays, read under the tables' locks; the ids it found without a row
+        """``kernel(placements, seeds, kinds, a, b, unknown, *args)`` over every table's
+        arrays, read under the tables' locks; the ids it found without a row
         (``unknown[t]``) counted."""
         unknown = np.zeros(len(self.tables), dtype=np.int64)
         # Loops in C (map, consumed by a zero-length deque): a request reads dozens of
@@ -434,11 +462,8 @@ class TableGroup:
         deque(map(_ACQUIRE, self._locks), 0)
         try:
             # The arrays are read under the locks: a table that grows replaces them (with
-            # C-contiguous ones, as the kernel takes them).
-            kernel(
-                tuple(map(_BUCKETS, self.tables)), tuple(map(_WEIGHTS, self.tables)),
-                self._seeds, self._kinds, self._a, self._b, unknown, *args,
-            )  # fmt: skip
+            # C-contiguous ones, as the kernel takes them) and its placement with them.
+            kernel(self._placements, self._seeds, self._kinds, self._a, self._b, unknown, *args)
             for t in np.flatnonzero(unknown).tolist():
                 self.tables[t]._counters["unknown_reads"] += int(unknown[t])
         finally:
@@ -1003,6 +1028,11 @@ class EmbeddingTable:
         self._seed = table_seed(name, config.seed)
         self._init = init_params(config.initializer)
         self._lock = threading.Lock()
+        # Where ``_buckets`` and ``_weights`` lie (see ``_placed_arrays``): made once, kept
+        # up to date in place under the lock, so that a ``TableGroup`` hands its kernel
+        # one address per table instead of two arrays (each array argument costs the
+        # call a type check and an unboxing: most of a cold request's read).
+        self._placement = np.zeros(4, dtype=np.int64)
         self._max_buckets = _buckets_for(config.capacity)
         adm = config.admission
         self._sketch = (
@@ -1039,6 +1069,7 @@ class EmbeddingTable:
         self._alloc_rows = max(1, rows)
         self._buckets = _empty_buckets(min(self._max_buckets, _buckets_for(self._alloc_rows)))
         self._weights = np.zeros((self._alloc_rows, self.dim), dtype=np.float32)
+        self._place()
         self._state = np.zeros((self._alloc_rows, self._state_width), dtype=np.float32)
         self._row_step = np.zeros(self._alloc_rows, dtype=np.int64)
         # Rows freed by eviction, expiry or removal; grown on demand, so a table
@@ -1082,6 +1113,7 @@ class EmbeddingTable:
             new = _empty_buckets(min(n, self._max_buckets))
             _rehash(self._buckets, new)
             self._buckets = new
+            self._place()
 
     def _grow_rows(self, new_alloc: int) -> None:
         old = self._alloc_rows
@@ -1092,9 +1124,19 @@ class EmbeddingTable:
             return b
 
         self._weights = grow(self._weights, (new_alloc, self.dim))
+        self._place()
         self._state = grow(self._state, (new_alloc, self._state_width))
         self._row_step = grow(self._row_step, (new_alloc,))
         self._alloc_rows = new_alloc
+
+    def _place(self) -> None:
+        """``_placement`` for the arrays ``_buckets`` and ``_weights`` are now (called
+        where they are replaced: under the lock, or before the table is shared)."""
+        p = self._placement
+        p[_P_BUCKETS] = self._buckets.ctypes.data
+        p[_P_BUCKET_ROWS] = self._buckets.shape[0]
+        p[_P_WEIGHTS] = self._weights.ctypes.data
+        p[_P_WEIGHT_ROWS] = self._weights.shape[0]
 
     # --- the training path ------------------------------------------------------
 
