@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+import numba as nb
 import numpy as np
 import numpy.typing as npt
 
@@ -144,14 +145,11 @@ class PlainBatchBuilder:
 
     def flat_ids(self, ids: npt.NDArray[np.uint64], per_field: npt.NDArray[np.int32]) -> FlatIds:
         """Every table's deduplicated ids (see :meth:`assemble` for the arguments)."""
-        starts = np.zeros(len(self.sparse_fields) + 1, dtype=np.int64)
-        np.cumsum(per_field.sum(axis=1), out=starts[1:])
+        starts, table_starts = _field_starts(per_field, self._firsts)
         unique, unique_at, inverse, offsets, offsets_at = dedup_tables(
             ids, starts, per_field, self._firsts
         )
-        return FlatIds(
-            unique, unique_at, inverse, starts[self._firsts], offsets, offsets_at, self._firsts
-        )
+        return FlatIds(unique, unique_at, inverse, table_starts, offsets, offsets_at, self._firsts)
 
     def tables_of(self, flat: FlatIds) -> dict[str, TableBatch]:
         """One ``TableBatch`` per table, views of ``flat``'s arrays."""
@@ -213,3 +211,29 @@ class PlainBatchBuilder:
         for j, d in enumerate(self.spec.dense):
             transform_dense(x64[:, j], d)
         return x64.astype(np.float32)
+
+
+@nb.njit(nogil=True, cache=True)
+def _field_starts(
+    per_field: npt.NDArray[np.int32], firsts: npt.NDArray[np.int64]
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+    """Where each field's ids start (``[F + 1]``, the last the end) given each field's
+    count per sample (``[F, B]``), and where each table's (its first field's) start:
+    one call where numpy took four, each paid for again by a request that finds the
+    caches cold.
+
+    >>> starts, tables = _field_starts(np.array([[1, 2], [0, 1], [3, 0]], np.int32),
+    ...                                np.array([0, 2, 3]))
+    >>> starts.tolist(), tables.tolist()
+    ([0, 3, 4, 7], [0, 4, 7])
+    """
+    starts = np.zeros(per_field.shape[0] + 1, dtype=np.int64)
+    for f in range(per_field.shape[0]):
+        n = 0
+        for b in range(per_field.shape[1]):
+            n += per_field[f, b]
+        starts[f + 1] = starts[f] + n
+    tables = np.empty(firsts.shape[0], dtype=np.int64)
+    for t in range(firsts.shape[0]):
+        tables[t] = starts[firsts[t]]
+    return starts, tables

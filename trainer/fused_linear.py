@@ -27,7 +27,7 @@ dict keeps its keys.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import torch
@@ -84,8 +84,9 @@ class InferenceLinear(nn.Module):
         self.register_parameter("bias", linear.bias)
         self.relu = relu
         self._attr = "relu" if relu else "none"
-        # (the weight it was made from, that weight's version, oneDNN's layout of it)
-        self._packed: tuple[Tensor, int, Tensor] | None = None
+        # (the weight it was made from, that weight's version, oneDNN's layout of it, the
+        # oneDNN call)
+        self._packed: tuple[Tensor, int, Tensor, Callable[..., Tensor]] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(super().__getstate__())  # type: ignore[no-untyped-call]
@@ -102,20 +103,32 @@ class InferenceLinear(nn.Module):
     def onednn(self, x: Tensor, attr: str) -> Tensor:
         """oneDNN's ``x @ weight.T + bias`` and then ``attr`` ("none", "relu",
         "sigmoid") in the same pass, on the weight in oneDNN's layout."""
-        weight = self.weight
+        # The parameters from their dict, not through nn.Module's __getattr__: a call of
+        # Python each, and a request that finds the caches cold pays for every call.
+        params = self._parameters
+        weight = params["weight"]
         packed = self._packed
         # A tensor's version counts its in-place changes (load_state_dict copies in).
         if packed is None or packed[0] is not weight or packed[1] != weight._version:
+            assert weight is not None  # an nn.Linear's, always set
             with torch.no_grad():
                 layout = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_ROWS)
-            packed = self._packed = (weight, weight._version, layout)
-        out: Tensor = torch.ops.mkldnn._linear_pointwise(x, packed[2], self.bias, attr, [], "")
+            packed = self._packed = (weight, weight._version, layout, _linear_pointwise())
+        out: Tensor = packed[3](x, packed[2], params["bias"], attr, [], "")
         return out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, " + (
             f"bias={self.bias is not None}, relu={self.relu}"
         )
+
+
+def _linear_pointwise() -> Callable[..., Tensor]:
+    """oneDNN's linear with a fused pointwise op, as its dispatcher's own callable where
+    torch has one: the op's overload chosen once, no Python frame per call."""
+    overload = torch.ops.mkldnn._linear_pointwise.default
+    op: Callable[..., Tensor] = getattr(overload, "_op", overload)
+    return op
 
 
 def _onednn_batch(x: Tensor) -> bool:
@@ -125,7 +138,7 @@ def _onednn_batch(x: Tensor) -> bool:
         x.dim() == 2
         and x.shape[0] >= MIN_ROWS
         and x.dtype == torch.float32
-        and x.device.type == "cpu"
+        and x.is_cpu
         and x.is_contiguous()
         and not torch.is_grad_enabled()
     )

@@ -14,6 +14,7 @@ import random
 import numpy as np
 import pytest
 
+from connectors.codecs.joined import JoinedPayloads
 from pipeline.json_scan import JsonScanBuilder
 from pipeline.spec import FeatureSpec
 from tests.pipeline.test_plain import (
@@ -178,6 +179,9 @@ def test_payloads_that_are_not_plainly_good_are_declined(payload: bytes) -> None
     builder = JsonScanBuilder(spec)
     assert builder.build([b'{"user": "a"}']) is not None  # the good one alone is taken
     assert builder.build([b'{"user": "a"}', payload]) is None
+    # The same where the payloads lie in one buffer (a request's binary tensor).
+    assert builder.build(JoinedPayloads.of([b'{"user": "a"}'])) is not None
+    assert builder.build(JoinedPayloads.of([b'{"user": "a"}', payload])) is None
 
 
 def test_bytes_views_and_empty_requests_are_declined() -> None:
