@@ -1,6 +1,6 @@
 """Serving: `streamrec serve`'s latency, throughput and freshness, and what it costs training.
 
-    python benchmarks/serve.py --json bench-results/serve.json     # the full run (~6 minutes)
+    python benchmarks/serve.py --json bench-results/serve.json     # the full run (~8 minutes)
     python benchmarks/serve.py --smoke --json /tmp/serve.json      # every figure, tiny sizes
 
 Real processes throughout, on loopback, as a user deploys them: ``--shards``
@@ -1361,7 +1361,11 @@ def main(argv: list[str] | None = None) -> int:
         "--samples", type=int, default=1_000_000, help="events of each training_slowdown run"
     )
     parser.add_argument(
-        "--repeat", type=int, default=2, help="training_slowdown rounds (with and without load)"
+        "--repeat",
+        type=int,
+        default=3,
+        help="training_slowdown rounds (with and without load, and beside the burner): the "
+        "job alone varies by several %% from one round to the next",
     )
     parser.add_argument("--sparse-repeats", type=int, default=30, help="records stamped")
     parser.add_argument("--dense-repeats", type=int, default=10, help="versions published")
