@@ -97,22 +97,19 @@ class JsonScanBuilder:
         if n == 0:
             return None
         joined: bytes | npt.NDArray[np.uint8]
-        ends = None
         if isinstance(payloads, JoinedPayloads):  # read where they lie, UTF-8 known
             if not payloads.utf8:
                 return None
             joined, starts, ends = payloads.buffer, payloads.starts, payloads.ends
-            if not _spans_within(starts, ends, self.spec.max_record_bytes):
-                return None
         elif any(type(p) is not bytes for p in payloads):
             return None
         else:
-            lens = np.fromiter(map(len, payloads), dtype=np.int64, count=n)
-            if lens.min() == 0 or lens.max() > self.spec.max_record_bytes:
-                return None
-            joined, starts, _ = join(payloads, {}, lens)
+            joined, bounds, _ = join(payloads, {})
             if not utf8_ok(joined):
                 return None
+            starts, ends = bounds[:-1], bounds[1:] - 1  # newline-separated
+        if not _spans_within(starts, ends, self.spec.max_record_bytes):
+            return None
         skip = np.zeros(n, dtype=np.bool_)
         values = scan_values(joined, starts, skip, self._plan, ends)
         labels = np.empty((n, len(self.spec.labels)), dtype=np.float32)
