@@ -5,7 +5,7 @@
 
 Real processes throughout, on loopback, as a user deploys them: ``--shards``
 training store shards (``streamrec store serve``), one serving replica per
-shard following it (``streamrec store replica --follow``, polling every 0.1 s),
+shard following it (``streamrec store replica --follow``, polling every 0.5 s),
 ``streamrec serve JOB --store grpc://REPLICAS --port 0`` as a subprocess (with
 ``--rows follow``: no replica processes, ``streamrec serve JOB --follow
 grpc://SHARDS``, replicas in the server's process), and

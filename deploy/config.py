@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from connectors.kafka import KafkaSourceConfig
 from connectors.synthetic import SyntheticConfig
+from embedding_store.changes import FOLLOW_POLL_S
 from embedding_store.types import StoreConfig
 from pipeline.spec import FeatureSpec
 from trainer.config import TrainerConfig
@@ -158,6 +159,13 @@ class ServingConfig(_Strict):
         "of up to this many records (dynamic batching); 1: each request alone",
     )
     poll_s: float = Field(0.2, gt=0, description="how often a server looks for new weights")
+    follow_poll_s: float = Field(
+        FOLLOW_POLL_S,
+        gt=0,
+        description="with `streamrec serve --follow`: seconds between two rounds of its "
+        "replicas asking each training shard what changed; rows are served about this "
+        "much after training changed them, and each round costs the shard and the server",
+    )
     torch_threads: int | None = Field(
         1,
         ge=1,

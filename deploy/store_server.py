@@ -19,6 +19,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
+from embedding_store.changes import FOLLOW_POLL_S
 from embedding_store.location import Location
 from embedding_store.service import EmbeddingStoreServicer, make_server
 from embedding_store.shard import StoreShard
@@ -148,7 +149,7 @@ def serve_replica(
     token: str | None,
     data_dir: Path,
     snapshots: Location | None = None,
-    poll_s: float = 0.1,
+    poll_s: float = FOLLOW_POLL_S,
     metrics_port: int | None = None,
     advertise: str | None = None,
     grace_s: float = 2.0,

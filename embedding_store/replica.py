@@ -55,6 +55,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from embedding_store.changes import FOLLOW_POLL_S
 from embedding_store.errors import StoreError
 from embedding_store.shard import StoreShard
 from embedding_store.table import EmbeddingTable, apply_changes
@@ -102,7 +103,7 @@ class ShardFollower:
         replica: StoreShard,
         source: ChangeSource,
         *,
-        poll_s: float = 0.1,
+        poll_s: float = FOLLOW_POLL_S,
         page_rows: int = PAGE_ROWS,
         clock: Callable[[], float] = time.time,
     ) -> None:

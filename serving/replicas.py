@@ -39,6 +39,7 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from embedding_store.changes import FOLLOW_POLL_S
 from embedding_store.client import GrpcTransport, RetryPolicy, id_array
 from embedding_store.errors import InvalidRequest, StoreUnavailable
 from embedding_store.hashing import shard_of
@@ -243,7 +244,11 @@ class LocalReplicas:
     """One read-only shard per training shard in ``sources``, each following its own."""
 
     def __init__(
-        self, config: StoreConfig, sources: Sequence[ChangeSource], *, poll_s: float = 0.1
+        self,
+        config: StoreConfig,
+        sources: Sequence[ChangeSource],
+        *,
+        poll_s: float = FOLLOW_POLL_S,
     ) -> None:
         """``sources``: the training shards in shard order (``StoreShard`` objects, or
         ``GrpcTransport``s: see :meth:`follow`)."""
@@ -266,7 +271,12 @@ class LocalReplicas:
 
     @classmethod
     def follow(
-        cls, config: StoreConfig, addresses: str, *, token: str | None, poll_s: float = 0.1
+        cls,
+        config: StoreConfig,
+        addresses: str,
+        *,
+        token: str | None,
+        poll_s: float = FOLLOW_POLL_S,
     ) -> LocalReplicas:
         """Replicas of the training shards at ``grpc://HOST:PORT,...`` (shard order)."""
         hosts = [a for a in addresses.removeprefix("grpc://").split(",") if a]

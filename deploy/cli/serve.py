@@ -257,7 +257,9 @@ class ServingStack:
         self.replicas: LocalReplicas | None = None
         self.rows: ReplicaRows | StoreClient
         if follow:
-            self.replicas = LocalReplicas.follow(job.store, store, token=store_token)
+            self.replicas = LocalReplicas.follow(
+                job.store, store, token=store_token, poll_s=cfg.follow_poll_s
+            )
             self.rows = self.replicas.rows
         else:
             self.rows = StoreClient.connect(store, token=store_token)
@@ -409,9 +411,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"streamrec serve: cannot listen on port {port}: {exc}", file=sys.stderr)
         return 2
+    rows = f"following {store} every {cfg.follow_poll_s:g}s" if args.follow else f"from {store}"
     print(
-        f"streamrec serve: model {cfg.model_name!r} on {stack.url} (rows "
-        f"{'following ' if args.follow else 'from '}{store}, dense "
+        f"streamrec serve: model {cfg.model_name!r} on {stack.url} (rows {rows}, dense "
         f"weights from {stack.where}; ready once a version is published)\n  {stack.curl}",
         flush=True,
     )

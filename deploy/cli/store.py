@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from embedding_store.changes import FOLLOW_POLL_S
+
 TOKEN_FILE_HELP = "file holding the job's auth token (default: $STREAMREC_STORE_TOKEN)"
 
 
@@ -289,9 +291,11 @@ def _add_replica(store_sub: argparse._SubParsersAction[argparse.ArgumentParser])
     replica.add_argument(
         "--poll-s",
         type=float,
-        default=0.1,
+        default=FOLLOW_POLL_S,
         metavar="S",
-        help="seconds between two rounds of asking the training shard what changed (0.1)",
+        help="seconds between two rounds of asking the training shard what changed "
+        f"({FOLLOW_POLL_S:g}): rows are served about this much after training changed them, "
+        "and each round costs the training shard a fixed price",
     )
     replica.add_argument(
         "--token-file",

@@ -21,6 +21,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import tritonclient.http as triton
+import yaml
 from tritonclient.utils import InferenceServerException
 
 from connectors.codecs import make_codec
@@ -50,6 +51,7 @@ class Server:
     """A running ``streamrec serve`` and its log."""
 
     def __init__(self, argv: list[str], log: Path) -> None:
+        self.argv = argv
         self.log_path = log
         with log.open("wb") as out:
             self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
@@ -71,12 +73,14 @@ def services(
     trained: Path, tmp_path: Path, request: pytest.FixtureRequest
 ) -> Iterator[tuple[ShardProcess, Server]]:
     """The training shard and a server that reads its rows from a replica process
-    (``--store``), or follows the shard itself (``--follow``)."""
+    (``--store``), or follows the shard itself (``--follow``, every 0.05 s as the
+    job's ``serving.follow_poll_s`` says)."""
     job = load_config(trained)
     token_file = job.run_dir / "store.token"
     shard_dir = job.run_dir / "store" / "shard-000"
     training = ShardProcess.start(trained, shard_dir, token_file=token_file)
     replica = None
+    served_job = trained
     if request.param == "replica":
         replica = ShardProcess.start(
             trained, tmp_path / "replica", token_file=token_file, follow=training.address,
@@ -85,7 +89,11 @@ def services(
         rows = ["--store", f"grpc://{replica.address}"]
     else:
         rows = ["--follow", f"grpc://{training.address}"]
-    argv = [sys.executable, "-m", "deploy.cli", "serve", str(trained), "--port", "0", *rows,
+        raw = yaml.safe_load(trained.read_text())
+        raw.setdefault("serving", {})["follow_poll_s"] = 0.05
+        served_job = tmp_path / "follow.yaml"
+        served_job.write_text(yaml.safe_dump(raw))
+    argv = [sys.executable, "-m", "deploy.cli", "serve", str(served_job), "--port", "0", *rows,
             "--store-token-file", str(token_file)]  # fmt: skip
     where = serving_location(job)
     before = set(where.names())
@@ -177,6 +185,8 @@ def test_serve_answers_as_score_does_and_follows_training(
         return not np.isclose(now[0], before[0], atol=1e-6)
 
     _wait(moved, "a pushed row served")
+    if "--follow" in server.argv:  # the job's poll, not the default, reached the followers
+        assert f"following grpc://{training.address} every 0.05s" in server.log()
 
     # A new dense version is published: swapped in, and named in the answers.
     dims = {n: t.dim for n, t in job.store.tables.items()}
@@ -217,3 +227,11 @@ def test_serve_without_a_store_says_what_to_give(trained: Path) -> None:
     bad = streamrec("serve", str(trained), "--port", "0", "--follow", "shard:1")
     assert bad.returncode == 2
     assert "--follow shard:1: 'shard:1' is not grpc://HOST:PORT" in bad.stderr
+    raw = yaml.safe_load(trained.read_text())
+    raw.setdefault("serving", {})["follow_poll_s"] = 0
+    never = trained.with_name("never-follows.yaml")
+    never.write_text(yaml.safe_dump(raw))
+    zero = streamrec("serve", str(never), "--port", "0", "--follow", "grpc://b:2")
+    assert zero.returncode == 2
+    assert "serving.follow_poll_s" in zero.stderr, zero.stderr
+    assert "greater than 0" in zero.stderr, zero.stderr
