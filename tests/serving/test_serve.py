@@ -68,6 +68,14 @@ class Server:
         return self.proc.wait(30)
 
 
+def _with_follow_poll(job: Path, poll_s: float, out: Path) -> Path:
+    """``job`` written to ``out`` with its ``serving.follow_poll_s`` set to ``poll_s``."""
+    raw = yaml.safe_load(job.read_text())
+    raw.setdefault("serving", {})["follow_poll_s"] = poll_s
+    out.write_text(yaml.safe_dump(raw))
+    return out
+
+
 @pytest.fixture(params=["replica", "follow"])
 def services(
     trained: Path, tmp_path: Path, request: pytest.FixtureRequest
@@ -89,10 +97,7 @@ def services(
         rows = ["--store", f"grpc://{replica.address}"]
     else:
         rows = ["--follow", f"grpc://{training.address}"]
-        raw = yaml.safe_load(trained.read_text())
-        raw.setdefault("serving", {})["follow_poll_s"] = 0.05
-        served_job = tmp_path / "follow.yaml"
-        served_job.write_text(yaml.safe_dump(raw))
+        served_job = _with_follow_poll(trained, 0.05, tmp_path / "follow.yaml")
     argv = [sys.executable, "-m", "deploy.cli", "serve", str(served_job), "--port", "0", *rows,
             "--store-token-file", str(token_file)]  # fmt: skip
     where = serving_location(job)
@@ -227,10 +232,7 @@ def test_serve_without_a_store_says_what_to_give(trained: Path) -> None:
     bad = streamrec("serve", str(trained), "--port", "0", "--follow", "shard:1")
     assert bad.returncode == 2
     assert "--follow shard:1: 'shard:1' is not grpc://HOST:PORT" in bad.stderr
-    raw = yaml.safe_load(trained.read_text())
-    raw.setdefault("serving", {})["follow_poll_s"] = 0
-    never = trained.with_name("never-follows.yaml")
-    never.write_text(yaml.safe_dump(raw))
+    never = _with_follow_poll(trained, 0, trained.with_name("never-follows.yaml"))
     zero = streamrec("serve", str(never), "--port", "0", "--follow", "grpc://b:2")
     assert zero.returncode == 2
     assert "serving.follow_poll_s" in zero.stderr, zero.stderr
