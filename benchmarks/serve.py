@@ -88,6 +88,7 @@ import re
 import signal
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -529,8 +530,12 @@ class Load:
     and length checked: the load shares this machine's cores with the job it is
     measured against, where a deployment's clients would not, and tritonclient
     encoding and decoding every request took 0.05 of a core beside training (a
-    quarter of what the server took). ``client_cores`` in the result: the senders'
-    own CPU time over the run.
+    quarter of what the server took). A sender reads a request's answer when its next
+    turn comes, before sending again (a thread's turns are ``senders`` periods apart),
+    so that it wakes once per request, not twice; the latency is from before the send
+    to when the kernel received the answer (``SO_TIMESTAMPNS``), with no wake-up of
+    the client in it. ``client_cores`` in the result: the senders' own CPU time over
+    the run.
     """
 
     def __init__(self, address: str, reqs: list[Request], rate: float, senders: int = 4) -> None:
@@ -580,6 +585,7 @@ class Load:
         cpu0 = time.thread_time()
         sock = self._connect()
         buffer = bytearray(1 << 16)
+        sent: float | None = None  # when the request not yet read back was sent (epoch s)
         try:
             while not self.stop_event.is_set():
                 slot, i = self._slot()
@@ -590,26 +596,40 @@ class Load:
                     time.sleep(wait)
                     if self.stop_event.is_set():
                         break
-                ta = time.perf_counter()
                 try:
+                    if sent is not None:
+                        # The last answer, read at this send rather than when it came:
+                        # one wake-up per request, its latency from the kernel's stamp.
+                        self._answered(sock, buffer, sent)
+                        sent = None
+                    sent = time.time()
                     sock.sendall(self.wire[i % len(self.wire)])
-                    _read_answer(sock, buffer)
-                    with self._lock:
-                        self.lat.append(time.perf_counter() - ta)
                 except (OSError, ValueError):
                     with self._lock:
                         self.errors += 1
+                    sent = None
                     sock.close()
                     sock = self._connect()
+            if sent is not None:
+                self._answered(sock, buffer, sent)
+        except (OSError, ValueError):
+            with self._lock:
+                self.errors += 1
         finally:
             sock.close()
             with self._lock:
                 self.cpu_s += time.thread_time() - cpu0
 
+    def _answered(self, sock: socket.socket, buffer: bytearray, sent: float) -> None:
+        arrived = _read_answer(sock, buffer)
+        with self._lock:
+            self.lat.append(arrived - sent)
+
     def _connect(self) -> socket.socket:
         host, _, port = self.address.rpartition(":")
         sock = socket.create_connection((host, int(port)), timeout=60)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)  # each read's arrival time
         return sock
 
     def finish(self) -> dict[str, Any]:
@@ -628,18 +648,32 @@ class Load:
         }
 
 
-def _read_answer(sock: socket.socket, buffer: bytearray) -> None:
-    """Read one HTTP/1.1 answer with a Content-Length; ValueError unless it is a 200."""
+# Linux's SO_TIMESTAMPNS (and SCM_TIMESTAMPNS): reads return when the kernel received
+# their bytes, as a struct timespec of the real-time clock.
+_SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+_TIMESPEC = struct.Struct("@qq")
+
+
+def _read_answer(sock: socket.socket, buffer: bytearray) -> float:
+    """Read one HTTP/1.1 answer with a Content-Length; when its last bytes reached this
+    host (the kernel's stamp, epoch seconds; now, where there is none). ValueError
+    unless it is a 200."""
     view = memoryview(buffer)
     got, need = 0, -1
+    arrived = 0.0
     while need < 0 or got < need:
         if got == len(buffer):
             msg = f"an answer over {len(buffer)} bytes"
             raise ValueError(msg)
-        n = sock.recv_into(view[got:])
+        n, ancillary, _, _ = sock.recvmsg_into([view[got:]], 64)
         if n == 0:
             msg = "the server closed the connection"
             raise ValueError(msg)
+        arrived = 0.0
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == _SO_TIMESTAMPNS:
+                sec, nsec = _TIMESPEC.unpack(data[: _TIMESPEC.size])
+                arrived = sec + nsec * 1e-9
         got += n
         if need < 0:
             end = buffer.find(b"\r\n\r\n", 0, got)
@@ -654,6 +688,7 @@ def _read_answer(sock: socket.socket, buffer: bytearray) -> None:
                 msg = "an answer without a Content-Length"
                 raise ValueError(msg)
             need = end + 4 + int(match.group(1))
+    return arrived or time.time()
 
 
 # --- freshness --------------------------------------------------------------------------
