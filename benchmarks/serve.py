@@ -601,7 +601,6 @@ class Load:
                         # The last answer, read at this send rather than when it came:
                         # one wake-up per request, its latency from the kernel's stamp.
                         self._answered(sock, buffer, sent)
-                        sent = None
                     sent = time.time()
                     sock.sendall(self.wire[i % len(self.wire)])
                 except (OSError, ValueError):
