@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,6 +24,7 @@ from serving.types import (
 )
 
 HEADS = ("click", "like")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def records_input(**overrides: Any) -> dict[str, Any]:
@@ -289,6 +294,34 @@ CASES: list[tuple[str, bytes, str]] = [
         "outputs[0].parameters.classification: not supported (value 2)",
     ),
 ]
+
+
+def test_refusals_do_not_depend_on_other_json_libraries(tmp_path: Path) -> None:
+    # An "orjson" that refuses everything, importable: the protocol's JSON must not
+    # change with what else is installed (orjson's messages named neither the byte of a
+    # body that is not UTF-8 nor the record with a lone surrogate).
+    (tmp_path / "orjson.py").write_text(
+        "def loads(data):\n    raise ValueError('strict')\n"
+        "def dumps(obj):\n    raise TypeError('strict')\n"
+    )
+    good, not_utf8 = body(), b'{"inputs": "\xff\xfe"}'
+    script = (
+        "from serving import oip\n"
+        f"req = oip.parse_infer_request({good!r}, ('click',))\n"
+        "print(req.records)\n"
+        "try:\n"
+        f"    oip.parse_infer_request({not_utf8!r}, ('click',))\n"
+        "except oip.OipError as e:\n"
+        "    print(e.message)\n"
+        "print(oip.error_body('x').decode())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out[0] == "[b'{\"user\": 1}', b'{\"user\": 2}']"
+    assert out[1].startswith("request body: not UTF-8 (invalid start byte at byte 12)")
+    assert out[2] == '{"error":"x"}'
 
 
 @pytest.mark.parametrize(("raw", "expected"), [c[1:] for c in CASES], ids=[c[0] for c in CASES])
