@@ -659,7 +659,6 @@ def _read_answer(sock: socket.socket, buffer: bytearray) -> float:
     unless it is a 200."""
     view = memoryview(buffer)
     got, need = 0, -1
-    arrived = 0.0
     while need < 0 or got < need:
         if got == len(buffer):
             msg = f"an answer over {len(buffer)} bytes"

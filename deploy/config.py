@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from connectors.kafka import KafkaSourceConfig
 from connectors.synthetic import SyntheticConfig
-from embedding_store.changes import FOLLOW_POLL_S
+from embedding_store.follow import FOLLOW_POLL_S
 from embedding_store.types import StoreConfig
 from pipeline.spec import FeatureSpec
 from trainer.config import TrainerConfig

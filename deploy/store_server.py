@@ -19,7 +19,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING
 
-from embedding_store.changes import FOLLOW_POLL_S
+from embedding_store.follow import FOLLOW_POLL_S
 from embedding_store.location import Location
 from embedding_store.service import EmbeddingStoreServicer, make_server
 from embedding_store.shard import StoreShard

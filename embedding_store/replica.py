@@ -55,8 +55,8 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from embedding_store.changes import FOLLOW_POLL_S
 from embedding_store.errors import StoreError
+from embedding_store.follow import FOLLOW_POLL_S
 from embedding_store.shard import StoreShard
 from embedding_store.table import EmbeddingTable, apply_changes
 from embedding_store.types import TableChanges

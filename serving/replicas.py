@@ -39,9 +39,9 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
-from embedding_store.changes import FOLLOW_POLL_S
 from embedding_store.client import GrpcTransport, RetryPolicy, id_array
 from embedding_store.errors import InvalidRequest, StoreUnavailable
+from embedding_store.follow import FOLLOW_POLL_S
 from embedding_store.hashing import shard_of
 from embedding_store.replica import ChangeSource, ShardFollower
 from embedding_store.shard import StoreShard

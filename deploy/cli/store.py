@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from embedding_store.changes import FOLLOW_POLL_S
+from embedding_store.follow import FOLLOW_POLL_S
 
 TOKEN_FILE_HELP = "file holding the job's auth token (default: $STREAMREC_STORE_TOKEN)"
 
