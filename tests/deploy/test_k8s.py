@@ -11,7 +11,9 @@ order, the probes each role's server answers, what every Service, PodDisruptionB
 and HorizontalPodAutoscaler selects or targets, and, with the real HTTP server, that
 the paths the kubelet and Prometheus ask for without a token answer without one.
 The optional Prometheus Operator component's PodMonitor scrapes exactly what the
-pods' scrape annotations name.
+pods' scrape annotations name. The overlays' servers ask their clients for a token of
+its own Secret, a NetworkPolicy lets only labelled clients and Prometheus reach them,
+and their threads and CPU follow the one thread the forward pass runs on.
 """
 
 from __future__ import annotations
@@ -432,6 +434,7 @@ def test_renders(target: str) -> None:
             ("Service", "streamrec-serve"),
             ("PodDisruptionBudget", "streamrec-store"),
             ("NetworkPolicy", "streamrec-dask"),
+            ("NetworkPolicy", "streamrec-serve"),
             *replicas,
         ]
     )
@@ -1169,8 +1172,9 @@ def test_serve_answers_its_probes_and_scrapes_without_a_token(target: str) -> No
 
 def test_probe_check_catches_a_client_token() -> None:
     """Until the server answers /v2/health/ready and /metrics without the client token,
-    serve's --token-file fails that check (the readiness probe would get 401)."""
-    objs = objects("cpu-small")
+    serve's --token-file fails that check (the readiness probe would get 401). The base
+    asks no token (the overlays do): one given here is found."""
+    objs = objects("base")
     dep = one(objs, "Deployment", "streamrec-serve")
     container(dep["spec"]["template"]["spec"], "serve")["args"] += ["--token-file", "/t/token"]
     assert serve_client_token(objs) == Path("/t/token")
@@ -1467,3 +1471,213 @@ def test_pod_monitor_checks_catch_a_mismatch(tmp_path: Path) -> None:
     misspelled["spec"]["podMetricEndpoints"] = misspelled["spec"].pop("podMetricsEndpoints")
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(misspelled, POD_MONITOR_SCHEMA, cls=jsonschema.Draft7Validator)
+
+
+# --- serving: the client token, who may reach the servers, their threads --------------
+
+SERVE_TOKEN_SECRET = "streamrec-serve-token"  # the operator creates it, as the store's
+# The label of the pods that call the servers (the operator gives it to its clients).
+SERVE_CLIENT = {"streamrec.dev/serve-client": "true"}
+# A Prometheus that the Prometheus Operator runs: the selector labels the operator sets
+# on its pods (every Prometheus StatefulSet), here one named k8s as kube-prometheus's.
+PROMETHEUS = {
+    "app.kubernetes.io/name": "prometheus",
+    "app.kubernetes.io/managed-by": "prometheus-operator",
+    "app.kubernetes.io/instance": "k8s",
+    "prometheus": "k8s",
+}
+NAMESPACE = "streamrec"  # the README's: the policies' own namespace
+ELSEWHERE = "monitoring"  # another one, where a Prometheus usually runs
+
+
+def serve_pod(objs: list[Obj]) -> tuple[dict[str, str], Obj, Obj]:
+    """(pod labels, pod spec, serve container) of the serve Deployment."""
+    template = one(objs, "Deployment", "streamrec-serve")["spec"]["template"]
+    return template["metadata"]["labels"], template["spec"], container(template["spec"], "serve")
+
+
+def _port_admitted(rule_ports: list[Obj] | None, named: Mapping[str, int], to: int) -> bool:
+    """Whether a NetworkPolicy rule's ``ports`` (none: every port) admit TCP port ``to``."""
+    if not rule_ports:
+        return True
+    for p in rule_ports:
+        if p.get("protocol", "TCP") != "TCP":
+            continue
+        if "port" not in p:
+            return True
+        first = named.get(p["port"]) if isinstance(p["port"], str) else int(p["port"])
+        if first is not None and first <= to <= int(p.get("endPort", first)):
+            return True
+    return False
+
+
+def _peer_admitted(rule_from: list[Obj] | None, labels: Mapping[str, str], namespace: str) -> bool:
+    """Whether a NetworkPolicy rule's ``from`` (none: everyone) admits a pod with
+    ``labels`` in ``namespace`` (a namespace's only label here: its name's, which
+    Kubernetes sets on every namespace)."""
+    if not rule_from:
+        return True
+    for peer in rule_from:
+        assert "ipBlock" not in peer, f"an ipBlock admits by address, whatever the pod: {peer}"
+        ns_selector = peer.get("namespaceSelector")
+        if ns_selector is None:  # a podSelector alone: the policy's own namespace
+            in_namespace = namespace == NAMESPACE
+        else:
+            in_namespace = matches(ns_selector, {"kubernetes.io/metadata.name": namespace})
+        if in_namespace and matches(peer.get("podSelector", {}), labels):
+            return True
+    return False
+
+
+def guarding(objs: list[Obj], labels: Mapping[str, str]) -> list[Obj]:
+    """The NetworkPolicies that isolate pods with ``labels`` for ingress."""
+    return [
+        o
+        for o in objs
+        if o["kind"] == "NetworkPolicy"
+        and "Ingress" in o["spec"].get("policyTypes", ["Ingress"])
+        and matches(o["spec"]["podSelector"], labels)
+    ]
+
+
+def admitted(
+    objs: list[Obj],
+    to: tuple[Mapping[str, str], Mapping[str, int]],
+    port_: int,
+    labels: Mapping[str, str],
+    namespace: str = NAMESPACE,
+) -> bool:
+    """Whether the NetworkPolicies of ``objs`` let a pod with ``labels`` in ``namespace``
+    connect to TCP ``port_`` of a pod with ``to``'s labels and named ports (every
+    connection, while no policy selects that pod). The node's own traffic, the
+    kubelet's probes among it, is always admitted and not asked about here."""
+    target, named = to
+    return any(
+        _port_admitted(rule.get("ports"), named, port_)
+        and _peer_admitted(rule.get("from"), labels, namespace)
+        for policy in guarding(objs, target)
+        for rule in policy["spec"].get("ingress", [])
+    ) or not guarding(objs, target)
+
+
+def check_serve_policy(objs: list[Obj], scraped: set[int]) -> None:
+    """Only the labelled clients in the servers' namespace, and Prometheus from any
+    (at the ``scraped`` ports), reach the servers, and only at the serve port."""
+    labels, _, c = serve_pod(objs)
+    named = {p["name"]: int(p["containerPort"]) for p in c["ports"]}
+    serve = port(c, "http")
+    to = (labels, named)
+    policies = guarding(objs, labels)
+    assert policies, "no NetworkPolicy selects the serve pods"
+    for policy in policies:
+        name = policy["metadata"]["name"]
+        selects = selected(objs, policy["spec"]["podSelector"]["matchLabels"])
+        assert selects == ["streamrec-serve"], f"NetworkPolicy {name} selects {selects}"
+        for rule in policy["spec"].get("ingress", []):
+            ports = [_port_admitted(rule.get("ports"), named, p) for p in range(1, 65536)]
+            assert [p + 1 for p, ok in enumerate(ports) if ok] == [serve], (
+                f"NetworkPolicy {name}: ports other than the serve port ({serve}) in {rule}"
+            )
+
+    assert admitted(objs, to, serve, SERVE_CLIENT), "a labelled client: the serve port"
+    assert scraped == {serve}, f"Prometheus scrapes {scraped}, the server answers at {serve}"
+    assert admitted(objs, to, serve, PROMETHEUS, ELSEWHERE), "Prometheus: /metrics"
+    others = [
+        (f"{workload}'s pods", pod_labels, NAMESPACE)
+        for obj in objs
+        for workload, pod_labels in pod_templates(obj)
+    ]
+    others += [
+        ("an unlabelled pod", {}, NAMESPACE),
+        ("an unlabelled pod in another namespace", {}, ELSEWHERE),
+        ("a labelled client in another namespace", SERVE_CLIENT, ELSEWHERE),
+        ("Prometheus's label, half of it", {"app.kubernetes.io/name": "prometheus-x"}, ELSEWHERE),
+    ]
+    for what, peer, namespace in others:
+        assert not admitted(objs, to, serve, peer, namespace), f"{what} reach the serve port"
+
+
+@pytest.mark.parametrize("target", ["cpu-small", "gpu"])
+def test_each_overlay_asks_serve_clients_for_a_token_of_its_own_secret(target: str) -> None:
+    """The base serves without a client token; the overlays pass --token-file, the key
+    `token` of the Secret streamrec-serve-token, mounted read-only and required. Not the
+    store's token: a client that holds the serving token cannot reach the store with it.
+    (The probes and the scrape still answer without it:
+    test_serve_answers_its_probes_and_scrapes_without_a_token.)"""
+    objs = objects(target)
+    _, pod, c = serve_pod(objs)
+    ns, _ = parse_role(c["args"])
+    assert ns.token_file is not None, "serve --token-file"
+    assert serve_client_token(objs) == ns.token_file
+    mount, volume, inside = mount_of(pod, c, str(ns.token_file))
+    assert volume.get("secret", {}).get("secretName") == SERVE_TOKEN_SECRET, volume
+    assert file_key(volume["secret"], inside) == "token"
+    assert mount.get("readOnly") is True
+    assert volume["secret"].get("optional") is not True, "the client token is required"
+    store_token = ns.store_token_file or job_config(objs).cluster.token_file
+    store_volume = mount_of(pod, c, str(store_token))[1]
+    assert store_volume["secret"]["secretName"] == "streamrec-store-token"
+    assert store_volume["name"] != volume["name"]
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_only_serve_clients_and_prometheus_reach_the_servers(target: str, tmp_path: Path) -> None:
+    """A NetworkPolicy selects the serve pods: the serve port (inference and /metrics
+    alike: one port) admits the pods labelled streamrec.dev/serve-client=true in the
+    servers' namespace and Prometheus's pods in any namespace; nothing else. Both ways
+    of scraping: by the pods' annotations, and by the Prometheus Operator's PodMonitor."""
+    objs = objects(target)
+    check_serve_policy(objs, {p for w, p, _ in annotated(objs) if w == "streamrec-serve"})
+    monitored_objs = with_component(target, "prometheus-operator", tmp_path)
+    scraped = {p for w, p, _ in monitored(monitored_objs) if w == "streamrec-serve"}
+    check_serve_policy(monitored_objs, scraped)
+
+
+def test_serve_policy_checks_catch_an_opening() -> None:
+    objs = objects("cpu-small")
+    _, _, c = serve_pod(objs)
+    check_serve_policy(objs, {port(c, "http")})
+
+    def changed(change: Any) -> list[Obj]:
+        objs = objects("cpu-small")
+        change(one(objs, "NetworkPolicy", "streamrec-serve")["spec"])
+        return objs
+
+    def client_rule(spec: Obj) -> Obj:
+        (rule,) = [r for r in spec["ingress"] if _peer_admitted(r["from"], SERVE_CLIENT, NAMESPACE)]
+        return rule
+
+    typo = {"app.kubernetes.io/component": "serv"}
+    every_pod = {"app.kubernetes.io/name": "streamrec"}
+    anywhere = {"from": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], "ports": [{"port": 8000}]}
+    for change, message in (
+        (lambda spec: spec["podSelector"]["matchLabels"].update(typo), "no NetworkPolicy"),
+        (lambda spec: spec["podSelector"].update(matchLabels=every_pod), "selects"),
+        (lambda spec: client_rule(spec).pop("from"), "pods reach the serve port"),
+        (lambda spec: client_rule(spec).pop("ports"), "ports other than the serve port"),
+        (lambda spec: client_rule(spec)["from"][0].update(namespaceSelector={}), "another nam"),
+        (lambda spec: spec["ingress"].append(anywhere), "ipBlock"),
+    ):
+        with pytest.raises(AssertionError, match=message):
+            check_serve_policy(changed(change), {port(c, "http")})
+    with pytest.raises(AssertionError, match="Prometheus scrapes"):
+        check_serve_policy(objs, {9100})
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_serve_threads_and_cpu_follow_its_one_forward_thread(target: str) -> None:
+    """`streamrec serve` runs its forward pass on serving.torch_threads intra-op threads
+    (1): OMP_NUM_THREADS is that count, the CPU request no more than it (the gpu
+    overlay's: exactly it), and the limit at most one core more (the event loop and the
+    replicas' gRPC threads). The gpu overlay used to ask 4 CPUs and 4 threads."""
+    objs = objects(target)
+    _, _, c = serve_pod(objs)
+    threads = job_config(objs).serving.torch_threads
+    assert threads == 1, "serving.torch_threads"
+    assert int(env_value(c, "OMP_NUM_THREADS")["value"]) == threads, "OMP_NUM_THREADS"
+    request = quantity(c["resources"]["requests"]["cpu"])
+    limit = quantity(c["resources"]["limits"]["cpu"])
+    assert request <= threads, f"a CPU request of {request} for {threads} thread(s)"
+    if target == "gpu":
+        assert request == threads, f"a CPU request of {request} for {threads} thread(s)"
+    assert threads <= limit <= threads + 1, f"a CPU limit of {limit} for {threads} thread(s)"
