@@ -62,6 +62,14 @@ _TWO53 = np.uint64(1 << 53)
 _I64_MAX = np.uint64(INT64_MAX)
 _I64_NEG = np.uint64(1 << 63)
 _FNV_OFFSET, _FNV_PRIME = 14695981039346656037, 1099511628211
+# What ``_scan_record`` answers besides a record's status (0 read, 1 left to json.loads):
+# out of room for list elements (it is read again with more), or stalled.
+_OUT_OF_ROOM = 2
+# A loop over a record's bytes that did not move on: the scan ends there and names the
+# record (``ScanStalled``). Every such loop checks that its position advanced, so a
+# fault in the scanner surfaces as this refusal rather than as a core spinning forever.
+STALLED = 3
+_SKIP_STALLED = -2  # _skip_value's form of it (-1: not JSON)
 
 
 @nb.njit(nogil=True, cache=True, inline="always")
@@ -296,8 +304,12 @@ def _skip_value(buf: Any, p: int, end: int, stack: Any, esc: Any) -> int:
     Sets ``esc[0]`` when a string in it has escapes.
     """
     depth = 0
+    last = p - 1
     while True:
         p = _ws(buf, p, end)
+        if p <= last:
+            return _SKIP_STALLED
+        last = p
         if p >= end:
             return -1
         c = buf[p]
@@ -362,13 +374,14 @@ def _field_of(buf: Any, s: int, e: int, keys: Any, key_off: Any, table: Any, mas
     for k in range(s, e):
         h = (h ^ np.uint64(buf[k])) * np.uint64(_FNV_PRIME)
     slot = np.int64(h & np.uint64(mask))
-    while True:
+    for _ in range(mask + 1):  # the table always has empty slots; bounded all the same
         f: int = table[slot]
         if f < 0:
             return -1
         if _same(buf, s, e, keys, key_off[f], key_off[f + 1]):
             return f
         slot = (slot + 1) & mask
+    return -1
 
 
 @nb.njit(nogil=True, cache=True, inline="always")
@@ -388,7 +401,8 @@ def _scan_record(
     ival: Any, istate: Any, sspan: Any, sstate: Any, lfirst: Any, lcount: Any, lstate: Any,
     lints: Any, lstrs: Any, used: Any, esc: Any,
 ) -> int:  # fmt: skip
-    """Read record ``i`` (bytes ``p..end``): 0 when read, 1 to leave it, 2 when out of list room.
+    """Read record ``i`` (bytes ``p..end``): 0 when read, 1 to leave it, ``_OUT_OF_ROOM``
+    when out of list room, ``STALLED`` when a loop did not move on.
 
     Sets ``esc[0]`` when a string in the record has escapes (unchecked so far).
     """
@@ -405,6 +419,8 @@ def _scan_record(
         if q < 0:
             return 1  # keys with escapes are left to json.loads
         f = _field_of(buf, p + 1, q - 1, keys, key_off, table, mask)
+        if q <= p:
+            return STALLED
         p = _ws(buf, q, end)
         if p >= end or buf[p] != 58:
             return 1
@@ -414,7 +430,7 @@ def _scan_record(
         if f < 0:
             p = _skip_value(buf, p, end, stack, esc)
             if p < 0:
-                return 1
+                return STALLED if p == _SKIP_STALLED else 1
         else:
             if seen[f] == i:
                 return 1  # a spec key twice
@@ -491,7 +507,7 @@ def _scan_record(
                             if not fits:
                                 return 1
                             if used[0] >= lints.shape[0]:
-                                return 2
+                                return _OUT_OF_ROOM
                             lints[used[0]] = v
                             used[0] += 1
                         else:
@@ -501,7 +517,7 @@ def _scan_record(
                             if q == -1:
                                 return 1
                             if used[1] >= lstrs.shape[0]:
-                                return 2
+                                return _OUT_OF_ROOM
                             lstrs[used[1], 2] = 0
                             if q < -1:
                                 q = -2 - q
@@ -511,6 +527,8 @@ def _scan_record(
                             lstrs[used[1], 1] = q - 1
                             used[1] += 1
                         count += 1
+                        if q <= p:
+                            return STALLED
                         p = _ws(buf, q, end)
                         if p < end and buf[p] == 44:
                             p = _ws(buf, p + 1, end)
@@ -537,9 +555,10 @@ def _scan_records(
     table: Any, mask: int, status: Any, fval: Any, fstate: Any, fspan: Any, ival: Any,
     istate: Any, sspan: Any, sstate: Any, lfirst: Any, lcount: Any, lstate: Any,
     lints: Any, lstrs: Any,
-) -> tuple[Any, Any, Any]:  # fmt: skip
+) -> tuple[Any, Any, int]:  # fmt: skip
     """Scan every record not skipped (record ``i`` is ``buf[starts[i]:ends[i]]``);
-    returns the list element stores and their use."""
+    returns the list element stores and the first record the scan stalled on (-1:
+    none; the scan ends there, that record's status ``STALLED``)."""
     n = ends.shape[0]
     seen = np.full(kind.shape[0], -1, np.int64)
     stack = np.empty(_MAX_DEPTH, np.int64)  # open containers of a skipped value
@@ -549,6 +568,11 @@ def _scan_records(
         if skip[i]:
             status[i] = 2
             continue
+        # A record holds at most one list element per two of its bytes ("1,"): a store
+        # with that much room past its use cannot run out, so each read of the record
+        # again follows a store's growth past its capacity, and at most
+        # log2(record bytes) of them are needed.
+        need = (ends[i] - starts[i]) // 2 + 1
         while True:
             before0, before1 = used[0], used[1]
             esc[0] = 0
@@ -559,17 +583,26 @@ def _scan_records(
             )  # fmt: skip
             if r == 0 and esc[0] and not _escapes_ok(buf, starts[i], ends[i]):
                 r = 1
-            if r != 2:
+            if r != _OUT_OF_ROOM:
                 break
-            # Out of room for list elements: grow, and read the record again.
+            full_ints, full_strs = used[0] >= lints.shape[0], used[1] >= lstrs.shape[0]
             used[0], used[1] = before0, before1
             seen[:] = -1
-            if used[0] + 1 >= lints.shape[0]:
-                lints = np.concatenate((lints, np.empty(lints.shape[0] + 1024, np.int64)))
-            if used[1] + 1 >= lstrs.shape[0]:
-                lstrs = np.concatenate((lstrs, np.empty((lstrs.shape[0] + 1024, 3), np.int64)))
+            roomy = lints.shape[0] - before0 >= need and lstrs.shape[0] - before1 >= need
+            if roomy or not (full_ints or full_strs):
+                status[i] = STALLED
+                return lints, lstrs, i
+            # Out of room for list elements: double the store that filled, read the record again.
+            if full_ints:
+                lints = np.concatenate((lints, np.empty(max(lints.shape[0], 1024), np.int64)))
+            if full_strs:
+                grown = np.empty((max(lstrs.shape[0], 1024), 3), np.int64)
+                lstrs = np.concatenate((lstrs, grown))
+        if r == STALLED:
+            status[i] = STALLED
+            return lints, lstrs, i
         status[i] = r
-    return lints, lstrs, used
+    return lints, lstrs, -1
 
 
 @nb.njit(nogil=True, cache=True)
@@ -761,6 +794,27 @@ def _string_array(
     return pa.Array.from_buffers(pa.string(), valid.shape[0], buffers)
 
 
+class ScanStalled(RuntimeError):
+    """The scan of a chunk ended because a kernel's loop did not move on in one record.
+
+    A defect of the scanner, never of the input: it is raised rather than spinning
+    forever, with the record's index in the chunk and its bytes.
+
+    >>> print(ScanStalled(3, b'{"a": 1}'))  # doctest: +ELLIPSIS
+    the JSON scanner made no progress in record 3 of the chunk (8 bytes: b'{"a": 1}'); ...
+    """
+
+    def __init__(self, record: int, payload: bytes) -> None:
+        self.record = record
+        self.payload = payload
+        shown = payload if len(payload) <= 200 else payload[:200] + b"..."
+        super().__init__(
+            f"the JSON scanner made no progress in record {record} of the chunk "
+            f"({len(payload)} bytes: {shown!r}); this is a defect of streamrec's scanner, "
+            "not of the record: please report it with the record"
+        )
+
+
 @dataclass(frozen=True)
 class ScanPlan:
     """What the kernels need to know of a spec: its keys, and each field's kind and its
@@ -869,11 +923,13 @@ def scan_values(
     lfirst = np.empty((n, nl), dtype=np.int64)
     lcount = np.empty((n, nl), dtype=np.int64)
     lstate = np.zeros((n, nl), dtype=np.uint8)
-    lints, lstrs, _ = _scan_records(
+    lints, lstrs, stalled = _scan_records(
         buf, starts, ends, skip, plan.kind, plan.slot, plan.keys, plan.key_off, plan.table,
         plan.mask, status, fval, fstate, fspan, ival, istate, sspan, sstate, lfirst, lcount,
         lstate, np.empty(1024, dtype=np.int64), np.empty((1024, 3), dtype=np.int64),
     )  # fmt: skip
+    if stalled >= 0:
+        raise ScanStalled(stalled, bytes(buf[starts[stalled] : ends[stalled]]))
     return ScannedValues(
         buf, status, fval, fstate, fspan, ival, istate, sspan, sstate, lfirst, lcount, lstate,
         lints, lstrs,
