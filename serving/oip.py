@@ -220,6 +220,12 @@ def decode_bytes_tensor(data: bytes | memoryview, n: int, where: str) -> JoinedP
     """
     buffer = np.frombuffer(data, dtype=np.uint8)
     end = len(buffer)
+    if n > end // 4:  # checked before anything of the shape's size is allocated
+        msg = (
+            f"{where}.shape: gives {n} elements, but its {end} bytes of binary data hold at "
+            f"most {end // 4} (each element starts with a 4-byte length)"
+        )
+        raise _bad(msg)
     starts = np.empty(n, dtype=np.int64)
     ends = np.empty(n, dtype=np.int64)
     status, i, offset, size, utf8 = _split_elements(buffer, starts, ends)

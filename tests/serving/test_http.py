@@ -321,6 +321,16 @@ def test_curl_like_json_path(server: InferenceServer) -> None:
     assert (code, json.loads(body)) == (200, {"ready": True})
 
 
+def binary_request(shape: str) -> tuple[bytes, dict[str, str]]:
+    """A binary request of two records whose shape says ``shape`` elements."""
+    tensor = encode_bytes_tensor([b"{}", b"{}"])
+    head = (
+        b'{"inputs": [{"name": "records", "datatype": "BYTES", "shape": [' + shape.encode()
+        + b'], "parameters": {"binary_data_size": ' + str(len(tensor)).encode() + b"}}]}"
+    )  # fmt: skip
+    return head + tensor, {"Inference-Header-Content-Length": str(len(head))}
+
+
 MALFORMED: list[tuple[str, bytes, dict[str, str]]] = [
     ("not json", b"{records: 1}", {}),
     ("empty body", b"", {}),
@@ -339,6 +349,10 @@ MALFORMED: list[tuple[str, bytes, dict[str, str]]] = [
     ("header length too big", json_request(["{}"]), {"Inference-Header-Content-Length": "999"}),
     ("binary junk", json_request(["{}"]) + b"\x00\xff", {"Inference-Header-Content-Length": "80"}),
     ("gzip", b"\x1f\x8b\x08\x00", {"Content-Encoding": "gzip"}),
+    # A binary tensor's shape is checked against its bytes before anything is allocated.
+    ("binary shape 10**20", *binary_request("100000000000000000000")),
+    ("binary shape 10**12", *binary_request("1000000000000")),
+    ("binary shape one over", *binary_request("3")),
 ]
 
 
