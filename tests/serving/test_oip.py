@@ -372,8 +372,11 @@ def test_binary_refusals() -> None:
 
 
 def test_decode_bytes_tensor_refusals() -> None:
-    with pytest.raises(OipError, match=r"inputs\[0\]: binary data holds 1 elements of the 2"):
+    with pytest.raises(OipError, match=r"inputs\[0\].shape: gives 2 elements, but its 5 bytes"):
         oip.decode_bytes_tensor(oip.encode_bytes_tensor([b"a"]), 2, "inputs[0]")
+    # Room for two lengths, but the second is cut short.
+    with pytest.raises(OipError, match=r"inputs\[0\]: binary data holds 1 elements of the 2"):
+        oip.decode_bytes_tensor(oip.encode_bytes_tensor([b"abcd"]) + b"\x01\x00", 2, "inputs[0]")
     with pytest.raises(OipError, match="has 2 bytes left after the 1 elements"):
         oip.decode_bytes_tensor(oip.encode_bytes_tensor([b"a"]) + b"zz", 1, "inputs[0]")
 
