@@ -174,8 +174,11 @@ class ShardTransport(Protocol):
         *,
         create_only: bool = False,
         deferred: bool = False,
+        timeout_s: float | None = None,
     ) -> Wait[dict[str, Rows]]:
-        """Rows of ``ids``; with ``create_only`` (and ``train``) none: the rows are only made."""
+        """Rows of ``ids``; with ``create_only`` (and ``train``) none: the rows are only made.
+        ``timeout_s``: the whole call, retries included, ends within it (``StoreUnavailable``);
+        None: the transport's own policy."""
         ...
 
     def start_push(
@@ -209,6 +212,11 @@ class ShardTransport(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def _left(until: float | None) -> float | None:
+    """Seconds left until ``until`` (a ``time.monotonic()``), never below 0; None: no limit."""
+    return None if until is None else max(0.0, until - time.monotonic())
 
 
 def id_array(ids: npt.ArrayLike, field: str) -> U64:
@@ -278,7 +286,9 @@ class InprocTransport:
         *,
         create_only: bool = False,
         deferred: bool = False,
+        timeout_s: float | None = None,
     ) -> Wait[dict[str, Rows]]:
+        # A shard of this process answers without a network to wait on: no timeout.
         def run() -> dict[str, Rows]:
             with self.lookup_latency.time():
                 # Float16 rows are rounded as they are copied out of the table.
@@ -427,21 +437,36 @@ class GrpcTransport:
         self._area_limit = AREA_HEADER + 2 * max_message_bytes
         self._dims: dict[str, int] = {}
 
-    def _call(self, method: str, request: Any, first: Any = None, fn: Any = None) -> Any:
+    def _call(
+        self,
+        method: str,
+        request: Any,
+        first: Any = None,
+        fn: Any = None,
+        until: float | None = None,
+    ) -> Any:
         """Call ``method`` with retries; ``first`` is an already started future.
 
         ``fn``: the callable to use instead of the stub's ``method`` (a frame method,
         which a shard older than frames answers with UNIMPLEMENTED: ``_NoFrames``).
+        ``until``: no attempt runs past this ``time.monotonic()``, and none starts after it.
         """
         frame = fn is not None
         fn = fn or getattr(self._stub, method)
         delay = self._retry.initial_backoff_s
         error: StoreError | None = None
         for attempt in range(self._retry.attempts):
+            timeout = self._retry.timeout_s
+            if until is not None:
+                timeout = min(timeout, until - time.monotonic())
+                if timeout <= 0:
+                    msg = f"{method} on shard {self.address}: no answer within the call's time"
+                    error = StoreUnavailable(msg)
+                    break
             try:
                 if attempt == 0 and first is not None:
                     return first.result()
-                return fn(request, metadata=self._metadata, timeout=self._retry.timeout_s)
+                return fn(request, metadata=self._metadata, timeout=timeout)
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED and frame:
                     error = _NoFrames(f"{method} frames on shard {self.address}: UNIMPLEMENTED")
@@ -449,6 +474,8 @@ class GrpcTransport:
                 if exc.code() not in _RETRYABLE or attempt == self._retry.attempts - 1:
                     error = _map_rpc_error(exc, self.address, method)
                     break
+                if until is not None:
+                    delay = min(delay, max(0.0, until - time.monotonic()))
                 time.sleep(delay)
                 delay = min(delay * 2, self._retry.max_backoff_s)
         # Raised outside the handler, so no gRPC call object rides along as its
@@ -459,15 +486,24 @@ class GrpcTransport:
         raise error
 
     def _start(
-        self, method: str, request: Any, fn: Any = None, *, deferred: bool = False
+        self,
+        method: str,
+        request: Any,
+        fn: Any = None,
+        *,
+        deferred: bool = False,
+        until: float | None = None,
     ) -> Wait[Any]:
         frame = fn
         if deferred:
-            return lambda: self._call(method, request, fn=frame)
+            return lambda: self._call(method, request, fn=frame, until=until)
+        timeout = self._retry.timeout_s
+        if until is not None:
+            timeout = max(0.0, min(timeout, until - time.monotonic()))
         future = (fn or getattr(self._stub, method)).future(
-            request, metadata=self._metadata, timeout=self._retry.timeout_s
+            request, metadata=self._metadata, timeout=timeout
         )
-        return lambda: self._call(method, request, first=future, fn=frame)
+        return lambda: self._call(method, request, first=future, fn=frame, until=until)
 
     def describe(self) -> tuple[dict[str, int], RowDtype]:
         r = self._call("Health", pb.HealthRequest())
@@ -553,6 +589,8 @@ class GrpcTransport:
         deferred: bool,
         network: Callable[[], T],
         read: Callable[[bytes, _SharedArea, int], T],
+        *,
+        until: float | None = None,
     ) -> Wait[T]:
         """Call ``method`` with ``payload`` written into ``area`` (locked by the caller).
 
@@ -569,7 +607,7 @@ class GrpcTransport:
             reply_offset=reply_at,
             reply_capacity=area.size - reply_at,
         )
-        wait = self._start(method, encode_shared(call), fn, deferred=deferred)
+        wait = self._start(method, encode_shared(call), fn, deferred=deferred, until=until)
 
         def result() -> T:
             try:
@@ -622,7 +660,9 @@ class GrpcTransport:
         *,
         create_only: bool = False,
         deferred: bool = False,
+        timeout_s: float | None = None,
     ) -> Wait[dict[str, Rows]]:
+        until = None if timeout_s is None else time.monotonic() + timeout_s
         if self._frames:
             payload = encode_lookup(
                 ids, train=train, dtype=dtype, step=step, create_only=create_only
@@ -635,7 +675,10 @@ class GrpcTransport:
             if area is not None:
 
                 def network() -> dict[str, Rows]:
-                    return self.start_lookup(ids, train, step, dtype, deferred=True)()
+                    left = _left(until)
+                    return self.start_lookup(
+                        ids, train, step, dtype, deferred=True, timeout_s=left
+                    )()
 
                 def read(reply: bytes, area: _SharedArea, at: int) -> dict[str, Rows]:
                     (n,) = struct.unpack("<Q", reply)
@@ -649,9 +692,12 @@ class GrpcTransport:
                     }
 
                 return self._shared(
-                    "LookupShared", self._lookup_shared, area, payload, deferred, network, read
-                )
-            wait_frame = self._start("Lookup", payload, self._lookup_frame, deferred=deferred)
+                    "LookupShared", self._lookup_shared, area, payload, deferred, network, read,
+                    until=until,
+                )  # fmt: skip
+            wait_frame = self._start(
+                "Lookup", payload, self._lookup_frame, deferred=deferred, until=until
+            )
 
             def rows() -> dict[str, Rows]:
                 try:
@@ -659,8 +705,9 @@ class GrpcTransport:
                 except _NoFrames:
                     self._frames = False
                     return self.start_lookup(
-                        ids, train, step, dtype, create_only=create_only, deferred=True
-                    )()
+                        ids, train, step, dtype, create_only=create_only, deferred=True,
+                        timeout_s=_left(until),
+                    )()  # fmt: skip
                 try:
                     return decode_rows(data, dtype)
                 except InvalidRequest as exc:
@@ -675,7 +722,7 @@ class GrpcTransport:
             step=step,
             create_only=create_only,
         )
-        wait = self._start("Lookup", request, deferred=deferred)
+        wait = self._start("Lookup", request, deferred=deferred, until=until)
 
         def result() -> dict[str, Rows]:
             resp = wait()
@@ -1055,14 +1102,24 @@ class StoreClient:
         *,
         train: bool = True,
         step: int | None = None,
+        timeout_s: float | None = None,
     ) -> dict[str, Rows]:
-        """Rows (``row_dtype``, shape ``[n, dim]``) for the ids of each table, in order."""
+        """Rows (``row_dtype``, shape ``[n, dim]``) for the ids of each table, in order.
+
+        ``timeout_s``: every shard's call, retries included, ends within it, else
+        ``StoreUnavailable`` (a prediction server's request deadline); None: the
+        client's retry policy."""
         routed = self._route_tables(ids)
         self._delay()
         # Shard 0's call is made by its wait, the first, on this thread (see ShardTransport).
         waits = [
             transport.start_lookup(
-                self._part(routed, s), train, step, self.row_dtype, deferred=s == 0
+                self._part(routed, s),
+                train,
+                step,
+                self.row_dtype,
+                deferred=s == 0,
+                timeout_s=timeout_s,
             )
             for s, transport in enumerate(self._transports)
         ]
