@@ -158,6 +158,43 @@ class ServingConfig(_Strict):
         description="requests that wait while the model runs are scored together in one call "
         "of up to this many records (dynamic batching); 1: each request alone",
     )
+    max_request_records: int | None = Field(
+        65536,
+        ge=1,
+        description="a request of more records gets 413, from its shape, before any is "
+        "decoded (None: no limit but max_request_bytes)",
+    )
+    max_queued_records: int | None = Field(
+        None,
+        ge=1,
+        description="records that may wait to be scored; a request that would pass it is "
+        "shed with 503 and Retry-After (None: 16 x max_batch_records)",
+    )
+    request_timeout_s: float | None = Field(
+        10.0,
+        gt=0,
+        description="a request not answered this long after the server read its headers gets "
+        "504, checked "
+        "while it waits and between the model's stages (decoding, reading rows, the forward "
+        "pass); a stage's compiled kernel runs to its end once called, so a request is late "
+        "by at most one stage, bounded by its size. A request's own Triton `timeout` "
+        "parameter can only shorten it. None: no limit",
+    )
+    max_connections: int | None = Field(
+        1024, ge=1, description="connections past this are answered 503 and closed"
+    )
+    idle_timeout_s: float | None = Field(
+        120.0,
+        gt=0,
+        description="a connection that waits this long for its next request is closed (keep "
+        "it above a load balancer's idle timeout)",
+    )
+    read_timeout_s: float | None = Field(
+        30.0,
+        gt=0,
+        description="a request not received whole this long after its first byte gets 408 "
+        "and its connection is closed",
+    )
     poll_s: float = Field(0.2, gt=0, description="how often a server looks for new weights")
     follow_poll_s: float = Field(
         FOLLOW_POLL_S,

@@ -45,6 +45,9 @@ class SparseFreshness:
         self.rows = rows
         self.poll_s = poll_s
         self.as_of: float | None = None
+        # Whether every replica answered the last poll, caught up: what readiness means
+        # for a server that reads replica processes.
+        self.answering = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -53,7 +56,9 @@ class SparseFreshness:
             at = self.rows.current_at()
         except Exception as exc:  # a replica that restarts: the previous answer stands
             log.debug("asking the replicas how current they are: %s", exc)
+            self.answering = False
             return
+        self.answering = at > 0
         if at > 0:
             self.as_of = at if self.as_of is None else max(self.as_of, at)
 

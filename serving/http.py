@@ -15,6 +15,18 @@ Input never causes a 500: the protocol layer turns whatever is wrong with a
 request into a 400 naming the field and the value; an exception inside the
 model is a 500, logged with its traceback, and the server keeps serving.
 
+One request cannot take the server down: a request of more records than
+``max_request_records`` is refused from its shape (413) before any is decoded;
+what waits to be scored is bounded (``max_queued_records``: 503 with
+``Retry-After``); a request still unanswered ``request_timeout_s`` after its
+headers (or after its own Triton ``timeout`` parameter) gets 504, checked
+while it waits and between the model's stages; the connections are capped
+(``max_connections``: 503) and a connection idle for ``idle_timeout_s``, or
+one whose request is not all there ``read_timeout_s`` after it began, is
+closed (408 for the latter). A stage's compiled kernel cannot be interrupted
+once called: a request is late by at most that stage, which is bounded by the
+request's size.
+
 >>> import urllib.request, numpy as np
 >>> from serving.types import Prediction
 >>> class Constant:
@@ -34,6 +46,7 @@ b'{"model_name":"const","id":"","parameters":{},"outputs":[{"name":"click","data
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import importlib.metadata
 import logging
@@ -55,12 +68,14 @@ from tornado.netutil import bind_sockets
 from tornado.web import Application, RequestHandler, stream_request_body
 
 from serving import oip
-from serving.batching import LoopBatcher
+from serving.batching import LoopBatcher, takes_deadline
 from serving.types import (
     BadRecords,
+    Deadline,
     InferRequest,
     ModelUnavailable,
     OipError,
+    Overloaded,
     Prediction,
     Predictor,
 )
@@ -135,25 +150,59 @@ class ServeMetrics:
         return generate_latest(self.registry)
 
 
+class Limits(NamedTuple):
+    """What one request and the connections may take (see the module's docstring)."""
+
+    max_request_bytes: int = 16 << 20
+    max_request_records: int | None = 65536
+    max_queued_records: int | None = None  # None: 16 joined calls' worth
+    request_timeout_s: float | None = 10.0
+    max_connections: int | None = 1024
+    idle_timeout_s: float | None = 120.0
+    read_timeout_s: float | None = 30.0
+
+    def check(self) -> Limits:
+        """These limits, or a ``ValueError`` naming the one that is not positive.
+
+        >>> Limits(request_timeout_s=0).check()
+        Traceback (most recent call last):
+        ...
+        ValueError: request_timeout_s: expected a positive number or None, got 0
+        """
+        for name, value in self._asdict().items():
+            if value is not None and value <= 0:
+                msg = f"{name}: expected a positive number or None, got {value}"
+                raise ValueError(msg)
+        return self
+
+
+_DEFAULTS: Final = Limits()
+
+
 class _Shared:
     """What every handler of one server reads."""
 
-    __slots__ = ("batcher", "max_request_bytes", "metrics", "predictor", "token", "version")
+    __slots__ = (
+        "batcher", "deadlines", "limits", "max_request_bytes", "metrics", "predictor", "token",
+        "version",
+    )  # fmt: skip
 
     def __init__(
         self,
         predictor: Predictor,
         token: str | None,
-        max_request_bytes: int,
+        limits: Limits,
         metrics: ServeMetrics,
         batcher: LoopBatcher | None = None,
     ) -> None:
         self.predictor = predictor
         self.batcher = batcher
         self.token = None if token is None else token.encode()
-        self.max_request_bytes = max_request_bytes
+        self.limits = limits
+        self.max_request_bytes = limits.max_request_bytes
         self.metrics = metrics
         self.version = _version()
+        self.deadlines = takes_deadline(predictor)
 
 
 def _bearer_ok(token: bytes | None, headers: HTTPHeaders) -> bool:
@@ -405,10 +454,17 @@ class _Infer(_ModelHandler):
         body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         self._chunks = []
         reply = await _answer_infer(
-            self.shared, name, version, body, self.request.headers.get(oip.HEADER_LENGTH)
+            self.shared,
+            name,
+            version,
+            body,
+            self.request.headers.get(oip.HEADER_LENGTH),
+            self._start,
         )
         if reply.header_length is not None:
             self.set_header(oip.HEADER_LENGTH, str(reply.header_length))
+        if reply.retry_after_s is not None:
+            self.set_header("Retry-After", str(reply.retry_after_s))
         self._send(reply.status, reply.body, reply.content_type)
 
     def on_finish(self) -> None:
@@ -416,23 +472,55 @@ class _Infer(_ModelHandler):
         self.shared.metrics.infer_latency.observe(time.perf_counter() - self._start)
 
 
-def _failed(shared: _Shared, status: int, message: str, reason: str) -> Reply:
+def _failed(
+    shared: _Shared, status: int, message: str, reason: str, retry_after_s: int | None = None
+) -> Reply:
     shared.metrics.errors.labels(reason).inc()
-    return Reply(status, oip.error_body(message))
+    return Reply(status, oip.error_body(message), retry_after_s=retry_after_s)
+
+
+def _not_ready(shared: _Shared, name: str) -> OipError | None:
+    if shared.predictor.ready():
+        return None
+    message = f'model "{name}" is not ready (parameters loading or catching up); retry'
+    return OipError(503, message, "not_ready")
 
 
 def _infer_request(
     shared: _Shared, name: str, body: bytes, header_length: str | None
 ) -> InferRequest | Reply:
     """An infer request read whole, parsed; or the answer that refuses it (counted)."""
-    predictor = shared.predictor
-    if not predictor.ready():
-        message = f'model "{name}" is not ready (parameters loading or catching up); retry'
-        return _failed(shared, 503, message, "not_ready")
+    error = _not_ready(shared, name)
+    if error is not None:
+        return _failed(shared, error.status, error.message, error.reason, 1)
     try:
-        return oip.parse_infer_request(body, predictor.heads, header_length)
+        return oip.parse_infer_request(
+            body, shared.predictor.heads, header_length, shared.limits.max_request_records
+        )
     except OipError as e:
         return _failed(shared, e.status, e.message, e.reason)
+
+
+def _too_many(shared: _Shared, n: int) -> OipError | None:
+    limit = shared.limits.max_request_records
+    if limit is None or n <= limit:
+        return None
+    message = (
+        f"records: {n} records, over this server's limit of {limit} per request "
+        f"(serving.max_request_records); send them in several requests"
+    )
+    return OipError(413, message, "too_many_records")
+
+
+def _deadline(
+    shared: _Shared, timeout_s: float | None, start: float | None = None
+) -> Deadline | None:
+    """A request's deadline: the server's ``request_timeout_s`` or the request's own
+    timeout, the shorter, from ``start`` (its headers' ``perf_counter``); None: neither."""
+    limit = shared.limits.request_timeout_s
+    if timeout_s is not None and (limit is None or timeout_s < limit):
+        limit = timeout_s
+    return None if limit is None else Deadline.after(limit, start)
 
 
 def _infer_reply(
@@ -460,7 +548,11 @@ def _infer_reply(
         _, reply = oip.bad_records_body(e.errors, n)
         return Reply(400, reply)
     except ModelUnavailable as e:
-        return _failed(shared, 503, f'model "{name}" cannot answer now: {e}; retry', "unavailable")
+        message = f'model "{name}" cannot answer now: {e}; retry'
+        return _failed(shared, 503, message, "unavailable", 1)
+    except OipError as e:  # shed (503), or late (504)
+        retry = e.retry_after_s if isinstance(e, Overloaded) else None
+        return _failed(shared, e.status, e.message, e.reason, retry)
     except Exception as e:
         log.exception('model "%s" failed on a request of %d records', name, n)
         message = f'model "{name}" failed on {n} records ({type(e).__name__}); see the server log'
@@ -470,27 +562,44 @@ def _infer_reply(
 
 
 async def _answer_infer(
-    shared: _Shared, name: str, version: str | None, body: bytes, header_length: str | None
+    shared: _Shared,
+    name: str,
+    version: str | None,
+    body: bytes,
+    header_length: str | None,
+    start: float | None = None,
 ) -> Reply:
-    """The answer to an infer request whose body ``_Infer`` read whole."""
+    """The answer to an infer request whose body ``_Infer`` read whole; ``start``: when
+    its headers came (``perf_counter``), where its deadline counts from."""
     request = _infer_request(shared, name, body, header_length)
     if isinstance(request, Reply):
         return request
+    deadline = _deadline(shared, request.timeout_s, start)
     batcher = shared.batcher
     if batcher is None:
-        return _infer_reply(shared, name, version, request, *_scored(shared, request))
+        scored = _scored(shared, request.records, deadline)
+        return _infer_reply(shared, name, version, request, *scored)
     try:
         # The requests this loop read in one turn share one call.
-        prediction = await batcher.submit(request.records)
+        prediction = await batcher.submit(
+            request.records, deadline=deadline, priority=request.priority
+        )
     except Exception as e:
         return _infer_reply(shared, name, version, request, None, e)
     return _infer_reply(shared, name, version, request, prediction, None)
 
 
-def _scored(shared: _Shared, request: InferRequest) -> tuple[Prediction | None, Exception | None]:
-    """The request scored alone, now: its prediction, or the error scoring raised."""
+def _scored(
+    shared: _Shared, records: Sequence[bytes], deadline: Deadline | None
+) -> tuple[Prediction | None, Exception | None]:
+    """Records scored alone, now: their prediction, or the error scoring raised."""
     try:
-        return shared.predictor.predict(request.records), None
+        if deadline is None:
+            return shared.predictor.predict(records), None
+        deadline.check("waiting to be scored")
+        if shared.deadlines:
+            return shared.predictor.predict(records, deadline=deadline), None  # type: ignore[call-arg]
+        return shared.predictor.predict(records), None
     except Exception as e:
         return None, e
 
@@ -500,6 +609,7 @@ def _answer_plain(
     name: str,
     body: bytes,
     header_length: str | None,
+    start: float,
     done: Callable[[Reply], None],
 ) -> None:
     """:func:`_answer_infer` for the plain path of :mod:`serving.wire`, without a
@@ -509,15 +619,18 @@ def _answer_plain(
     if isinstance(request, Reply):
         done(request)
         return
+    deadline = _deadline(shared, request.timeout_s, start)
     batcher = shared.batcher
     if batcher is None:
-        done(_infer_reply(shared, name, None, request, *_scored(shared, request)))
+        done(_infer_reply(shared, name, None, request, *_scored(shared, request.records, deadline)))
         return
     batcher.score(
         request.records,
         lambda prediction, error: done(
             _infer_reply(shared, name, None, request, prediction, error)
         ),
+        deadline=deadline,
+        priority=request.priority,
     )
 
 
@@ -540,12 +653,15 @@ def make_app(
     max_request_bytes: int = 16 << 20,
     metrics: ServeMetrics | None = None,
     batcher: LoopBatcher | None = None,
+    limits: Limits | None = None,
 ) -> Application:
     """The tornado application of the server (serve it with an ``HTTPServer``);
-    ``batcher``: joins the requests read in one turn of the loop (None: each alone).
-    ``InferenceServer`` serves it behind :mod:`serving.wire`, which answers plain
-    infer requests itself."""
-    shared = _Shared(predictor, token, max_request_bytes, metrics or ServeMetrics(), batcher)
+    ``batcher``: joins the requests read in one turn of the loop (None: each alone);
+    ``limits``: those of one request (``max_request_bytes`` is taken from its own
+    argument). ``InferenceServer`` serves it behind :mod:`serving.wire`, which
+    answers plain infer requests itself."""
+    limits = (limits or Limits())._replace(max_request_bytes=max_request_bytes)
+    shared = _Shared(predictor, token, limits.check(), metrics or ServeMetrics(), batcher)
     return _application(shared)
 
 
@@ -592,9 +708,16 @@ class InferenceServer:
         token: str | None = None,
         max_request_bytes: int = 16 << 20,
         max_batch_records: int | None = 4096,
+        max_request_records: int | None = _DEFAULTS.max_request_records,
+        max_queued_records: int | None = None,
+        request_timeout_s: float | None = _DEFAULTS.request_timeout_s,
+        max_connections: int | None = _DEFAULTS.max_connections,
+        idle_timeout_s: float | None = _DEFAULTS.idle_timeout_s,
+        read_timeout_s: float | None = _DEFAULTS.read_timeout_s,
     ) -> None:
         """``max_batch_records``: requests read together are scored in one call of up
-        to this many records (see :mod:`serving.batching`); None: each request alone."""
+        to this many records (see :mod:`serving.batching`); None: each request alone.
+        The other limits are :class:`Limits`' (None: no limit)."""
         if not 0 <= port <= 65535:
             msg = f"port: expected 0 (a free port) to 65535, got {port}"
             raise ValueError(msg)
@@ -604,6 +727,10 @@ class InferenceServer:
         if max_request_bytes < 1:
             msg = f"max_request_bytes: expected a positive byte count, got {max_request_bytes}"
             raise ValueError(msg)
+        self.limits = Limits(
+            max_request_bytes, max_request_records, max_queued_records, request_timeout_s,
+            max_connections, idle_timeout_s, read_timeout_s,
+        ).check()  # fmt: skip
         self.predictor = predictor
         self.host = host
         self.metrics = ServeMetrics()
@@ -619,8 +746,11 @@ class InferenceServer:
         self._batcher = (
             None
             if max_batch_records is None
-            else LoopBatcher(predictor, max_records=max_batch_records)
+            else LoopBatcher(
+                predictor, max_records=max_batch_records, max_queued_records=max_queued_records
+            )
         )
+        self._shared = _Shared(predictor, token, self.limits, self.metrics, self._batcher)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._startup_error: BaseException | None = None
@@ -674,15 +804,21 @@ class InferenceServer:
             loop.close()
 
     async def _open(self, sockets: list[socket.socket]) -> _Listening:
-        shared = _Shared(
-            self.predictor, self._token, self._max_request_bytes, self.metrics, self._batcher
+        shared = self._shared
+        limits = self.limits
+        tornado = HTTPServer(
+            _application(shared),
+            max_body_size=self._max_request_bytes,
+            idle_connection_timeout=limits.idle_timeout_s,
+            body_timeout=limits.read_timeout_s,
         )
-        tornado = HTTPServer(_application(shared), max_body_size=self._max_request_bytes)
         name = self.predictor.name
         metrics = self.metrics
 
-        def answer(body: bytes, header_length: str | None, done: Callable[[Reply], None]) -> None:
-            _answer_plain(shared, name, body, header_length, done)
+        def answer(
+            body: bytes, header_length: str | None, start: float, done: Callable[[Reply], None]
+        ) -> None:
+            _answer_plain(shared, name, body, header_length, start, done)
 
         def answered(status: int, seconds: float) -> None:
             metrics.count_request("infer", status)
@@ -693,10 +829,17 @@ class InferenceServer:
         # A name the URL carries as is (else its requests take tornado's path, which
         # unquotes the URL's segment).
         safe = name and all(c.isalnum() or c in "-_." for c in name)
+
+        def refused(reason: str) -> None:
+            metrics.errors.labels(reason).inc()
+
         wire = WireServer(
             f"/v2/models/{name}/infer" if safe else None,
             self._max_request_bytes, shared.token, answer, answered, tornado,
+            max_connections=limits.max_connections, idle_timeout_s=limits.idle_timeout_s,
+            read_timeout_s=limits.read_timeout_s, refused=refused,
         )  # fmt: skip
+        wire.start_sweeping()
         loop = asyncio.get_running_loop()
         servers = [await loop.create_server(wire.protocol, sock=sock) for sock in sockets]
         return _Listening(servers, wire, tornado)
@@ -715,6 +858,48 @@ class InferenceServer:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+
+    def submit(
+        self, records: Sequence[bytes], *, timeout_s: float | None = None, priority: int = 0
+    ) -> concurrent.futures.Future[Prediction]:
+        """Score ``records`` on the server's loop, from any thread, through the limits
+        and the batching of an HTTP request (another front end's way in).
+
+        The future raises :class:`~serving.types.OipError` for a refusal (413 too
+        many records, 503 not ready or shed, 504 late), ``BadRecords``,
+        ``ModelUnavailable``, or the model's own error. ``timeout_s``: the request's
+        own, when shorter than ``request_timeout_s``; it counts from this call.
+        """
+        loop = self._loop
+        if loop is None:
+            msg = "InferenceServer: not started"
+            raise RuntimeError(msg)
+        result: concurrent.futures.Future[Prediction] = concurrent.futures.Future()
+        start = time.perf_counter()
+        shared = self._shared
+
+        def done(prediction: Prediction | None, error: Exception | None) -> None:
+            if error is not None:
+                result.set_exception(error)
+            else:
+                result.set_result(prediction)  # type: ignore[arg-type]
+
+        def run() -> None:
+            if not result.set_running_or_notify_cancel():
+                return
+            refusal = _not_ready(shared, self.predictor.name) or _too_many(shared, len(records))
+            if refusal is not None:
+                done(None, refusal)
+                return
+            deadline = _deadline(shared, timeout_s, start)
+            batcher = shared.batcher
+            if batcher is None:
+                done(*_scored(shared, records, deadline))
+            else:
+                batcher.score(records, done, deadline=deadline, priority=priority)
+
+        loop.call_soon_threadsafe(run)
+        return result
 
     def stop(self) -> None:
         """Stop serving: close the listening sockets, the connections and the loop."""

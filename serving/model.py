@@ -41,7 +41,14 @@ from pipeline.json_scan import JsonScanBuilder
 from pipeline.plain import PlainBatchBuilder
 from pipeline.spec import FeatureSpec
 from pipeline.types import FlatBatch, PreparedBatch
-from serving.types import BadRecords, ModelUnavailable, Prediction, RecordError
+from serving.types import (
+    BadRecords,
+    Deadline,
+    DeadlineExceeded,
+    ModelUnavailable,
+    Prediction,
+    RecordError,
+)
 from trainer.config import TrainerConfig
 from trainer.fused_linear import LinearChain, fuse_for_inference
 from trainer.joined_fields import JoinedFields, joined_flat, sparse_key
@@ -56,7 +63,11 @@ class RowReader(Protocol):
     """Reads rows without changing them (a ``StoreClient`` over serving replicas)."""
 
     def lookup(
-        self, ids: Mapping[str, npt.ArrayLike], *, train: bool = ...
+        self,
+        ids: Mapping[str, npt.ArrayLike],
+        *,
+        train: bool = ...,
+        timeout_s: float | None = ...,
     ) -> Mapping[str, npt.NDArray[np.floating]]: ...
 
 
@@ -244,10 +255,10 @@ class ServingModel:
 
     def metadata(self) -> Mapping[str, object]:
         current = self.dense.current
-        return {
-            "dense_version": current.entry.version if current is not None else None,
-            "heads": list(self.heads),
-        }
+        version = current.entry.version if current is not None else None
+        # The served version is the newest dense version loaded: a URL naming it
+        # (/v2/models/{name}/versions/{v}) answers while it is served.
+        return {"version": version, "dense_version": version, "heads": list(self.heads)}
 
     def _version(self) -> DenseVersion:
         version = self.dense.current
@@ -256,14 +267,19 @@ class ServingModel:
             raise RuntimeError(msg)
         return version
 
-    def score_records(self, records: Sequence[bytes]) -> Scored:
-        """Decode and score ``records`` (bytes in the job's format); bad ones are returned."""
+    def score_records(self, records: Sequence[bytes], deadline: Deadline | None = None) -> Scored:
+        """Decode and score ``records`` (bytes in the job's format); bad ones are returned.
+
+        ``deadline``: checked between the stages (decoding, reading rows, the forward
+        pass), and the rows' read ends within the time left (``DeadlineExceeded``);
+        a stage's compiled kernel, once called, runs to its end."""
         version = self._version()
         n = len(records)
         if self._scan is not None:
             flat = self._scan.scan(records)
             if flat is not None:
-                return self._score_flat(flat, version)
+                _check(deadline, "decoding")
+                return self._score_flat(flat, version, deadline)
         if self._plain is not None and n <= self.plain_max_records:
             # A few plainly good JSON records skip Arrow (see pipeline.plain); anything
             # else takes the columnar path below, which names what is wrong.
@@ -271,11 +287,14 @@ class ServingModel:
             objects = json_codec.plain_objects(records, self.spec)
             batch = builder.build(objects) if objects is not None else None
             if batch is not None:
+                _check(deadline, "decoding")
                 positions = np.arange(n, dtype=np.int64)
-                return self._score_batch(batch, positions, [], version)
+                return self._score_batch(batch, positions, [], version, deadline)
+        _check(deadline, "decoding")
         raw = RawChunk(Chunk("serve", "request", 0, n), np.arange(n, dtype=np.int64), records)
         table, bad = self.codec.decode(raw, self.spec)
-        return self._score(table, bad, version)
+        _check(deadline, "decoding")
+        return self._score(table, bad, version, deadline)
 
     def score_table(self, table: pa.Table) -> Scored:
         """Validate and score an Arrow table of records (a Parquet file's rows)."""
@@ -285,12 +304,20 @@ class ServingModel:
         good, bad = validate(table, self.spec, raw)
         return self._score(good, bad, version)
 
-    def _score(self, table: pa.Table, bad: list[BadRecord], version: DenseVersion) -> Scored:
+    def _score(
+        self,
+        table: pa.Table,
+        bad: list[BadRecord],
+        version: DenseVersion,
+        deadline: Deadline | None = None,
+    ) -> Scored:
         positions = np.asarray(table.column(POSITION).to_numpy(), dtype=np.int64)
         if table.num_rows == 0:
             empty = np.zeros((0, len(self.heads)), np.float32)
             return Scored(positions, empty, empty, bad, self._parameters(version))
-        return self._score_batch(build_batch(table, self.spec), positions, bad, version)
+        batch = build_batch(table, self.spec)
+        _check(deadline, "hashing")
+        return self._score_batch(batch, positions, bad, version, deadline)
 
     def _parameters(self, version: DenseVersion) -> dict[str, int | float | str]:
         entry = version.entry
@@ -303,7 +330,9 @@ class ServingModel:
             parameters["sparse_version"] = self._sparse_version()
         return parameters
 
-    def _score_flat(self, flat: FlatBatch, version: DenseVersion) -> Scored:
+    def _score_flat(
+        self, flat: FlatBatch, version: DenseVersion, deadline: Deadline | None = None
+    ) -> Scored:
         """Score scanned records: with replicas of this process whose tables share one dim,
         their rows in one read and the model's input in one kernel call, no per-table
         objects (``trainer.joined_fields.joined_flat``); otherwise as any batch."""
@@ -313,13 +342,18 @@ class ServingModel:
         rows = None
         if read_flat is not None:
             ids = flat.ids
+            names = self._scan.plain.table_names
             try:
-                rows = read_flat(self._scan.plain.table_names, ids.unique, ids.unique_at)
+                if deadline is None:
+                    rows = read_flat(names, ids.unique, ids.unique_at)
+                else:
+                    rows = read_flat(names, ids.unique, ids.unique_at, timeout_s=deadline.left())
             except StoreUnavailable as exc:
-                raise ModelUnavailable(str(exc)) from exc
+                raise _unavailable(exc, deadline) from exc
         if rows is None:
             batch = PreparedBatch(flat.labels, flat.dense, self._scan.plain.tables_of(flat.ids))
-            return self._score_batch(batch, positions, [], version)
+            return self._score_batch(batch, positions, [], version, deadline)
+        _check(deadline, "reading rows")
         with torch.no_grad():
             if version.chain is not None:  # the FFNN's input made as one matrix
                 x = joined_flat(rows, flat.ids, self._sparse_key, len(flat), lead=flat.dense)
@@ -335,17 +369,21 @@ class ServingModel:
         positions: npt.NDArray[np.int64],
         bad: list[BadRecord],
         version: DenseVersion,
+        deadline: Deadline | None = None,
     ) -> Scored:
         parameters = self._parameters(version)
         if batch.tables:
+            ids = {t: tb.unique_ids for t, tb in batch.tables.items()}
             try:
-                rows = self.rows.lookup(
-                    {t: tb.unique_ids for t, tb in batch.tables.items()}, train=False
-                )
+                if deadline is None:
+                    rows = self.rows.lookup(ids, train=False)
+                else:
+                    rows = self.rows.lookup(ids, train=False, timeout_s=deadline.left())
             except StoreUnavailable as exc:
-                raise ModelUnavailable(str(exc)) from exc
+                raise _unavailable(exc, deadline) from exc
             for t, tb in batch.tables.items():
                 tb.rows = np.asarray(rows[t], dtype=np.float32)
+            _check(deadline, "reading rows")
         with torch.no_grad():
             # The trainer's CPU path: every field pooled into the model's input matrix in
             # one pass (a torch op per table was a fifth of a one-record request).
@@ -353,9 +391,10 @@ class ServingModel:
             probs = _probabilities(version, host_tensor(batch.dense), joined)
         return Scored(positions, probs, batch.labels, bad, parameters)
 
-    def predict(self, records: Sequence[bytes]) -> Prediction:
-        """One probability per head for each record; ``BadRecords`` names every bad one."""
-        scored = self.score_records(records)
+    def predict(self, records: Sequence[bytes], *, deadline: Deadline | None = None) -> Prediction:
+        """One probability per head for each record; ``BadRecords`` names every bad one;
+        ``DeadlineExceeded`` once ``deadline`` passed between two stages."""
+        scored = self.score_records(records, deadline)
         if scored.bad:
             raise BadRecords(
                 [RecordError(b.position, b.field, b.reason, b.detail) for b in scored.bad]
@@ -364,3 +403,16 @@ class ServingModel:
             probabilities={h: scored.probabilities[:, j] for j, h in enumerate(self.heads)},
             parameters=scored.parameters,
         )
+
+
+def _check(deadline: Deadline | None, stage: str) -> None:
+    if deadline is not None:
+        deadline.check(stage)
+
+
+def _unavailable(exc: StoreUnavailable, deadline: Deadline | None) -> Exception:
+    """A read of rows that failed: late when the request's time ran out, else the
+    replicas' 503."""
+    if deadline is not None and deadline.passed():
+        return DeadlineExceeded(deadline.timeout_s, "reading rows")
+    return ModelUnavailable(str(exc))

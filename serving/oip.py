@@ -43,7 +43,7 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Mapping, Sequence
-from typing import Final, cast
+from typing import Final, NamedTuple, cast
 
 import numba as nb
 import numpy as np
@@ -90,7 +90,7 @@ HEADER_LENGTH: Final = "Inference-Header-Content-Length"
 _REQUEST_KEYS: Final = frozenset({"id", "parameters", "inputs", "outputs"})
 _INPUT_KEYS: Final = frozenset({"name", "shape", "datatype", "data", "parameters"})
 _OUTPUT_KEYS: Final = frozenset({"name", "parameters"})
-_REQUEST_PARAMETERS: Final = ("binary_data_output",)
+_REQUEST_PARAMETERS: Final = ("binary_data_output", "timeout", "priority")
 _INPUT_TEMPLATE: Final = '{"name": "records", "datatype": "BYTES", "shape": [n], "data": [...]}'
 _MISSING: Final = object()
 _LENGTH: Final = struct.Struct("<I")
@@ -163,8 +163,8 @@ def _show(value: object, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _bad(message: str, reason: str = "invalid_request") -> OipError:
-    return OipError(400, message, reason)
+def _bad(message: str, reason: str = "invalid_request", *, status: int = 400) -> OipError:
+    return OipError(status, message, reason)
 
 
 def error_body(message: str) -> bytes:
@@ -318,26 +318,45 @@ def _check_keys(obj: Mapping[str, object], allowed: frozenset[str], where: str) 
             raise _bad(msg)
 
 
-def _request_binary_output(parameters: object) -> bool:
+class _RequestParameters(NamedTuple):
+    binary_output: bool = False
+    timeout_s: float | None = None
+    priority: int = 0
+
+
+def _request_parameters(parameters: object) -> _RequestParameters:
+    """A request's ``parameters``: ``binary_data_output``, and Triton's ``timeout`` (in
+    microseconds) and ``priority`` (1 the highest, 0 the default)."""
     if parameters is None:
-        return False
+        return _RequestParameters()
     if not isinstance(parameters, dict):
         msg = f"parameters: expected an object, got {_kind(parameters)} {_show(parameters)}"
         raise _bad(msg)
     binary = False
+    timeout_s: float | None = None
+    priority = 0
     for key, value in parameters.items():
         if key == "binary_data_output":
             if not isinstance(value, bool):
                 msg = f"parameters.binary_data_output: expected true or false, got {_show(value)}"
                 raise _bad(msg)
             binary = value
+        elif key in ("timeout", "priority"):
+            if type(value) is not int or value < 0:
+                unit = " of microseconds" if key == "timeout" else " (1 the highest, 0 the default)"
+                msg = f"parameters.{key}: expected a whole number{unit} >= 0, got {_show(value)}"
+                raise _bad(msg)
+            if key == "priority":
+                priority = value
+            elif value > 0:  # Triton's 0: no timeout of the request's own
+                timeout_s = value / 1e6
         else:
             msg = (
                 f"parameters.{key}: not supported by this server (value {_show(value)}); "
                 f"it knows {', '.join(_REQUEST_PARAMETERS)}"
             )
             raise _bad(msg)
-    return binary
+    return _RequestParameters(binary, timeout_s, priority)
 
 
 def _shape(tensor: Mapping[str, object], where: str) -> int:
@@ -414,7 +433,9 @@ def _json_records(data: object, n: int, where: str) -> list[bytes]:
     return out
 
 
-def _records(inputs: object, binary: memoryview | None) -> Sequence[bytes]:
+def _records(
+    inputs: object, binary: memoryview | None, max_records: int | None = None
+) -> Sequence[bytes]:
     if inputs is _MISSING:
         msg = f"inputs: missing; send [{_INPUT_TEMPLATE}]"
         raise _bad(msg, "missing_input")
@@ -454,6 +475,12 @@ def _records(inputs: object, binary: memoryview | None) -> Sequence[bytes]:
         msg = f'{where}.datatype: expected "{INPUT_DATATYPE}", {got}'
         raise _bad(msg)
     n = _shape(tensor, where)
+    if max_records is not None and n > max_records:  # before any of it is decoded
+        msg = (
+            f"{where}.shape: {n} records, over this server's limit of {max_records} per "
+            f"request (serving.max_request_records); send them in several requests"
+        )
+        raise _bad(msg, "too_many_records", status=413)
     size = _input_binary_size(tensor, where)
     if size is None:
         if binary:
@@ -529,12 +556,16 @@ def _requested_outputs(
 
 
 def parse_infer_request(
-    body: bytes, heads: Sequence[str], header_length: str | None = None
+    body: bytes,
+    heads: Sequence[str],
+    header_length: str | None = None,
+    max_records: int | None = None,
 ) -> InferRequest:
     """Check an infer request body and return its id, records and requested outputs.
 
     ``header_length`` is the ``Inference-Header-Content-Length`` header's value, if sent
-    (the binary tensor data extension). Raises :class:`OipError` (status 400).
+    (the binary tensor data extension). Raises :class:`OipError` (status 400; 413 for
+    more than ``max_records`` records, found from the shape before any is decoded).
 
     >>> tensor = encode_bytes_tensor([b'{"user": 7}'])
     >>> head = (b'{"inputs": [{"name": "records", "datatype": "BYTES", "shape": [1, 1],'
@@ -559,10 +590,17 @@ def parse_infer_request(
     if request_id is not None and type(request_id) is not str:
         msg = f"id: expected a string, got {_show(request_id)}"
         raise _bad(msg)
-    binary_output = _request_binary_output(doc.get("parameters"))
-    records = _records(doc.get("inputs", _MISSING), binary)
-    outputs = _requested_outputs(doc.get("outputs", _MISSING), heads, binary_output)
-    return InferRequest(request_id, records, outputs, binary_output)
+    parameters = _request_parameters(doc.get("parameters"))
+    records = _records(doc.get("inputs", _MISSING), binary, max_records)
+    outputs = _requested_outputs(doc.get("outputs", _MISSING), heads, parameters.binary_output)
+    return InferRequest(
+        request_id,
+        records,
+        outputs,
+        parameters.binary_output,
+        timeout_s=parameters.timeout_s,
+        priority=parameters.priority,
+    )
 
 
 # --- responses ------------------------------------------------------------------------

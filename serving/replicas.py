@@ -75,11 +75,16 @@ class ReplicaRows:
         self._groups: dict[tuple[str, ...], tuple[list[_Tables], TableGroup]] = {}
 
     def lookup(
-        self, ids: Mapping[str, npt.ArrayLike], *, train: bool = False
+        self,
+        ids: Mapping[str, npt.ArrayLike],
+        *,
+        train: bool = False,
+        timeout_s: float | None = None,
     ) -> dict[str, npt.NDArray[np.floating]]:
         """Rows (``row_dtype``, ``[n, dim]``) for the ids of each table, in order.
 
-        ``train`` must be False: replicas are read-only.
+        ``train`` must be False: replicas are read-only. ``timeout_s`` is taken for a
+        reader's interface: a read in memory waits on nothing.
         """
         if train:
             msg = "train: serving replicas are read-only"
@@ -105,7 +110,12 @@ class ReplicaRows:
         return out
 
     def read_flat(
-        self, names: Sequence[str], ids: npt.NDArray[np.uint64], bounds: npt.NDArray[np.int64]
+        self,
+        names: Sequence[str],
+        ids: npt.NDArray[np.uint64],
+        bounds: npt.NDArray[np.int64],
+        *,
+        timeout_s: float | None = None,
     ) -> npt.NDArray[np.float32] | None:
         """The rows of every table's ids side by side (table ``names[t]``'s are
         ``ids[bounds[t]:bounds[t + 1]]``), float32 as :meth:`lookup` gives them in
@@ -209,16 +219,26 @@ class StoreRows:
         self._one_dim = len(set(client.dims.values())) == 1
 
     def lookup(
-        self, ids: Mapping[str, npt.ArrayLike], *, train: bool = False
+        self,
+        ids: Mapping[str, npt.ArrayLike],
+        *,
+        train: bool = False,
+        timeout_s: float | None = None,
     ) -> Mapping[str, npt.NDArray[np.floating]]:
-        """The client's lookup (``train`` must be False: serving reads)."""
+        """The client's lookup (``train`` must be False: serving reads), within
+        ``timeout_s`` when given."""
         if train:
             msg = "train: serving reads rows without changing them"
             raise InvalidRequest(msg)
-        return self.client.lookup(ids, train=False)
+        return self.client.lookup(ids, train=False, timeout_s=timeout_s)
 
     def read_flat(
-        self, names: Sequence[str], ids: npt.NDArray[np.uint64], bounds: npt.NDArray[np.int64]
+        self,
+        names: Sequence[str],
+        ids: npt.NDArray[np.uint64],
+        bounds: npt.NDArray[np.int64],
+        *,
+        timeout_s: float | None = None,
     ) -> npt.NDArray[np.float32] | None:
         """As :meth:`ReplicaRows.read_flat`: table ``names[t]``'s ids are
         ``ids[bounds[t]:bounds[t + 1]]``; None when the tables are not of one dim."""
@@ -226,7 +246,9 @@ class StoreRows:
             return None
         at = bounds.tolist()
         got = self.client.lookup(
-            {name: ids[at[t] : at[t + 1]] for t, name in enumerate(names)}, train=False
+            {name: ids[at[t] : at[t + 1]] for t, name in enumerate(names)},
+            train=False,
+            timeout_s=timeout_s,
         )
         return widened(np.concatenate([got[name] for name in names]))
 
@@ -236,7 +258,11 @@ class _DimsAndLookup(Protocol):
     def dims(self) -> Mapping[str, int]: ...
 
     def lookup(
-        self, ids: Mapping[str, npt.ArrayLike], *, train: bool = ...
+        self,
+        ids: Mapping[str, npt.ArrayLike],
+        *,
+        train: bool = ...,
+        timeout_s: float | None = ...,
     ) -> Mapping[str, npt.NDArray[np.floating]]: ...
 
 

@@ -16,6 +16,7 @@ A model is anything with the shape of :class:`Predictor`; the protocol layer
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -25,9 +26,12 @@ import numpy.typing as npt
 
 __all__ = [
     "BadRecords",
+    "Deadline",
+    "DeadlineExceeded",
     "EncodedResponse",
     "InferRequest",
     "OipError",
+    "Overloaded",
     "Prediction",
     "Predictor",
     "RecordError",
@@ -132,6 +136,71 @@ class OipError(Exception):
         self.reason = reason
 
 
+class DeadlineExceeded(OipError):
+    """A request's time ran out before its answer was ready: the server says 504.
+
+    ``stage`` names where it was found out (``"waiting in the queue"``,
+    ``"decoding"``, ``"reading rows"``, ...).
+    """
+
+    def __init__(self, timeout_s: float, stage: str) -> None:
+        message = (
+            f"request timed out after {timeout_s:g}s while {stage} (serving.request_timeout_s, "
+            f"or the request's timeout parameter); retry, or send fewer records per request"
+        )
+        super().__init__(504, message, "timeout")
+        self.timeout_s = timeout_s
+        self.stage = stage
+
+
+class Overloaded(OipError):
+    """The server's queue is full: the request is shed with 503 and ``Retry-After``."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(503, message, "overloaded")
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True, slots=True)
+class Deadline:
+    """When a request's answer must be under way: ``at``, a ``time.perf_counter()``.
+
+    Work that can stop checks it between its stages (:meth:`check`); a compiled
+    kernel's call cannot be interrupted, so a request is late by at most the
+    stage that was running.
+
+    >>> d = Deadline.after(0.5, start=100.0)
+    >>> d.at, d.left(now=100.2) > 0.29, d.passed(now=100.6)
+    (100.5, True, True)
+    >>> d.check("decoding", now=100.6)
+    Traceback (most recent call last):
+    ...
+    serving.types.DeadlineExceeded: request timed out after 0.5s while decoding ...
+    """
+
+    at: float
+    timeout_s: float
+
+    @classmethod
+    def after(cls, timeout_s: float, start: float | None = None) -> Deadline:
+        """``timeout_s`` seconds after ``start`` (a ``perf_counter()``; None: now)."""
+        begin = time.perf_counter() if start is None else start
+        return cls(begin + timeout_s, timeout_s)
+
+    def left(self, now: float | None = None) -> float:
+        """Seconds left, never below 0."""
+        return max(0.0, self.at - (time.perf_counter() if now is None else now))
+
+    def passed(self, now: float | None = None) -> bool:
+        """Whether the deadline is behind us."""
+        return (time.perf_counter() if now is None else now) >= self.at
+
+    def check(self, stage: str, now: float | None = None) -> None:
+        """Raise :class:`DeadlineExceeded` naming ``stage`` when the deadline has passed."""
+        if self.passed(now):
+            raise DeadlineExceeded(self.timeout_s, stage)
+
+
 @runtime_checkable
 class Predictor(Protocol):
     """The model behind the server (read-only properties accept plain attributes too)."""
@@ -151,7 +220,11 @@ class Predictor(Protocol):
         ...
 
     def predict(self, records: Sequence[bytes]) -> Prediction:
-        """Score records (each in the job's own format); raises :class:`BadRecords`."""
+        """Score records (each in the job's own format); raises :class:`BadRecords`.
+
+        A model whose ``predict`` also takes ``deadline: Deadline | None`` (a keyword)
+        is given the request's, and stops between its stages once it has passed
+        (:class:`DeadlineExceeded`)."""
         ...
 
     def metadata(self) -> Mapping[str, object]:
@@ -173,12 +246,16 @@ class InferRequest:
 
     ``outputs`` is ``None`` when the request named none (every head is sent,
     as binary data when ``binary_output``, the request's ``binary_data_output``).
+    ``timeout_s`` (shorter than the server's ``request_timeout_s``) and ``priority``
+    come from Triton's request parameters.
     """
 
     id: str | None
     records: Sequence[bytes]  # a list, or the binary tensor's JoinedPayloads
     outputs: tuple[RequestedOutput, ...] | None = None
     binary_output: bool = False
+    timeout_s: float | None = None  # the request's own (Triton's ``timeout`` parameter)
+    priority: int = 0  # Triton's: 1 is the highest, 0 the default
 
 
 @dataclass(frozen=True, slots=True)

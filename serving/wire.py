@@ -17,6 +17,13 @@ rest of its life, with the bytes read so far: a socket pair carries them to a
 connection of tornado's ``HTTPServer``, and tornado's answers back. Tornado
 decides everything but the plain case, so the two cannot disagree on what is
 valid HTTP.
+
+The connections are bounded: past ``max_connections`` a new one is answered
+503 and closed; a sweep closes a connection idle for ``idle_timeout_s``, and
+answers 408 and closes one whose request is not all there ``read_timeout_s``
+after its first byte (a client that trickles its request cannot hold a
+connection forever). Tornado applies the same two timeouts to the connections
+handed over to it.
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ class Reply(NamedTuple):
     body: bytes
     content_type: str = "application/json"
     header_length: int | None = None
+    retry_after_s: int | None = None  # sent as Retry-After (a shed request's 503)
 
 
 def plain_infer(head: bytes, path: bytes, max_body: int, token: bytes | None) -> PlainInfer | None:
@@ -119,13 +127,33 @@ def plain_infer(head: bytes, path: bytes, max_body: int, token: bytes | None) ->
     return PlainInfer(length, header_length, keep_alive)
 
 
+def _head(
+    status: int,
+    length: int,
+    date: bytes,
+    content_type: bytes = b"application/json",
+    extra: bytes = b"",
+) -> bytes:
+    """A response's status line and headers, ``extra`` (whole header lines) last.
+
+    >>> _head(408, 2, b"D", extra=b"Connection: close\\r\\n").split(b"\\r\\n")
+    [b'HTTP/1.1 408 Request Timeout', b'Content-Type: application/json', \
+b'Content-Length: 2', b'Date: D', b'Connection: close', b'', b'']
+    """
+    return b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nDate: %s\r\n%s\r\n" % (
+        status, responses.get(status, "").encode(), content_type, length, date, extra,
+    )  # fmt: skip
+
+
 class WireServer:
     """What every connection of one server shares: how to answer, where to hand over.
 
-    ``answer(body, header_length, done)`` answers a plain infer request's body,
-    telling ``done`` the reply (at once, or on a later turn of the loop);
-    ``answered(status, seconds)`` is told of each answer (the metrics);
-    ``tornado`` serves the connections handed over.
+    ``answer(body, header_length, start, done)`` answers a plain infer request's
+    body (``start``: the ``perf_counter`` its head was read at), telling ``done``
+    the reply (at once, or on a later turn of the loop); ``answered(status,
+    seconds)`` is told of each answer (the metrics); ``refused(reason)`` of each
+    connection refused or closed by a limit; ``tornado`` serves the connections
+    handed over.
     """
 
     def __init__(
@@ -133,19 +161,30 @@ class WireServer:
         path: str | None,
         max_body: int,
         token: bytes | None,
-        answer: Callable[[bytes, str | None, Callable[[Reply], None]], None],
+        answer: Callable[[bytes, str | None, float, Callable[[Reply], None]], None],
         answered: Callable[[int, float], None],
         tornado: HTTPServer,
+        *,
+        max_connections: int | None = None,
+        idle_timeout_s: float | None = None,
+        read_timeout_s: float | None = None,
+        refused: Callable[[str], None] | None = None,
     ) -> None:
-        """``path``: the infer URL's path; None: every request goes to tornado."""
+        """``path``: the infer URL's path; None: every request goes to tornado. The
+        limits: None for none."""
         self.path = None if path is None else path.encode()
         self.max_body = max_body
         self.token = token
         self.answer = answer
         self.answered = answered
         self.tornado = tornado
+        self.max_connections = max_connections
+        self.idle_timeout_s = idle_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.refused = refused or (lambda reason: None)
         self.connections: set[Wire] = set()
         self._date = (0, b"")
+        self._sweeper: asyncio.TimerHandle | None = None
 
     def date(self) -> bytes:
         """The Date header's value, formatted once a second."""
@@ -158,8 +197,32 @@ class WireServer:
         """A protocol for one accepted connection (``loop.create_server``'s factory)."""
         return Wire(self)
 
+    def start_sweeping(self) -> None:
+        """Close idle and trickling connections from now on, on the running loop: a
+        sweep every quarter of the shorter timeout (at most a second apart), rather
+        than a timer per request."""
+        timeouts = [t for t in (self.idle_timeout_s, self.read_timeout_s) if t is not None]
+        if not timeouts:
+            return
+        every = min(1.0, min(timeouts) / 4)
+        loop = asyncio.get_running_loop()
+
+        def sweep() -> None:
+            self.sweep(time.perf_counter())
+            self._sweeper = loop.call_later(every, sweep)
+
+        self._sweeper = loop.call_later(every, sweep)
+
+    def sweep(self, now: float) -> None:
+        """Close the connections past a timeout at ``now`` (a ``perf_counter``)."""
+        for wire in list(self.connections):
+            wire.check_timeouts(now)
+
     def close_all(self) -> None:
         """Close every connection, handed over or not."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
         for wire in list(self.connections):
             wire.close()
 
@@ -184,13 +247,29 @@ class Wire(asyncio.Protocol):
         self._handing_over = False
         self._eof = False  # the client sent all it will send
         self._task: asyncio.Future[None] | None = None  # answering, or handing over
+        # Since when the connection has waited for a request, or read the one it has.
+        self._idle_since = time.perf_counter()
+        self._reading_since: float | None = None
 
     # --- asyncio.Protocol --------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
-        self.server.connections.add(self)
+        server = self.server
+        limit = server.max_connections
+        if limit is not None and len(server.connections) >= limit:
+            self._closed = True
+            server.refused("too_many_connections")
+            message = (
+                f'{{"error":"server at its limit of {limit} connections (max_connections); '
+                f'retry after the Retry-After seconds"}}'
+            ).encode()
+            extra = b"Retry-After: 1\r\nConnection: close\r\n"
+            transport.write(_head(503, len(message), server.date(), extra=extra) + message)
+            transport.close()
+            return
+        server.connections.add(self)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             # An answer is one write; Nagle would hold it back for the client's ACK.
@@ -200,6 +279,10 @@ class Wire(asyncio.Protocol):
         if self._pipe is not None:
             self._pipe.write(data)
             return
+        if self._closed:
+            return
+        if self._reading_since is None:
+            self._reading_since = time.perf_counter()
         self._buffer += data
         if self._handing_over:
             return
@@ -244,6 +327,31 @@ class Wire(asyncio.Protocol):
             self._transport.close()
         if self._pipe is not None:
             self._pipe.close()
+
+    def check_timeouts(self, now: float) -> None:
+        """Close this connection when idle past ``idle_timeout_s``, or answer 408 and
+        close it when its request is not all there ``read_timeout_s`` after it began.
+        A connection being answered, or handed over (tornado's own timeouts), is left."""
+        if self._closed or self._answering or self._handing_over or self._pipe is not None:
+            return
+        server = self.server
+        if self._reading_since is None:
+            if server.idle_timeout_s is not None and now - self._idle_since > server.idle_timeout_s:
+                server.refused("idle_timeout")
+                self.close()
+            return
+        limit = server.read_timeout_s
+        if limit is not None and now - self._reading_since > limit:
+            server.refused("read_timeout")
+            message = (
+                f'{{"error":"request not received whole within {limit:g}s of its first '
+                f'byte (read_timeout_s); send it at once"}}'
+            ).encode()
+            assert self._transport is not None
+            head = _head(408, len(message), server.date(), extra=b"Connection: close\r\n")
+            self._transport.write(head + message)
+            self._closed = True
+            self._transport.close()
 
     def _pause_reading(self) -> None:
         if not self._reading_paused and self._transport is not None:
@@ -315,7 +423,7 @@ class Wire(asyncio.Protocol):
                 self._answered(reply, request, started)
 
         try:
-            self.server.answer(body, request.header_length, done)
+            self.server.answer(body, request.header_length, started, done)
         except Exception:  # a bug there must not leave the client waiting
             log.exception("answering an infer request")
             done(Reply(500, b'{"error":"internal error answering the request"}'))
@@ -332,22 +440,19 @@ class Wire(asyncio.Protocol):
             extra = b"Inference-Header-Content-Length: %d\r\n" % reply.header_length
         if not request.keep_alive:
             extra += b"Connection: close\r\n"
-        transport.write(
-            b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\nDate: %s\r\n%s\r\n"
-            % (
-                reply.status,
-                responses.get(reply.status, "").encode(),
-                reply.content_type.encode(),
-                len(reply.body),
-                server.date(),
-                extra,
-            )
-            + reply.body
+        if reply.retry_after_s is not None:
+            extra += b"Retry-After: %d\r\n" % reply.retry_after_s
+        head = _head(
+            reply.status, len(reply.body), server.date(), reply.content_type.encode(), extra
         )
+        transport.write(head + reply.body)
         server.answered(reply.status, time.perf_counter() - started)
         if not request.keep_alive or (self._eof and not self._buffer):
             transport.close()
             return
+        now = time.perf_counter()
+        self._idle_since = now
+        self._reading_since = now if self._buffer else None  # a pipelined request began
         self._answering = False
         self._resume_reading()
         self._next()  # returns at once when called from within _next's loop

@@ -11,6 +11,10 @@ from typing import Any
 
 from deploy.status_line import StatusLine, progress_bar
 
+# Each attempt of a call to a replica process (two attempts): how long a replica that
+# stopped answering keeps a server ready.
+REPLICA_CALL_TIMEOUT_S = 5.0
+
 
 def _scored(args: argparse.Namespace, command: str, *, labels_required: bool) -> Any:
     """The file's scores with the parameters asked for, or an exit code."""
@@ -247,7 +251,7 @@ class ServingStack:
         dashboard page then shows this server); None: no reports."""
         from connectors.codecs import make_codec
         from deploy.job import build_codec, serving_location
-        from embedding_store.client import StoreClient
+        from embedding_store.client import RetryPolicy, StoreClient
         from serving.freshness import FreshnessCollector, SparseFreshness
         from serving.http import InferenceServer
         from serving.model import DenseFollower, ServingModel
@@ -262,7 +266,11 @@ class ServingStack:
             )
             self.rows = self.replicas.rows
         else:
-            self.rows = StoreClient.connect(store, token=store_token)
+            # Short attempts: a replica that stops answering turns readiness off within
+            # about two of them (the poll's), and a request's read is bounded by its
+            # deadline anyway.
+            retry = RetryPolicy(attempts=2, timeout_s=REPLICA_CALL_TIMEOUT_S)
+            self.rows = StoreClient.connect(store, token=store_token, retry=retry)
         dims = {name: t.dim for name, t in job.store.tables.items()}
         self.where = serving_location(job)
         self.dense = DenseFollower(self.where, job.trainer, job.features, dims, poll_s=cfg.poll_s)
@@ -283,6 +291,12 @@ class ServingStack:
             token=token,
             max_request_bytes=cfg.max_request_bytes,
             max_batch_records=cfg.max_batch_records,
+            max_request_records=cfg.max_request_records,
+            max_queued_records=cfg.max_queued_records,
+            request_timeout_s=cfg.request_timeout_s,
+            max_connections=cfg.max_connections,
+            idle_timeout_s=cfg.idle_timeout_s,
+            read_timeout_s=cfg.read_timeout_s,
         )
         self.server.metrics.registry.register(FreshnessCollector(self.sparse, self.dense))
         try:
@@ -301,9 +315,10 @@ class ServingStack:
         )
 
     def _rows_ready(self) -> bool:
-        """Replicas in this process are ready once caught up and their version known."""
+        """Replicas in this process are ready once caught up and their version known;
+        replica processes while every one of them answered the last poll, caught up."""
         if self.replicas is None:
-            return True
+            return self.sparse.answering
         if self.replicas.caught_up() and self.sparse.as_of is None:
             self.sparse.poll()
         return self.sparse.as_of is not None

@@ -217,3 +217,27 @@ def test_an_answer_that_raises_does_not_fail_the_others_of_its_call() -> None:
     asyncio.run(run())
     assert got == [0.0, 2.0]
     assert echo.calls == [1, 2]
+
+
+def test_lower_priorities_are_scored_first_and_a_full_queue_sheds() -> None:
+    from serving.types import Overloaded
+
+    echo = Echo()
+    batcher = LoopBatcher(echo, max_records=1, max_queued_records=3)
+
+    async def turn() -> list[object]:
+        futures = [
+            batcher.submit(_records(0)),  # no priority: after every level
+            batcher.submit(_records(2), priority=2),
+            batcher.submit(_records(1), priority=1),
+            batcher.submit(_records(9)),  # a fourth record would pass max_queued_records
+        ]
+        return await asyncio.gather(*futures, return_exceptions=True)
+
+    *answered, shed = asyncio.run(turn())
+    assert isinstance(shed, Overloaded)
+    assert (shed.status, shed.retry_after_s) == (503, 1)
+    assert batcher.shed == 1
+    # Scored one at a time, priority 1 first, then 2, then the one without.
+    calls = [p.parameters["call"] for p in answered]  # type: ignore[attr-defined]
+    assert calls == [3, 2, 1]

@@ -1,4 +1,5 @@
-"""Score, evaluate and serve records with lists, as a rating log holds them.
+"""Score, evaluate and serve records with lists, as a rating log holds them; and a
+server whose store stops answering.
 
 Real processes: a backfill job learns the records, then ``streamrec score``,
 ``streamrec evaluate`` and ``streamrec serve`` read them back. Every call runs
@@ -10,8 +11,12 @@ in these records at every chunk size used here.
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import sys
+import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -19,6 +24,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 from deploy.config import load_config
 from deploy.local.shards import ShardProcess
@@ -156,4 +162,71 @@ def test_serve_answers_a_request_of_records_with_lists(
             assert server.stop() in (0, -15), server.log()
         finally:
             server.proc.kill()  # a server whose core is held does not stop on SIGTERM
+            shard.kill()
+
+
+def test_a_request_whose_rows_do_not_come_gets_504_in_time(
+    rated: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """``streamrec serve --store`` reads rows from a shard process over gRPC: while the
+    shard is frozen (SIGSTOP) a request is answered 504 within its deadline instead
+    of holding the server's loop for the store client's retries, readiness turns
+    503 (the rows' store does not answer), and the server is ready and answers again
+    once the shard does."""
+    job, lines = rated
+    raw = yaml.safe_load(job.read_text())
+    raw.setdefault("serving", {})["request_timeout_s"] = 2.0
+    timed = tmp_path / "job.yaml"
+    timed.write_text(yaml.safe_dump(raw))
+    run_dir = load_config(job).run_dir
+    token_file = run_dir / "store.token"
+    shard = ShardProcess.start(job, run_dir / "store" / "shard-000", token_file=token_file)
+    store = ["--store", f"grpc://{shard.address}", "--store-token-file", str(token_file)]
+    argv = [sys.executable, "-m", "deploy.cli", "serve", str(timed), "--port", "0", *store]
+    server = Server(argv, tmp_path / "serve.log")
+    url = f"http://{server.address}"
+    records = lines.read_text().splitlines()[:64]
+    body = json.dumps({
+        "inputs": [{"name": "records", "datatype": "BYTES", "shape": [len(records)],
+                    "data": records}],
+    }).encode()  # fmt: skip
+
+    def ready() -> int:
+        try:
+            with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=30) as reply:
+                return int(reply.status)
+        except urllib.error.HTTPError as e:
+            return e.code
+
+    def infer() -> tuple[int, dict[str, Any], float]:
+        request = urllib.request.Request(f"{url}/v2/models/streamrec/infer", body)
+        started = time.monotonic()
+        try:
+            with urllib.request.urlopen(request, timeout=60) as reply:
+                return reply.status, json.loads(reply.read()), time.monotonic() - started
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read()), time.monotonic() - started
+
+    try:
+        _wait(lambda: infer()[0] == 200, "a first answer")
+        os.kill(shard.proc.pid, signal.SIGSTOP)
+        try:
+            code, answer, took = infer()
+            assert code == 504, answer
+            assert "request timed out after 2s while reading rows" in answer["error"], answer
+            assert took < 10, took  # the deadline, not the client's 6 x 30 s of retries
+            with urllib.request.urlopen(f"{url}/v2/health/live", timeout=10) as reply:
+                assert reply.status == 200
+            _wait(lambda: ready() == 503, "not ready while the store does not answer")
+        finally:
+            os.kill(shard.proc.pid, signal.SIGCONT)
+        _wait(lambda: ready() == 200, "ready once the shard answers")
+        _wait(lambda: infer()[0] == 200, "an answer once the shard is back")
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+            assert 'streamrec_serve_errors_total{reason="timeout"} 1.0' in reply.read().decode()
+    finally:
+        try:
+            assert server.stop() in (0, -15), server.log()
+        finally:
+            server.proc.kill()
             shard.kill()

@@ -130,8 +130,20 @@ CASES: list[tuple[str, bytes, str]] = [
     ),
     (
         "unknown parameter",
-        body(parameters={"priority": 3}),
-        "parameters.priority: not supported by this server (value 3)",
+        body(parameters={"sequence_id": 3}),
+        "parameters.sequence_id: not supported by this server (value 3); it knows "
+        "binary_data_output, timeout, priority",
+    ),
+    (
+        "negative timeout",
+        body(parameters={"timeout": -1}),
+        "parameters.timeout: expected a whole number of microseconds >= 0, got -1",
+    ),
+    (
+        "priority not a number",
+        body(parameters={"priority": "high"}),
+        "parameters.priority: expected a whole number (1 the highest, 0 the default) >= 0, "
+        'got "high"',
     ),
     ("no inputs", body(inputs=...), 'inputs: missing; send [{"name": "records"'),
     ("inputs empty", body(inputs=[]), "inputs: expected a list holding"),
@@ -494,3 +506,27 @@ def test_metadata() -> None:
 
 def test_error_body_is_json() -> None:
     assert json.loads(oip.error_body('a "quoted" name')) == {"error": 'a "quoted" name'}
+
+
+def test_triton_timeout_and_priority_are_read() -> None:
+    raw = body(parameters={"timeout": 250_000, "priority": 2, "binary_data_output": True})
+    request = oip.parse_infer_request(raw, HEADS)
+    assert (request.timeout_s, request.priority, request.binary_output) == (0.25, 2, True)
+    plain = oip.parse_infer_request(body(parameters={"timeout": 0}), HEADS)
+    assert (plain.timeout_s, plain.priority) == (None, 0)  # Triton's 0: no timeout of its own
+
+
+def test_too_many_records_are_refused_from_the_shape() -> None:
+    many = body(inputs=[records_input(shape=[5], data=["{}"] * 5)])
+    with pytest.raises(OipError) as info:
+        oip.parse_infer_request(many, HEADS, max_records=4)
+    assert (info.value.status, info.value.reason) == (413, "too_many_records")
+    assert info.value.message.startswith(
+        "inputs[0].shape: 5 records, over this server's limit of 4 per request"
+    )
+    assert len(oip.parse_infer_request(many, HEADS, max_records=5).records) == 5
+    # A binary tensor's shape is read before its bytes: nothing of it is decoded.
+    head = body(inputs=[records_input(shape=[10**9], data=..., parameters={"binary_data_size": 4})])
+    with pytest.raises(OipError) as info:
+        oip.parse_infer_request(head + b"\x00" * 4, HEADS, str(len(head)), max_records=4)
+    assert info.value.status == 413
