@@ -27,8 +27,12 @@ lost worker costs a retry, never a record.
 
 ``max_events`` bounds the records this run reads: chunks are planned so that
 the records yielded never exceed it (a chunk is cut short at the budget), and
-the iterator ends once it is spent. Every wait (for a task, for a quiet
-source) also ends when ``stop_when()`` says so.
+the iterator ends once it is spent. With ``budget_open`` (one rank of several
+sharing a job's budget) a spent budget does not end the iterator: it ticks
+``None`` while the ranks may still move budget to it (:meth:`allow`), and
+:meth:`has_more` says whether the source holds records past what was read.
+Every wait (for a task, for a quiet source) also ends when ``stop_when()``
+says so.
 """
 
 from __future__ import annotations
@@ -83,6 +87,7 @@ class StreamRunner:
         stop_when: Callable[[], bool] | None = None,
         idle_ticks: bool = False,
         max_events: int | None = None,
+        budget_open: bool = False,
     ) -> None:
         if staleness < 0:
             msg = f"staleness must be >= 0, got {staleness}"
@@ -108,6 +113,7 @@ class StreamRunner:
         self.stop_when = stop_when
         self.idle_ticks = idle_ticks
         self.max_events = max_events
+        self.budget_open = budget_open
         self.stats = RunnerStats()
         self._given = dict(positions or {})
         # Per partition: where this run started, where the next chunk starts, and
@@ -221,9 +227,28 @@ class StreamRunner:
         if self._inflight_count():
             return False
         budget = self._budget()
-        if budget is not None and budget <= 0:
+        if budget is not None and budget <= 0 and not self.budget_open:
             return True
         return all(self.source.is_finished(p, self._planned[p]) for p in self._order)
+
+    # --- a budget shared with other ranks ------------------------------------------
+
+    def has_more(self) -> bool:
+        """Whether the source holds a record past what was planned (one ask of the
+        source per partition: for Kafka, its log end)."""
+        return any(self.source.plan(p, self._planned[p], 1) is not None for p in self._order)
+
+    def allow(self, more: int) -> None:
+        """From now on read at most ``more`` records beyond those yielded: what is in
+        flight is dropped (its records are read again if the budget comes back)."""
+        if more < 0:
+            msg = f"more: expected a record count >= 0, got {more}"
+            raise ValueError(msg)
+        if self._submitted:
+            self.client.cancel([f for f, _, _ in self._submitted])
+            self._submitted.clear()
+            self._planned = dict(self._done)
+        self.max_events = self.stats.records + self.stats.bad_records + more
 
     def _stopping(self) -> bool:
         return self.stop_when is not None and self.stop_when()

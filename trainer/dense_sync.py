@@ -17,7 +17,7 @@ With one rank there is no process group and ``exchange`` only echoes.
 >>> import torch
 >>> sync = DenseSync(torch.nn.Linear(2, 1), mode="allreduce")
 >>> sync.exchange(Control(active=1, waiting=0, stop=0, checkpoint=1, samples=8))
-Control(active=1, waiting=0, stop=0, checkpoint=1, samples=8, failed=0)
+Control(active=1, waiting=0, stop=0, checkpoint=1, samples=8, failed=0, hungry=0, spare=0)
 """
 
 from __future__ import annotations
@@ -41,8 +41,14 @@ class Control:
     # Ranks that lost the embedding store (a shard died or restarted): every rank
     # then rolls back to the newest job checkpoint together.
     failed: int = 0
+    # With a job-wide --max-events: ranks at their share whose source holds more
+    # (hungry), and the events the ranks without work could still learn (spare).
+    hungry: int = 0
+    spare: int = 0
 
-    def any(self, flag: Literal["active", "waiting", "stop", "checkpoint", "failed"]) -> bool:
+    def any(
+        self, flag: Literal["active", "waiting", "stop", "checkpoint", "failed", "hungry"]
+    ) -> bool:
         return bool(getattr(self, flag) > 0)
 
 
@@ -72,8 +78,19 @@ class DenseSync:
         params = [p for p in self.model.parameters() if p.requires_grad]
         # On the parameters' device: NCCL reduces CUDA tensors only, and the flags
         # travel in the same buffer as the gradients.
+        # float32, as the gradients: ``spare`` is only asked whether it is above 0 (the
+        # amounts travel by ``gather``), which no rounding changes.
         flags = torch.tensor(
-            [mine.active, mine.waiting, mine.stop, mine.checkpoint, mine.samples, mine.failed],
+            [
+                mine.active,
+                mine.waiting,
+                mine.stop,
+                mine.checkpoint,
+                mine.samples,
+                mine.failed,
+                mine.hungry,
+                mine.spare,
+            ],
             dtype=torch.float32,
             device=params[0].device if params else torch.device("cpu"),
         )
@@ -100,8 +117,10 @@ class DenseSync:
             dist.all_reduce(flags)
             if self.exchanges % self.average_every == 0:
                 self.average()
-        a, w, s, c, n, f = (round(float(x)) for x in flags)
-        return Control(active=a, waiting=w, stop=s, checkpoint=c, samples=n, failed=f)
+        a, w, s, c, n, f, h, e = (round(float(x)) for x in flags)
+        return Control(
+            active=a, waiting=w, stop=s, checkpoint=c, samples=n, failed=f, hungry=h, spare=e
+        )
 
     def average(self) -> None:
         """Replace every rank's dense parameters by their mean (async mode)."""

@@ -24,7 +24,7 @@ import uuid
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ from pipeline.types import PreparedBatch
 from trainer.checkpoint import CheckpointBook, JobCheckpointError, JobManifest
 from trainer.config import DenseOptimizerConfig, LabelPrior, TrainerConfig
 from trainer.dense_sync import Control, DenseSync
+from trainer.event_budget import even_shares, share_spare
 from trainer.joined_fields import JoinedFields
 from trainer.ledger import Ledger
 from trainer.metrics import MetricsSnapshot, ProgressiveMetrics
@@ -53,6 +54,28 @@ _RECENT_LOSSES_KEPT = 4096
 _END = object()
 # While every rank's stream is quiet, the ranks meet this often (not in a busy loop).
 _QUIET_SLEEP_S = 0.05
+# How often a rank at its share of --max-events asks its source whether it holds more.
+_HUNGRY_CHECK_S = 0.5
+
+
+class SharedBudget(Protocol):
+    """The side of a rank's stream that a job-wide ``--max-events`` moves between ranks
+    (``pipeline.runner.StreamRunner`` with ``budget_open``)."""
+
+    def has_more(self) -> bool: ...
+
+    def allow(self, more: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class JobBudget:
+    """A job's ``--max-events`` as the ranks share it: the job's whole budget, what
+    this rank had learned of it before this attempt (a rollback keeps it), and the
+    stream whose reading the shares bound."""
+
+    max_events: int
+    kept_events: int
+    stream: SharedBudget
 
 
 class StoreLost(RuntimeError):
@@ -585,12 +608,17 @@ class TrainLoop:
 
     # --- the loop -----------------------------------------------------------------
 
-    def run(self, batches: Iterator[PreparedBatch | None]) -> LoopStats:
+    def run(
+        self, batches: Iterator[PreparedBatch | None], budget: JobBudget | None = None
+    ) -> LoopStats:
         """Train until every rank's stream ends, or a stop; checkpoint on the way out.
 
         ``batches`` may yield ``None``: this rank's stream is quiet for now (see
         ``StreamRunner(idle_ticks=True)``); the rank still takes part in the step.
-        Raises :class:`Rollback` on every rank when the store lost state.
+        ``budget``: the job's ``--max-events`` shared by several ranks (see
+        :mod:`trainer.event_budget`): every rank gives one, and shares move to the
+        ranks with records. Raises :class:`Rollback` on every rank when the store
+        lost state.
         """
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -609,7 +637,7 @@ class TrainLoop:
             # checkpoint this run starts from was rolled back with the store.
             self._ledger.rollback(self.step)
         try:
-            self._run(batches)
+            self._run(batches, budget if self.sync.world > 1 else None)
         except Rollback:
             raise
         except BaseException as exc:
@@ -627,12 +655,15 @@ class TrainLoop:
                 self._ledger.close()
         return self.stats
 
-    def _run(self, batches: Iterator[PreparedBatch | None]) -> None:
+    def _run(self, batches: Iterator[PreparedBatch | None], budget: JobBudget | None) -> None:
         last_report = time.monotonic()
         exhausted = False
         end_reason = "end_of_stream"
         sync_mode = self.config.mode == "sync"
         queue_bound = self.config.effective_push_queue
+        if budget is not None:
+            self._even_shares(budget)
+        hungry_checked = (-float("inf"), False)  # when this rank last asked, and the answer
         if self.initial_checkpoint:
             self.checkpoint()
         # A deadline that passed while the job started still lets the source be asked
@@ -681,13 +712,29 @@ class TrainLoop:
             if batch is not None and len(batch):
                 grads = self._forward_backward(batch)
             self.stats.compute_s += time.perf_counter() - t0
+            hungry = False
+            spare = 0
+            capped = False
+            if budget is not None and batch is None and self.max_events is not None:
+                left = self.max_events - self._events
+                capped = left <= 0 and not exhausted
+                if capped:
+                    end_reason = "max_events"
+                    now = time.monotonic()
+                    if now - hungry_checked[0] >= _HUNGRY_CHECK_S:
+                        hungry_checked = (now, budget.stream.has_more())
+                    hungry = hungry_checked[1]
+                else:
+                    spare = max(0, left)
             mine = Control(
                 active=int(batch is not None),
-                waiting=int(quiet),
+                waiting=int(quiet and not capped),
                 stop=int(bool(stop_reason)),
                 checkpoint=int(self._want_checkpoint()),
                 samples=len(batch) if batch is not None else 0,
                 failed=int(self._failure is not None),
+                hungry=int(hungry),
+                spare=spare,
             )
             t0 = time.perf_counter()
             everyone = self.sync.exchange(mine)
@@ -697,6 +744,15 @@ class TrainLoop:
                 what = str(self._failure) if self._failure else "another rank lost the store"
                 raise Rollback(what) from self._failure
             if not everyone.any("active"):
+                if (
+                    budget is not None
+                    and everyone.any("hungry")
+                    and everyone.spare > 0
+                    and not everyone.any("stop")
+                ):
+                    self._share_spare(budget, hungry, spare)
+                    hungry_checked = (-float("inf"), False)
+                    continue
                 if everyone.any("waiting") and not everyone.any("stop"):
                     # Every stream is quiet for now: no step, and no spinning. What was
                     # learned before the quiet still gets its checkpoint when one is due
@@ -723,8 +779,10 @@ class TrainLoop:
             if batch is not None:
                 self._learn(batch, missed, grads, push=not in_rank_order)
                 if self.max_events is not None and self._events >= self.max_events:
-                    # This rank's share is learned; the others may still have theirs.
-                    exhausted, end_reason = True, "max_events"
+                    # This rank's share is learned; the others may still have theirs (a
+                    # shared budget may move more to it: it keeps asking its stream).
+                    end_reason = "max_events"
+                    exhausted = budget is None
             self.step += 1
             self.stats.steps += 1
             if self.publisher is not None:
@@ -802,6 +860,29 @@ class TrainLoop:
         ):
             for k, n in add.items():
                 into[k] = into.get(k, 0) + n
+
+    def _even_shares(self, budget: JobBudget) -> None:
+        """Every rank's share of what the job may still learn, from every rank's kept
+        events (after a rollback they differ): a collective, at the loop's start."""
+        kept = round(self.sync.sum([float(budget.kept_events)])[0])
+        mine = even_shares(budget.max_events - kept, self.sync.world)[self.rank]
+        self.max_events = self._events + mine
+        budget.stream.allow(mine)
+
+    def _share_spare(self, budget: JobBudget, hungry: bool, spare: int) -> None:
+        """Move the spare events of the ranks without work to the hungry ranks (every
+        rank calls it at the same step; see :mod:`trainer.event_budget`)."""
+        claims = cast(list[tuple[bool, int]], self.sync.gather((hungry, spare)))
+        left = share_spare([h for h, _ in claims], [e for _, e in claims])
+        mine = left[self.rank]
+        self.max_events = self._events + mine
+        budget.stream.allow(mine)
+        log.info(
+            "rank %d: the job's --max-events shares moved to the ranks with records "
+            "(events each rank may still learn: %s)",
+            self.rank,
+            left,
+        )
 
     def _first_batch_prior(self, batch: PreparedBatch | None) -> None:
         """Set each head's output bias to logit(its label's rate in the first batch).

@@ -26,7 +26,7 @@ from deploy.job.recovery import Rollbacks, restore, store_changed_since
 from deploy.job.services import Services
 from deploy.job.sources import RankSource, build_codec, build_source, stop_waiting_when
 from trainer.checkpoint import JobManifest
-from trainer.loop import LoopStats, Progress, Rollback, TrainLoop, pick_device
+from trainer.loop import JobBudget, LoopStats, Progress, Rollback, TrainLoop, pick_device
 
 if TYPE_CHECKING:
     import torch
@@ -124,9 +124,15 @@ def _train(parts: RankParts, limits: Limits) -> LoopStats:
         positions = _positions(parts.source, manifest)
         share = _share(limits.max_events, parts.rank, parts.world, rollbacks.kept_events)
         loop = _train_loop(parts, limits, manifest, positions, restarts, share, stats)
-        runner = _stream_runner(parts, loop, positions, share)
+        shared = limits.max_events is not None and parts.world > 1
+        runner = _stream_runner(parts, loop, positions, share, budget_open=shared)
+        budget = (
+            JobBudget(limits.max_events, rollbacks.kept_events, runner)
+            if shared and limits.max_events is not None
+            else None
+        )
         try:
-            return loop.run(iter(runner))
+            return loop.run(iter(runner), budget)
         except Rollback as exc:
             started = time.monotonic()
             runner.close()
@@ -200,9 +206,15 @@ def _positions(source: Source, manifest: JobManifest | None) -> dict[str, int]:
 
 
 def _stream_runner(
-    parts: RankParts, loop: TrainLoop, positions: dict[str, int], share: int | None
+    parts: RankParts,
+    loop: TrainLoop,
+    positions: dict[str, int],
+    share: int | None,
+    *,
+    budget_open: bool = False,
 ) -> StreamRunner:
-    """The Dask side of one attempt: prepared batches of this rank's partitions."""
+    """The Dask side of one attempt: prepared batches of this rank's partitions;
+    ``budget_open``: its share of ``--max-events`` may move (several ranks)."""
     from pipeline.runner import StreamRunner
 
     job = parts.job
@@ -222,6 +234,7 @@ def _stream_runner(
         # a quiet rank must not hold the others' steps up.
         idle_ticks=True,
         max_events=share,
+        budget_open=budget_open,
     )
 
 

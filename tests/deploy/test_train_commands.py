@@ -5,10 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import re
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +23,7 @@ from connectors.synthetic import (
 )
 from deploy.cli.train import ProgressLine, demo_job
 from embedding_store.location import Location
-from tests.conftest import REPO_ROOT, STREAMREC, streamrec, write_synthetic_job
+from tests.conftest import streamrec, write_synthetic_job
 from tests.kafka_fixtures import KafkaForTests
 from trainer.checkpoint import CheckpointBook
 from trainer.ledger import ledger_entries
@@ -164,36 +161,14 @@ def test_two_ranks_train_their_own_partitions_and_resume_exactly_once(
     ledger_lines = {r: len(ledger(run_dir, r)) for r in (0, 1)}
     assert all(ledger_lines.values()), "both ranks learned in the first run"
 
-    # Uneven partitions: a rank's share of --max-events would wait for records its
-    # partitions never get, so this continuous job is stopped as a user stops it, by
-    # Ctrl-C (SIGINT: the ranks finish their step and take a last checkpoint), once
-    # the ledgers show every offset learned. (A fixed --max-time waited 45 s here,
-    # most of it idle, to be safe under load.)
-    second = subprocess.Popen(
-        [*STREAMREC, "run", str(job)],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 180
-        learned = 0
-        while second.poll() is None and time.monotonic() < deadline:
-            learned = sum(hi - lo for r in (0, 1) for _, _, lo, hi in ledger(run_dir, r))
-            if learned >= sum(ends.values()):
-                break
-            time.sleep(0.3)
-        assert second.poll() is None, second.communicate()[0]
-        assert learned == sum(ends.values()), (learned, ends)
-        second.send_signal(signal.SIGINT)
-        out, _ = second.communicate(timeout=180)
-    finally:
-        if second.poll() is None:
-            second.kill()
-            second.wait()
+    # Uneven partitions (rank 0 holds 2,301 events, rank 1 700): --max-events of
+    # what is left ends the job by itself, each rank's share moved to where the
+    # records are.
+    left = sum(ends.values()) - sum(hi - lo for r in (0, 1) for _, _, lo, hi in ledger(run_dir, r))
+    second = streamrec("run", str(job), "--max-events", str(left), timeout=300)
+    out = second.stdout + second.stderr
     assert second.returncode == 0, out
-    assert "stopped by signal" in out, out
+    assert "stopped by max_events" in out, out
     m2 = book.latest()
     assert m2 is not None
     assert m2.positions == ends
@@ -217,6 +192,58 @@ def test_two_ranks_train_their_own_partitions_and_resume_exactly_once(
     for name, weight in views[0]["model"].items():
         assert torch.equal(weight, views[1]["model"][name]), name
     assert (run_dir / "metrics-rank1.jsonl").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    ("sizes", "batch"),
+    [({0: 1000, 1: 966}, 64), ({0: 1966, 1: 0}, 100)],
+    ids=["unequal partitions, partial batches", "a rank with an empty partition"],
+)
+def test_two_ranks_with_max_events_learn_every_event_once_and_end(
+    tmp_path: Path, kafka: KafkaForTests, kafka_topic: Any, sizes: dict[int, int], batch: int
+) -> None:
+    """--max-events over 2 ranks whose partitions hold unequal counts (or none): the
+    job ends by itself with every event learned once, whatever the batch size."""
+    topic = kafka_topic(partitions=2)
+    lines = list(iter_json_lines(SyntheticConfig(seed=9), sum(sizes.values())))
+    start = 0
+    for partition, n in sizes.items():
+        if n:
+            produce(kafka.bootstrap, topic, lines[start : start + n],
+                    api_version=kafka.api_version, partition=partition)  # fmt: skip
+        start += n
+    ends = {f"{topic}/{p}": n for p, n in sizes.items()}
+    source = kafka_job_source(kafka, topic)
+    job = write_synthetic_job(
+        tmp_path,
+        store=synthetic_store_section(dim=4),
+        source=source,
+        trainer={**TRAINER, "ranks": 2, "batch_size": batch},
+        cluster={"workers": 1, "store_shards": 1, "dashboard_address": ":0"},
+    )
+    run_dir = tmp_path / "run"
+    total = sum(sizes.values())
+    # Before shares moved, this run waited for ever on the rank short of its share.
+    result = streamrec("run", str(job), "--max-events", str(total), timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert "stopped by max_events" in out, out
+    assert f"trained {total:,} samples in " in out, out
+    manifest = CheckpointBook(run_dir / "checkpoints").latest()
+    assert manifest is not None
+    assert manifest.samples == total
+    assert {p: n for p, n in manifest.positions.items() if n} == {
+        p: n for p, n in ends.items() if n
+    }
+    assert committed_offsets(source, {p: n for p, n in ends.items() if n}) == {
+        p: n for p, n in ends.items() if n
+    }
+    covered = {p: np.zeros(n, dtype=np.int64) for p, n in ends.items()}
+    for rank in (0, 1):
+        for _, partition, lo, hi in ledger(run_dir, rank):
+            covered[partition][lo:hi] += 1
+    for partition, counts in covered.items():
+        assert counts.size == 0 or counts.min() == counts.max() == 1, partition
 
 
 def ledger(run_dir: Path, rank: int) -> list[tuple[int, str, int, int]]:
