@@ -213,6 +213,8 @@ class LoopStats:
 
     steps: int = 0
     samples: int = 0
+    # Every rank's samples in this run, from each step's sums (the same on every rank).
+    job_samples: int = 0
     bad_records: int = 0
     events: int = 0  # records learned: samples plus dead-lettered ones
     checkpoints: int = 0
@@ -251,7 +253,7 @@ class Progress:
 
     rank: int
     step: int
-    samples: int  # learned in this run
+    samples: int  # learned in this run (this rank's)
     samples_total: int  # learned by the job, restored checkpoints included
     samples_per_s: float
     elapsed_s: float
@@ -277,6 +279,12 @@ class Progress:
     # max_time, max_events, end_of_stream, another rank, error).
     stopped_by: str = ""
     recoveries: int = 0
+    # Every rank's: samples learned in this run, their rate, and the job's total
+    # (restored checkpoints included); with one rank the same as this rank's.
+    ranks: int = 1
+    job_samples: int = 0
+    job_samples_per_s: float = 0.0
+    job_samples_total: int = 0
 
 
 class JobCheckpointer:
@@ -474,6 +482,7 @@ class TrainLoop:
         self._failure: BaseException | None = None
         self._events = 0  # records this loop learned (stats may carry earlier attempts')
         self._learned = 0  # samples this loop learned
+        self._job_learned = 0  # samples every rank learned in this loop
         # (samples, events) this loop had learned at its last checkpoint: what a
         # rollback to that checkpoint keeps.
         self.checkpointed = (0, 0)
@@ -768,6 +777,8 @@ class TrainLoop:
                     "another rank" if everyone.any("stop") else end_reason
                 )
                 break
+            self.stats.job_samples += everyone.samples
+            self._job_learned += everyone.samples
             t0 = time.perf_counter()
             self.dense.optimizer.step()
             self.stats.compute_s += time.perf_counter() - t0
@@ -996,6 +1007,10 @@ class TrainLoop:
             mode=self.config.mode,
             stopped_by=self.stats.stopped_by,
             recoveries=self.stats.recoveries,
+            ranks=self.sync.world,
+            job_samples=self.stats.job_samples,
+            job_samples_per_s=self.stats.job_samples / elapsed if elapsed > 0 else 0.0,
+            job_samples_total=self.samples_before + self._job_learned,
         )
         if self._log is not None:
             line = asdict(progress)

@@ -79,9 +79,18 @@ class ProgressLine(StatusLine):
 
     def text(self, p: Any) -> str:
         """One progress line for ``p`` (a ``trainer.loop.Progress``)."""
-        parts = [f"step {p.step:>6}", f"{p.samples:>10,} samples", f"{p.samples_per_s:>8,.0f}/s"]
+        # Every rank's samples (the step's sums), where the report has them.
+        ranks = getattr(p, "ranks", 1)
+        samples, rate, total = (
+            (p.job_samples, p.job_samples_per_s, p.job_samples_total)
+            if ranks > 1
+            else (p.samples, p.samples_per_s, p.samples_total)
+        )
+        parts = [f"step {p.step:>6}", f"{samples:>10,} samples", f"{rate:>8,.0f}/s"]
+        if ranks > 1:
+            parts[1] += f" ({ranks} ranks)"
         if self.total:
-            parts.insert(0, progress_bar(p.samples_total / self.total))
+            parts.insert(0, progress_bar(total / self.total))
         auc = p.metrics.auc
         parts.append(f"AUC {auc:.4f}" if auc is not None else "AUC -")
         best = self.best_auc if self.best_auc is not None else getattr(p, "best_auc", None)

@@ -118,9 +118,13 @@ def _train(parts: RankParts, limits: Limits) -> LoopStats:
     rollback (the store lost state), again from the checkpoint it rolled back to."""
     stats = LoopStats()
     rollbacks = Rollbacks()
+    first: int | None = None  # the job's samples when this run started
     while True:
         manifest, restarts = restore(parts, limits.stopping)
         stats.samples, stats.events = rollbacks.kept_samples, rollbacks.kept_events
+        restored = manifest.samples if manifest is not None else 0
+        first = restored if first is None else first
+        stats.job_samples = restored - first  # every rank's, kept by the checkpoint
         positions = _positions(parts.source, manifest)
         share = _share(limits.max_events, parts.rank, parts.world, rollbacks.kept_events)
         loop = _train_loop(parts, limits, manifest, positions, restarts, share, stats)

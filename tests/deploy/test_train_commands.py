@@ -244,6 +244,12 @@ def test_two_ranks_with_max_events_learn_every_event_once_and_end(
             covered[partition][lo:hi] += 1
     for partition, counts in covered.items():
         assert counts.size == 0 or counts.min() == counts.max() == 1, partition
+    # Each rank's last report counts every rank's samples beside its own.
+    for rank in (0, 1):
+        *_, last = (run_dir / f"metrics-rank{rank}.jsonl").read_text().splitlines()
+        report = json.loads(last)
+        assert (report["ranks"], report["job_samples"]) == (2, total), report
+        assert report["samples"] == sum(hi - lo for _, _, lo, hi in ledger(run_dir, rank))
 
 
 def ledger(run_dir: Path, rank: int) -> list[tuple[int, str, int, int]]:
@@ -320,6 +326,13 @@ def test_progress_line_shows_the_bar_auc_and_best() -> None:
     assert "[##########          ]  50%" in text
     assert "AUC 0.7000" in text
     assert "(best 0.8000)" in text
+
+    class TwoRanks(P):  # rank 0's report of a job of 2 ranks: the line counts both
+        ranks, job_samples, job_samples_per_s, job_samples_total = 2, 900, 180.0, 900
+
+    text = ProgressLine(sys.stdout, total=1000).text(TwoRanks())
+    assert "[##################  ]  90%" in text
+    assert "       900 samples (2 ranks)       180/s" in text
 
 
 @pytest.mark.parametrize("events", [1000, 1001])
