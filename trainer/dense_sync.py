@@ -17,7 +17,7 @@ With one rank there is no process group and ``exchange`` only echoes.
 >>> import torch
 >>> sync = DenseSync(torch.nn.Linear(2, 1), mode="allreduce")
 >>> sync.exchange(Control(active=1, waiting=0, stop=0, checkpoint=1, samples=8))
-Control(active=1, waiting=0, stop=0, checkpoint=1, samples=8, failed=0, hungry=0, spare=0)
+Control(active=1, waiting=0, stop=0, checkpoint=1, samples=8, failed=0, hungry=0, spare=0, report=0)
 """
 
 from __future__ import annotations
@@ -45,9 +45,13 @@ class Control:
     # (hungry), and the events the ranks without work could still learn (spare).
     hungry: int = 0
     spare: int = 0
+    # Ranks asking for a report now: every rank then reports, with figures over every
+    # rank's predictions (a gather), at the same step.
+    report: int = 0
 
     def any(
-        self, flag: Literal["active", "waiting", "stop", "checkpoint", "failed", "hungry"]
+        self,
+        flag: Literal["active", "waiting", "stop", "checkpoint", "failed", "hungry", "report"],
     ) -> bool:
         return bool(getattr(self, flag) > 0)
 
@@ -90,6 +94,7 @@ class DenseSync:
                 mine.failed,
                 mine.hungry,
                 mine.spare,
+                mine.report,
             ],
             dtype=torch.float32,
             device=params[0].device if params else torch.device("cpu"),
@@ -117,10 +122,11 @@ class DenseSync:
             dist.all_reduce(flags)
             if self.exchanges % self.average_every == 0:
                 self.average()
-        a, w, s, c, n, f, h, e = (round(float(x)) for x in flags)
+        a, w, s, c, n, f, h, e, r = (round(float(x)) for x in flags)
         return Control(
-            active=a, waiting=w, stop=s, checkpoint=c, samples=n, failed=f, hungry=h, spare=e
-        )
+            active=a, waiting=w, stop=s, checkpoint=c, samples=n, failed=f, hungry=h, spare=e,
+            report=r,
+        )  # fmt: skip
 
     def average(self) -> None:
         """Replace every rank's dense parameters by their mean (async mode)."""

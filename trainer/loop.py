@@ -40,7 +40,7 @@ from trainer.dense_sync import Control, DenseSync
 from trainer.event_budget import even_shares, share_spare
 from trainer.joined_fields import JoinedFields
 from trainer.ledger import Ledger
-from trainer.metrics import MetricsSnapshot, ProgressiveMetrics
+from trainer.metrics import MetricsSnapshot, ProgressiveMetrics, snapshot_of
 from trainer.models import build_model, field_dims, loss_fn, rate_logits
 from trainer.pooling import host_tensor, pool, row_grads, to_tensors
 from trainer.publish import DensePublisher
@@ -285,6 +285,9 @@ class Progress:
     job_samples: int = 0
     job_samples_per_s: float = 0.0
     job_samples_total: int = 0
+    # The progressive figures over every rank's predictions (None: one rank, whose
+    # ``metrics`` they are, or a report of this rank alone).
+    job_metrics: MetricsSnapshot | None = None
 
 
 class JobCheckpointer:
@@ -744,6 +747,10 @@ class TrainLoop:
                 failed=int(self._failure is not None),
                 hungry=int(hungry),
                 spare=spare,
+                # Rank 0's clock says when every rank reports (at one step: a gather).
+                report=int(
+                    self.rank == 0 and time.monotonic() - last_report >= self.config.log_every_s
+                ),
             )
             t0 = time.perf_counter()
             everyone = self.sync.exchange(mine)
@@ -768,8 +775,8 @@ class TrainLoop:
                     # (and so its offsets committed), not only when records come again.
                     if everyone.any("checkpoint") and self.step > self._checkpointed_step:
                         self.checkpoint()
-                    if time.monotonic() - last_report >= self.config.log_every_s:
-                        self._report()
+                    if everyone.any("report"):
+                        self._report(every_rank=True)
                         last_report = time.monotonic()
                     time.sleep(_QUIET_SLEEP_S)
                     continue
@@ -821,8 +828,8 @@ class TrainLoop:
             if everyone.any("stop"):
                 self.stats.stopped_by = stop_reason or "another rank"
                 break
-            if time.monotonic() - last_report >= self.config.log_every_s:
-                self._report()
+            if everyone.any("report"):
+                self._report(every_rank=True)
                 last_report = time.monotonic()
         if self.config.mode == "async":
             self.sync.average()  # the job ends with one dense network, not one per rank
@@ -848,7 +855,7 @@ class TrainLoop:
                     raise
                 msg = f"the last pushes were lost: {exc}"
                 raise Rollback(msg) from exc
-        self._report()
+        self._report(every_rank=True)
 
     def _freshen(self, batch: PreparedBatch) -> None:
         """Train the rows this rank pushed since the batch's lookup as they are now."""
@@ -973,7 +980,30 @@ class TrainLoop:
             for reason, n in batch.bad_by_reason.items():
                 reasons[reason] = reasons.get(reason, 0) + n
 
-    def _report(self) -> None:
+    def _every_rank_metrics(self) -> MetricsSnapshot:
+        """The progressive figures over every rank's window (a gather: every rank calls
+        it at the same step)."""
+        labels, probs = self.metrics.held()
+        # Labels as bytes, probabilities in float32: a window of 100k costs 0.5 MB.
+        parts = cast(
+            list[tuple[np.ndarray, np.ndarray, int]],
+            self.sync.gather(
+                (labels.astype(np.uint8), probs.astype(np.float32), self.metrics.samples)
+            ),
+        )
+        tasks = max(p[0].shape[1] if p[0].ndim == 2 else 0 for p in parts)
+        held = [(y, p) for y, p, _ in parts if y.shape[0] and y.shape[1] == tasks]
+        if not held:
+            return MetricsSnapshot(sum(n for *_, n in parts), 0, None, None, None, ())
+        return snapshot_of(
+            np.concatenate([y for y, _ in held]).astype(np.float64),
+            np.concatenate([p for _, p in held]).astype(np.float64),
+            samples=sum(n for *_, n in parts),
+        )
+
+    def _report(self, *, every_rank: bool = False) -> None:
+        """Write this rank's report (and tell ``on_progress``); ``every_rank``: every rank
+        reports at this step, and the figures over all ranks' predictions ride along."""
         elapsed = self.stats.elapsed()
         recent = self._losses[-50:]
         progress = Progress(
@@ -1011,6 +1041,7 @@ class TrainLoop:
             job_samples=self.stats.job_samples,
             job_samples_per_s=self.stats.job_samples / elapsed if elapsed > 0 else 0.0,
             job_samples_total=self.samples_before + self._job_learned,
+            job_metrics=self._every_rank_metrics() if every_rank and self.sync.world > 1 else None,
         )
         if self._log is not None:
             line = asdict(progress)

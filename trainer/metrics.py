@@ -154,23 +154,43 @@ class ProgressiveMetrics:
         self._probs[slots] = p
         self.samples += n
 
-    def snapshot(self) -> MetricsSnapshot:
-        """The figures over the samples in the window now."""
+    def held(self) -> tuple[F64, F64]:
+        """The labels and probabilities in the window now, ``[held, T]`` each (views;
+        empty before the first update), in no particular order."""
         held = min(self.samples, self.window)
         if self._labels is None or self._probs is None or held == 0:
-            return MetricsSnapshot(self.samples, 0, None, None, None, ())
+            return np.zeros((0, 0)), np.zeros((0, 0))
         # Before the buffer wraps, slots [0, held) are the filled ones; after, all are.
-        y, p = self._labels[:held], self._probs[:held]
-        task_auc = tuple(_auc_or_none(y[:, t], p[:, t]) for t in range(y.shape[1]))
-        mean_label = float(y[:, 0].mean())
-        return MetricsSnapshot(
-            samples=self.samples,
-            window_samples=held,
-            auc=task_auc[0],
-            logloss=logloss(y[:, 0], p[:, 0]),
-            calibration=float(p[:, 0].mean()) / mean_label if mean_label > 0.0 else None,
-            task_auc=task_auc,
-        )
+        return self._labels[:held], self._probs[:held]
+
+    def snapshot(self) -> MetricsSnapshot:
+        """The figures over the samples in the window now."""
+        return snapshot_of(*self.held(), samples=self.samples)
+
+
+def snapshot_of(labels: F64, probs: F64, *, samples: int) -> MetricsSnapshot:
+    """The figures over ``labels`` and ``probs`` (``[n, T]``; e.g. every rank's window
+    side by side); ``samples``: those seen since the start.
+
+    >>> import numpy as np
+    >>> s = snapshot_of(np.array([[0.0], [1.0]]), np.array([[0.2], [0.6]]), samples=9)
+    >>> s.samples, s.window_samples, s.auc
+    (9, 2, 1.0)
+    """
+    held = int(labels.shape[0])
+    if held == 0:
+        return MetricsSnapshot(samples, 0, None, None, None, ())
+    y, p = labels, probs
+    task_auc = tuple(_auc_or_none(y[:, t], p[:, t]) for t in range(y.shape[1]))
+    mean_label = float(y[:, 0].mean())
+    return MetricsSnapshot(
+        samples=samples,
+        window_samples=held,
+        auc=task_auc[0],
+        logloss=logloss(y[:, 0], p[:, 0]),
+        calibration=float(p[:, 0].mean()) / mean_label if mean_label > 0.0 else None,
+        task_auc=task_auc,
+    )
 
 
 def _auc_or_none(labels: F64, scores: F64) -> float | None:

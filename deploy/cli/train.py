@@ -92,7 +92,12 @@ class ProgressLine(StatusLine):
         if self.total:
             parts.insert(0, progress_bar(total / self.total))
         auc = p.metrics.auc
-        parts.append(f"AUC {auc:.4f}" if auc is not None else "AUC -")
+        everyone = getattr(p, "job_metrics", None)
+        if everyone is not None and everyone.auc is not None:
+            mine = f"{auc:.4f}" if auc is not None else "-"
+            parts.append(f"AUC {everyone.auc:.4f} (rank {p.rank} {mine})")
+        else:
+            parts.append(f"AUC {auc:.4f}" if auc is not None else "AUC -")
         best = self.best_auc if self.best_auc is not None else getattr(p, "best_auc", None)
         if best is not None:
             parts.append(f"(best {best:.4f})")
@@ -218,9 +223,15 @@ def _train(
         f"push queue {stats.push_wait_s:.1f}s, rank sync {stats.sync_s:.1f}s, "
         f"{stats.checkpoints} checkpoints"
     )
-    final = line.last.metrics if line.last is not None else None
-    best = line.last.best_auc if line.last is not None else None
-    if final is not None and final.auc is not None:
+    last = line.last
+    final = last.metrics if last is not None else None
+    everyone = getattr(last, "job_metrics", None)  # every rank's predictions
+    best = last.best_auc if last is not None else None
+    if everyone is not None and everyone.auc is not None:
+        rank0 = f", rank 0 {final.auc:.4f}" if final is not None and final.auc else ""
+        print(f"progressive AUC {everyone.auc:.4f} (every rank's predictions{rank0})")
+        final = everyone
+    elif final is not None and final.auc is not None:
         best_text = f" (the stream's best achievable: {best:.4f})" if best is not None else ""
         print(f"progressive AUC {final.auc:.4f}{best_text}")
     if final is not None and final.logloss is not None:

@@ -250,6 +250,12 @@ def test_two_ranks_with_max_events_learn_every_event_once_and_end(
         report = json.loads(last)
         assert (report["ranks"], report["job_samples"]) == (2, total), report
         assert report["samples"] == sum(hi - lo for _, _, lo, hi in ledger(run_dir, rank))
+        # The progressive figures over every rank's predictions, beside the rank's own.
+        everyone = report["job_metrics"]
+        assert (everyone["samples"], everyone["window_samples"]) == (total, total), everyone
+        assert 0 < everyone["auc"] < 1
+    assert "progressive AUC " in out
+    assert "(every rank's predictions" in out, out
 
 
 def ledger(run_dir: Path, rank: int) -> list[tuple[int, str, int, int]]:
