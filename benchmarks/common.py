@@ -150,9 +150,12 @@ def machine_info() -> dict[str, Any]:
     extensions torch's kernels and FBGEMM pick from, the cores and the
     versions of the libraries whose kernels do the work.
 
+    The hypervisor is named too (``none`` on bare metal): two VMs of one CPU
+    model on different hosts are different machines.
+
     >>> info = machine_info()
     >>> sorted(info) == sorted(["cpu_model", "cores", "cpu_flags", "torch_cpu_capability",
-    ...     "torch", "numba", "numpy", "python", "platform"])
+    ...     "torch", "numba", "numpy", "python", "platform", "hypervisor", "product"])
     True
     """
     import os
@@ -194,6 +197,8 @@ def machine_info() -> dict[str, Any]:
         "numpy": np.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "hypervisor": _hypervisor("hypervisor" in flags),
+        "product": _read_first("/sys/class/dmi/id/product_name"),
     }
     try:
         import torch
@@ -209,6 +214,34 @@ def machine_info() -> dict[str, Any]:
     except ImportError:
         pass
     return info
+
+
+def _read_first(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.readline().strip() or None
+    except OSError:
+        return None
+
+
+def _hypervisor(cpu_says_virtual: bool) -> str:
+    """``systemd-detect-virt``'s answer (kvm, microsoft, amazon, ..., none), else the
+    kernel's /sys/hypervisor/type, else "virtual (unknown)" when the CPU flags say so."""
+    import shutil
+    import subprocess
+
+    tool = shutil.which("systemd-detect-virt")
+    if tool is not None:
+        try:
+            out = subprocess.run([tool], capture_output=True, text=True, timeout=5, check=False)
+            if out.stdout.strip():
+                return out.stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    kind = _read_first("/sys/hypervisor/type")
+    if kind is not None:
+        return kind
+    return "virtual (unknown)" if cpu_says_virtual else "none"
 
 
 def write_json(path: Path, figures: Mapping[str, Any], *, announce: bool = False) -> None:
