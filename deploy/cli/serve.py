@@ -351,13 +351,20 @@ class ServingStack:
         )
         self._reporter.start()
 
+    def stop_reporting(self) -> None:
+        """Stop reporting to the Dask scheduler (before it goes: a server that goes on
+        serving after its job's cluster closed reports nothing, and says nothing)."""
+        reporter, self._reporter = getattr(self, "_reporter", None), None
+        if reporter is not None:
+            reporter.close()
+        client, self._client = getattr(self, "_client", None), None
+        if client is not None:
+            client.close()
+
     def close(self, *, server: bool = True) -> None:
-        if getattr(self, "_reporter", None) is not None:
-            self._reporter.close()
+        self.stop_reporting()
         if server:
             self.server.stop()
-        if getattr(self, "_client", None) is not None:
-            self._client.close()
         self.sparse.close()
         self.dense.close()
         if self.replicas is not None:
@@ -477,6 +484,10 @@ class ServingBeside:
             scheduler=scheduler,
         )
         self.url, self.curl = self.stack.url, self.stack.curl
+
+    def stop_reporting(self) -> None:
+        """The stack's :meth:`ServingStack.stop_reporting`."""
+        self.stack.stop_reporting()
 
     def close(self) -> None:
         self.stack.close()

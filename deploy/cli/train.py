@@ -162,7 +162,7 @@ def _train(
     line = ProgressLine(sys.stdout, total=total)
     stop = _install_stop()
 
-    def announce(services: Any) -> None:
+    def announce(services: Any) -> Any:
         if services.dashboard:
             print(f"Dask dashboard: {services.dashboard}")
             page = services.dashboard.rsplit("/", 1)[0]
@@ -183,6 +183,9 @@ def _train(
                 f"  {beside[0].curl}",
                 flush=True,
             )
+            # The server outlives the job's cluster: it stops reporting to it first.
+            return beside[0].stop_reporting
+        return None
 
     _say_resume(job)
     started = time.monotonic()

@@ -31,7 +31,7 @@ def run_job(
     max_time_s: float | None = None,
     stop: threading.Event | None = None,
     on_progress: Callable[[Progress], None] | None = None,
-    on_services: Callable[[Services], None] | None = None,
+    on_services: Callable[[Services], Callable[[], None] | None] | None = None,
     env: Mapping[str, str] | None = None,
 ) -> tuple[LoopStats, JobManifest | None]:
     """Start what the job needs, train, checkpoint, stop everything (see the module doc).
@@ -39,7 +39,8 @@ def run_job(
     ``max_time_s`` counts from this call: starting the services is part of it.
     Started by ``torchrun`` (``RANK`` in ``env``, default the process's), this
     process is one rank of torchrun's world and starts no services: the job must
-    name them (:func:`deploy.cluster.check_torchrun_job`).
+    name them (:func:`deploy.cluster.check_torchrun_job`). ``on_services`` is told
+    the services once they run, and may return what to do before they stop.
     """
     deadline = None if max_time_s is None else time.monotonic() + max_time_s
     env = env if env is not None else environment()
@@ -52,7 +53,9 @@ def run_job(
     with ExitStack() as stack:
         services = start_services(job, stack, env=env, deadline=deadline)
         if on_services is not None:
-            on_services(services)
+            before_stop = on_services(services)
+            if before_stop is not None:
+                stack.callback(before_stop)  # runs before the services' own teardown
         if launch is not None:
             return run_torchrun_rank(
                 job,

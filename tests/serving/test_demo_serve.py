@@ -65,8 +65,11 @@ def test_demo_serves_while_and_after_it_trains(tmp_path: Path) -> None:
         assert output["name"] == "click"
         assert 0.0 < output["data"][0] < 1.0
         assert reply["parameters"]["samples_learned"] == 60000
+        time.sleep(2.5)  # the reporter's interval, twice: it would have failed by now
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0, log.read_text()
+        # The server outlived the job's cluster without reporting to it.
+        assert "could not report server" not in log.read_text(), log.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
