@@ -148,6 +148,14 @@ class ServingConfig(_Strict):
     model_name: str = Field("streamrec", pattern=r"^[A-Za-z0-9_.-]+$", description="in URLs")
     host: str = Field("127.0.0.1", description="the address `streamrec serve` binds")
     port: int = Field(8000, ge=0, le=65535, description="its HTTP port (0: any free one)")
+    grpc_port: int | None = Field(
+        None,
+        ge=0,
+        le=65535,
+        description="also serve the Open Inference Protocol over gRPC (KServe v2's "
+        "GRPCInferenceService, as Triton's port 8001) on this port, through the same limits "
+        "and batching (0: any free one; None: HTTP only)",
+    )
     token_file: Path | None = Field(
         None, description="requests must carry `Authorization: Bearer <this file's token>`"
     )

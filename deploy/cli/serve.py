@@ -244,9 +244,11 @@ class ServingStack:
         token: str | None = None,
         scheduler: str | None = None,
         follow: bool = False,
+        grpc_port: int | None = None,
     ) -> None:
         """``store``: the serving replicas, or with ``follow`` the training shards, which
         this process then follows itself (see :mod:`serving.replicas`).
+        ``grpc_port``: also serve over gRPC on this port (None: HTTP only).
         ``scheduler``: a Dask scheduler with the streamrec plugin to report to (its
         dashboard page then shows this server); None: no reports."""
         from connectors.codecs import make_codec
@@ -299,10 +301,20 @@ class ServingStack:
             read_timeout_s=cfg.read_timeout_s,
         )
         self.server.metrics.registry.register(FreshnessCollector(self.sparse, self.dense))
+        self.grpc: Any = None
+        self.grpc_address: str | None = None
         try:
             self.url = self.server.start()
+            if grpc_port is not None:
+                from serving.grpc_service import GrpcInferenceServer
+
+                self.grpc = GrpcInferenceServer(
+                    self.server, host=host, port=grpc_port, token=token,
+                    max_request_bytes=cfg.max_request_bytes,
+                )  # fmt: skip
+                self.grpc_address = self.grpc.start()
         except BaseException:
-            self.close(server=False)
+            self.close(server=getattr(self, "url", None) is not None)  # the HTTP one started
             raise
         self._client: Any = None
         self._reporter: Any = None
@@ -363,6 +375,8 @@ class ServingStack:
 
     def close(self, *, server: bool = True) -> None:
         self.stop_reporting()
+        if getattr(self, "grpc", None) is not None:
+            self.grpc.stop()  # before the HTTP server whose loop its calls wait on
         if server:
             self.server.stop()
         self.sparse.close()
@@ -425,6 +439,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             token=token,
             scheduler=job.cluster.scheduler,
             follow=args.follow is not None,
+            grpc_port=cfg.grpc_port if args.grpc_port is None else args.grpc_port,
         )
     except (StoreError, ValueError) as exc:
         flag = "--follow" if args.follow is not None else "--store"
@@ -439,6 +454,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         f"weights from {stack.where}; ready once a version is published)\n  {stack.curl}",
         flush=True,
     )
+    if stack.grpc_address is not None:
+        print(f"streamrec serve: gRPC (KServe v2 GRPCInferenceService) on {stack.grpc_address}")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -540,6 +557,12 @@ def add_serve_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     serve.add_argument("--host", help="address to bind (serving.host, 127.0.0.1)")
     serve.add_argument("--port", type=int, help="HTTP port (serving.port, 8000; 0: any free)")
+    serve.add_argument(
+        "--grpc-port",
+        type=int,
+        help="also serve over gRPC on this port (serving.grpc_port; default: HTTP only; "
+        "0: any free)",
+    )
     serve.add_argument(
         "--token-file", type=Path, help="require this token from clients (serving.token_file)"
     )

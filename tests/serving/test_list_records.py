@@ -230,3 +230,59 @@ def test_a_request_whose_rows_do_not_come_gets_504_in_time(
         finally:
             server.proc.kill()
             shard.kill()
+
+
+def test_serve_answers_over_grpc_as_over_http(rated: tuple[Path, Path], tmp_path: Path) -> None:
+    """``streamrec serve --grpc-port 0``: tritonclient's gRPC client gets the same
+    probabilities as an HTTP request of the same records."""
+    import re
+
+    import numpy as np
+    import tritonclient.grpc as triton_grpc
+
+    job, lines = rated
+    run_dir = load_config(job).run_dir
+    token_file = run_dir / "store.token"
+    shard = ShardProcess.start(job, run_dir / "store" / "shard-000", token_file=token_file)
+    follow = ["--follow", f"grpc://{shard.address}", "--store-token-file", str(token_file)]
+    argv = [sys.executable, "-m", "deploy.cli", "serve", str(job), "--port", "0",
+            "--grpc-port", "0", *follow]  # fmt: skip
+    server = Server(argv, tmp_path / "serve.log")
+    try:
+        url = f"http://{server.address}"
+        _wait(lambda: "gRPC (KServe v2" in server.log(), "the gRPC address")
+        found = re.search(r"GRPCInferenceService\) on (\S+)", server.log())
+        assert found is not None, server.log()
+
+        def ready() -> bool:
+            try:
+                with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=5) as reply:
+                    return bool(reply.status == 200)
+            except OSError:
+                return False
+
+        _wait(ready, "ready")
+        records = lines.read_text().splitlines()[:64]
+        body = json.dumps({
+            "inputs": [{"name": "records", "datatype": "BYTES", "shape": [len(records)],
+                        "data": records}],
+        }).encode()  # fmt: skip
+        request = urllib.request.Request(f"{url}/v2/models/streamrec/infer", body)
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            over_http = json.loads(reply.read())["outputs"][0]["data"]
+        client = triton_grpc.InferenceServerClient(found.group(1))
+        assert client.is_server_ready()
+        tensor = triton_grpc.InferInput("records", [len(records)], "BYTES")
+        tensor.set_data_from_numpy(np.array([r.encode() for r in records], dtype=object))
+        answer = client.infer("streamrec", [tensor], timeout=5_000_000)
+        over_grpc = answer.as_numpy("liked")
+        assert over_grpc is not None
+        assert over_grpc.shape == (len(records),)
+        assert np.allclose(over_grpc, over_http, atol=1e-6)
+        client.close()
+    finally:
+        try:
+            assert server.stop() in (0, -15), server.log()
+        finally:
+            server.proc.kill()
+            shard.kill()

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs of the Open Inference Protocol (``embedding_store/proto/generate.py``)."""
