@@ -55,6 +55,8 @@ def trainer_report(
         time=now,
         step=progress.step,
         samples_total=progress.samples_total,
+        job_samples_total=max(progress.job_samples_total, progress.samples_total),
+        job_auc=progress.job_metrics.auc if progress.job_metrics is not None else None,
         events_total=progress.events_total,
         loss=progress.loss,
         auc=m.auc,

@@ -303,6 +303,8 @@ class MonitorState:
                 "series": {k: list(v)[-points:] for k, v in r.series.items()},
                 "step": last["step"],
                 "samples_total": last["samples_total"],
+                "job_samples_total": last.get("job_samples_total", last["samples_total"]),
+                "job_auc": last.get("job_auc"),
                 "events_total": last["events_total"],
                 "loss": last["loss"],
                 "auc": last["auc"],

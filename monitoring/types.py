@@ -47,6 +47,11 @@ class TrainerReport(TypedDict):
     time: float  # unix s
     step: int
     samples_total: int  # learned by the job, restored checkpoints included
+    # Every rank's samples (restored included) and the progressive AUC over every
+    # rank's predictions, from the ranks' per-step sums and report gathers; absent
+    # from a trainer older than them.
+    job_samples_total: NotRequired[int]
+    job_auc: NotRequired[float | None]
     events_total: int  # records read by this rank in this run, dead-lettered included
     loss: float | None
     auc: float | None  # progressive, over the sliding window

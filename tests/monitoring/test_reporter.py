@@ -113,3 +113,14 @@ def test_a_failing_scheduler_costs_a_count_not_the_training() -> None:
     reporter(progress(1))
     reporter(progress(2))
     assert (reporter.failures, reporter.sent) == (2, 0)
+
+
+def test_a_rank_of_several_reports_every_rank_s_samples_and_auc() -> None:
+    everyone = MetricsSnapshot(60, 60, 0.71, 0.5, 1.0, (0.71,))
+    report = trainer_report(
+        progress(3, ranks=2, job_samples=50, job_samples_total=60, job_metrics=everyone), now=7.0
+    )
+    assert (report["samples_total"], report["job_samples_total"]) == (30, 60)
+    assert (report["auc"], report["job_auc"]) == (0.7, 0.71)
+    alone = trainer_report(progress(3), now=7.0)  # one rank: its own are the job's
+    assert (alone["job_samples_total"], alone["job_auc"]) == (30, None)
