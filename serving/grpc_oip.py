@@ -31,7 +31,6 @@ from collections.abc import Mapping, Sequence
 from typing import Final, TypeVar
 
 import numpy as np
-import numpy.typing as npt
 from google.protobuf import json_format
 from google.protobuf.message import Message
 
@@ -297,28 +296,6 @@ def _set(parameter: pb.InferParameter, value: object) -> None:
         parameter.string_param = str(value)
 
 
-def _head(model_name: str, prediction: Prediction, head: str, n: int) -> npt.NDArray[np.float32]:
-    values = prediction.probabilities.get(head)
-    if values is None:
-        msg = f"predictor of {model_name!r} returned no probabilities for head {head!r}"
-        raise ValueError(msg)
-    array = np.asarray(values, dtype=np.float32)
-    if array.shape != (n,):
-        msg = (
-            f"predictor of {model_name!r}: head {head!r} has shape "
-            f"{list(array.shape)} for {n} records; expected [{n}]"
-        )
-        raise ValueError(msg)
-    if not np.isfinite(array).all():
-        bad = int(np.flatnonzero(~np.isfinite(array))[0])
-        msg = (
-            f"predictor of {model_name!r}: head {head!r} is {array[bad]} "
-            f"at record {bad}; probabilities must be finite"
-        )
-        raise ValueError(msg)
-    return array
-
-
 def infer_response(
     model_name: str,
     model_version: str | None,
@@ -349,7 +326,7 @@ def infer_response(
     for key, value in prediction.parameters.items():
         _set(response.parameters[str(key)], value)
     for name in names:
-        array = _head(model_name, prediction, name, n)
+        array = oip.head_values(model_name, prediction, name, n)
         response.outputs.add(name=name, datatype=OUTPUT_DATATYPE, shape=[n])
         response.raw_output_contents.append(array.astype("<f4", copy=False).tobytes())
     return response

@@ -647,24 +647,7 @@ def infer_response(
     outputs: list[dict[str, object]] = []
     raw: list[bytes] = []
     for output in wanted:
-        values = prediction.probabilities.get(output.name)
-        if values is None:
-            msg = f"predictor of {model_name!r} returned no probabilities for head {output.name!r}"
-            raise ValueError(msg)
-        array = np.asarray(values, dtype=np.float32)
-        if array.shape != (n,):
-            msg = (
-                f"predictor of {model_name!r}: head {output.name!r} has shape "
-                f"{list(array.shape)} for {n} records; expected [{n}]"
-            )
-            raise ValueError(msg)
-        if not np.isfinite(array).all():
-            bad = int(np.flatnonzero(~np.isfinite(array))[0])
-            msg = (
-                f"predictor of {model_name!r}: head {output.name!r} is {array[bad]} "
-                f"at record {bad}; probabilities must be finite"
-            )
-            raise ValueError(msg)
+        array = head_values(model_name, prediction, output.name, n)
         tensor: dict[str, object] = {"name": output.name, "datatype": OUTPUT_DATATYPE, "shape": [n]}
         if output.binary:
             data = array.astype("<f4", copy=False).tobytes()
@@ -683,6 +666,39 @@ def infer_response(
     if not raw:
         return EncodedResponse(header)
     return EncodedResponse(header + b"".join(raw), len(header))
+
+
+def head_values(
+    model_name: str, prediction: Prediction, head: str, n: int
+) -> npt.NDArray[np.float32]:
+    """A head's ``n`` probabilities as float32, checked: a model that returns none, the
+    wrong shape or a non-finite value is a ``ValueError`` (the server's 500).
+
+    >>> p = Prediction({"click": np.array([0.5, np.nan])})
+    >>> head_values("m", p, "click", 2)
+    Traceback (most recent call last):
+    ...
+    ValueError: predictor of 'm': head 'click' is nan at record 1; probabilities must be finite
+    """
+    values = prediction.probabilities.get(head)
+    if values is None:
+        msg = f"predictor of {model_name!r} returned no probabilities for head {head!r}"
+        raise ValueError(msg)
+    array = np.asarray(values, dtype=np.float32)
+    if array.shape != (n,):
+        msg = (
+            f"predictor of {model_name!r}: head {head!r} has shape "
+            f"{list(array.shape)} for {n} records; expected [{n}]"
+        )
+        raise ValueError(msg)
+    if not np.isfinite(array).all():
+        bad = int(np.flatnonzero(~np.isfinite(array))[0])
+        msg = (
+            f"predictor of {model_name!r}: head {head!r} is {array[bad]} "
+            f"at record {bad}; probabilities must be finite"
+        )
+        raise ValueError(msg)
+    return array
 
 
 def model_metadata(
