@@ -183,8 +183,8 @@ class _Shared:
     """What every handler of one server reads."""
 
     __slots__ = (
-        "batcher", "deadlines", "limits", "max_request_bytes", "metrics", "predictor", "token",
-        "version",
+        "batcher", "deadlines", "limits", "max_request_bytes", "metrics", "predictor",
+        "readiness", "token", "version",
     )  # fmt: skip
 
     def __init__(
@@ -194,8 +194,10 @@ class _Shared:
         limits: Limits,
         metrics: ServeMetrics,
         batcher: LoopBatcher | None = None,
+        readiness: Callable[[], bool] | None = None,
     ) -> None:
         self.predictor = predictor
+        self.readiness = readiness
         self.batcher = batcher
         self.token = None if token is None else token.encode()
         self.limits = limits
@@ -203,6 +205,12 @@ class _Shared:
         self.metrics = metrics
         self.version = _version()
         self.deadlines = takes_deadline(predictor)
+
+    def probe_ready(self) -> bool:
+        """What the readiness endpoints answer: the model ready, and ``readiness`` (what
+        the model reads from answers) where given. Infer requests are gated on the
+        model alone: one that reaches a part that stopped answering gets its own 503."""
+        return self.predictor.ready() and (self.readiness is None or self.readiness())
 
 
 def _bearer_ok(token: bytes | None, headers: HTTPHeaders) -> bool:
@@ -292,7 +300,7 @@ class _Ready(_Handler):
     endpoint = "health_ready"
 
     def get(self) -> None:
-        ready = self.shared.predictor.ready()
+        ready = self.shared.probe_ready()
         self._send(200 if ready else 503, b'{"ready":true}' if ready else b'{"ready":false}')
 
 
@@ -350,7 +358,7 @@ class _ModelReady(_ModelHandler):
         if error is not None:
             self._fail(404, error, "unknown_model")
             return
-        ready = self.shared.predictor.ready()
+        ready = self.shared.probe_ready()
         self._json(200 if ready else 503, {"name": name, "ready": ready})
 
 
@@ -714,10 +722,13 @@ class InferenceServer:
         max_connections: int | None = _DEFAULTS.max_connections,
         idle_timeout_s: float | None = _DEFAULTS.idle_timeout_s,
         read_timeout_s: float | None = _DEFAULTS.read_timeout_s,
+        readiness: Callable[[], bool] | None = None,
     ) -> None:
         """``max_batch_records``: requests read together are scored in one call of up
         to this many records (see :mod:`serving.batching`); None: each request alone.
-        The other limits are :class:`Limits`' (None: no limit)."""
+        The other limits are :class:`Limits`' (None: no limit). ``readiness``: also
+        asked by ``/v2/health/ready`` and the model's ``/ready`` (e.g. whether the
+        replicas the rows come from answer)."""
         if not 0 <= port <= 65535:
             msg = f"port: expected 0 (a free port) to 65535, got {port}"
             raise ValueError(msg)
@@ -750,7 +761,9 @@ class InferenceServer:
                 predictor, max_records=max_batch_records, max_queued_records=max_queued_records
             )
         )
-        self._shared = _Shared(predictor, token, self.limits, self.metrics, self._batcher)
+        self._shared = _Shared(
+            predictor, token, self.limits, self.metrics, self._batcher, readiness
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._startup_error: BaseException | None = None

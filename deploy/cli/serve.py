@@ -11,9 +11,10 @@ from typing import Any
 
 from deploy.status_line import StatusLine, progress_bar
 
-# Each attempt of a call to a replica process (two attempts): how long a replica that
-# stopped answering keeps a server ready.
-REPLICA_CALL_TIMEOUT_S = 5.0
+# Each attempt of a call to a replica process: short, so that a replica that stopped
+# answering turns readiness off within the retry policy's attempts (about 20 s); a
+# request's read is bounded by its deadline, and retried within it.
+REPLICA_CALL_TIMEOUT_S = 3.0
 
 
 def _scored(args: argparse.Namespace, command: str, *, labels_required: bool) -> Any:
@@ -268,10 +269,9 @@ class ServingStack:
             )
             self.rows = self.replicas.rows
         else:
-            # Short attempts: a replica that stops answering turns readiness off within
-            # about two of them (the poll's), and a request's read is bounded by its
-            # deadline anyway.
-            retry = RetryPolicy(attempts=2, timeout_s=REPLICA_CALL_TIMEOUT_S)
+            # Retried as the store's client retries (a replica that restarts is waited
+            # for), each attempt short (see REPLICA_CALL_TIMEOUT_S).
+            retry = RetryPolicy(timeout_s=REPLICA_CALL_TIMEOUT_S)
             self.rows = StoreClient.connect(store, token=store_token, retry=retry)
         dims = {name: t.dim for name, t in job.store.tables.items()}
         self.where = serving_location(job)
@@ -299,6 +299,7 @@ class ServingStack:
             max_connections=cfg.max_connections,
             idle_timeout_s=cfg.idle_timeout_s,
             read_timeout_s=cfg.read_timeout_s,
+            readiness=self._replicas_answer,
         )
         self.server.metrics.registry.register(FreshnessCollector(self.sparse, self.dense))
         self.grpc: Any = None
@@ -326,11 +327,14 @@ class ServingStack:
             f"-H 'Content-Type: application/json' -d '{_example_record(job)}'"
         )
 
+    def _replicas_answer(self) -> bool:
+        """Readiness: replica processes answered the last poll, every one caught up."""
+        return self.replicas is not None or self.sparse.answering
+
     def _rows_ready(self) -> bool:
-        """Replicas in this process are ready once caught up and their version known;
-        replica processes while every one of them answered the last poll, caught up."""
+        """Replicas in this process are ready once caught up and their version known."""
         if self.replicas is None:
-            return self.sparse.answering
+            return True
         if self.replicas.caught_up() and self.sparse.as_of is None:
             self.sparse.poll()
         return self.sparse.as_of is not None
