@@ -12,7 +12,7 @@ import json
 import secrets
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    from deploy.local.shards import ShardProcess, StartingShard
     from pipeline.spec import FeatureSpec
 
 # The fields of a Criteo display-ads record besides ``label``: 13 dense counts
@@ -102,15 +103,29 @@ def write_token(path: Path) -> Path:
     return path
 
 
+def wait_all(starting: Sequence[StartingShard], timeout_s: float = 120.0) -> list[ShardProcess]:
+    """Shard processes spawned side by side (``ShardProcess.spawn``), each waited for until
+    it serves; if one does not, every one of them is killed and the error raised."""
+    try:
+        return [s.wait(timeout_s) for s in starting]
+    except BaseException:
+        for s in starting:
+            if s.proc.poll() is None:
+                s.proc.kill()
+            s.proc.wait()
+        raise
+
+
 @contextmanager
 def store_shards(job: Path, dirs: list[Path], token_file: Path) -> Iterator[str]:
     """Start one store shard process of ``job`` per directory; yield their ``grpc://`` address.
 
-    The processes are killed on exit.
+    The processes start side by side (a start is mostly imports, on every core there
+    is) and are killed on exit.
     """
     from deploy.local.shards import ShardProcess
 
-    procs = [ShardProcess.start(job, d, token_file=token_file) for d in dirs]
+    procs = wait_all([ShardProcess.spawn(job, d, token_file=token_file) for d in dirs])
     try:
         yield "grpc://" + ",".join(p.address for p in procs)
     finally:

@@ -216,7 +216,11 @@ def _confluent_read(bootstrap: str, chunks: list[Any]) -> int:
                 if time.monotonic() > deadline:
                     msg = f"confluent-kafka read nothing of {chunk.name} past {position} in 60 s"
                     raise RuntimeError(msg)
-                for message in consumer.consume(num_messages=10_000, timeout=1.0):
+                # No more than the chunk still lacks: consume() returns once it has that
+                # many or at the timeout, and asked for more than a partition's last chunk
+                # holds it waited out the whole second, which the rate then counted.
+                wanted = min(10_000, chunk.end - position)
+                for message in consumer.consume(num_messages=wanted, timeout=1.0):
                     if message.error() is not None or message.offset() >= chunk.end:
                         continue
                     values.append(message.value() or b"")

@@ -54,13 +54,13 @@ import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import print_figures, write_json, write_store_job, write_token
+from common import print_figures, wait_all, write_json, write_store_job, write_token
 from e2e import HIDDEN, make_job, measured_rate, read_metrics
 
 from connectors.synthetic import (
@@ -69,6 +69,9 @@ from connectors.synthetic import (
     SyntheticConfig,
     SyntheticSource,
 )
+
+if TYPE_CHECKING:
+    from deploy.local.shards import ShardProcess, StartingShard
 
 TARGETS = {"throughput_1b_vs_10m": 0.8, "bytes_vs_min": 1.5}
 LOAD_CHUNK = 1 << 20
@@ -119,22 +122,28 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(msg)
 
 
-def start_shards(job: Path, root: Path, n: int, token: Path) -> list[Any]:
+def spawn_shards(job: Path, root: Path, n: int, token: Path) -> list[StartingShard]:
+    """``n`` shard processes started, not yet waited for (see ``common.wait_all``)."""
     from deploy.local.shards import ShardProcess
 
-    return [ShardProcess.start(job, root / f"shard-{i}", token_file=token) for i in range(n)]
+    return [ShardProcess.spawn(job, root / f"shard-{i}", token_file=token) for i in range(n)]
 
 
-def idle_shard_rss(tmp: Path, dim: int) -> int:
-    """The resident memory of a shard process whose tables are empty and tiny."""
+def spawn_idle_shard(tmp: Path, dim: int) -> StartingShard:
+    """A shard process whose tables are empty and tiny, started, not yet waited for."""
     tiny = {c.lower(): {"dim": dim, "capacity": 16, "initial_rows": 16} for c in SPARSE_NAMES}
     job = write_store_job(tmp / "tiny.yaml", {"tables": tiny})
-    (proc,) = start_shards(job, tmp / "tiny", 1, write_token(tmp / "tiny.token"))
+    (shard,) = spawn_shards(job, tmp / "tiny", 1, write_token(tmp / "tiny.token"))
+    return shard
+
+
+def idle_shard_rss(shard: ShardProcess) -> int:
+    """The idle shard's resident memory once it has served for a second; then it is killed."""
     try:
         time.sleep(1.0)
-        return rss_bytes(proc.proc.pid)
+        return rss_bytes(shard.proc.pid)
     finally:
-        proc.kill()
+        shard.kill()
 
 
 def bulk_load(client: Any, source: SyntheticSource, cards: tuple[int, ...]) -> tuple[int, float]:
@@ -288,11 +297,16 @@ def one_size(params: int, stream_rows: int, args: argparse.Namespace) -> dict[st
     )
     with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp_s:
         tmp = Path(tmp_s)
-        idle = idle_shard_rss(tmp, args.dim)
         job = write_store_job(tmp / "store.yaml", store)
         token = write_token(tmp / "token")
-        procs = start_shards(job, tmp, args.shards, token)
-        stack.callback(lambda: [p.kill() for p in procs])
+        # The idle shard and the size's shards start side by side (a start is mostly
+        # imports); the idle one is measured and gone before the bulk load.
+        idle_shard, *procs = wait_all(
+            [spawn_idle_shard(tmp, args.dim), *spawn_shards(job, tmp, args.shards, token)]
+        )
+        for p in procs:
+            stack.callback(p.kill)
+        idle = idle_shard_rss(idle_shard)
         address = "grpc://" + ",".join(p.address for p in procs)
         client = stack.enter_context(
             StoreClient.connect(

@@ -104,7 +104,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import print_figures, write_json, write_token
+from common import print_figures, wait_all, write_json, write_token
 from e2e import load, measured_rate, read_metrics
 
 from deploy.local.parent_death import with_parent_death
@@ -112,7 +112,6 @@ from trainer.run_files import read_lines
 
 if TYPE_CHECKING:
     from deploy.config import JobConfig
-    from deploy.local.shards import ShardProcess
     from embedding_store.client import StoreClient
     from serving.model import ServingModel
 
@@ -1484,31 +1483,38 @@ def main(argv: list[str] | None = None) -> int:
             token_file=token_file, events=None, hidden=args.hidden,
         )  # fmt: skip
         t = time.monotonic()
-        training: list[ShardProcess] = []
-        replicas: list[ShardProcess] = []
-        for i in range(args.shards):
-            shard = ShardProcess.start(
-                first, tmp / "store" / f"shard-{i:03d}", token_file=token_file,
-                die_with_parent=True,
-            )  # fmt: skip
+        # What waits on nothing else starts side by side: the training shards; then the
+        # job (its start-up takes longest) and the replicas following the shards; then
+        # the server over the replicas, which answers once the job published weights.
+        training = wait_all(
+            [
+                ShardProcess.spawn(
+                    first, tmp / "store" / f"shard-{i:03d}", token_file=token_file,
+                    die_with_parent=True,
+                )
+                for i in range(args.shards)
+            ]
+        )  # fmt: skip
+        for shard in training:
             stack.callback(shard.kill)
-            training.append(shard)
-        for i, shard in enumerate(training if args.rows == "replicas" else []):
-            replica = ShardProcess.start(
-                first, tmp / "store" / f"replica-{i:03d}", token_file=token_file,
-                follow=shard.address, die_with_parent=True,
-            )  # fmt: skip
-            stack.callback(replica.kill)
-            replicas.append(replica)
         store = "grpc://" + ",".join(s.address for s in training)
-        # The job starts first (its start-up takes longest); the server answers once it
-        # published its first weights.
         job_file = write_job(
             tmp, "while-training", store=store, shards=args.shards, token_file=token_file,
             events=None, hidden=args.hidden,
         )  # fmt: skip
         run = TrainingRun(job_file, None)
         stack.callback(run.stop)
+        replicas = wait_all(
+            [
+                ShardProcess.spawn(
+                    first, tmp / "store" / f"replica-{i:03d}", token_file=token_file,
+                    follow=shard.address, die_with_parent=True,
+                )
+                for i, shard in enumerate(training if args.rows == "replicas" else [])
+            ]
+        )  # fmt: skip
+        for replica in replicas:
+            stack.callback(replica.kill)
         serve_file = write_job(
             tmp, "serve", store=store, shards=args.shards, token_file=token_file, events=None,
             hidden=args.hidden,
@@ -1527,7 +1533,8 @@ def main(argv: list[str] | None = None) -> int:
         training_store = stack.enter_context(StoreClient.connect(store, token=token))
         s = Setup(server.address, job, training_store, args, log)
         s.server_pids = [server.proc.pid, *(r.proc.pid for r in replicas)]
-        s.fresh_records = stream_records(max(4096, 512 * 4))
+        # Enough for the largest request set (4 of 512 records); the smoke needs no more.
+        s.fresh_records = stream_records(512 * 4 if args.smoke else 4096)
         s.reqs = {
             1: requests_of(s.fresh_records, 1, 256),
             64: requests_of(s.fresh_records, 64, 16),

@@ -149,12 +149,16 @@ class Cluster:
         path.write_text(yaml.safe_dump(self.job, sort_keys=False))
         return str(path)
 
-    def start_shard(self, i: int) -> None:
+    def start_shard(self, i: int, *, wait: bool = True) -> None:
         host = self.shards[i]
         host.start(
             "shard", store_serve(self.write_job(host), host, self.shard_ports[i], self.snapshots(i))
         )
-        host.wait_log("shard", r"streamrec store: serving")
+        if wait:
+            self.wait_shard(i)
+
+    def wait_shard(self, i: int) -> None:
+        self.shards[i].wait_log("shard", r"streamrec store: serving")
 
     def start_trainer(self, i: int) -> None:
         host = self.trainers[i]
@@ -223,14 +227,18 @@ def make_cluster(
             f"{s3_prefix}{name}", host,
         )  # fmt: skip
         made.append(cluster)
+        # The hosts come up side by side, as a cluster's do, each then waited for (the
+        # workers started once the scheduler listens): their start-ups overlap.
         rdzv_host.start("rendezvous", rendezvous(rdzv_host, int(rdzv.rsplit(":", 1)[1])))
-        rdzv_host.wait_log("rendezvous", r"torchrun's c10d store on")
         for i in range(len(shards)):
-            cluster.start_shard(i)
+            cluster.start_shard(i, wait=False)
         scheduler.start("scheduler", dask_scheduler(scheduler, sched_port))
         scheduler.wait_log("scheduler", r"Scheduler at:")
         for w in workers:
             w.start("worker", dask_worker(w, job["cluster"]["scheduler"]))
+        rdzv_host.wait_log("rendezvous", r"torchrun's c10d store on")
+        for i in range(len(shards)):
+            cluster.wait_shard(i)
         for w in workers:
             w.wait_log("worker", r"Registered to:")
         return cluster
