@@ -102,13 +102,7 @@ def _request_parameters(parameters: Mapping[str, pb.InferParameter]) -> tuple[fl
         parameter = parameters[key]
         if key in _REQUEST_PARAMETERS:
             value = _whole(parameter)
-            if value is None or value < 0:
-                unit = " of microseconds" if key == "timeout" else " (1 the highest, 0 the default)"
-                msg = (
-                    f"parameters.{key}: expected a whole number{unit} >= 0, "
-                    f"got {_describe(parameter)}"
-                )
-                raise _bad(msg)
+            value = oip.scheduling_parameter(key, value, _describe(parameter))
             if key == "priority":
                 priority = value
             elif value > 0:  # Triton's 0: no timeout of the request's own

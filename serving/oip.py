@@ -342,14 +342,11 @@ def _request_parameters(parameters: object) -> _RequestParameters:
                 raise _bad(msg)
             binary = value
         elif key in ("timeout", "priority"):
-            if type(value) is not int or value < 0:
-                unit = " of microseconds" if key == "timeout" else " (1 the highest, 0 the default)"
-                msg = f"parameters.{key}: expected a whole number{unit} >= 0, got {_show(value)}"
-                raise _bad(msg)
+            number = scheduling_parameter(key, value, _show(value))
             if key == "priority":
-                priority = value
-            elif value > 0:  # Triton's 0: no timeout of the request's own
-                timeout_s = value / 1e6
+                priority = number
+            elif number > 0:  # Triton's 0: no timeout of the request's own
+                timeout_s = number / 1e6
         else:
             msg = (
                 f"parameters.{key}: not supported by this server (value {_show(value)}); "
@@ -357,6 +354,22 @@ def _request_parameters(parameters: object) -> _RequestParameters:
             )
             raise _bad(msg)
     return _RequestParameters(binary, timeout_s, priority)
+
+
+def scheduling_parameter(key: str, value: object, shown: str) -> int:
+    """Triton's ``timeout`` (microseconds) or ``priority`` request parameter, checked;
+    ``shown``: the value as the refusal quotes it.
+
+    >>> scheduling_parameter("priority", -1, "-1")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    serving.types.OipError: parameters.priority: expected a whole number (1 the highest, ...
+    """
+    if type(value) is not int or value < 0:
+        unit = " of microseconds" if key == "timeout" else " (1 the highest, 0 the default)"
+        msg = f"parameters.{key}: expected a whole number{unit} >= 0, got {shown}"
+        raise _bad(msg)
+    return value
 
 
 def _shape(tensor: Mapping[str, object], where: str) -> int:
