@@ -97,6 +97,32 @@ class FeatureSpec(_Strict):
         """
         return self.model_copy(update={"labels_required": False})
 
+    def example_record(self) -> dict[str, object]:
+        """A record every field of which is present and valid: label 0, each dense value
+        its fill (else 0) within its bounds, each sparse value ``"a"``, ``1``, or a bag of
+        one of them. For warming up a server's kernels and for example requests.
+
+        >>> FeatureSpec.model_validate({
+        ...     "labels": ["y"],
+        ...     "dense": [{"name": "age", "min_value": 18}],
+        ...     "sparse": [{"name": "u", "table": "t"}, {"name": "c", "table": "t",
+        ...                "type": "list_int"}],
+        ... }).example_record()
+        {'y': 0, 'age': 18.0, 'u': 'a', 'c': [1]}
+        """
+        record: dict[str, object] = dict.fromkeys(self.labels, 0)
+        for d in self.dense:
+            value = d.fill if d.fill is not None else 0.0
+            if d.min_value is not None:
+                value = max(value, d.min_value)
+            if d.max_value is not None:
+                value = min(value, d.max_value)
+            record[d.name] = float(value)
+        for s in self.sparse:
+            one: object = 1 if s.type.endswith("int") else "a"
+            record[s.name] = [one] if s.type.startswith("list") else one
+        return record
+
     @model_validator(mode="after")
     def _unique_names(self) -> FeatureSpec:
         names = [*self.labels, *(d.name for d in self.dense), *(s.name for s in self.sparse)]

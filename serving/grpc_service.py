@@ -103,6 +103,10 @@ class Inference(Protocol):
         """Score ``records`` on the server's loop, through its limits and batching."""
         ...
 
+    def probe_ready(self) -> bool:
+        """What the readiness calls answer."""
+        ...
+
 
 class _Refused(Exception):
     """A call answered with an error status: ``http_status`` is what it is counted under."""
@@ -233,14 +237,14 @@ class OipServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ServerReady(
         self, request: pb.ServerReadyRequest, context: Context
     ) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=self.inference.predictor.ready())
+        return pb.ServerReadyResponse(ready=self.inference.probe_ready())
 
     @_answered("grpc_model_ready")
     async def ModelReady(
         self, request: pb.ModelReadyRequest, context: Context
     ) -> pb.ModelReadyResponse:
         self.check_model(request.name, request.version)
-        return pb.ModelReadyResponse(ready=self.inference.predictor.ready())
+        return pb.ModelReadyResponse(ready=self.inference.probe_ready())
 
     @_answered("grpc_server_metadata")
     async def ServerMetadata(

@@ -768,6 +768,10 @@ class InferenceServer:
         self._thread: threading.Thread | None = None
         self._startup_error: BaseException | None = None
 
+    def probe_ready(self) -> bool:
+        """What the readiness probes answer: the model ready, and ``readiness``."""
+        return self._shared.probe_ready()
+
     def start(self) -> str:
         """Bind, start serving on a thread, and return the URL (``http://host:port``)."""
         if self._thread is not None:

@@ -274,23 +274,56 @@ class ServingModel:
         pass), and the rows' read ends within the time left (``DeadlineExceeded``);
         a stage's compiled kernel, once called, runs to its end."""
         version = self._version()
-        n = len(records)
-        if self._scan is not None:
-            flat = self._scan.scan(records)
-            if flat is not None:
-                _check(deadline, "decoding")
-                return self._score_flat(flat, version, deadline)
-        if self._plain is not None and n <= self.plain_max_records:
-            # A few plainly good JSON records skip Arrow (see pipeline.plain); anything
-            # else takes the columnar path below, which names what is wrong.
-            json_codec, builder = self._plain
-            objects = json_codec.plain_objects(records, self.spec)
-            batch = builder.build(objects) if objects is not None else None
-            if batch is not None:
-                _check(deadline, "decoding")
-                positions = np.arange(n, dtype=np.int64)
-                return self._score_batch(batch, positions, [], version, deadline)
+        scored = self._scanned(records, version, deadline)
+        if scored is None:
+            scored = self._plainly(records, version, deadline)
+        return scored if scored is not None else self._decoded(records, version, deadline)
+
+    def warm_up(self) -> tuple[str, ...]:
+        """Score the spec's example record (:meth:`FeatureSpec.example_record`) by each
+        path a request may take, so that their kernels are compiled before the first
+        request comes (numba compiles a kernel on its first call in a process: tens of
+        seconds when its cache is cold, which no request's deadline should pay).
+        Returns the paths that scored it (``"scan"``, ``"plain"``, ``"columns"``).
+        Needs a dense version (``RuntimeError`` before one is loaded)."""
+        version = self._version()
+        records = self.codec.encode(pa.Table.from_pylist([self.spec.example_record()]))
+        paths = {"scan": self._scanned, "plain": self._plainly, "columns": self._decoded}
+        scored = {name: path(records, version, None) for name, path in paths.items()}
+        return tuple(name for name, s in scored.items() if s is not None and not s.bad)
+
+    def _scanned(
+        self, records: Sequence[bytes], version: DenseVersion, deadline: Deadline | None
+    ) -> Scored | None:
+        """JSON records scanned from their bytes; None where the scan declines them."""
+        flat = self._scan.scan(records) if self._scan is not None else None
+        if flat is None:
+            return None
         _check(deadline, "decoding")
+        return self._score_flat(flat, version, deadline)
+
+    def _plainly(
+        self, records: Sequence[bytes], version: DenseVersion, deadline: Deadline | None
+    ) -> Scored | None:
+        """A few plainly good JSON records, which skip Arrow (see :mod:`pipeline.plain`);
+        None for anything else."""
+        if self._plain is None or len(records) > self.plain_max_records:
+            return None
+        json_codec, builder = self._plain
+        objects = json_codec.plain_objects(records, self.spec)
+        batch = builder.build(objects) if objects is not None else None
+        if batch is None:
+            return None
+        _check(deadline, "decoding")
+        positions = np.arange(len(records), dtype=np.int64)
+        return self._score_batch(batch, positions, [], version, deadline)
+
+    def _decoded(
+        self, records: Sequence[bytes], version: DenseVersion, deadline: Deadline | None
+    ) -> Scored:
+        """Any records, by the codec's columnar decode, which names what is wrong."""
+        _check(deadline, "decoding")
+        n = len(records)
         raw = RawChunk(Chunk("serve", "request", 0, n), np.arange(n, dtype=np.int64), records)
         table, bad = self.codec.decode(raw, self.spec)
         _check(deadline, "decoding")

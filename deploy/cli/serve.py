@@ -259,6 +259,7 @@ class ServingStack:
         from serving.http import InferenceServer
         from serving.model import DenseFollower, ServingModel
         from serving.replicas import LocalReplicas, ReplicaRows, StoreRows
+        from serving.warmup import Warmup
 
         cfg = job.serving
         self.replicas: LocalReplicas | None = None
@@ -286,6 +287,8 @@ class ServingStack:
             cfg.model_name, job.features, codec, reader, self.dense,
             sparse_version=self.sparse.version, rows_ready=self._rows_ready,
         )  # fmt: skip
+        # Readiness waits for the kernels, compiled on one made-up record (serving.warmup).
+        self.warmup = Warmup(self.model.ready, self.model.warm_up)
         self.server = InferenceServer(
             self.model,
             host=host,
@@ -299,7 +302,7 @@ class ServingStack:
             max_connections=cfg.max_connections,
             idle_timeout_s=cfg.idle_timeout_s,
             read_timeout_s=cfg.read_timeout_s,
-            readiness=self._replicas_answer,
+            readiness=self._ready_to_serve,
         )
         self.server.metrics.registry.register(FreshnessCollector(self.sparse, self.dense))
         self.grpc: Any = None
@@ -327,9 +330,10 @@ class ServingStack:
             f"-H 'Content-Type: application/json' -d '{_example_record(job)}'"
         )
 
-    def _replicas_answer(self) -> bool:
-        """Readiness: replica processes answered the last poll, every one caught up."""
-        return self.replicas is not None or self.sparse.answering
+    def _ready_to_serve(self) -> bool:
+        """Readiness: the kernels warmed up, and replica processes answered the last
+        poll, every one caught up."""
+        return self.warmup.done() and (self.replicas is not None or self.sparse.answering)
 
     def _rows_ready(self) -> bool:
         """Replicas in this process are ready once caught up and their version known."""
@@ -379,6 +383,7 @@ class ServingStack:
 
     def close(self, *, server: bool = True) -> None:
         self.stop_reporting()
+        self.warmup.close()
         if getattr(self, "grpc", None) is not None:
             self.grpc.stop()  # before the HTTP server whose loop its calls wait on
         if server:
@@ -466,8 +471,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     announced = False
     while not stop.wait(0.2):
         current = stack.dense.current
-        if not announced and current is not None:
-            print(f"streamrec serve: ready with dense version {current.entry.version}", flush=True)
+        if not announced and current is not None and stack.warmup.done():
+            print(
+                f"streamrec serve: ready with dense version {current.entry.version} (scoring "
+                f"kernels warmed up in {stack.warmup.seconds or 0:.1f}s)",
+                flush=True,
+            )
             announced = True
     stack.close()
     print("streamrec serve: stopped", flush=True)
@@ -518,11 +527,9 @@ class ServingBeside:
 
 def _example_record(job: Any) -> str:
     """A one-record infer request body for the job's features (JSON, for the curl line)."""
-    record: dict[str, object] = {}
-    for d in job.features.dense:
-        record[d.name] = 1.0
-    for s in job.features.sparse:
-        record[s.name] = 1 if s.type == "int" else (["a"] if s.type.startswith("list") else "a")
+    record = job.features.for_scoring().example_record()
+    for label in job.features.labels:
+        del record[label]
     body = {
         "inputs": [
             {"name": "records", "datatype": "BYTES", "shape": [1], "data": [json.dumps(record)]}

@@ -350,3 +350,34 @@ def test_the_flat_path_scores_as_the_per_table_path_bit_for_bit(
         assert client_rows.flat_reads == 4
     finally:
         replicas.close()
+
+
+@pytest.mark.parametrize(
+    ("codec", "paths"),
+    [("json", ("scan", "plain", "columns")), ("criteo_tsv", ("columns",)),
+     ("arrow", ("columns",))],
+)  # fmt: skip
+def test_the_warm_up_scores_an_example_record_by_every_path_of_its_codec(
+    tmp_path: Path, codec: str, paths: tuple[str, ...]
+) -> None:
+    """Every field type the codec reads, and dense fields whose bounds exclude the fill:
+    the example record is good, so each path runs its kernels to the end."""
+    spec = FeatureSpec.model_validate(
+        {
+            "labels": ["click"],
+            "dense": [{"name": "price", "min_value": 1.0, "transform": "log1p"},
+                      {"name": "age", "fill": None, "max_value": -2.0}],
+            "sparse": [
+                {"name": "user", "table": "users"},
+                {"name": "n", "table": "users", "type": "int"},
+                {"name": "tags", "table": "tags", "type": "list_string", "pooling": "mean"},
+                {"name": "ns", "table": "tags", "type": "list_int"},
+            ],
+        }
+    )  # fmt: skip
+    if codec == "criteo_tsv":  # a TSV column holds one value: no bags
+        spec = spec.model_copy(update={"sparse": spec.sparse[:2]})
+    follower = _one_published_version(tmp_path, spec)
+    with StoreClient.from_shards([StoreShard(STORE, read_only=True)]) as rows:
+        model = ServingModel("m", spec, make_codec(codec), rows, follower)
+        assert model.warm_up() == paths

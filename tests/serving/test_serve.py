@@ -8,6 +8,7 @@ replica and the dense weights the job published.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -50,11 +51,13 @@ def _wait(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None
 class Server:
     """A running ``streamrec serve`` and its log."""
 
-    def __init__(self, argv: list[str], log: Path) -> None:
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
         self.argv = argv
         self.log_path = log
         with log.open("wb") as out:
-            self.proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                argv, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env
+            )
         _wait(lambda: _URL.search(self.log()) is not None or self.proc.poll() is not None, "URL")
         m = _URL.search(self.log())
         assert m is not None, self.log()
@@ -237,3 +240,36 @@ def test_serve_without_a_store_says_what_to_give(trained: Path) -> None:
     assert zero.returncode == 2
     assert "serving.follow_poll_s" in zero.stderr, zero.stderr
     assert "greater than 0" in zero.stderr, zero.stderr
+
+
+def test_a_server_is_ready_only_once_its_kernels_answer_within_a_deadline(
+    trained: Path, tmp_path: Path
+) -> None:
+    """numba compiles the scoring kernels on their first call in a process, tens of
+    seconds when its cache is cold (a fresh image): readiness waits for the warm-up,
+    so the first request after it is answered within a 3 s deadline, not refused 504."""
+    job = load_config(trained)
+    token_file = job.run_dir / "store.token"
+    training = ShardProcess.start(trained, job.run_dir / "store" / "shard-000",
+                                  token_file=token_file)  # fmt: skip
+    raw = yaml.safe_load(trained.read_text())
+    raw.setdefault("serving", {})["request_timeout_s"] = 3
+    served_job = tmp_path / "deadline.yaml"
+    served_job.write_text(yaml.safe_dump(raw))
+    follow = f"grpc://{training.address}"
+    argv = [sys.executable, "-m", "deploy.cli", "serve", str(served_job), "--port", "0",
+            "--follow", follow, "--store-token-file", str(token_file)]  # fmt: skip
+    cold = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba-cache")}  # nothing cached
+    server = Server(argv, tmp_path / "serve.log", env=cold)
+    try:
+        client = triton.InferenceServerClient(server.address)
+        _wait(client.is_server_ready, "ready", timeout_s=240)
+        served = _infer(client, _records(64))
+        assert served.as_numpy("click").shape == (64,)
+        _wait(lambda: "ready with dense version" in server.log(), "the ready line")
+        assert re.search(r"scoring kernels warmed up in \d+\.\ds", server.log()), server.log()
+        assert server.stop() == 0
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+        training.kill()
