@@ -5,7 +5,10 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +26,10 @@ from connectors.synthetic import (
 )
 from deploy.cli.train import ProgressLine, demo_job
 from embedding_store.location import Location
-from tests.conftest import streamrec, write_synthetic_job
+from tests.conftest import REPO_ROOT, STREAMREC, streamrec, write_synthetic_job
 from tests.kafka_fixtures import KafkaForTests
 from trainer.checkpoint import CheckpointBook
-from trainer.ledger import ledger_entries
+from trainer.ledger import learned_ranges, ledger_entries
 from trainer.publish import published
 
 TRAINER: dict[str, Any] = {
@@ -256,6 +259,105 @@ def test_two_ranks_with_max_events_learn_every_event_once_and_end(
         assert 0 < everyone["auc"] < 1
     assert "progressive AUC " in out
     assert "(every rank's predictions" in out, out
+
+
+def test_a_quiet_partition_holds_no_rank_up_and_max_time_ends_two_ranks(
+    tmp_path: Path, kafka: KafkaForTests, kafka_topic: Any
+) -> None:
+    """2 ranks, batch 64, --max-time: partition 1 stays quiet while partition 0's 1,000
+    events are all learned (a quiet rank takes part in each step without a batch),
+    then gets 966 (a partial last batch on both); the job ends by itself at its time,
+    every event learned once."""
+    topic = kafka_topic(partitions=2)
+    lines = list(iter_json_lines(SyntheticConfig(seed=5), 1966))
+    produce(kafka.bootstrap, topic, lines[:1000], api_version=kafka.api_version, partition=0)
+    ends = {f"{topic}/0": 1000, f"{topic}/1": 966}
+    source = kafka_job_source(kafka, topic)
+    job = write_synthetic_job(
+        tmp_path,
+        store=synthetic_store_section(dim=4),
+        source=source,
+        trainer={**TRAINER, "ranks": 2, "batch_size": 64},
+        cluster={"workers": 1, "store_shards": 1, "dashboard_address": ":0"},
+    )
+    run_dir = tmp_path / "run"
+    ledgers = [run_dir / f"learned-rank{r}.log" for r in (0, 1)]
+
+    def learned(partition: str) -> int:
+        ranges = learned_ranges(*(p for p in ledgers if p.exists())).get(partition, [])
+        return sum(hi - lo for lo, hi in ranges)
+
+    log = tmp_path / "run.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen([*STREAMREC, "run", str(job), "--max-time", "45"],
+                                cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        wait_until(lambda: learned(f"{topic}/0") == 1000 or proc.poll() is not None, 180)
+        assert learned(f"{topic}/0") == 1000, log.read_text()
+        assert learned(f"{topic}/1") == 0
+        produce(kafka.bootstrap, topic, lines[1000:], api_version=kafka.api_version,
+                partition=1)  # fmt: skip
+        assert proc.wait(240) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert "stopped by max_time" in text, text
+    manifest = CheckpointBook(run_dir / "checkpoints").latest()
+    assert manifest is not None
+    assert (manifest.samples, manifest.positions) == (1966, ends), manifest
+    assert committed_offsets(source, ends) == ends
+    covered = {p: np.zeros(n, dtype=np.int64) for p, n in ends.items()}
+    for rank in (0, 1):
+        for _, partition, lo, hi in ledger(run_dir, rank):
+            covered[partition][lo:hi] += 1
+    for partition, counts in covered.items():
+        assert counts.min() == counts.max() == 1, partition
+
+
+def wait_until(check: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "batch"),
+    [((1000, 966), 64), ((1966,), 100)],
+    ids=["unequal files, partial batches", "one file: a rank with nothing"],
+)
+def test_a_two_rank_backfill_ends_with_every_row_learned_once(
+    tmp_path: Path, sizes: tuple[int, ...], batch: int
+) -> None:
+    """The end of a Parquet backfill over 2 ranks whose files hold unequal counts (or
+    one rank none): the job ends by itself, every row learned once."""
+    files = [
+        write_parquet(tmp_path / f"part-{i}.parquet", SyntheticConfig(seed=4 + i), n, 250)
+        for i, n in enumerate(sizes)
+    ]
+    job = write_synthetic_job(
+        tmp_path,
+        store=synthetic_store_section(dim=4),
+        source={"kind": "parquet", "paths": [str(f) for f in files]},
+        trainer={**TRAINER, "ranks": 2, "batch_size": batch},
+        cluster={"workers": 1, "store_shards": 1, "dashboard_address": ":0"},
+    )
+    run_dir = tmp_path / "run"
+    total = sum(sizes)
+    result = streamrec("backfill", str(job), timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out
+    assert f"trained {total:,} samples in " in out, out
+    manifest = CheckpointBook(run_dir / "checkpoints").latest()
+    assert manifest is not None
+    assert manifest.samples == total
+    assert manifest.positions == {f.name: n for f, n in zip(files, sizes, strict=True)}
+    covered = {f.name: np.zeros(n, dtype=np.int64) for f, n in zip(files, sizes, strict=True)}
+    for rank in (0, 1):
+        for _, partition, lo, hi in ledger(run_dir, rank):
+            covered[partition][lo:hi] += 1
+    for partition, counts in covered.items():
+        assert counts.min() == counts.max() == 1, partition
 
 
 def ledger(run_dir: Path, rank: int) -> list[tuple[int, str, int, int]]:
