@@ -1561,11 +1561,12 @@ def admitted(
 
 
 def check_serve_policy(objs: list[Obj], scraped: set[int]) -> None:
-    """Only the labelled clients in the servers' namespace, and Prometheus from any
-    (at the ``scraped`` ports), reach the servers, and only at the serve port."""
+    """Only the labelled clients in the servers' namespace (at the HTTP and gRPC serve
+    ports), and Prometheus from any (at the ``scraped`` ports: HTTP's), reach the
+    servers."""
     labels, _, c = serve_pod(objs)
     named = {p["name"]: int(p["containerPort"]) for p in c["ports"]}
-    serve = port(c, "http")
+    serve, grpc_port = port(c, "http"), port(c, "grpc")
     to = (labels, named)
     policies = guarding(objs, labels)
     assert policies, "no NetworkPolicy selects the serve pods"
@@ -1575,11 +1576,13 @@ def check_serve_policy(objs: list[Obj], scraped: set[int]) -> None:
         assert selects == ["streamrec-serve"], f"NetworkPolicy {name} selects {selects}"
         for rule in policy["spec"].get("ingress", []):
             ports = [_port_admitted(rule.get("ports"), named, p) for p in range(1, 65536)]
-            assert [p + 1 for p, ok in enumerate(ports) if ok] == [serve], (
-                f"NetworkPolicy {name}: ports other than the serve port ({serve}) in {rule}"
+            assert {p + 1 for p, ok in enumerate(ports) if ok} <= {serve, grpc_port}, (
+                f"NetworkPolicy {name}: ports other than the serve ports ({serve}, "
+                f"{grpc_port}) in {rule}"
             )
 
     assert admitted(objs, to, serve, SERVE_CLIENT), "a labelled client: the serve port"
+    assert admitted(objs, to, grpc_port, SERVE_CLIENT), "a labelled client: the gRPC port"
     assert scraped == {serve}, f"Prometheus scrapes {scraped}, the server answers at {serve}"
     assert admitted(objs, to, serve, PROMETHEUS, ELSEWHERE), "Prometheus: /metrics"
     others = [
@@ -1594,7 +1597,9 @@ def check_serve_policy(objs: list[Obj], scraped: set[int]) -> None:
         ("Prometheus's label, half of it", {"app.kubernetes.io/name": "prometheus-x"}, ELSEWHERE),
     ]
     for what, peer, namespace in others:
-        assert not admitted(objs, to, serve, peer, namespace), f"{what} reach the serve port"
+        for p in (serve, grpc_port):
+            assert not admitted(objs, to, p, peer, namespace), f"{what} reach port {p}"
+    assert not admitted(objs, to, grpc_port, PROMETHEUS, ELSEWHERE), "Prometheus: gRPC"
 
 
 @pytest.mark.parametrize("target", ["cpu-small", "gpu"])
@@ -1653,7 +1658,7 @@ def test_serve_policy_checks_catch_an_opening() -> None:
     for change, message in (
         (lambda spec: spec["podSelector"]["matchLabels"].update(typo), "no NetworkPolicy"),
         (lambda spec: spec["podSelector"].update(matchLabels=every_pod), "selects"),
-        (lambda spec: client_rule(spec).pop("from"), "pods reach the serve port"),
+        (lambda spec: client_rule(spec).pop("from"), "pods reach port 8000"),
         (lambda spec: client_rule(spec).pop("ports"), "ports other than the serve port"),
         (lambda spec: client_rule(spec)["from"][0].update(namespaceSelector={}), "another nam"),
         (lambda spec: spec["ingress"].append(anywhere), "ipBlock"),
