@@ -133,6 +133,23 @@ def store_shards(job: Path, dirs: list[Path], token_file: Path) -> Iterator[str]
             p.kill()
 
 
+@contextmanager
+def shared_dask(log_path: Path, workers: int = 2) -> Iterator[str]:
+    """A local Dask cluster as a job starts its own (``workers`` processes, one thread
+    each); yields its scheduler's address, for jobs to name in ``cluster.scheduler``.
+
+    For the short runs of the smoke tests: a cluster's start (its processes' imports)
+    and its workers' first tasks (the pipeline's imports and cached kernels) cost more
+    than a short job's training, and jobs that name one cluster pay them once.
+    """
+    from deploy.local.dask_cluster import local_dask_cluster
+
+    with local_dask_cluster(
+        workers=workers, threads_per_worker=1, dashboard_address=":0", log_path=log_path
+    ) as cluster:
+        yield str(cluster.scheduler_address)
+
+
 # --- output ------------------------------------------------------------------------------
 
 

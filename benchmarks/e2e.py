@@ -65,6 +65,7 @@ run directory went away.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -80,7 +81,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import write_json
+from common import shared_dask, write_json
 
 from connectors.synthetic import (
     SyntheticConfig,
@@ -506,7 +507,10 @@ def make_job(
     log_every_s: float = 1.0,
     bf16: bool = False,
     fresh_rows: str = "bounded",
+    scheduler: str | None = None,
 ) -> Any:
+    """The job of ``mode``; with ``scheduler``, one that names that Dask cluster's scheduler
+    (``cluster.scheduler``) instead of starting its own."""
     from deploy.cli.train import demo_job
     from deploy.config import JobConfig
 
@@ -541,6 +545,8 @@ def make_job(
         "dashboard_address": ":0",
         "store_latency_ms": latency_ms,
     }
+    if scheduler is not None:
+        raw["cluster"]["scheduler"] = scheduler
     return JobConfig.model_validate(raw)
 
 
@@ -604,6 +610,7 @@ def run_streamrec(
     bf16: bool = False,
     log: bool,
     report: bool = False,
+    scheduler: str | None = None,
 ) -> Run:
     from deploy.job import run_job
 
@@ -628,6 +635,7 @@ def run_streamrec(
             log_every_s=log_every_s,
             bf16=bf16,
             fresh_rows=fresh_rows,
+            scheduler=scheduler,
         )
         last = [0.0]
 
@@ -754,6 +762,13 @@ def main(argv: list[str] | None = None) -> int:
         metavar="PATH",
         help="HTML report of the streamrec runs, PNGs next to it ('': none)",
     )
+    parser.add_argument(
+        "--share-cluster",
+        action="store_true",
+        help="the streamrec runs after the first name one local Dask cluster started for "
+        "them all (each still starts its own store shards): the smoke test's; their rates "
+        "are not the full run's, where every job starts its own",
+    )
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
 
@@ -799,49 +814,61 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, Run] = {}
     errors: dict[str, str] = {}
     t_all = time.monotonic()
-    for key, mode, n, latency_ms, ranks, hidden in plan:
-        before = load()
-        if log:
-            added = f", {latency_ms:g} ms per store call" if latency_ms else ""
-            added += f", MLP {'-'.join(map(str, hidden))}" if hidden != HIDDEN else ""
-            print(f"{key}: {n:,} samples{added} (load {before})", flush=True)
-        try:
-            if mode == "step":
-                run = run_step_in_process(
-                    n, args.seed, args.window, log, args.log_every_s, args.bf16
-                )
-            elif mode in IN_PROCESS:
-                run = run_in_process(
-                    mode, n, args.seed, args.window, log, args.log_every_s, args.bf16
-                )
+    results["shared_cluster"] = args.share_cluster
+    with contextlib.ExitStack() as stack:
+        scheduler = None
+        ran_own_cluster = False
+        for key, mode, n, latency_ms, ranks, hidden in plan:
+            if args.share_cluster and scheduler is None and mode not in IN_PROCESS:
+                # The first streamrec run starts its own cluster, as every run of the
+                # full run does; the later ones name a shared one.
+                if ran_own_cluster:
+                    tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-e2e-"))
+                    scheduler = stack.enter_context(shared_dask(Path(tmp) / "dask.log"))
+                ran_own_cluster = True
+            before = load()
+            if log:
+                added = f", {latency_ms:g} ms per store call" if latency_ms else ""
+                added += f", MLP {'-'.join(map(str, hidden))}" if hidden != HIDDEN else ""
+                print(f"{key}: {n:,} samples{added} (load {before})", flush=True)
+            try:
+                if mode == "step":
+                    run = run_step_in_process(
+                        n, args.seed, args.window, log, args.log_every_s, args.bf16
+                    )
+                elif mode in IN_PROCESS:
+                    run = run_in_process(
+                        mode, n, args.seed, args.window, log, args.log_every_s, args.bf16
+                    )
+                else:
+                    run = run_streamrec(
+                        mode,
+                        n,
+                        seed=args.seed,
+                        window=args.window,
+                        latency_ms=latency_ms,
+                        ranks=ranks,
+                        torch_threads=args.torch_threads,
+                        hidden=hidden,
+                        keep_dir=args.keep_runs,
+                        log_every_s=args.log_every_s,
+                        bf16=args.bf16,
+                        log=log,
+                        report=bool(args.report),
+                        scheduler=scheduler,
+                    )
+            except Exception as exc:  # one mode failing must not lose the others' figures
+                errors[key] = f"{type(exc).__name__}: {exc}"
+                print(f"{key} FAILED: {errors[key]}", file=sys.stderr, flush=True)
             else:
-                run = run_streamrec(
-                    mode,
-                    n,
-                    seed=args.seed,
-                    window=args.window,
-                    latency_ms=latency_ms,
-                    ranks=ranks,
-                    torch_threads=args.torch_threads,
-                    hidden=hidden,
-                    keep_dir=args.keep_runs,
-                    log_every_s=args.log_every_s,
-                    bf16=args.bf16,
-                    log=log,
-                    report=bool(args.report),
-                )
-        except Exception as exc:  # one mode failing must not lose the others' figures
-            errors[key] = f"{type(exc).__name__}: {exc}"
-            print(f"{key} FAILED: {errors[key]}", file=sys.stderr, flush=True)
-        else:
-            run.extra["load_before"] = before
-            run.extra["load_after"] = load()
-            runs[key] = run
-        results["total_s"] = round(time.monotonic() - t_all, 1)
-        results["load_after"] = load()
-        summarize(results, runs, errors, args, samples, lat_key)
-        if args.json:  # after every mode: a later failure keeps what was measured
-            write_json(args.json, results)
+                run.extra["load_before"] = before
+                run.extra["load_after"] = load()
+                runs[key] = run
+            results["total_s"] = round(time.monotonic() - t_all, 1)
+            results["load_after"] = load()
+            summarize(results, runs, errors, args, samples, lat_key)
+            if args.json:  # after every mode: a later failure keeps what was measured
+                write_json(args.json, results)
 
     report = write_run_report(Path(args.report), runs, samples) if args.report else None
 

@@ -5,7 +5,9 @@
 and streamrec's modes; its full run is the
 benchmark. This runs the same script on 8 batches per mode so that none of
 the paths it measures rots: each must train, score the stream better than
-chance and write its figures. No figure is compared with a speed here.
+chance and write its figures. The first streamrec run starts its own Dask
+cluster as in the full run, the later ones share one. No figure is compared
+with a speed here.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ def test_every_trainer_of_the_benchmark_trains_and_reports(tmp_path: Path) -> No
             # The latency pair with the small model only: the default model's pair is the
             # same path at another width, and each pair is two more jobs.
             "--skip-default-at-latency",
+            # The streamrec runs after the first share one Dask cluster: a cluster's start
+            # and its workers' first tasks take longer than these runs' training.
+            "--share-cluster",
             # Reports (and so the clocks) every 0.2 s: a short run still has several.
             "--log-every-s",
             "0.2",
