@@ -48,6 +48,8 @@ import importlib.util
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +60,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from common import (
     median_rate,
     print_figures,
+    shared_dask,
     store_shards,
+    wait_all,
     write_json,
     write_store_job,
     write_token,
@@ -287,6 +291,47 @@ def _fill(
         )
 
 
+@dataclass(frozen=True)
+class Shared:
+    """Store shards and a Dask cluster that every runner run (and the hybrid run) uses."""
+
+    store: str  # grpc://... of the shards
+    token: str
+    scheduler: str
+
+
+@contextlib.contextmanager
+def store_of_two(tmp: Path) -> Iterator[tuple[str, str]]:
+    """Two store shard processes of the synthetic tables: their address and token."""
+    job = write_store_job(tmp / "job.yaml", synthetic_store_section(dim=16))
+    token = write_token(tmp / "token")
+    with store_shards(job, [tmp / f"shard-{i}" for i in range(2)], token) as address:
+        yield address, token.read_text()
+
+
+@contextlib.contextmanager
+def shared_services(tmp: Path) -> Iterator[Shared]:
+    """One store and one Dask cluster for every run, started side by side."""
+    from deploy.local.shards import ShardProcess
+
+    job = write_store_job(tmp / "job.yaml", synthetic_store_section(dim=16))
+    token = write_token(tmp / "token")
+    starting = [ShardProcess.spawn(job, tmp / f"shard-{i}", token_file=token) for i in range(2)]
+    with contextlib.ExitStack() as stack:
+        try:
+            scheduler = stack.enter_context(shared_dask(tmp / "dask.log"))
+        except BaseException:
+            for one in starting:
+                one.proc.kill()
+                one.proc.wait()
+            raise
+        shards = wait_all(starting)
+        for shard in shards:
+            stack.callback(shard.kill)
+        address = "grpc://" + ",".join(shard.address for shard in shards)
+        yield Shared(address, token.read_text(), scheduler)
+
+
 def bench_runner(
     events: int,
     tmp: Path,
@@ -298,6 +343,7 @@ def bench_runner(
     chunk: int = CHUNK,
     codecs: tuple[str, ...] = (),
     batch_kbs: tuple[int, ...] = (),
+    shared: Shared | None = None,
 ) -> dict[str, float]:
     """Kafka (2 partitions) → 2 Dask workers → 2 store shards, end to end, per reader.
 
@@ -306,6 +352,7 @@ def bench_runner(
     read path alone also on a topic of the same events compressed with each.
     ``batch_kbs``: the read path and the raw runner also on a topic of the same
     events produced in record batches of that many KB (keys suffixed ``_b<KB>``).
+    ``shared``: running shards and Dask cluster to use instead of starting them.
     """
     from pipeline.prepare import StoreAddress
 
@@ -314,11 +361,11 @@ def bench_runner(
             broker = _start_broker(kind, tmp, stack)
         bootstrap, topic, api_version = broker
         modern = kind == "modern"
-        job = write_store_job(tmp / "job.yaml", synthetic_store_section(dim=16))
-        token = write_token(tmp / "token")
-        address = stack.enter_context(
-            store_shards(job, [tmp / f"shard-{i}" for i in range(2)], token)
-        )
+        if shared is None:
+            address, token = stack.enter_context(store_of_two(tmp))
+        else:
+            address, token = shared.store, shared.token
+        scheduler = shared.scheduler if shared is not None else None
         data = payloads(events + chunk, seed=7)  # + the first batch, not timed
         _fill(bootstrap, topic, data, api_version, None)
         results = bench_kafka_read(
@@ -340,32 +387,39 @@ def bench_runner(
             )
             results.update({f"{k}_b{kb}": v for k, v in figures.items()})
         del data
-        store = StoreAddress(address, token=token.read_text())
+        store = StoreAddress(address, token=token)
         for reader in readers:
             source = _source(bootstrap, topic, f"bench-{reader}", reader, api_version, chunk)
-            figures = _run(source, store, events, chunk)
+            figures = _run(source, store, events, chunk, scheduler)
             if reader != "raw":
                 prefix = f"runner_{reader.replace('-', '_')}"
                 figures = {k.replace("runner", prefix, 1): v for k, v in figures.items()}
             results.update(figures)
         for kb, name in batched.items():
             source = _source(bootstrap, name, f"bench-b{kb}", "raw", api_version, chunk)
-            figures = _run(source, store, events, chunk)
+            figures = _run(source, store, events, chunk, scheduler)
             results.update({f"{k}_b{kb}": v for k, v in figures.items()})
         return results
 
 
-def _run(source: Any, store: Any, events: int, chunk: int = CHUNK) -> dict[str, float]:
+def _run(
+    source: Any, store: Any, events: int, chunk: int = CHUNK, scheduler: str | None = None
+) -> dict[str, float]:
+    """The runner over ``source``, on a local cluster of its own or ``scheduler``'s."""
     from distributed import Client, LocalCluster
 
     from pipeline.runner import StreamRunner
 
-    with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as lc,
-        Client(lc, direct_to_workers=True) as client,  # as the job's trainer fetches
-    ):
+    with contextlib.ExitStack() as stack:
+        cluster: Any = scheduler
+        if cluster is None:
+            cluster = stack.enter_context(
+                LocalCluster(
+                    n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
+                )
+            )
+        # As the job's trainer fetches: from the worker that made each batch.
+        client = stack.enter_context(Client(cluster, direct_to_workers=True))
         runner = StreamRunner(
             client,
             source,
@@ -399,8 +453,9 @@ def _run(source: Any, store: Any, events: int, chunk: int = CHUNK) -> dict[str, 
     }
 
 
-def hybrid_rate(samples: int, log_every_s: float = 1.0) -> float:
-    """The hybrid trainer's samples/s on this machine: benchmarks/e2e.py's hybrid run."""
+def hybrid_rate(samples: int, log_every_s: float = 1.0, scheduler: str | None = None) -> float:
+    """The hybrid trainer's samples/s on this machine: benchmarks/e2e.py's hybrid run
+    (naming ``scheduler``'s Dask cluster instead of starting its own, where given)."""
     from e2e import HIDDEN, run_streamrec
 
     run = run_streamrec(
@@ -415,6 +470,7 @@ def hybrid_rate(samples: int, log_every_s: float = 1.0) -> float:
         keep_dir=None,
         log_every_s=log_every_s,
         log=False,
+        scheduler=scheduler,
     )
     return run.samples_per_s
 
@@ -488,6 +544,14 @@ def main(argv: list[str] | None = None) -> int:
         "Kafka's default is 16 KB; default 256)",
     )
     parser.add_argument(
+        "--share-services",
+        action="store_true",
+        help="one pair of store shards and one Dask cluster for every runner run on every "
+        "broker, the hybrid run naming the cluster too: the smoke test's (their start-ups "
+        "take longer than its short runs); the rates are not the full run's, where each "
+        "run starts its own and finds no rows made",
+    )
+    parser.add_argument(
         "--bootstrap", help="a Kafka 0.9 broker to use (host:port) instead of starting one"
     )
     parser.add_argument("--topic", help="with --bootstrap: an empty topic of 2 partitions")
@@ -511,6 +575,7 @@ def main(argv: list[str] | None = None) -> int:
 
     data = payloads(args.events)
     results: dict[str, float | int] = {"events": args.events, "repeats": args.repeats}
+    results["shared_services"] = args.share_services
     results["decode_hash_events_per_s"] = median_rate(
         lambda _: decode_hash(data), args.events, args.repeats
     )
@@ -528,44 +593,59 @@ def main(argv: list[str] | None = None) -> int:
             if args.modern_bootstrap
             else None,
         }
-        for kind in args.brokers:
-            with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
-                figures = bench_runner(
-                    args.runner_events,
-                    Path(tmp),
-                    readers,
-                    args.repeats,
-                    broker=given[kind],
-                    kind=kind,
-                    chunk=args.chunk_records,
-                    codecs=tuple(args.codecs) if kind == "modern" else (),
-                    batch_kbs=tuple(args.batch_kb) if kind == "modern" else (),
-                )
-            suffixes = [*args.codecs, *(f"b{kb}" for kb in args.batch_kb)]
-            results.update({_with_broker(k, kind, suffixes): v for k, v in figures.items()})
-            if kind == args.brokers[0]:
-                results.update(figures)  # the unsuffixed keys: the first broker's
-        if "kafka09" in args.brokers and "modern" in args.brokers:
-            on_09 = float(results["runner_events_per_s_kafka09"])
-            results["runner_modern_vs_kafka09"] = (
-                float(results["runner_events_per_s_modern"]) / on_09
-            )
-            for kb in args.batch_kb:
-                results[f"runner_modern_b{kb}_vs_kafka09"] = (
-                    float(results[f"runner_events_per_s_modern_b{kb}"]) / on_09
-                )
-        if args.hybrid_samples:
-            hybrid = hybrid_rate(args.hybrid_samples, args.log_every_s)
-            results["hybrid_samples_per_s"] = hybrid
-            for kind in args.brokers:
-                rate = float(results[f"runner_events_per_s_{kind}"])
-                results[f"runner_vs_hybrid_{kind}"] = rate / hybrid
-            results["runner_vs_hybrid"] = float(results["runner_events_per_s"]) / hybrid
-
+        with contextlib.ExitStack() as stack:
+            shared = None
+            if args.share_services:
+                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-pipeline-"))
+                shared = stack.enter_context(shared_services(Path(tmp)))
+            run_brokers(args, readers, given, results, shared)
     print_figures(results, lambda v: f"{v:,.2f}" if isinstance(v, float) else f"{v}")
     if args.json:
         write_json(args.json, results, announce=True)
     return 0
+
+
+def run_brokers(
+    args: argparse.Namespace,
+    readers: tuple[str, ...],
+    given: dict[str, Broker | None],
+    results: dict[str, float | int],
+    shared: Shared | None,
+) -> None:
+    """The read path and the runner on each broker, then the hybrid run; into ``results``."""
+    for kind in args.brokers:
+        with tempfile.TemporaryDirectory(prefix="bench-pipeline-") as tmp:
+            figures = bench_runner(
+                args.runner_events,
+                Path(tmp),
+                readers,
+                args.repeats,
+                broker=given[kind],
+                kind=kind,
+                chunk=args.chunk_records,
+                codecs=tuple(args.codecs) if kind == "modern" else (),
+                batch_kbs=tuple(args.batch_kb) if kind == "modern" else (),
+                shared=shared,
+            )
+        suffixes = [*args.codecs, *(f"b{kb}" for kb in args.batch_kb)]
+        results.update({_with_broker(k, kind, suffixes): v for k, v in figures.items()})
+        if kind == args.brokers[0]:
+            results.update(figures)  # the unsuffixed keys: the first broker's
+    if "kafka09" in args.brokers and "modern" in args.brokers:
+        on_09 = float(results["runner_events_per_s_kafka09"])
+        results["runner_modern_vs_kafka09"] = float(results["runner_events_per_s_modern"]) / on_09
+        for kb in args.batch_kb:
+            results[f"runner_modern_b{kb}_vs_kafka09"] = (
+                float(results[f"runner_events_per_s_modern_b{kb}"]) / on_09
+            )
+    if args.hybrid_samples:
+        scheduler = shared.scheduler if shared is not None else None
+        hybrid = hybrid_rate(args.hybrid_samples, args.log_every_s, scheduler)
+        results["hybrid_samples_per_s"] = hybrid
+        for kind in args.brokers:
+            rate = float(results[f"runner_events_per_s_{kind}"])
+            results[f"runner_vs_hybrid_{kind}"] = rate / hybrid
+        results["runner_vs_hybrid"] = float(results["runner_events_per_s"]) / hybrid
 
 
 if __name__ == "__main__":
