@@ -69,6 +69,7 @@ fetches it) and stops it at the end.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import subprocess
@@ -88,7 +89,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from common import write_json  # noqa: E402
+from common import shared_dask, write_json  # noqa: E402
 from e2e import load, measured_rate, read_metrics  # noqa: E402
 
 if TYPE_CHECKING:
@@ -487,10 +488,12 @@ def job_yaml(
     hidden: list[int],
     window: int,
     trainer_options: dict[str, Any] | None = None,
+    scheduler: str | None = None,
 ) -> dict[str, Any]:
     """The job a user would write for ``ds`` in ``mode`` (``staleness`` None: the default).
 
-    ``trainer_options`` are added to its ``trainer:`` section (``--trainer-set``).
+    ``trainer_options`` are added to its ``trainer:`` section (``--trainer-set``); with
+    ``scheduler`` the job names that Dask cluster instead of starting its own.
     """
     trainer: dict[str, Any] = {
         "mode": mode,
@@ -522,7 +525,8 @@ def job_yaml(
         "features": ds.features,
         "store": ds.store,
         "trainer": {**trainer, "mode": mode.removesuffix(STALE)},
-        "cluster": {"workers": 2, "store_shards": 2, "dashboard_address": ":0"},
+        "cluster": {"workers": 2, "store_shards": 2, "dashboard_address": ":0"}
+        | ({"scheduler": scheduler} if scheduler is not None else {}),
     }
 
 
@@ -541,6 +545,7 @@ def run_streamrec(
     window: int,
     timeout_s: float,
     trainer_options: dict[str, Any] | None = None,
+    scheduler: str | None = None,
 ) -> Result:
     """``streamrec run`` the job of ``ds`` in ``mode`` over the whole topic; its figures."""
     import yaml
@@ -561,6 +566,7 @@ def run_streamrec(
         hidden=hidden,
         window=window,
         trainer_options=trainer_options,
+        scheduler=scheduler,
     )
     path = work / f"{label}.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
@@ -816,6 +822,13 @@ def main(argv: list[str] | None = None) -> int:
         help="untimed streamrec runs per data set before the timed ones (the first "
         "rounds on a fresh broker run slower; default 1)",
     )
+    parser.add_argument(
+        "--share-cluster",
+        action="store_true",
+        help="every streamrec run names one local Dask cluster started for them all (each "
+        "still starts its own store shards): the smoke test's, whose runs are shorter than "
+        "a cluster's start; the rates are not the full run's, where every job starts its own",
+    )
     args = parser.parse_args(argv)
     if args.warmup < 0:
         parser.error("--warmup: 0 or more")
@@ -852,6 +865,7 @@ def main(argv: list[str] | None = None) -> int:
         "workers": 2,
         "cpus": os.cpu_count(),
         "repeat": args.repeat,
+        "shared_cluster": args.share_cluster,
     }
     runs: dict[str, Result] = {}
     repeats: dict[str, list[Result]] = {}
@@ -861,6 +875,7 @@ def main(argv: list[str] | None = None) -> int:
     kafka = None
     needs_kafka = any(m != "plain" for m in args.modes)
     t_all = time.monotonic()
+    stack = contextlib.ExitStack()  # the shared cluster, stopped before the broker
     try:
         bootstrap = args.bootstrap
         if needs_kafka and bootstrap is None:
@@ -868,6 +883,9 @@ def main(argv: list[str] | None = None) -> int:
 
             kafka = LocalKafka.start(work / "kafka")
             bootstrap = kafka.bootstrap
+        scheduler = None
+        if needs_kafka and args.share_cluster:
+            scheduler = stack.enter_context(shared_dask(work / "dask-scheduler.log"))
         for name in args.datasets:
             try:
                 ds = makers[name]()
@@ -913,6 +931,7 @@ def main(argv: list[str] | None = None) -> int:
                             window=window,
                             timeout_s=args.timeout_s,
                             trainer_options=trainer_options,
+                            scheduler=scheduler,
                         )
                 except Exception as exc:  # one run failing must not lose the others' figures
                     key = key if timed else f"{key}_warmup"
@@ -936,6 +955,7 @@ def main(argv: list[str] | None = None) -> int:
                 summarize(results, runs, args.datasets, default_s)
                 write_json(args.json, results)  # after every run: a later failure keeps these
     finally:
+        stack.close()
         if kafka is not None:
             kafka.stop()
         if args.keep_runs is None:

@@ -40,6 +40,9 @@ def test_both_datasets_train_in_both_trainers_and_report(
         str(staleness),
         "--warmup",
         "0",
+        # Both streamrec runs name one Dask cluster: its start and its workers' first
+        # tasks take longer than a run of 4,000 events.
+        "--share-cluster",
         "--bootstrap",
         kafka.bootstrap,
         "--api-version",
