@@ -52,6 +52,27 @@ def job_file(tmp: Path, source: dict[str, Any]) -> Path:
     )
 
 
+def two_rank_job(tmp: Path, source: dict[str, Any], batch_size: int) -> Path:
+    """The synthetic job on 2 trainer ranks at ``batch_size``, reading ``source``."""
+    return write_synthetic_job(
+        tmp,
+        store=synthetic_store_section(dim=4),
+        source=source,
+        trainer={**TRAINER, "ranks": 2, "batch_size": batch_size},
+        cluster={"workers": 1, "store_shards": 1, "dashboard_address": ":0"},
+    )
+
+
+def assert_learned_once(run_dir: Path, ends: dict[str, int]) -> None:
+    """Both ranks' ledgers cover each partition's ``[0, end)`` exactly once."""
+    covered = {p: np.zeros(n, dtype=np.int64) for p, n in ends.items()}
+    for rank in (0, 1):
+        for _, partition, lo, hi in ledger(run_dir, rank):
+            covered[partition][lo:hi] += 1
+    for partition, counts in covered.items():
+        assert counts.size == 0 or counts.min() == counts.max() == 1, partition
+
+
 def kafka_job_source(kafka: KafkaForTests, topic: str) -> dict[str, Any]:
     return {
         "kind": "kafka",
@@ -144,13 +165,7 @@ def test_two_ranks_train_their_own_partitions_and_resume_exactly_once(
         start += n
     ends = {f"{topic}/{p}": n + (1 if p == 0 else 0) for p, n in sizes.items()}
     source = kafka_job_source(kafka, topic)
-    job = write_synthetic_job(
-        tmp_path,
-        store=synthetic_store_section(dim=4),
-        source=source,
-        trainer={**TRAINER, "ranks": 2, "batch_size": 250},
-        cluster={"workers": 1, "store_shards": 1, "dashboard_address": ":0"},
-    )
+    job = two_rank_job(tmp_path, source, 250)
     run_dir = tmp_path / "run"
     book = CheckpointBook(run_dir / "checkpoints")
 
@@ -217,13 +232,7 @@ def test_two_ranks_with_max_events_learn_every_event_once_and_end(
         start += n
     ends = {f"{topic}/{p}": n for p, n in sizes.items()}
     source = kafka_job_source(kafka, topic)
-    job = write_synthetic_job(
-        tmp_path,
-        store=synthetic_store_section(dim=4),
-        source=source,
-        trainer={**TRAINER, "ranks": 2, "batch_size": batch},
-        cluster={"workers": 1, "store_shards": 1, "dashboard_address": ":0"},
-    )
+    job = two_rank_job(tmp_path, source, batch)
     run_dir = tmp_path / "run"
     total = sum(sizes.values())
     # Before shares moved, this run waited for ever on the rank short of its share.
@@ -241,12 +250,7 @@ def test_two_ranks_with_max_events_learn_every_event_once_and_end(
     assert committed_offsets(source, {p: n for p, n in ends.items() if n}) == {
         p: n for p, n in ends.items() if n
     }
-    covered = {p: np.zeros(n, dtype=np.int64) for p, n in ends.items()}
-    for rank in (0, 1):
-        for _, partition, lo, hi in ledger(run_dir, rank):
-            covered[partition][lo:hi] += 1
-    for partition, counts in covered.items():
-        assert counts.size == 0 or counts.min() == counts.max() == 1, partition
+    assert_learned_once(run_dir, ends)
     # Each rank's last report counts every rank's samples beside its own.
     for rank in (0, 1):
         *_, last = (run_dir / f"metrics-rank{rank}.jsonl").read_text().splitlines()
@@ -264,22 +268,17 @@ def test_two_ranks_with_max_events_learn_every_event_once_and_end(
 def test_a_quiet_partition_holds_no_rank_up_and_max_time_ends_two_ranks(
     tmp_path: Path, kafka: KafkaForTests, kafka_topic: Any
 ) -> None:
-    """2 ranks, batch 64, --max-time: partition 1 stays quiet while partition 0's 1,000
-    events are all learned (a quiet rank takes part in each step without a batch),
-    then gets 966 (a partial last batch on both); the job ends by itself at its time,
-    every event learned once."""
+    """2 ranks, batch 64. Partition 1 stays quiet while partition 0's 1,000 events are
+    all learned (a quiet rank takes part in each step without a batch), then gets 966
+    (partial last batches on both): --max-events 1966 ends the job with each learned
+    once. A second run with --max-time, while both partitions flow, ends at its time
+    with what it learned checkpointed and committed, each event once."""
     topic = kafka_topic(partitions=2)
-    lines = list(iter_json_lines(SyntheticConfig(seed=5), 1966))
+    lines = list(iter_json_lines(SyntheticConfig(seed=5), 2566))
     produce(kafka.bootstrap, topic, lines[:1000], api_version=kafka.api_version, partition=0)
     ends = {f"{topic}/0": 1000, f"{topic}/1": 966}
     source = kafka_job_source(kafka, topic)
-    job = write_synthetic_job(
-        tmp_path,
-        store=synthetic_store_section(dim=4),
-        source=source,
-        trainer={**TRAINER, "ranks": 2, "batch_size": 64},
-        cluster={"workers": 1, "store_shards": 1, "dashboard_address": ":0"},
-    )
+    job = two_rank_job(tmp_path, source, 64)
     run_dir = tmp_path / "run"
     ledgers = [run_dir / f"learned-rank{r}.log" for r in (0, 1)]
 
@@ -289,30 +288,40 @@ def test_a_quiet_partition_holds_no_rank_up_and_max_time_ends_two_ranks(
 
     log = tmp_path / "run.log"
     with log.open("w") as out:
-        proc = subprocess.Popen([*STREAMREC, "run", str(job), "--max-time", "45"],
+        proc = subprocess.Popen([*STREAMREC, "run", str(job), "--max-events", "1966"],
                                 cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
     try:
-        wait_until(lambda: learned(f"{topic}/0") == 1000 or proc.poll() is not None, 180)
+        wait_until(lambda: learned(f"{topic}/0") == 1000 or proc.poll() is not None, 240)
         assert learned(f"{topic}/0") == 1000, log.read_text()
         assert learned(f"{topic}/1") == 0
-        produce(kafka.bootstrap, topic, lines[1000:], api_version=kafka.api_version,
+        produce(kafka.bootstrap, topic, lines[1000:1966], api_version=kafka.api_version,
                 partition=1)  # fmt: skip
         assert proc.wait(240) == 0, log.read_text()
     finally:
         if proc.poll() is None:
             proc.kill()
     text = log.read_text()
-    assert "stopped by max_time" in text, text
-    manifest = CheckpointBook(run_dir / "checkpoints").latest()
+    assert "stopped by max_events" in text, text
+    book = CheckpointBook(run_dir / "checkpoints")
+    manifest = book.latest()
     assert manifest is not None
     assert (manifest.samples, manifest.positions) == (1966, ends), manifest
     assert committed_offsets(source, ends) == ends
-    covered = {p: np.zeros(n, dtype=np.int64) for p, n in ends.items()}
-    for rank in (0, 1):
-        for _, partition, lo, hi in ledger(run_dir, rank):
-            covered[partition][lo:hi] += 1
-    for partition, counts in covered.items():
-        assert counts.min() == counts.max() == 1, partition
+    assert_learned_once(run_dir, ends)
+
+    # --max-time while both partitions flow: whatever it learned, each event once.
+    produce(kafka.bootstrap, topic, lines[1966:2266], api_version=kafka.api_version,
+            partition=0)  # fmt: skip
+    produce(kafka.bootstrap, topic, lines[2266:], api_version=kafka.api_version, partition=1)
+    second = streamrec("run", str(job), "--max-time", "10", timeout=240)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "stopped by max_time" in second.stdout + second.stderr
+    after = book.latest()
+    assert after is not None
+    assert all(ends[p] <= n <= ends[p] + 300 for p, n in after.positions.items()), after
+    assert committed_offsets(source, after.positions) == after.positions
+    assert_learned_once(run_dir, after.positions)
+    assert after.samples == sum(after.positions.values())
 
 
 def wait_until(check: Callable[[], bool], timeout_s: float) -> None:
@@ -335,13 +344,7 @@ def test_a_two_rank_backfill_ends_with_every_row_learned_once(
         write_parquet(tmp_path / f"part-{i}.parquet", SyntheticConfig(seed=4 + i), n, 250)
         for i, n in enumerate(sizes)
     ]
-    job = write_synthetic_job(
-        tmp_path,
-        store=synthetic_store_section(dim=4),
-        source={"kind": "parquet", "paths": [str(f) for f in files]},
-        trainer={**TRAINER, "ranks": 2, "batch_size": batch},
-        cluster={"workers": 1, "store_shards": 1, "dashboard_address": ":0"},
-    )
+    job = two_rank_job(tmp_path, {"kind": "parquet", "paths": [str(f) for f in files]}, batch)
     run_dir = tmp_path / "run"
     total = sum(sizes)
     result = streamrec("backfill", str(job), timeout=300)
@@ -352,12 +355,7 @@ def test_a_two_rank_backfill_ends_with_every_row_learned_once(
     assert manifest is not None
     assert manifest.samples == total
     assert manifest.positions == {f.name: n for f, n in zip(files, sizes, strict=True)}
-    covered = {f.name: np.zeros(n, dtype=np.int64) for f, n in zip(files, sizes, strict=True)}
-    for rank in (0, 1):
-        for _, partition, lo, hi in ledger(run_dir, rank):
-            covered[partition][lo:hi] += 1
-    for partition, counts in covered.items():
-        assert counts.min() == counts.max() == 1, partition
+    assert_learned_once(run_dir, {f.name: n for f, n in zip(files, sizes, strict=True)})
 
 
 def ledger(run_dir: Path, rank: int) -> list[tuple[int, str, int, int]]:
