@@ -104,7 +104,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import print_figures, wait_all, write_json, write_token
+from common import print_figures, shared_dask, wait_all, write_json, write_token
 from e2e import load, measured_rate, read_metrics
 
 from deploy.local.parent_death import with_parent_death
@@ -179,12 +179,14 @@ def write_job(
     token_file: Path,
     events: int | None,
     hidden: list[int],
+    scheduler: str | None = None,
 ) -> Path:
     """``tmp/<name>.yaml``: the demo's hybrid job over the shards at ``store``.
 
     Every job of the run shares the serving location (``tmp/serving``) and the
     checkpoint folder (checkpoints are off); each has a run directory of its own
     (metrics files are appended to). ``events``: in all (None: endless).
+    ``scheduler``: a Dask cluster the job names instead of starting its own.
     """
     import yaml
 
@@ -214,6 +216,8 @@ def write_job(
         "token_file": str(token_file),
         "dashboard_address": ":0",
     }
+    if scheduler is not None:
+        raw["cluster"]["scheduler"] = scheduler
     raw["serving"] = {**raw["serving"], "publish_every_s": 1.0, "dir": str(tmp / "serving")}
     JobConfig.model_validate(raw)  # refuse here, not in a subprocess
     path = tmp / f"{name}.yaml"
@@ -1016,6 +1020,7 @@ class Setup:
     fresh_records: list[bytes] = field(default_factory=list)
     stamps: list[bytes] = field(default_factory=list)
     server_pids: list[int] = field(default_factory=list)  # the server's and its replicas'
+    scheduler: str | None = None  # the Dask cluster every training job names (--smoke)
 
 
 def client_sweep(s: Setup, batch: int, levels: Sequence[int], suffix: str) -> list[dict[str, Any]]:
@@ -1206,7 +1211,7 @@ def slowdown_phase(
             name = f"slowdown-{kind}-{r}"
             job_file = write_job(
                 tmp, name, store=store, shards=shards, token_file=token_file, events=samples,
-                hidden=s.args.hidden,
+                hidden=s.args.hidden, scheduler=s.scheduler,
             )  # fmt: skip
             before = load()
             run = TrainingRun(job_file, samples)
@@ -1422,7 +1427,8 @@ def main(argv: list[str] | None = None) -> int:
         "--smoke",
         action="store_true",
         help="every figure at tiny sizes (seconds): 0.3 s per latency measurement, 16k "
-        "events, 1 round, 3 stamps, 2 versions, sweep 1 2, 1 shard",
+        "events, 1 round, 3 stamps, 2 versions, sweep 1 2, 1 shard, and one Dask cluster "
+        "that every training job names",
     )
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--constant-server", action="store_true", help=argparse.SUPPRESS)
@@ -1486,21 +1492,24 @@ def main(argv: list[str] | None = None) -> int:
         # What waits on nothing else starts side by side: the training shards; then the
         # job (its start-up takes longest) and the replicas following the shards; then
         # the server over the replicas, which answers once the job published weights.
-        training = wait_all(
-            [
-                ShardProcess.spawn(
-                    first, tmp / "store" / f"shard-{i:03d}", token_file=token_file,
-                    die_with_parent=True,
-                )
-                for i in range(args.shards)
-            ]
-        )  # fmt: skip
+        starting = [
+            ShardProcess.spawn(
+                first, tmp / "store" / f"shard-{i:03d}", token_file=token_file,
+                die_with_parent=True,
+            )
+            for i in range(args.shards)
+        ]  # fmt: skip
+        # The smoke's jobs are shorter than a Dask cluster's start: they share one.
+        scheduler = (
+            stack.enter_context(shared_dask(tmp / "dask-scheduler.log")) if args.smoke else None
+        )
+        training = wait_all(starting)
         for shard in training:
             stack.callback(shard.kill)
         store = "grpc://" + ",".join(s.address for s in training)
         job_file = write_job(
             tmp, "while-training", store=store, shards=args.shards, token_file=token_file,
-            events=None, hidden=args.hidden,
+            events=None, hidden=args.hidden, scheduler=scheduler,
         )  # fmt: skip
         run = TrainingRun(job_file, None)
         stack.callback(run.stop)
@@ -1533,6 +1542,7 @@ def main(argv: list[str] | None = None) -> int:
         training_store = stack.enter_context(StoreClient.connect(store, token=token))
         s = Setup(server.address, job, training_store, args, log)
         s.server_pids = [server.proc.pid, *(r.proc.pid for r in replicas)]
+        s.scheduler = scheduler
         # Enough for the largest request set (4 of 512 records); the smoke needs no more.
         s.fresh_records = stream_records(512 * 4 if args.smoke else 4096)
         s.reqs = {
