@@ -57,6 +57,13 @@ default staleness (``TrainerConfig().staleness``) minus sync's (and
 ``hybrid_stale_vs_sync_auc_gap_<dataset>`` when hybrid_stale ran), and the
 speed ratios of runs side by side, ``hybrid_vs_hybrid_stale_samples_per_s_<dataset>``
 (what reading its own pushes fresh costs) and ``hybrid_vs_sync_samples_per_s_<dataset>``.
+``--ranks 2 4`` runs the streamrec modes on that many trainer ranks too: the
+records go round-robin into a topic of as many partitions (record ``i`` into
+partition ``i % N``: each holds the stream in order, thinned alike), one rank
+per partition, and the figures are over every rank's predictions (each rank
+keeps ``window / N`` of them). Their keys end in ``_r<N>``:
+``<dataset>_<mode>[_s<staleness>]_r<N>_auc``,
+``hybrid_vs_sync_auc_gap_<dataset>_r<N>``. The plain loop runs once.
 ``--repeat N`` runs every mode N times in interleaved rounds and reports the
 median speed (all N in ``runs``). ``runs`` holds each run's details, ``errors``
 the runs that failed.
@@ -70,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -81,7 +89,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -457,22 +465,48 @@ def streamrec_command() -> list[str]:
     return [str(exe)] if exe.is_file() else [sys.executable, "-m", "deploy.cli"]
 
 
-def produce(ds: Dataset, bootstrap: str, api_version: str, work: Path) -> str:
-    """Write ``ds`` to a JSON-lines file and ``streamrec produce --from`` it into a new topic."""
-    topic = f"quality-{ds.name}-{uuid.uuid4().hex[:8]}"
-    path = work / f"{ds.name}.jsonl"
-    with path.open("wb") as f:
-        for line in ds.payloads:
-            f.write(line + b"\n")
-    # A new topic, made by the broker with its default count of partitions (1 here): the
-    # whole stream in one partition, in order.
-    cmd = [*streamrec_command(), "produce", "--from", str(path)]
-    cmd += ["--to", f"kafka://{bootstrap}/{topic}", "--api-version", api_version]
+def produce(
+    ds: Dataset,
+    bootstrap: str,
+    api_version: str,
+    work: Path,
+    partitions: int = 1,
+    create_topic: Callable[[str, int], None] | None = None,
+    zookeeper: str | None = None,
+) -> str:
+    """``streamrec produce --from`` ``ds`` into a new topic of ``partitions`` partitions:
+    record ``i`` into partition ``i % partitions``, so that each holds the stream in
+    order, thinned alike (one trainer rank per partition). ``create_topic(name, n)``:
+    how to make the topic (a local Kafka's; None: ``streamrec kafka topic create``, with
+    ``zookeeper`` for a broker older than 0.10.1)."""
+    topic = f"quality-{ds.name}-p{partitions}-{uuid.uuid4().hex[:8]}"
+    if partitions > 1 and create_topic is not None:
+        create_topic(topic, partitions)
+    elif partitions > 1:
+        cmd = [*streamrec_command(), "kafka", "topic", "create", topic, "--partitions",
+               str(partitions), "--bootstrap", bootstrap, "--api-version", api_version]  # fmt: skip
+        if zookeeper is not None:
+            cmd += ["--zookeeper", zookeeper]
+        _run_or_raise(cmd, "streamrec kafka topic create")
+    # Otherwise the broker makes the topic with its default count of partitions (1 here).
+    for p in range(partitions):
+        path = work / f"{ds.name}-{p}-of-{partitions}.jsonl"
+        with path.open("wb") as f:
+            for line in ds.payloads[p::partitions]:
+                f.write(line + b"\n")
+        cmd = [*streamrec_command(), "produce", "--from", str(path)]
+        cmd += ["--to", f"kafka://{bootstrap}/{topic}", "--api-version", api_version]
+        if partitions > 1:
+            cmd += ["--partition", str(p)]
+        _run_or_raise(cmd, "streamrec produce")
+    return topic
+
+
+def _run_or_raise(cmd: list[str], what: str) -> None:
     done = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        msg = f"streamrec produce failed ({done.returncode}): {done.stderr[-2000:]}"
+        msg = f"{what} failed ({done.returncode}): {done.stderr[-2000:]}"
         raise RuntimeError(msg)
-    return topic
 
 
 def job_yaml(
@@ -489,18 +523,21 @@ def job_yaml(
     window: int,
     trainer_options: dict[str, Any] | None = None,
     scheduler: str | None = None,
+    ranks: int = 1,
 ) -> dict[str, Any]:
     """The job a user would write for ``ds`` in ``mode`` (``staleness`` None: the default).
 
     ``trainer_options`` are added to its ``trainer:`` section (``--trainer-set``); with
     ``scheduler`` the job names that Dask cluster instead of starting its own.
+    ``ranks``: trainer ranks, one per partition; each keeps ``window / ranks`` samples,
+    so that the figures over every rank's predictions cover the last ``window``.
     """
     trainer: dict[str, Any] = {
         "mode": mode,
         "batch_size": batch_size,
-        "ranks": 1,
+        "ranks": ranks,
         "model": {"kind": "ffnn", "hidden": hidden},
-        "metrics_window": window,
+        "metrics_window": max(1, window // ranks),
         "log_every_s": 1.0,
         "checkpoint": {"enabled": False, "on_exit": False},
     }
@@ -546,8 +583,10 @@ def run_streamrec(
     timeout_s: float,
     trainer_options: dict[str, Any] | None = None,
     scheduler: str | None = None,
+    ranks: int = 1,
 ) -> Result:
-    """``streamrec run`` the job of ``ds`` in ``mode`` over the whole topic; its figures."""
+    """``streamrec run`` the job of ``ds`` in ``mode`` over the whole topic; its figures
+    (with several ``ranks``: over every rank's predictions)."""
     import yaml
 
     run_dir = work / label
@@ -567,6 +606,7 @@ def run_streamrec(
         window=window,
         trainer_options=trainer_options,
         scheduler=scheduler,
+        ranks=ranks,
     )
     path = work / f"{label}.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
@@ -588,12 +628,14 @@ def run_streamrec(
         raise RuntimeError(msg)
     rate, median_rate, _, timed_s, total = measured_rate(lines)
     last = lines[0][-1]
-    if last["samples"] != n:
-        msg = f"{label}: the job learned {last['samples']} of {n} events"
+    learned = last["samples"] if ranks == 1 else last.get("job_samples")
+    if learned != n:
+        msg = f"{label}: the job learned {learned} of {n} events"
         raise RuntimeError(msg)
+    metrics = last["metrics"] if ranks == 1 else last["job_metrics"]
     return Result(
-        auc=last["metrics"]["auc"],
-        logloss=last["metrics"]["logloss"],
+        auc=metrics["auc"],
+        logloss=metrics["logloss"],
         samples_per_s=rate,
         samples=total,
         extra={
@@ -611,16 +653,25 @@ def run_streamrec(
 # --- main --------------------------------------------------------------------------------
 
 
-def run_key(dataset: str, mode: str, staleness: int | None) -> str:
-    """``<dataset>_<mode>[_s<staleness>]``: hybrid runs carry their staleness.
+def run_key(dataset: str, mode: str, staleness: int | None, ranks: int = 1) -> str:
+    """``<dataset>_<mode>[_s<staleness>][_r<ranks>]``: hybrid runs carry their
+    staleness, runs of several trainer ranks their count.
 
-    >>> run_key("movielens", "hybrid_stale", 4), run_key("hotids", "sync", None)
-    ('movielens_hybrid_stale_s4', 'hotids_sync')
+    >>> run_key("movielens", "hybrid_stale", 4), run_key("hotids", "sync", None, 2)
+    ('movielens_hybrid_stale_s4', 'hotids_sync_r2')
     """
-    return f"{dataset}_{mode}" + (f"_s{staleness}" if mode.startswith("hybrid") else "")
+    key = f"{dataset}_{mode}" + (f"_s{staleness}" if mode.startswith("hybrid") else "")
+    return key + ranks_suffix(ranks)
+
+
+def ranks_suffix(ranks: int) -> str:
+    """``_r<ranks>`` for several ranks; nothing for one (the keys of one-rank runs)."""
+    return f"_r{ranks}" if ranks > 1 else ""
 
 
 _Run = tuple[str, int | None]
+_T = TypeVar("_T")
+_RankedRun = tuple[str, int | None, int]
 
 
 def plan_runs(modes: Sequence[str], staleness: Sequence[int]) -> list[_Run]:
@@ -640,7 +691,7 @@ def plan_runs(modes: Sequence[str], staleness: Sequence[int]) -> list[_Run]:
     return out
 
 
-def rounds_of(planned: Sequence[_Run], repeat: int) -> list[_Run]:
+def rounds_of(planned: Sequence[_T], repeat: int) -> list[_T]:
     """``repeat`` rounds of the ``planned`` runs, every other round in reverse order.
 
     A machine that speeds up over a benchmark (the broker's JIT warming, the page
@@ -655,33 +706,39 @@ def rounds_of(planned: Sequence[_Run], repeat: int) -> list[_Run]:
 
 
 def summarize(
-    results: dict[str, Any], runs: dict[str, Result], datasets: Sequence[str], default_s: int
+    results: dict[str, Any],
+    runs: dict[str, Result],
+    datasets: Sequence[str],
+    default_s: int,
+    ranks: Sequence[int] = (1,),
 ) -> None:
-    """Put the figures of ``runs`` so far, and the hybrid-vs-sync gaps, into ``results``."""
+    """Put the figures of ``runs`` so far, and the hybrid-vs-sync gaps, into ``results``
+    (for several ranks, keys ending ``_r<ranks>``)."""
     for key, r in runs.items():
         results[f"{key}_auc"] = r.auc
         results[f"{key}_logloss"] = r.logloss
         results[f"{key}_samples_per_s"] = r.samples_per_s
-    for name in datasets:
-        sync = runs.get(run_key(name, "sync", None))
+    for name, n in itertools.product(datasets, ranks):
+        suffix = f"{name}{ranks_suffix(n)}"
+        sync = runs.get(run_key(name, "sync", None, n))
         for mode in ("hybrid", "hybrid_stale"):
-            hybrid = runs.get(run_key(name, mode, default_s))
+            hybrid = runs.get(run_key(name, mode, default_s, n))
             if mode == "hybrid_stale" and hybrid is None:
                 continue
             a = hybrid.auc if hybrid is not None else None
             b = sync.auc if sync is not None else None
             gap = a - b if a is not None and b is not None else None
-            results[f"{mode}_vs_sync_auc_gap_{name}"] = gap
+            results[f"{mode}_vs_sync_auc_gap_{suffix}"] = gap
         # Speed ratios of runs measured side by side (medians with --repeat).
-        fresh = runs.get(run_key(name, "hybrid", default_s))
+        fresh = runs.get(run_key(name, "hybrid", default_s, n))
         for other_key, label in (
-            (run_key(name, "hybrid_stale", default_s), "hybrid_stale"),
-            (run_key(name, "sync", None), "sync"),
+            (run_key(name, "hybrid_stale", default_s, n), "hybrid_stale"),
+            (run_key(name, "sync", None, n), "sync"),
         ):
             other = runs.get(other_key)
             if fresh is not None and other is not None and other.samples_per_s > 0:
                 ratio = fresh.samples_per_s / other.samples_per_s
-                results[f"hybrid_vs_{label}_samples_per_s_{name}"] = round(ratio, 3)
+                results[f"hybrid_vs_{label}_samples_per_s_{suffix}"] = round(ratio, 3)
     results["runs"] = {
         k: {"samples": r.samples, **{x: v for x, v in r.extra.items() if v is not None}}
         for k, r in runs.items()
@@ -777,6 +834,14 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f"events per data set (default: all of MovieLens, {HOTIDS_EVENTS:,} hot-id events)",
     )
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="trainer ranks of the streamrec runs, each count in turn (a topic of that many "
+        "partitions, record i in partition i %% N); default 1",
+    )
     parser.add_argument("--batch-size", type=int, default=BATCH)
     parser.add_argument("--hidden", type=int, nargs="+", default=HIDDEN, help="FFNN widths")
     parser.add_argument(
@@ -806,6 +871,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--bootstrap", default=None, help="a running Kafka (default: start one)")
     parser.add_argument("--api-version", default="0.9", help="the Kafka's API version")
+    parser.add_argument(
+        "--zookeeper",
+        default=None,
+        metavar="HOST:PORT",
+        help="the --bootstrap Kafka's ZooKeeper, to make topics of several partitions on a "
+        "broker older than 0.10.1 (for --ranks)",
+    )
     parser.add_argument("--keep-runs", type=Path, default=None, help="keep run folders here")
     parser.add_argument("--timeout-s", type=float, default=900.0, help="per streamrec run")
     parser.add_argument(
@@ -836,6 +908,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--repeat: 1 or more")
     if any(s < 0 for s in args.staleness):
         parser.error("--staleness: 0 or more")
+    if any(n < 1 for n in args.ranks):
+        parser.error("--ranks: 1 or more")
 
     optimizer = row_optimizer(args.row_optimizer, args.row_lr)
     hot_options = parse_options(args.hotids_set)
@@ -860,7 +934,7 @@ def main(argv: list[str] | None = None) -> int:
         "dense_optimizer": TrainerConfig().optimizer.model_dump(mode="json"),
         "trainer_defaults": TrainerConfig().model_dump(mode="json"),
         "code": code_state(),
-        "trainer_ranks": 1,
+        "trainer_ranks": args.ranks,
         "store_shards": 2,
         "workers": 2,
         "cpus": os.cpu_count(),
@@ -886,10 +960,16 @@ def main(argv: list[str] | None = None) -> int:
         scheduler = None
         if needs_kafka and args.share_cluster:
             scheduler = stack.enter_context(shared_dask(work / "dask-scheduler.log"))
+        create = kafka.create_topic if kafka is not None else None
         for name in args.datasets:
             try:
                 ds = makers[name]()
-                topic = produce(ds, bootstrap, args.api_version, work) if needs_kafka else ""
+                topics = {
+                    n: produce(ds, bootstrap, args.api_version, work, n, create, args.zookeeper)
+                    if needs_kafka
+                    else ""
+                    for n in args.ranks
+                }
             except Exception as exc:  # the other data set may still run
                 errors[name] = f"{type(exc).__name__}: {exc}"
                 print(f"{name} FAILED: {errors[name]}", file=sys.stderr, flush=True)
@@ -898,13 +978,17 @@ def main(argv: list[str] | None = None) -> int:
             window = max(100, n // 2)
             results["datasets"][name] = {"events": n, "window": window, "about": ds.about}
             print(f"{name}: {n:,} events ({ds.about}); AUC over the last {window:,}", flush=True)
-            planned = plan_runs(args.modes, args.staleness)
-            rounds: list[tuple[_Run, bool]] = [
+            runs_once = plan_runs(args.modes, args.staleness)
+            # The plain loop is one process: once, whatever --ranks says.
+            planned = [(m, s, 1) for m, s in runs_once if m == "plain"] + [
+                (m, s, n) for n in args.ranks for m, s in runs_once if m != "plain"
+            ]
+            rounds: list[tuple[_RankedRun, bool]] = [
                 (run, True) for run in rounds_of(planned, args.repeat)
             ]
             warm = [run for run in planned if run[0] != "plain"][: args.warmup]
-            for (mode, staleness), timed in [(run, False) for run in warm] + rounds:
-                key = run_key(name, mode, staleness)
+            for (mode, staleness, ranks), timed in [(run, False) for run in warm] + rounds:
+                key = run_key(name, mode, staleness, ranks)
                 t0 = time.monotonic()
                 before = load()
                 try:
@@ -923,7 +1007,7 @@ def main(argv: list[str] | None = None) -> int:
                             staleness,
                             bootstrap=bootstrap,
                             api_version=args.api_version,
-                            topic=topic,
+                            topic=topics[ranks],
                             work=work,
                             label=key,
                             batch_size=args.batch_size,
@@ -932,6 +1016,7 @@ def main(argv: list[str] | None = None) -> int:
                             timeout_s=args.timeout_s,
                             trainer_options=trainer_options,
                             scheduler=scheduler,
+                            ranks=ranks,
                         )
                 except Exception as exc:  # one run failing must not lose the others' figures
                     key = key if timed else f"{key}_warmup"
@@ -952,10 +1037,11 @@ def main(argv: list[str] | None = None) -> int:
                     )
                 results["errors"] = dict(errors)
                 results["total_s"] = round(time.monotonic() - t_all, 1)
-                summarize(results, runs, args.datasets, default_s)
+                summarize(results, runs, args.datasets, default_s, args.ranks)
                 write_json(args.json, results)  # after every run: a later failure keeps these
     finally:
         stack.close()
+        results["total_s"] = round(time.monotonic() - t_all, 1)
         if kafka is not None:
             kafka.stop()
         if args.keep_runs is None:
@@ -963,10 +1049,11 @@ def main(argv: list[str] | None = None) -> int:
 
     print_table(runs, args.datasets)
     print()
-    for name in args.datasets:
-        gap = results.get(f"hybrid_vs_sync_auc_gap_{name}")
+    for name, n in itertools.product(args.datasets, args.ranks):
+        gap = results.get(f"hybrid_vs_sync_auc_gap_{name}{ranks_suffix(n)}")
         shown = "-" if gap is None else f"{gap:+.4f}"
-        print(f"hybrid (staleness {default_s}) - sync AUC on {name}: {shown}")
+        on = f"{name}, {n} ranks" if n > 1 else name
+        print(f"hybrid (staleness {default_s}) - sync AUC on {on}: {shown}")
     for key, e in errors.items():
         print(f"{key} FAILED: {e}")
     print(f"wrote {args.json} ({results['total_s']:.0f}s in all)")

@@ -1,4 +1,4 @@
-"""The quality benchmark's short run: both data sets, the plain loop and hybrid, through Kafka.
+"""The quality benchmark's short run: both data sets, the plain loop and hybrid on 2 ranks.
 
 ``benchmarks/quality.py`` trains a hot-id synthetic stream and MovieLens 100K
 with a plain PyTorch loop and streamrec's modes (through a real Kafka broker,
@@ -40,6 +40,10 @@ def test_both_datasets_train_in_both_trainers_and_report(
         str(staleness),
         "--warmup",
         "0",
+        # The streamrec runs on 2 ranks (2 partitions): the path of one rank is
+        # everywhere else in the suite, this one only here.
+        "--ranks",
+        "2",
         # Both streamrec runs name one Dask cluster: its start and its workers' first
         # tasks take longer than a run of 4,000 events.
         "--share-cluster",
@@ -47,6 +51,7 @@ def test_both_datasets_train_in_both_trainers_and_report(
         kafka.bootstrap,
         "--api-version",
         ".".join(map(str, kafka.api_version)),
+        *(["--zookeeper", kafka.zookeeper] if kafka.zookeeper is not None else []),
         timeout=600,
     )
     assert figures["errors"] == {}
@@ -55,7 +60,7 @@ def test_both_datasets_train_in_both_trainers_and_report(
     for dataset in ("hotids", "movielens"):
         assert figures["datasets"][dataset]["events"] == 4000
         assert figures["datasets"][dataset]["window"] == 2000
-        for run_name in ("plain", f"hybrid_s{staleness}"):
+        for run_name in ("plain", f"hybrid_s{staleness}_r2"):
             key = f"{dataset}_{run_name}"
             # 4,000 events: every trainer scores the second half better than chance.
             assert figures[f"{key}_auc"] > 0.53, (key, figures[f"{key}_auc"])
@@ -63,8 +68,9 @@ def test_both_datasets_train_in_both_trainers_and_report(
             assert figures[f"{key}_samples_per_s"] > 0, key
             assert figures["runs"][key]["samples"] == 4000, key
         # Without a sync run there is no gap to give, but the key says so.
-        assert figures[f"hybrid_vs_sync_auc_gap_{dataset}"] is None
-        assert figures["runs"][f"{dataset}_hybrid_s{staleness}"]["stopped_by"] == "max_events"
+        assert figures[f"hybrid_vs_sync_auc_gap_{dataset}_r2"] is None
+        assert figures["runs"][f"{dataset}_hybrid_s{staleness}_r2"]["stopped_by"] == "max_events"
+    assert figures["trainer_ranks"] == [2]
 
 
 def test_the_gap_is_hybrid_at_the_default_staleness_minus_sync() -> None:
@@ -91,3 +97,11 @@ def test_the_gap_is_hybrid_at_the_default_staleness_minus_sync() -> None:
     assert figures["hybrid_vs_sync_auc_gap_hotids"] is None
     assert "hybrid_stale_vs_sync_auc_gap_hotids" not in figures
     assert figures["movielens_hybrid_s1_auc"] == 0.71
+
+    # Runs of several ranks: their own keys and gaps, beside the one-rank ones.
+    runs = {"hotids_sync_r2": result(0.75), "hotids_hybrid_s4_r2": result(0.7492)}
+    figures = {}
+    quality.summarize(figures, runs, ["hotids"], default_s=4, ranks=[1, 2])
+    assert math.isclose(figures["hybrid_vs_sync_auc_gap_hotids_r2"], -0.0008)  # type: ignore[arg-type]
+    assert figures["hybrid_vs_sync_auc_gap_hotids"] is None
+    assert figures["hotids_hybrid_s4_r2_auc"] == 0.7492
