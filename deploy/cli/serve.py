@@ -460,7 +460,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     rows = f"following {store} every {cfg.follow_poll_s:g}s" if args.follow else f"from {store}"
     print(
         f"streamrec serve: model {cfg.model_name!r} on {stack.url} (rows {rows}, dense "
-        f"weights from {stack.where}; ready once a version is published)\n  {stack.curl}",
+        f"weights from {stack.where}; ready once a version is published and the kernels "
+        f"are compiled)\n  {stack.curl}",
         flush=True,
     )
     if stack.grpc_address is not None:
@@ -549,7 +550,8 @@ def add_serve_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "(BYTES, one record in the job's format per element) gives one FP32 output per "
             "label head, and the versions used in the response's parameters. Rows come from "
             "the serving replicas (--store), the dense weights from the newest version rank 0 "
-            "published (serving.dir); /v2/health/ready answers 200 once one is loaded. "
+            "published (serving.dir); /v2/health/ready answers 200 once one is loaded and "
+            "the scoring kernels are compiled (tens of seconds with an empty numba cache). "
             "Prometheus metrics at /metrics."
         ),
     )
