@@ -28,11 +28,12 @@ log = logging.getLogger(__name__)
 
 class Warmup:
     """Runs ``warm`` once, on a daemon thread, as soon as ``can_start()`` is true
-    (asked every ``poll_s``). A warm-up that fails is logged and counts as done:
-    the first requests then compile what it did not."""
+    (asked every ``poll_s``: as often as a server looks for new dense weights, and
+    nothing beside the seconds a cold compile takes). A warm-up that fails is logged
+    and counts as done: the first requests then compile what it did not."""
 
     def __init__(
-        self, can_start: Callable[[], bool], warm: Callable[[], object], *, poll_s: float = 0.05
+        self, can_start: Callable[[], bool], warm: Callable[[], object], *, poll_s: float = 0.2
     ) -> None:
         self._can_start = can_start
         self._warm = warm

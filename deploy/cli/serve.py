@@ -528,7 +528,7 @@ class ServingBeside:
 
 def _example_record(job: Any) -> str:
     """A one-record infer request body for the job's features (JSON, for the curl line)."""
-    record = job.features.for_scoring().example_record()
+    record = job.features.example_record()
     for label in job.features.labels:
         del record[label]
     body = {
