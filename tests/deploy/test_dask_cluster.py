@@ -209,3 +209,30 @@ def test_workers_closed_while_their_heartbeats_wait_print_nothing(tmp_path: Path
     assert "closed" in out.stdout, text
     assert "ERROR" not in text, text
     assert "Traceback" not in text, text
+
+
+def test_a_worker_busy_with_a_task_closes_without_being_killed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A task still running when the cluster closes (a batch being prepared, a read
+    waiting for the broker) is not waited for: its worker used to hold on until the
+    nanny's timeout, "Worker process still alive after 4.0 seconds, killing", 4 s of
+    every such job's end."""
+    with (
+        local_dask_cluster(
+            workers=1, threads_per_worker=1, dashboard_address=":0", log_path=tmp_path / "log"
+        ) as cluster,
+        Client(cluster) as client,
+    ):
+        busy = client.submit(time.sleep, 60)
+        (nanny,) = cluster.workers.values()
+        deadline = time.monotonic() + 30
+        while not client.processing()[nanny.worker_address]:
+            assert time.monotonic() < deadline, "the task never started"
+            time.sleep(0.05)
+        time.sleep(0.2)  # in the worker's thread by now
+        (pid,) = client.run(os.getpid).values()
+        del busy
+    assert _gone(pid, timeout_s=1.0)
+    killed = [r.getMessage() for r in caplog.records if "still alive" in r.getMessage()]
+    assert not killed, killed
