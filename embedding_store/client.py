@@ -68,6 +68,7 @@ from embedding_store.types import (
     PushResult,
     RestoreResult,
     RowDtype,
+    RowState,
     ShardRows,
     ShardStats,
     StoreConfig,
@@ -314,10 +315,19 @@ class InprocTransport:
                     k: (i, np.asarray(g).astype(dtype).astype(np.float32))
                     for k, (i, g) in grads.items()
                 }
-                result = self.shard.push(cast, request_id=request_id)
                 if not return_rows:
-                    return result
-                return replace(result, rows=self.shard.peek({k: i for k, (i, _) in grads.items()}))
+                    return self.shard.push(cast, request_id=request_id)
+                # Filled as the push is applied (a peek after it could see a later push).
+                into = {
+                    k: RowState(
+                        np.empty((len(i), t.dim), np.float32),
+                        np.empty((len(i), t.state_width), np.float32),
+                        np.empty(len(i), np.int64),
+                    )
+                    for k, (i, _) in grads.items()
+                    for t in (self.shard.table(k),)
+                }
+                return replace(self.shard.push(cast, request_id=request_id, into=into), rows=into)
 
         return self._start(run, deferred)
 
@@ -804,6 +814,7 @@ class GrpcTransport:
             rejected_nonfinite=r.rejected_nonfinite,
             duplicate_request=r.duplicate_request,
             rows=rows,
+            seen=tuple(r.seen) or None,
         )
 
     def checkpoint(
@@ -1224,7 +1235,7 @@ class StoreClient:
                 for name in result.rows:
                     _, _, order, bounds = routed[name]
                     where[name] = order[bounds[s] : bounds[s + 1]]
-            parts.append(ShardRows(sent[s], where, result.rows))
+            parts.append(ShardRows(sent[s], where, result.rows, result.seen))
         if not (return_rows and len(parts) == len(waits)):
             return total  # a shard left its rows out (too large to send): none
         return replace(total, rows=PushedRows(parts))

@@ -423,6 +423,7 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
             rows=rows,
             state=state,
             row_steps=steps,
+            seen=result.seen or (),
         )
 
     @_errors_to_status

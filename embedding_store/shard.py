@@ -44,6 +44,7 @@ from embedding_store.table import MAX_STEP, EmbeddingTable, TableGroups, apply_c
 from embedding_store.types import (
     CheckpointKind,
     CheckpointResult,
+    PushOrigin,
     PushResult,
     RestoreResult,
     RowDtype,
@@ -54,6 +55,8 @@ from embedding_store.types import (
 )
 
 F32 = npt.NDArray[np.float32]
+# Groups of writers (job incarnations) whose pushes a shard keeps count of.
+_GROUPS_SEEN = 64
 CHANGE_LOGS_KEY = "change_logs"  # in a checkpoint's metadata
 U64 = npt.NDArray[np.uint64]
 
@@ -102,6 +105,10 @@ class StoreShard:
         # request id -> (monotonic time first seen, its push), oldest first
         self._pushes: OrderedDict[str, tuple[float, PushResult | _PendingPush]] = OrderedDict()
         self._duplicate_pushes = 0
+        # Pushes with a PushOrigin are applied one at a time, each with what it saw:
+        # group -> per rank, the newest push applied (the most recent groups only).
+        self._origin_lock = threading.Lock()
+        self._seen: OrderedDict[str, list[int]] = OrderedDict()
         self._checkpoint_lock = threading.Lock()
         # (directory, seq of the newest checkpoint there, deltas since its full)
         self._chain: tuple[Path, int, int] | None = None
@@ -230,6 +237,7 @@ class StoreShard:
             checked.append((table, ids_arr, g_arr))
         if request_id is None:
             return self._apply(checked, into)
+        origin = PushOrigin.parse(request_id)
         with self._push_lock:
             seen = self._pushes.get(request_id)
             entry = seen[1] if seen is not None else None
@@ -250,7 +258,10 @@ class StoreShard:
                     table.peek_into(ids, into[table.name])
             return replace(entry, duplicate_request=True)
         try:
-            result = self._apply(checked, into)
+            if origin is None:
+                result = self._apply(checked, into)
+            else:
+                result = self._apply_from(origin, checked, into)
         except BaseException:
             with self._push_lock:
                 self._pushes.pop(request_id, None)
@@ -262,6 +273,27 @@ class StoreShard:
             self._forget_old_pushes()
         pending.done.set()
         return result
+
+    def _apply_from(
+        self,
+        origin: PushOrigin,
+        checked: list[tuple[EmbeddingTable, np.ndarray, np.ndarray]],
+        into: Mapping[str, RowState] | None,
+    ) -> PushResult:
+        """Apply a push of ``origin``; the result says what every rank of its group had
+        applied here by then. One such push at a time: its rows (``into``) are read
+        before any other push changes them, so they include exactly what ``seen`` says.
+        """
+        with self._origin_lock:
+            seen = self._seen.get(origin.group)
+            if seen is None or len(seen) != origin.ranks:
+                seen = self._seen[origin.group] = [0] * origin.ranks
+                while len(self._seen) > _GROUPS_SEEN:
+                    self._seen.popitem(last=False)
+            self._seen.move_to_end(origin.group)
+            result = self._apply(checked, into)
+            seen[origin.rank] = max(seen[origin.rank], origin.seq)
+            return replace(result, seen=tuple(seen))
 
     def _forget_old_pushes(self) -> None:
         """Drop the oldest request ids beyond ``remembered_push_ids`` or older than

@@ -317,6 +317,8 @@ class ShardRows:
     ids: Mapping[str, npt.NDArray[np.uint64]]
     where: Mapping[str, npt.NDArray[np.int64]] | None
     rows: Mapping[str, RowState]
+    # The shard's PushResult.seen: which pushes of each writer the rows include.
+    seen: tuple[int, ...] | None = None
 
 
 class PushedRows(Mapping[str, RowState]):
@@ -375,6 +377,45 @@ def _merge_rows(parts: list[tuple[npt.NDArray[np.int64] | None, RowState]]) -> R
     return out
 
 
+_ORIGIN = re.compile(r"(?P<group>.+)@(?P<rank>\d{1,6})/(?P<ranks>\d{1,6}):(?P<seq>\d{1,18})")
+
+
+@dataclass(frozen=True)
+class PushOrigin:
+    """Which push of which writer a push request is: the ``seq``-th (increasing, gaps
+    allowed) of rank ``rank`` of the ``ranks`` writers of ``group`` (a job's ranks).
+
+    It travels as the push's request id, so that every transport carries it; a
+    shard answers such a push with the newest push of each of the group's ranks
+    it had applied (``PushResult.seen``). A trainer rank learns from that which
+    of the other ranks' pushes the rows of a reply include.
+
+    >>> origin = PushOrigin("job7", rank=1, ranks=2, seq=40)
+    >>> origin.request_id
+    'job7@1/2:40'
+    >>> PushOrigin.parse("job7@1/2:40") == origin, PushOrigin.parse("client-3")
+    (True, None)
+    """
+
+    group: str
+    rank: int
+    ranks: int
+    seq: int
+
+    @property
+    def request_id(self) -> str:
+        return f"{self.group}@{self.rank}/{self.ranks}:{self.seq}"
+
+    @classmethod
+    def parse(cls, request_id: str) -> PushOrigin | None:
+        """The origin a request id names; None for an id of another form (or a rank
+        outside its group)."""
+        m = _ORIGIN.fullmatch(request_id)
+        if m is None or int(m["rank"]) >= int(m["ranks"]):
+            return None
+        return cls(m["group"], int(m["rank"]), int(m["ranks"]), int(m["seq"]))
+
+
 @dataclass(frozen=True)
 class PushResult:
     """What one push did, summed over the tables it named.
@@ -389,6 +430,9 @@ class PushResult:
     rejected_nonfinite: int = 0
     duplicate_request: bool = False
     rows: Mapping[str, RowState] | None = field(default=None, compare=False, repr=False)
+    # For a push with a PushOrigin: per rank of its group, the newest push the shard
+    # had applied when this one was (this one included); the rows are as they left.
+    seen: tuple[int, ...] | None = field(default=None, compare=False)
 
     def __add__(self, other: PushResult) -> PushResult:
         return PushResult(

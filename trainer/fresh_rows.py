@@ -14,20 +14,25 @@ keeps the newest of each in a cache (:mod:`trainer.row_cache`), one per
 :class:`TableGroup` (tables the store updates with the same arithmetic), and
 before a step :func:`view_of` brings the batch's rows of a group up to date:
 
-- the rows that a push which landed after the batch's lookup changed are
-  replaced by what it left;
-- for the push still in flight (the push queue lets the trainer run one
+- a row whose state an answered push left is read from the cache, and is at
+  least as new as its lookup;
+- for the pushes not answered yet (the push queue lets the trainer run one
   step ahead of its last push), :func:`predict_rows` computes what the store
-  will make of the rows it shares with the batch, with the store's own
+  will make of the rows they share with the batch, with the store's own
   arithmetic (``embedding_store.table.update_rows``) from their last answered
-  state, and that prediction replaces the batch's row. A row
-  whose state is not remembered (this rank has not pushed it lately) misses
-  that one push, or with ``fresh_rows: exact`` the trainer waits for it.
+  state, and that prediction replaces the batch's row. A row whose state is
+  not remembered (no push named it lately) misses those pushes, or with
+  ``fresh_rows: exact`` the trainer waits for its own.
 
-With one rank the trained rows are then exactly what a sync lookup would
-have read, and the lookups and the last push still overlap the training;
-with several, a row still misses at most the other ranks' last ``staleness``
-pushes, which this rank cannot see.
+With several ranks, every rank tells the others at each step's collective the
+gradients it is about to push and the answers its pushes got
+(:meth:`trainer.pusher.Pusher.share`). Each push names its origin
+(``embedding_store.types.PushOrigin``: the job, the rank, the step) and a
+shard answers with the newest push of every rank it had applied by then, so a
+rank knows exactly which of the others' pushes an answered row includes, and
+predicts the rest in sync mode's order (by step, then by rank). The rows a
+rank trains are then what a sync lookup would have read, whichever rank
+pushed them, while the lookups and the pushes still overlap the training.
 
 >>> from embedding_store.types import SGDConfig, TableConfig
 >>> rule = PushRule.of("t", TableConfig(dim=1, optimizer=SGDConfig(lr=1.0)), "float32")
@@ -132,52 +137,111 @@ def predict_rows(before: RowState, grads: npt.NDArray[np.floating], rule: PushRu
     return RowState(weights, state, row_step)
 
 
+# What a reply's rows are taken to include of the ranks a shard did not name: all of
+# their pushes (the rows are then never predicted for those ranks' pushes).
+_ALL = np.iinfo(np.int64).max // 2
+
+
+@dataclass(frozen=True)
+class Answered:
+    """Rows of one group that one answered push left: each row's table number in the
+    group, its id, its state, and per rank the newest push it includes ([n, ranks]);
+    ``acked``: when the push was answered (unix s).
+    """
+
+    tab: I32
+    ids: U64
+    rows: RowState
+    seen: I64
+    acked: float
+
+
 class TableGroup:
     """Tables whose pushes the store applies with the same arithmetic, each a number in
     the group: they share one cache of pushed rows and one prediction per push.
     ``rules`` None: the arithmetic is unknown (one table per group, nothing predicted).
+    ``ranks``: the job's trainer ranks, whose answered pushes the cache keeps.
     """
 
-    def __init__(self, rules: Sequence[tuple[str, PushRule | None]], *, cached_rows: int) -> None:
+    def __init__(
+        self, rules: Sequence[tuple[str, PushRule | None]], *, cached_rows: int, ranks: int = 1
+    ) -> None:
         """``cached_rows``: rows remembered for the group's tables together."""
         self.members = {name: i for i, (name, _) in enumerate(rules)}
+        self.key = rules[0][0]  # the same on every rank: the tables are in name order
         self.rules = [rule for _, rule in rules]
         self.rule = self.rules[0]
         self.max_rows = cached_rows
+        self.ranks = ranks
         self.cache: PushedRowCache | None = None  # made by the first answered push
 
-    def remember(self, parts: Sequence[ShardRows], seq: int) -> None:
-        """Keep the rows push ``seq`` left, as its reply brought them (shard by shard)."""
+    def remember(
+        self, parts: Sequence[ShardRows], *, rank: int, step: int, push: int, acked: float
+    ) -> Answered | None:
+        """Keep the rows this rank's push ``push`` (of step ``step``) left, as its reply
+        brought them (shard by shard); returns them as kept (None: none of the group's).
+        """
         if all(
             isinstance(part.rows, FlatRows)
             and part.rows.flat is not None
             and all(name in self.members for name in part.rows)
             for part in parts
         ):
-            self._remember_flat(parts, seq)
-            return
+            answered = self._flat(parts, rank, step, acked)
+        else:
+            answered = self._pieces(parts, rank, step, acked)
+        if answered is not None:
+            self.take(answered, push=push)
+        return answered
+
+    def take(self, answered: Answered, *, push: int = 0) -> None:
+        """Keep what a push left where no newer state of a row is held (``push``: this
+        rank's number of it; 0: another rank's push)."""
+        if self.cache is None:
+            dim, width = answered.rows.weights.shape[1], answered.rows.state.shape[1]
+            self.cache = PushedRowCache(dim, width, max_rows=self.max_rows, ranks=self.ranks)
+        self.cache.put(
+            answered.tab, answered.ids, answered.rows, answered.seen, acked=answered.acked,
+            push=push,
+        )  # fmt: skip
+
+    def _seen(self, part: ShardRows, rank: int, step: int, n: int) -> I64:
+        """Per row of a shard's reply to this rank's push of ``step``: what it includes."""
+        if part.seen is not None and len(part.seen) == self.ranks:
+            vector = np.array(part.seen, np.int64)
+        else:  # one rank, or a shard that does not say: its own pushes up to this one
+            vector = np.full(self.ranks, _ALL, np.int64)
+            vector[rank] = step
+        return np.broadcast_to(vector, (n, self.ranks))
+
+    def _pieces(
+        self, parts: Sequence[ShardRows], rank: int, step: int, acked: float
+    ) -> Answered | None:
         pieces = [
-            (i, part.ids[name], part.rows[name])
+            (i, part.ids[name], part.rows[name], part)
             for part in parts
             for name, i in self.members.items()
             if name in part.rows
         ]
         if not pieces:
-            return
-        tab = _numbers([(i, ids.shape[0]) for i, ids, _ in pieces])
-        ids = _concat([np.asarray(ids, np.uint64) for _, ids, _ in pieces])
+            return None
+        tab = _numbers([(i, ids.shape[0]) for i, ids, _, _ in pieces])
+        ids = _concat([np.asarray(ids, np.uint64) for _, ids, _, _ in pieces])
         state = RowState(
-            _concat([r.weights for _, _, r in pieces]),
-            _concat([r.state for _, _, r in pieces]),
-            _concat([r.row_step for _, _, r in pieces]),
+            _concat([r.weights for _, _, r, _ in pieces]),
+            _concat([r.state for _, _, r, _ in pieces]),
+            _concat([r.row_step for _, _, r, _ in pieces]),
         )
-        self._put(tab, ids, state, seq)
+        seen = _concat([self._seen(p, rank, step, k.shape[0]) for _, k, _, p in pieces])
+        return Answered(tab, ids, state, np.ascontiguousarray(seen), acked)
 
-    def _remember_flat(self, parts: Sequence[ShardRows], seq: int) -> None:
+    def _flat(
+        self, parts: Sequence[ShardRows], rank: int, step: int, acked: float
+    ) -> Answered | None:
         """:meth:`remember` of replies that hold only this group's tables, each back to
         back (one reply is one piece: no copy of its rows per table).
         """
-        tabs, ids, states = [], [], []
+        tabs, ids, states, seen = [], [], [], []
         for part in parts:
             rows = cast(FlatRows, part.rows)
             if not rows.names:
@@ -190,20 +254,17 @@ class TableGroup:
             )
             ids.append(_concat([np.asarray(part.ids[name], np.uint64) for name in rows.names]))
             states.append(cast(RowState, rows.flat))
+            seen.append(self._seen(part, rank, step, ids[-1].shape[0]))
         if not ids:
-            return
+            return None
         state = RowState(
             _concat([r.weights for r in states]),
             _concat([r.state for r in states]),
             _concat([r.row_step for r in states]),
         )
-        self._put(_concat(tabs), _concat(ids), state, seq)
-
-    def _put(self, tab: I32, ids: U64, state: RowState, seq: int) -> None:
-        if self.cache is None:
-            dim, width = state.weights.shape[1], state.state.shape[1]
-            self.cache = PushedRowCache(dim, width, max_rows=self.max_rows)
-        self.cache.put(tab, ids, state, seq)
+        return Answered(
+            _concat(tabs), _concat(ids), state, np.ascontiguousarray(_concat(seen)), acked
+        )
 
 
 def _concat(arrays: Sequence[npt.NDArray[_T]]) -> npt.NDArray[_T]:
@@ -218,8 +279,10 @@ def _numbers(counts: list[tuple[int, int]]) -> I32:
 
 
 class InFlight:
-    """A push submitted and not yet acknowledged: its number, its gradients and, per
-    group of tables, its keys indexed (made on first use).
+    """A push whose answer this rank has not kept yet: this rank's (its number
+    ``seq``) or another rank's (``seq`` 0); the ``step`` it was pushed at, the ``rank``
+    that pushed it, its gradients and, per group of tables, its keys indexed (made on
+    first use).
 
     >>> group = TableGroup([("a", None), ("b", None)], cached_rows=8)
     >>> push = InFlight(1, {"b": (np.array([5, 2], np.uint64), np.ones((2, 1), np.float32))})
@@ -228,10 +291,17 @@ class InFlight:
     [1, -1]
     """
 
-    def __init__(self, seq: int, grads: Grads) -> None:
+    def __init__(self, seq: int, grads: Grads, *, rank: int = 0, step: int | None = None) -> None:
         self.seq = seq
         self.grads = grads
+        self.rank = rank
+        self.step = seq if step is None else step
         self._keyed: dict[int, tuple[RowIndex, npt.NDArray[np.floating]] | None] = {}
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Where the push falls in sync mode's order: by step, then by rank."""
+        return (self.step, self.rank)
 
     def keyed(self, group: TableGroup) -> tuple[RowIndex, npt.NDArray[np.floating]] | None:
         """The push's keys in ``group`` indexed and its gradients in the index's row
@@ -306,10 +376,15 @@ def view_of(
     batch: Sequence[tuple[int, TableBatch]],
     in_flight: Sequence[InFlight],
     applied_before: int,
+    looked_up_at: float = np.inf,
+    rank: int = 0,
 ) -> GroupView:
-    """What this rank's pushes make of ``batch``'s tables (each with its number in
-    ``group``, all with rows): the pushes after ``applied_before`` that landed are read
-    from the group's cache, those ``in_flight`` are predicted (see the module docstring).
+    """What the pushes make of ``batch``'s tables (each with its number in ``group``,
+    all with rows), as rank ``rank`` knows them: what answered pushes left is read
+    from the group's cache (this rank's after its push number ``applied_before``, and
+    any answered after the lookup at ``looked_up_at``, unix s); the pushes
+    ``in_flight`` (in sync mode's order) are predicted where a row's state is known
+    from before them (see the module docstring).
     """
     tables = [t for _, t in batch]
     lens = [t.unique_ids.shape[0] for t in tables]
@@ -327,42 +402,49 @@ def view_of(
             at = keyed[0].rows_of(tab, ids)
             pending += at >= 0
             hits.append((push, at, keyed[1]))
-    # Only the rows a landed push changed or a push in flight names need more than a
-    # probe: on large vocabularies, few of a batch's.
+    # Only the rows an answered push changed or a push in flight names need more than
+    # a probe: on large vocabularies, few of a batch's.
     rule = group.rule
     cache = group.cache
     if cache is None:
         width = rule.optimizer.state_width(rule.dim) if rule is not None else 0
         missed = np.zeros(n, np.int32)
         seen = Remembered.nothing(
-            np.flatnonzero(pending), np.asarray(tables[0].rows).shape[1], width
+            np.flatnonzero(pending), np.asarray(tables[0].rows).shape[1], width, group.ranks
         )
     else:
-        missed, seen = cache.read(tab, ids, applied_before, pending > 0)
-    sel, rows, seq = seen.at, seen.rows, seen.seq
+        missed, seen = cache.read(tab, ids, applied_before, pending > 0, looked_up_at)
+    sel, rows, included = seen.at, seen.rows, seen.seen
     ahead = pending[sel] > 0
     known = seen.known.copy() if rule is not None else np.zeros(sel.shape[0], np.bool_)
     predicted = 0
     if rule is not None and hits:
-        _start_new_rows(group, batch, starts, ids, tab, sel, ahead, known, rows, seq)
+        _start_new_rows(group, batch, starts, ids, tab, sel, ahead, known, rows, included)
         for push, at, grads in hits:
-            # Rows this push names whose remembered state predates it.
+            # Rows this push names whose known state does not include it.
             named = at[sel]
-            now = np.flatnonzero(known & (named >= 0) & (seq < push.seq))
+            now = np.flatnonzero(known & (named >= 0) & (included[:, push.rank] < push.step))
             if now.shape[0] == 0:
                 continue
             after = predict_rows(rows.take(now), grads[named[now]], rule)
             rows.weights[now] = after.weights
             rows.state[now] = after.state
             rows.row_step[now] = after.row_step
-            seq[now] = push.seq
+            included[now, push.rank] = push.step
             predicted += now.shape[0]
-    # A row in flight takes its prediction where known, else what landed (if any).
-    changed = (missed[sel] > 0) | (ahead & known)
+    # A known row read is at least as new as its lookup (what it lacks is predicted);
+    # a row in flight and not known keeps its lookup and misses those pushes. Without
+    # the arithmetic nothing is predicted: a remembered row is taken where no push in
+    # flight names it, or where this rank's pushes after the lookup changed it.
+    changed = known if rule is not None else seen.known & (~ahead | (missed[sel] > 0))
     still = np.zeros(n, np.int32)
     still[sel] = np.where(ahead & ~known, pending[sel], 0)
     unknown_seq = max(
-        (push.seq for push, at, _ in hits if ((at[sel] >= 0) & (still[sel] > 0)).any()),
+        (
+            push.seq
+            for push, at, _ in hits
+            if push.rank == rank and ((at[sel] >= 0) & (still[sel] > 0)).any()
+        ),
         default=0,
     )
     return GroupView(
@@ -387,13 +469,13 @@ def _start_new_rows(
     ahead: npt.NDArray[np.bool_],
     known: npt.NDArray[np.bool_],
     rows: RowState,
-    seq: I64,
+    included: I64,
 ) -> None:
     """Mark known, with its initial state, each row in flight and not remembered whose
     lookup read exactly what the store starts it as: it is new, its state before the
     push is the initial one (a row whose updates all rounded away would be predicted
     one step wrong). ``sel``: the batch's positions of ``ahead``, ``known``, ``rows``
-    and ``seq``; ``ids`` and ``tab`` are the whole batch's.
+    and ``included``; ``ids`` and ``tab`` are the whole batch's.
     """
     unknown = np.flatnonzero(ahead & ~known)
     if unknown.shape[0] == 0:
@@ -415,5 +497,5 @@ def _start_new_rows(
         rows.weights[at] = start.weights[new]
         rows.state[at] = start.state[new]
         rows.row_step[at] = 0
-        seq[at] = 0
+        included[at] = 0
         known[at] = True

@@ -44,7 +44,7 @@ from trainer.metrics import MetricsSnapshot, ProgressiveMetrics, snapshot_of
 from trainer.models import build_model, field_dims, loss_fn, rate_logits
 from trainer.pooling import host_tensor, pool, row_grads, to_tensors
 from trainer.publish import DensePublisher
-from trainer.pusher import Pusher, PushFailed
+from trainer.pusher import Pusher, PushFailed, SharedPushes
 from trainer.run_files import RotatingLines
 from trainer.split_step import SplitStep
 
@@ -501,8 +501,13 @@ class TrainLoop:
             run_id=f"{uuid.uuid4().hex[:12]}-r{rank}",
             fresh_rows=fresh,
             tables=store_tables if store_tables is not None else store.table_configs,
+            rank=rank,
+            ranks=self.sync.world,
         )
         self._fresh = fresh
+        # With several ranks, fresh rows include the others' pushes: the ranks tell each
+        # other theirs at every step (the pushes' answers and the gradients to come).
+        self._share_pushes = fresh and self.sync.world > 1
         self._losses: list[float] = []
         self._last_checkpoint_t = time.monotonic()
         self._checkpointed_step = start_step  # a restored job holds this step already
@@ -675,6 +680,10 @@ class TrainLoop:
         queue_bound = self.config.effective_push_queue
         if budget is not None:
             self._even_shares(budget)
+        if self._share_pushes:
+            # One name for this incarnation of the job's pushes, the same on every rank.
+            group = cast(list[str], self.sync.gather(uuid.uuid4().hex[:16]))[0]
+            self.pusher.join(group)
         hungry_checked = (-float("inf"), False)  # when this rank last asked, and the answer
         if self.initial_checkpoint:
             self.checkpoint()
@@ -786,6 +795,13 @@ class TrainLoop:
                 break
             self.stats.job_samples += everyone.samples
             self._job_learned += everyone.samples
+            if self._share_pushes:
+                t0 = time.perf_counter()
+                told = self.sync.gather(
+                    self.pusher.share(self.step + 1, grads if self._failure is None else None)
+                )
+                self.pusher.take_shared(cast(list[SharedPushes], told))
+                self.stats.sync_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             self.dense.optimizer.step()
             self.stats.compute_s += time.perf_counter() - t0
@@ -965,7 +981,7 @@ class TrainLoop:
         self.stats.events += len(batch) + batch.bad_records
         if grads and push:
             try:
-                self.pusher.submit(grads)
+                self.pusher.submit(grads, step=self.step + 1)
             except Exception as exc:
                 if not store_failure(exc):
                     raise

@@ -48,11 +48,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from embedding_store.client import StoreClient
-from embedding_store.types import PushedRows, ShardRows, TableConfig
+from embedding_store.types import PushedRows, PushOrigin, ShardRows, TableConfig
 from pipeline.types import TableBatch
 from trainer.fresh_rows import (
+    Answered,
     Freshened,
     Grads,
     GroupView,
@@ -70,6 +72,20 @@ class PushFailed(RuntimeError):
     """A push to the store failed; ``__cause__`` is the store's error."""
 
 
+@dataclass
+class SharedPushes:
+    """What one rank tells the others at a step (:meth:`Pusher.share`): the gradients
+    it is about to push at ``step`` (None: it has no batch), the rows its answered
+    pushes left (by group), and which of its pushes were answered since it last told.
+    """
+
+    rank: int
+    step: int
+    grads: Grads | None
+    answered: list[tuple[str, Answered]] = field(default_factory=list)
+    answered_steps: list[int] = field(default_factory=list)
+
+
 class Pusher:
     """Applies pushes in submission order on one background thread."""
 
@@ -81,13 +97,18 @@ class Pusher:
         fresh_rows: bool = False,
         cached_rows: int = 1 << 19,
         tables: Mapping[str, TableConfig] | None = None,
+        rank: int = 0,
+        ranks: int = 1,
     ) -> None:
         """``fresh_rows``: ask each push for the rows it left and remember at most
         about ``cached_rows`` of them per group of tables (those with the same
         arithmetic), for :meth:`freshen`.
         ``tables``: the store's table configs, to predict what a push in flight does
         to the rows (see :meth:`freshen`); None: wait for it instead.
+        ``rank`` of ``ranks``: with several, the ranks tell each other their pushes
+        (:meth:`share`, after :meth:`join`) and fresh rows include every rank's.
         """
+        self.rank, self.ranks = rank, ranks
         self.store = store
         self._max_cached = cached_rows
         # Tables with the same arithmetic share a group (one cache, one pass per step);
@@ -99,7 +120,7 @@ class Pusher:
             rule = PushRule.of(name, config, store.grad_dtype)
             by_arithmetic.setdefault(rule.arithmetic, []).append((name, rule))
         for members in by_arithmetic.values():
-            group = TableGroup(members, cached_rows=cached_rows)
+            group = TableGroup(members, cached_rows=cached_rows, ranks=ranks)
             self._groups.update({name: (group, group.members[name]) for name, _ in members})
         # Request ids are unique per run incarnation: after a restore the same
         # batch is pushed again, and the store must not take it for a retry.
@@ -109,11 +130,17 @@ class Pusher:
         self.push_s = 0.0  # time spent in the store's Push (background)
         # Unix times the most recent pushes were acknowledged, in order.
         self._applied_at: deque[float] = deque(maxlen=_APPLIED_TIMES_KEPT)
-        self._queue: queue.Queue[tuple[int, Grads] | None] = queue.Queue()
+        self._queue: queue.Queue[tuple[InFlight, Grads] | None] = queue.Queue()
         self._cond = threading.Condition()
         self._error: BaseException | None = None
         self._fresh = fresh_rows
         self._in_flight: deque[InFlight] = deque()  # kept only with fresh_rows
+        # With several ranks: the others' pushes whose answers were not told yet (the
+        # trainer's thread only), and what to tell them of this rank's.
+        self._group_name: str | None = None
+        self._others: list[InFlight] = []
+        self._outbox: list[tuple[str, Answered]] = []
+        self._answered_steps: list[int] = []
         self._thread = threading.Thread(target=self._run, name="streamrec-pusher", daemon=True)
         self._thread.start()
 
@@ -138,15 +165,50 @@ class Pusher:
         times = self._applied_at
         return self.applied - (len(times) - bisect.bisect_right(times, when))
 
-    def submit(self, grads: Grads) -> None:
-        """Queue one step's row gradients (returns at once)."""
+    def join(self, group: str) -> None:
+        """Name every push after its origin in ``group`` (one name for all the job's
+        ranks): the store then says which of each rank's pushes its answers include.
+        """
+        self._group_name = group
+
+    def submit(self, grads: Grads, *, step: int | None = None) -> None:
+        """Queue the row gradients of ``step`` (default: the push's number; steps
+        increase) and return at once."""
         self._raise_if_failed()
         with self._cond:
             self.submitted += 1
-            n = self.submitted
+            push = InFlight(self.submitted, grads, rank=self.rank, step=step)
             if self._fresh:
-                self._in_flight.append(InFlight(n, grads))
-        self._queue.put((n, grads))
+                self._in_flight.append(push)
+        self._queue.put((push, grads))
+
+    def share(self, step: int, grads: Grads | None) -> SharedPushes:
+        """What to tell the other ranks at ``step``, before pushing ``grads`` (see
+        :class:`SharedPushes`); every rank then hands all ranks' to :meth:`take_shared`.
+        """
+        with self._cond:
+            answered, self._outbox = self._outbox, []
+            steps, self._answered_steps = self._answered_steps, []
+        return SharedPushes(self.rank, step, grads, answered, steps)
+
+    def take_shared(self, told: list[SharedPushes]) -> None:
+        """Keep what the other ranks answered pushes left, and know their next pushes."""
+        groups = {group.key: group for group, _ in self._groups.values()}
+        for shared in told:
+            if shared.rank == self.rank:
+                continue
+            for key, answered in shared.answered:
+                found = groups.get(key)
+                if found is None:
+                    found = self._group_of(key)[0]
+                found.take(answered)
+            if shared.answered_steps:
+                done = set(shared.answered_steps)
+                self._others = [
+                    p for p in self._others if not (p.rank == shared.rank and p.step in done)
+                ]
+            if shared.grads:
+                self._others.append(InFlight(0, shared.grads, rank=shared.rank, step=shared.step))
 
     def wait(self, at_most: int) -> float:
         """Block until at most ``at_most`` pushes are unapplied; returns the seconds waited."""
@@ -188,10 +250,11 @@ class Pusher:
         views: list[GroupView] = []
         while True:
             with self._cond:
-                in_flight = list(self._in_flight)
+                in_flight = sorted([*self._in_flight, *self._others], key=lambda p: p.order)
                 applied_before = self._applied_by(looked_up_at)
             views = [
-                view_of(group, batch, in_flight, applied_before) for group, batch in groups.values()
+                view_of(group, batch, in_flight, applied_before, looked_up_at, self.rank)
+                for group, batch in groups.values()
             ]
             # Exact: a row the rank cannot predict waits for the last push naming it.
             unknown = [v.unknown_seq for v in views if v.unknown_seq]
@@ -210,7 +273,10 @@ class Pusher:
             with self._groups_lock:
                 found = self._groups.get(name)
                 if found is None:
-                    found = (TableGroup([(name, None)], cached_rows=self._max_cached), 0)
+                    found = (
+                        TableGroup([(name, None)], cached_rows=self._max_cached, ranks=self.ranks),
+                        0,
+                    )
                     self._groups[name] = found
         return found
 
@@ -242,22 +308,26 @@ class Pusher:
             item = self._queue.get()
             if item is None:
                 return
-            n, grads = item
+            push, grads = item
+            n = push.seq
             result = None
             if self._error is None:
                 t0 = time.perf_counter()
+                request_id = (
+                    PushOrigin(self._group_name, self.rank, self.ranks, push.step).request_id
+                    if self._group_name is not None
+                    else f"{self.run_id}-{n}"
+                )
                 try:
-                    result = self.store.push(
-                        grads,
-                        request_id=f"{self.run_id}-{n}",
-                        return_rows=self._fresh,
-                    )
+                    result = self.store.push(grads, request_id=request_id, return_rows=self._fresh)
                 except BaseException as exc:  # handed to the trainer thread
                     with self._cond:
                         self._error = exc
                         self._cond.notify_all()
                     continue
                 self.push_s += time.perf_counter() - t0
+            answered_at = time.time()
+            kept: list[tuple[str, Answered]] = []
             if self._fresh and result is not None and result.rows is not None:
                 # Each group's cache has a lock of its own: freshen reads one group while
                 # this thread fills the next, and a row that its push left is read as
@@ -270,11 +340,17 @@ class Pusher:
                 )
                 touched = {id(g): g for g, _ in map(self._group_of, grads)}
                 for group in touched.values():
-                    group.remember(parts, n)
+                    answered = group.remember(
+                        parts, rank=self.rank, step=push.step, push=n, acked=answered_at
+                    )
+                    if answered is not None and self._group_name is not None:
+                        kept.append((group.key, answered))
             with self._cond:
-                now = time.time()
                 self.applied += 1
-                self._applied_at.append(now)
+                self._applied_at.append(answered_at)
                 if self._in_flight and self._in_flight[0].seq == n:
                     self._in_flight.popleft()
+                if self._group_name is not None:
+                    self._outbox.extend(kept)
+                    self._answered_steps.append(push.step)
                 self._cond.notify_all()

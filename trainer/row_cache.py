@@ -9,23 +9,27 @@ instead of per table: on the hot-id stream's 26 tables, per-table calls cost abo
 half a millisecond each per step, a fifth of the step.
 
 :class:`RowIndex` finds keys; :class:`PushedRowCache` keeps with each key the newest
-row a push of this rank left in the store, its optimizer state and the numbers of
-the last pushes that changed it. It holds two generations: rows go into the
-current one, and when that is full the previous one is dropped whole and reused
-(no rehash, no sort: a batch of 4,096 samples over 26 large vocabularies pushes
-~40k rows a step, and evicting the oldest rows one by one cost more than the
-step). A read probes every key but copies out only the rows the caller needs.
+row an answered push left in the store (this rank's or, in a job of several ranks,
+another's, told at the step's collective), its optimizer state, which pushes of
+each rank that row includes, and the numbers of this rank's last pushes that
+changed it. Answers can come out of order (another rank's is told a step later):
+a row's older state never replaces a newer one. It holds two generations: rows
+go into the current one, and when that is full the previous one is dropped whole
+and reused (no rehash, no sort: a batch of 4,096 samples over 26 large
+vocabularies pushes ~40k rows a step, and evicting the oldest rows one by one
+cost more than the step). A read probes every key but copies out only the rows
+the caller needs.
 
 >>> import numpy as np
 >>> from embedding_store.types import RowState
 >>> cache = PushedRowCache(dim=2, width=1)
 >>> tab, ids = np.array([0, 1], np.int32), np.array([5, 5], np.uint64)
 >>> cache.put(tab, ids, RowState(np.ones((2, 2), np.float32), np.zeros((2, 1), np.float32),
-...                              np.array([1, 1])), seq=3)
+...                              np.array([1, 1])), np.array([[3], [3]]), push=3)
 >>> missed, seen = cache.read(np.array([1, 0], np.int32), np.array([5, 4], np.uint64),
 ...                           applied_before=2, wanted=np.array([True, True]))
->>> missed.tolist(), seen.at.tolist(), seen.known.tolist(), seen.seq.tolist()
-([1, 0], [0, 1], [True, False], [3, 0])
+>>> missed.tolist(), seen.at.tolist(), seen.known.tolist(), seen.seen.tolist()
+([1, 0], [0, 1], [True, False], [[3], [0]])
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ I32 = npt.NDArray[np.int32]
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
 F32 = npt.NDArray[np.float32]
+F64 = npt.NDArray[np.float64]
 # The pushes per row whose numbers are kept (a lookup that missed more counts as this many).
 RECENT_PUSHES = 8
 _MAX_LOAD = 0.5
@@ -90,30 +95,40 @@ def _insert(keys: U64, tabs: I32, used: npt.NDArray[np.bool_], tab: I32, ids: U6
     return made
 
 
+@nb.njit(nogil=True, cache=True, inline="always")
+def _newer(step_a: np.int64, seen_a: I64, step_b: np.int64, seen_b: I64) -> bool:
+    """Whether state a (its row's update count, what its reply had seen) is at least as
+    new as state b of the same row: one shard's answers are ordered by both."""
+    if step_a != step_b:
+        return bool(step_a > step_b)
+    return bool(seen_a.sum() >= seen_b.sum())
+
+
 @nb.njit(nogil=True, cache=True)
 def _put(
-    keys: U64,
-    tabs: I32,
-    used: npt.NDArray[np.bool_],
-    weights: F32,
-    state: F32,
-    row_step: I64,
-    seq: I64,
-    recent: I64,
+    gen: tuple[U64, I32, npt.NDArray[np.bool_], I64, F32, F32, I64, I64, F64],
+    old: tuple[U64, I32, npt.NDArray[np.bool_], I64, F32, F32, I64, I64, F64],
     tab: I32,
     ids: U64,
     w: F32,
     st: F32,
     steps: I64,
+    seen: I64,
+    acked: float,
     push: int,
 ) -> int:
-    """Each row into its key's slot (made where missing), with ``push`` as the slot's
-    newest push (the oldest number drops off); returns how many slots were made.
+    """Each row into its key's slot of ``gen`` (made where missing) unless a newer state
+    of it is held (in ``gen`` or ``old``); ``push`` > 0: this rank's push number, kept as
+    the slot's newest (the oldest number drops off). Returns how many slots were made.
     """
+    keys, tabs, used, recent, weights, state, row_step, seen_at, acked_at = gen
     mask = keys.shape[0] - 1
     k = recent.shape[1]
     made = 0
     for i in range(ids.shape[0]):
+        o = _slot_of(old[0], old[1], old[2], ids[i], tab[i], old[0].shape[0] - 1)
+        if old[2][o] and not _newer(steps[i], seen[i], old[6][o], old[7][o]):
+            continue  # another rank's answer came after a newer one
         b = _slot_of(keys, tabs, used, ids[i], tab[i], mask)
         if not used[b]:
             used[b] = True
@@ -121,15 +136,18 @@ def _put(
             tabs[b] = tab[i]
             recent[b] = 0  # a reused slot's numbers were another key's
             made += 1
+        elif not _newer(steps[i], seen[i], row_step[b], seen_at[b]):
+            continue
         weights[b] = w[i]
         state[b] = st[i]
         row_step[b] = steps[i]
-        if recent[b, 0] == push:
-            continue  # the same push answered twice (a retried request)
+        seen_at[b] = seen[i]
+        acked_at[b] = acked
+        if push <= 0 or recent[b, 0] == push:
+            continue  # another rank's, or the same push answered twice (a retry)
         for j in range(k - 1, 0, -1):
             recent[b, j] = recent[b, j - 1]
         recent[b, 0] = push
-        seq[b] = push
     return made
 
 
@@ -152,11 +170,12 @@ def _probe_one(
 
 @nb.njit(nogil=True, cache=True)
 def _read(
-    new: tuple[U64, I32, npt.NDArray[np.bool_], I64, F32, F32, I64, I64],
-    old: tuple[U64, I32, npt.NDArray[np.bool_], I64, F32, F32, I64, I64],
+    new: tuple[U64, I32, npt.NDArray[np.bool_], I64, F32, F32, I64, I64, F64],
+    old: tuple[U64, I32, npt.NDArray[np.bool_], I64, F32, F32, I64, I64, F64],
     tab: I32,
     ids: U64,
     applied_before: int,
+    answered_after: float,
     wanted: npt.NDArray[np.bool_],
     missed: I32,
     at: I64,
@@ -164,7 +183,7 @@ def _read(
     out_w: F32,
     out_s: F32,
     out_step: I64,
-    out_seq: I64,
+    out_seen: I64,
 ) -> int:
     """:meth:`PushedRowCache.read` in one pass over the keys and both generations
     (``new`` read first); returns how many keys' rows were written to the outputs."""
@@ -173,34 +192,27 @@ def _read(
         b_new, m_new = _probe_one(new[0], new[1], new[2], new[3], tab[i], ids[i], applied_before)
         b_old, m_old = _probe_one(old[0], old[1], old[2], old[3], tab[i], ids[i], applied_before)
         missed[i] = m_new + m_old
-        if missed[i] == 0 and not wanted[i]:
+        src = new if b_new >= 0 else old
+        b = b_new if b_new >= 0 else b_old
+        late = b >= 0 and src[8][b] > answered_after
+        if missed[i] == 0 and not late and not wanted[i]:
             continue
         at[n] = i
-        known[n] = b_new >= 0 or b_old >= 0
-        if b_new >= 0:
-            _copy_row(new[4], new[5], new[6], new[7], b_new, out_w, out_s, out_step, out_seq, n)
-        elif b_old >= 0:
-            _copy_row(old[4], old[5], old[6], old[7], b_old, out_w, out_s, out_step, out_seq, n)
+        known[n] = b >= 0
+        if b >= 0:
+            for j in range(out_w.shape[1]):
+                out_w[n, j] = src[4][b, j]
+            for j in range(out_s.shape[1]):
+                out_s[n, j] = src[5][b, j]
+            out_step[n] = src[6][b]
+            out_seen[n] = src[7][b]
         else:
             out_w[n] = 0.0
             out_s[n] = 0.0
             out_step[n] = 0
-            out_seq[n] = 0
+            out_seen[n] = 0
         n += 1
     return n
-
-
-@nb.njit(nogil=True, cache=True, inline="always")
-def _copy_row(
-    w: F32, s: F32, step: I64, seq: I64, b: np.int64,
-    out_w: F32, out_s: F32, out_step: I64, out_seq: I64, n: int,
-) -> None:  # fmt: skip
-    for j in range(w.shape[1]):
-        out_w[n, j] = w[b, j]
-    for j in range(s.shape[1]):
-        out_s[n, j] = s[b, j]
-    out_step[n] = step[b]
-    out_seq[n] = seq[b]
 
 
 class RowIndex:
@@ -247,8 +259,8 @@ class Remembered:
 
     at: I64  # the keys' positions among those read
     known: npt.NDArray[np.bool_]  # the cache has a row
-    rows: RowState  # the row as its newest push left it (zeros where not known)
-    seq: I64  # that push's number (0 where not known)
+    rows: RowState  # the row as the newest answered push left it (zeros where not known)
+    seen: I64  # [n, ranks]: per rank, the newest of its pushes that row includes (0: none)
 
     def first(self, n: int) -> Remembered:
         """The first ``n`` keys' part."""
@@ -257,11 +269,11 @@ class Remembered:
             self.at[:n],
             self.known[:n],
             RowState(rows.weights[:n], rows.state[:n], rows.row_step[:n]),
-            self.seq[:n],
+            self.seen[:n],
         )
 
     @classmethod
-    def nothing(cls, at: I64, dim: int, width: int) -> Remembered:
+    def nothing(cls, at: I64, dim: int, width: int, ranks: int = 1) -> Remembered:
         """The keys at ``at``, of which nothing is known."""
         n = at.shape[0]
         return cls(
@@ -272,21 +284,24 @@ class Remembered:
                 np.zeros((n, width), np.float32),
                 np.zeros(n, np.int64),
             ),
-            np.zeros(n, np.int64),
+            np.zeros((n, ranks), np.int64),
         )
 
 
 class _Generation:
     """One hash table of rows, their payload by slot."""
 
-    def __init__(self, dim: int, width: int, capacity: int) -> None:
+    def __init__(self, dim: int, width: int, capacity: int, ranks: int) -> None:
         self.keys = np.zeros(capacity, np.uint64)
         self.tabs = np.zeros(capacity, np.int32)
         self.used = np.zeros(capacity, np.bool_)
         self.weights = np.zeros((capacity, dim), np.float32)
         self.state = np.zeros((capacity, width), np.float32)
         self.row_step = np.zeros(capacity, np.int64)
-        self.seq = np.zeros(capacity, np.int64)  # the newest push that changed the row
+        # Per rank, the newest of its pushes the row includes; when its push was answered.
+        self.seen = np.zeros((capacity, ranks), np.int64)
+        self.acked = np.zeros(capacity, np.float64)
+        # This rank's last pushes that changed the row (their numbers).
         self.recent = np.zeros((capacity, RECENT_PUSHES), np.int64)
         self.size = 0
 
@@ -298,25 +313,18 @@ class _Generation:
         self.used[:] = False
         self.size = 0
 
-    def put(self, tab: I32, ids: U64, rows: RowState, seq: int) -> None:
-        self.size += _put(
-            self.keys, self.tabs, self.used, self.weights, self.state, self.row_step,
-            self.seq, self.recent, tab, ids,
-            np.ascontiguousarray(rows.weights, np.float32),
-            np.ascontiguousarray(rows.state, np.float32),
-            np.ascontiguousarray(rows.row_step, np.int64), seq,
-        )  # fmt: skip
-
-    def arrays(self) -> tuple[U64, I32, npt.NDArray[np.bool_], I64, F32, F32, I64, I64]:
-        """What :func:`_read` reads of the generation."""
+    def arrays(self) -> tuple[U64, I32, npt.NDArray[np.bool_], I64, F32, F32, I64, I64, F64]:
+        """What the kernels read of the generation."""
         return (
             self.keys, self.tabs, self.used, self.recent,
-            self.weights, self.state, self.row_step, self.seq,
+            self.weights, self.state, self.row_step, self.seen, self.acked,
         )  # fmt: skip
 
     def grown(self, capacity: int) -> _Generation:
         """A copy with ``capacity`` slots."""
-        bigger = _Generation(self.weights.shape[1], self.state.shape[1], capacity)
+        bigger = _Generation(
+            self.weights.shape[1], self.state.shape[1], capacity, self.seen.shape[1]
+        )
         keep = np.flatnonzero(self.used)
         slots = np.empty(keep.shape[0], np.int64)
         bigger.size = _insert(
@@ -325,7 +333,8 @@ class _Generation:
         bigger.weights[slots] = self.weights[keep]
         bigger.state[slots] = self.state[keep]
         bigger.row_step[slots] = self.row_step[keep]
-        bigger.seq[slots] = self.seq[keep]
+        bigger.seen[slots] = self.seen[keep]
+        bigger.acked[slots] = self.acked[keep]
         bigger.recent[slots] = self.recent[keep]
         return bigger
 
@@ -339,32 +348,40 @@ def _capacity_for(rows: int, smallest: int = 1024) -> int:
 
 
 class PushedRowCache:
-    """Rows as this rank's pushes left them, by (table number, id) (see the module docstring).
+    """Rows as the newest answered pushes left them, by (table number, id) (see the
+    module docstring).
 
+    ``ranks``: the job's trainer ranks, whose pushes' answers all come here.
     ``max_rows`` bounds it: each generation holds about half; when the current one
     is full, the previous one (rows pushed longest ago, which the lookups since
     have seen) is dropped.
     """
 
-    def __init__(self, dim: int, width: int, *, max_rows: int = 1 << 19) -> None:
-        self.dim, self.width = dim, width
+    def __init__(self, dim: int, width: int, *, max_rows: int = 1 << 19, ranks: int = 1) -> None:
+        self.dim, self.width, self.ranks = dim, width, ranks
         self.generation_rows = max(max_rows // 2, 1)
         # Held by ``put`` and ``read``.
         self.lock = threading.Lock()
-        self.current = _Generation(dim, width, 1024)
+        self.current = _Generation(dim, width, 1024, ranks)
         self.previous: _Generation | None = None
-        self._empty = _Generation(dim, width, 1)  # read where there is no previous one
+        self._empty = _Generation(dim, width, 1, ranks)  # read where there is no previous one
 
     def __len__(self) -> int:
         """Rows held (a row in both generations counts twice)."""
         return self.current.size + (self.previous.size if self.previous is not None else 0)
 
     def read(
-        self, tab: I32, ids: U64, applied_before: int, wanted: npt.NDArray[np.bool_]
+        self,
+        tab: I32,
+        ids: U64,
+        applied_before: int,
+        wanted: npt.NDArray[np.bool_],
+        answered_after: float = np.inf,
     ) -> tuple[I32, Remembered]:
-        """Per key, how many of its pushes came after push ``applied_before`` (those a
-        lookup made when that push had landed missed); and what the cache holds of the
-        keys that missed one or are ``wanted``.
+        """Per key, how many of this rank's pushes to it came after its push number
+        ``applied_before`` (those a lookup made when that push had landed missed); and
+        what the cache holds of the keys that missed one, are ``wanted`` or hold a row
+        answered after ``answered_after`` (unix s: another rank's push).
         """
         n = ids.shape[0]
         missed = np.empty(n, np.int32)
@@ -377,19 +394,32 @@ class PushedRowCache:
                 np.empty((n, self.width), np.float32),
                 np.empty(n, np.int64),
             ),
-            np.empty(n, np.int64),
+            np.empty((n, self.ranks), np.int64),
         )
         with self.lock:
             old = self.previous if self.previous is not None else self._empty
             found = _read(
-                self.current.arrays(), old.arrays(), tab, ids, applied_before, wanted,
-                missed, at, out.known, out.rows.weights, out.rows.state, out.rows.row_step,
-                out.seq,
+                self.current.arrays(), old.arrays(), tab, ids, applied_before,
+                float(answered_after), wanted, missed, at, out.known, out.rows.weights,
+                out.rows.state, out.rows.row_step, out.seen,
             )  # fmt: skip
         return missed, out.first(found)
 
-    def put(self, tab: I32, ids: U64, rows: RowState, seq: int) -> None:
-        """Keep ``rows`` (what push ``seq`` left) as the newest of their keys."""
+    def put(
+        self,
+        tab: I32,
+        ids: U64,
+        rows: RowState,
+        seen: I64,
+        *,
+        acked: float = 0.0,
+        push: int = 0,
+    ) -> None:
+        """Keep ``rows`` (what a push left, each having ``seen`` [n, ranks] of every
+        rank's pushes; answered at unix time ``acked``) as their keys' newest, where no
+        newer state of a key is held. ``push``: this rank's number of that push (0:
+        another rank's).
+        """
         n = ids.shape[0]
         with self.lock:
             current = self.current
@@ -400,7 +430,14 @@ class PushedRowCache:
                     recycled.clear()
                     self.current = recycled
                 else:
-                    self.current = _Generation(self.dim, self.width, need)
+                    self.current = _Generation(self.dim, self.width, need, self.ranks)
             elif current.size + n > _MAX_LOAD * current.capacity:
                 self.current = current.grown(_capacity_for(current.size + n))
-            self.current.put(tab, ids, rows, seq)
+            old = self.previous if self.previous is not None else self._empty
+            self.current.size += _put(
+                self.current.arrays(), old.arrays(), tab, ids,
+                np.ascontiguousarray(rows.weights, np.float32),
+                np.ascontiguousarray(rows.state, np.float32),
+                np.ascontiguousarray(rows.row_step, np.int64),
+                np.ascontiguousarray(seen, np.int64), acked, push,
+            )  # fmt: skip

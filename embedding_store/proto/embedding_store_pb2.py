@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+embedding_store/proto/embedding_store.proto\x12\x1cstreamrec.embedding_store.v1\"&\n\x08TableIds\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\"5\n\tTableRows\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x0c\n\x04rows\x18\x03 \x01(\x0c\"7\n\nTableGrads\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\r\n\x05grads\x18\x03 \x01(\x0c\"\xbe\x01\n\rLookupRequest\x12\x36\n\x06tables\x18\x01 \x03(\x0b\x32&.streamrec.embedding_store.v1.TableIds\x12\r\n\x05train\x18\x02 \x01(\x08\x12\x35\n\x05\x64type\x18\x03 \x01(\x0e\x32&.streamrec.embedding_store.v1.RowDtype\x12\x11\n\x04step\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x13\n\x0b\x63reate_only\x18\x05 \x01(\x08\x42\x07\n\x05_step\"\x80\x01\n\x0eLookupResponse\x12\x37\n\x06tables\x18\x01 \x03(\x0b\x32\'.streamrec.embedding_store.v1.TableRows\x12\x35\n\x05\x64type\x18\x02 \x01(\x0e\x32&.streamrec.embedding_store.v1.RowDtype\"\xa7\x01\n\x0bPushRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x38\n\x06tables\x18\x02 \x03(\x0b\x32(.streamrec.embedding_store.v1.TableGrads\x12\x35\n\x05\x64type\x18\x03 \x01(\x0e\x32&.streamrec.embedding_store.v1.RowDtype\x12\x13\n\x0breturn_rows\x18\x04 \x01(\x08\"\xb9\x01\n\x0cPushResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x04\x12\x1c\n\x14\x64ropped_not_admitted\x18\x02 \x01(\x04\x12\x1a\n\x12rejected_nonfinite\x18\x03 \x01(\x04\x12\x19\n\x11\x64uplicate_request\x18\x04 \x01(\x08\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x0c\n\x04rows\x18\x06 \x01(\x0c\x12\r\n\x05state\x18\x07 \x01(\x0c\x12\x11\n\trow_steps\x18\x08 \x01(\x0c\"y\n\x11\x43heckpointRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12:\n\x04kind\x18\x02 \x01(\x0e\x32,.streamrec.embedding_store.v1.CheckpointKind\x12\x15\n\rmetadata_json\x18\x03 \x01(\t\"\x98\x01\n\x12\x43heckpointResponse\x12\x10\n\x08manifest\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x0c\n\x04rows\x18\x04 \x01(\x04\x12\x12\n\ntombstones\x18\x05 \x01(\x04\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12\x13\n\x0bincarnation\x18\x08 \x01(\t\"p\n\x0eRestoreRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x13\n\x0bshard_index\x18\x02 \x01(\r\x12\x12\n\nnum_shards\x18\x03 \x01(\r\x12\x15\n\x08upto_seq\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x0b\n\t_upto_seq\"\xd2\x01\n\x0fRestoreResponse\x12\x11\n\tmanifests\x18\x01 \x03(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x04\x12U\n\rrows_by_table\x18\x03 \x03(\x0b\x32>.streamrec.embedding_store.v1.RestoreResponse.RowsByTableEntry\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x1a\x32\n\x10RowsByTableEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x0e\n\x0cStatsRequest\"\xef\x02\n\nTableStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x04\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x04\x12\r\n\x05\x63lock\x18\x06 \x01(\x04\x12\x0f\n\x07lookups\x18\x07 \x01(\x04\x12\x12\n\nlookup_ids\x18\x08 \x01(\x04\x12\x0e\n\x06pushes\x18\t \x01(\x04\x12\x10\n\x08push_ids\x18\n \x01(\x04\x12\x12\n\nadmissions\x18\x0b \x01(\x04\x12\x1b\n\x13rejected_admissions\x18\x0c \x01(\x04\x12\x11\n\tevictions\x18\r \x01(\x04\x12\x13\n\x0b\x65xpirations\x18\x0e \x01(\x04\x12\x10\n\x08overflow\x18\x0f \x01(\x04\x12\x1c\n\x14\x64ropped_not_admitted\x18\x10 \x01(\x04\x12\x1a\n\x12rejected_nonfinite\x18\x11 \x01(\x04\x12\x15\n\runknown_reads\x18\x12 \x01(\x04\"W\n\x10LatencyHistogram\x12\x0f\n\x07\x62uckets\x18\x01 \x03(\x01\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x04\x12\x13\n\x0bsum_seconds\x18\x03 \x01(\x01\x12\r\n\x05\x63ount\x18\x04 \x01(\x04\"\x83\x03\n\rStatsResponse\x12\x38\n\x06tables\x18\x01 \x03(\x0b\x32(.streamrec.embedding_store.v1.TableStats\x12\x18\n\x10\x64uplicate_pushes\x18\x02 \x01(\x04\x12N\n\x0flast_checkpoint\x18\x03 \x01(\x0b\x32\x30.streamrec.embedding_store.v1.CheckpointResponseH\x00\x88\x01\x01\x12K\n\x0elookup_latency\x18\x04 \x01(\x0b\x32..streamrec.embedding_store.v1.LatencyHistogramH\x01\x88\x01\x01\x12I\n\x0cpush_latency\x18\x05 \x01(\x0b\x32..streamrec.embedding_store.v1.LatencyHistogramH\x02\x88\x01\x01\x42\x12\n\x10_last_checkpointB\x11\n\x0f_lookup_latencyB\x0f\n\r_push_latency\"\x0f\n\rHealthRequest\"\xf7\x01\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x44\n\x04\x64ims\x18\x02 \x03(\x0b\x32\x36.streamrec.embedding_store.v1.HealthResponse.DimsEntry\x12\x39\n\trow_dtype\x18\x03 \x01(\x0e\x32&.streamrec.embedding_store.v1.RowDtype\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\x12\n\ncurrent_at\x18\x05 \x01(\x01\x1a+\n\tDimsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"=\n\x0e\x43hangesRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\r\n\x05since\x18\x03 \x01(\x04\"\x90\x01\n\x0f\x43hangesResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x10\n\x08\x63omplete\x18\x03 \x01(\x08\x12\x0b\n\x03\x64im\x18\x04 \x01(\r\x12\x0b\n\x03ids\x18\x05 \x01(\x0c\x12\x0c\n\x04rows\x18\x06 \x01(\x0c\x12\x0f\n\x07removed\x18\x07 \x01(\x0c\x12\x12\n\nchanged_at\x18\x08 \x01(\x01\"?\n\x0fRowsPageRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0e\n\x06\x63ursor\x18\x02 \x01(\x04\x12\r\n\x05\x63ount\x18\x03 \x01(\r\"O\n\x10RowsPageResponse\x12\x0b\n\x03\x64im\x18\x01 \x01(\r\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\x0c\n\x04rows\x18\x03 \x01(\x0c\x12\x13\n\x0bnext_cursor\x18\x04 \x01(\x03\"R\n\x12\x43hangesManyRequest\x12<\n\x06tables\x18\x01 \x03(\x0b\x32,.streamrec.embedding_store.v1.ChangesRequest\"T\n\x13\x43hangesManyResponse\x12=\n\x06tables\x18\x01 \x03(\x0b\x32-.streamrec.embedding_store.v1.ChangesResponse*$\n\x08RowDtype\x12\x0b\n\x07\x46LOAT16\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01*/\n\x0e\x43heckpointKind\x12\x08\n\x04\x41UTO\x10\x00\x12\x08\n\x04\x46ULL\x10\x01\x12\t\n\x05\x44\x45LTA\x10\x02\x32\xbb\x07\n\x0e\x45mbeddingStore\x12\x63\n\x06Lookup\x12+.streamrec.embedding_store.v1.LookupRequest\x1a,.streamrec.embedding_store.v1.LookupResponse\x12]\n\x04Push\x12).streamrec.embedding_store.v1.PushRequest\x1a*.streamrec.embedding_store.v1.PushResponse\x12o\n\nCheckpoint\x12/.streamrec.embedding_store.v1.CheckpointRequest\x1a\x30.streamrec.embedding_store.v1.CheckpointResponse\x12\x66\n\x07Restore\x12,.streamrec.embedding_store.v1.RestoreRequest\x1a-.streamrec.embedding_store.v1.RestoreResponse\x12`\n\x05Stats\x12*.streamrec.embedding_store.v1.StatsRequest\x1a+.streamrec.embedding_store.v1.StatsResponse\x12\x63\n\x06Health\x12+.streamrec.embedding_store.v1.HealthRequest\x1a,.streamrec.embedding_store.v1.HealthResponse\x12\x66\n\x07\x43hanges\x12,.streamrec.embedding_store.v1.ChangesRequest\x1a-.streamrec.embedding_store.v1.ChangesResponse\x12r\n\x0b\x43hangesMany\x12\x30.streamrec.embedding_store.v1.ChangesManyRequest\x1a\x31.streamrec.embedding_store.v1.ChangesManyResponse\x12i\n\x08RowsPage\x12-.streamrec.embedding_store.v1.RowsPageRequest\x1a..streamrec.embedding_store.v1.RowsPageResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n+embedding_store/proto/embedding_store.proto\x12\x1cstreamrec.embedding_store.v1\"&\n\x08TableIds\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\"5\n\tTableRows\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x0c\n\x04rows\x18\x03 \x01(\x0c\"7\n\nTableGrads\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\r\n\x05grads\x18\x03 \x01(\x0c\"\xbe\x01\n\rLookupRequest\x12\x36\n\x06tables\x18\x01 \x03(\x0b\x32&.streamrec.embedding_store.v1.TableIds\x12\r\n\x05train\x18\x02 \x01(\x08\x12\x35\n\x05\x64type\x18\x03 \x01(\x0e\x32&.streamrec.embedding_store.v1.RowDtype\x12\x11\n\x04step\x18\x04 \x01(\x03H\x00\x88\x01\x01\x12\x13\n\x0b\x63reate_only\x18\x05 \x01(\x08\x42\x07\n\x05_step\"\x80\x01\n\x0eLookupResponse\x12\x37\n\x06tables\x18\x01 \x03(\x0b\x32\'.streamrec.embedding_store.v1.TableRows\x12\x35\n\x05\x64type\x18\x02 \x01(\x0e\x32&.streamrec.embedding_store.v1.RowDtype\"\xa7\x01\n\x0bPushRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x38\n\x06tables\x18\x02 \x03(\x0b\x32(.streamrec.embedding_store.v1.TableGrads\x12\x35\n\x05\x64type\x18\x03 \x01(\x0e\x32&.streamrec.embedding_store.v1.RowDtype\x12\x13\n\x0breturn_rows\x18\x04 \x01(\x08\"\xc7\x01\n\x0cPushResponse\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x04\x12\x1c\n\x14\x64ropped_not_admitted\x18\x02 \x01(\x04\x12\x1a\n\x12rejected_nonfinite\x18\x03 \x01(\x04\x12\x19\n\x11\x64uplicate_request\x18\x04 \x01(\x08\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x0c\n\x04rows\x18\x06 \x01(\x0c\x12\r\n\x05state\x18\x07 \x01(\x0c\x12\x11\n\trow_steps\x18\x08 \x01(\x0c\x12\x0c\n\x04seen\x18\t \x03(\x03\"y\n\x11\x43heckpointRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12:\n\x04kind\x18\x02 \x01(\x0e\x32,.streamrec.embedding_store.v1.CheckpointKind\x12\x15\n\rmetadata_json\x18\x03 \x01(\t\"\x98\x01\n\x12\x43heckpointResponse\x12\x10\n\x08manifest\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0b\n\x03seq\x18\x03 \x01(\x04\x12\x0c\n\x04rows\x18\x04 \x01(\x04\x12\x12\n\ntombstones\x18\x05 \x01(\x04\x12\r\n\x05\x62ytes\x18\x06 \x01(\x04\x12\x0f\n\x07seconds\x18\x07 \x01(\x01\x12\x13\n\x0bincarnation\x18\x08 \x01(\t\"p\n\x0eRestoreRequest\x12\x11\n\tdirectory\x18\x01 \x01(\t\x12\x13\n\x0bshard_index\x18\x02 \x01(\r\x12\x12\n\nnum_shards\x18\x03 \x01(\r\x12\x15\n\x08upto_seq\x18\x04 \x01(\x04H\x00\x88\x01\x01\x42\x0b\n\t_upto_seq\"\xd2\x01\n\x0fRestoreResponse\x12\x11\n\tmanifests\x18\x01 \x03(\t\x12\x0c\n\x04rows\x18\x02 \x01(\x04\x12U\n\rrows_by_table\x18\x03 \x03(\x0b\x32>.streamrec.embedding_store.v1.RestoreResponse.RowsByTableEntry\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x1a\x32\n\x10RowsByTableEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x0e\n\x0cStatsRequest\"\xef\x02\n\nTableStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0b\n\x03\x64im\x18\x02 \x01(\r\x12\x0c\n\x04rows\x18\x03 \x01(\x04\x12\x10\n\x08\x63\x61pacity\x18\x04 \x01(\x04\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x04\x12\r\n\x05\x63lock\x18\x06 \x01(\x04\x12\x0f\n\x07lookups\x18\x07 \x01(\x04\x12\x12\n\nlookup_ids\x18\x08 \x01(\x04\x12\x0e\n\x06pushes\x18\t \x01(\x04\x12\x10\n\x08push_ids\x18\n \x01(\x04\x12\x12\n\nadmissions\x18\x0b \x01(\x04\x12\x1b\n\x13rejected_admissions\x18\x0c \x01(\x04\x12\x11\n\tevictions\x18\r \x01(\x04\x12\x13\n\x0b\x65xpirations\x18\x0e \x01(\x04\x12\x10\n\x08overflow\x18\x0f \x01(\x04\x12\x1c\n\x14\x64ropped_not_admitted\x18\x10 \x01(\x04\x12\x1a\n\x12rejected_nonfinite\x18\x11 \x01(\x04\x12\x15\n\runknown_reads\x18\x12 \x01(\x04\"W\n\x10LatencyHistogram\x12\x0f\n\x07\x62uckets\x18\x01 \x03(\x01\x12\x0e\n\x06\x63ounts\x18\x02 \x03(\x04\x12\x13\n\x0bsum_seconds\x18\x03 \x01(\x01\x12\r\n\x05\x63ount\x18\x04 \x01(\x04\"\x83\x03\n\rStatsResponse\x12\x38\n\x06tables\x18\x01 \x03(\x0b\x32(.streamrec.embedding_store.v1.TableStats\x12\x18\n\x10\x64uplicate_pushes\x18\x02 \x01(\x04\x12N\n\x0flast_checkpoint\x18\x03 \x01(\x0b\x32\x30.streamrec.embedding_store.v1.CheckpointResponseH\x00\x88\x01\x01\x12K\n\x0elookup_latency\x18\x04 \x01(\x0b\x32..streamrec.embedding_store.v1.LatencyHistogramH\x01\x88\x01\x01\x12I\n\x0cpush_latency\x18\x05 \x01(\x0b\x32..streamrec.embedding_store.v1.LatencyHistogramH\x02\x88\x01\x01\x42\x12\n\x10_last_checkpointB\x11\n\x0f_lookup_latencyB\x0f\n\r_push_latency\"\x0f\n\rHealthRequest\"\xf7\x01\n\x0eHealthResponse\x12\x0e\n\x06status\x18\x01 \x01(\t\x12\x44\n\x04\x64ims\x18\x02 \x03(\x0b\x32\x36.streamrec.embedding_store.v1.HealthResponse.DimsEntry\x12\x39\n\trow_dtype\x18\x03 \x01(\x0e\x32&.streamrec.embedding_store.v1.RowDtype\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\x12\n\ncurrent_at\x18\x05 \x01(\x01\x1a+\n\tDimsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"=\n\x0e\x43hangesRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\t\x12\r\n\x05since\x18\x03 \x01(\x04\"\x90\x01\n\x0f\x43hangesResponse\x12\r\n\x05\x65poch\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x10\n\x08\x63omplete\x18\x03 \x01(\x08\x12\x0b\n\x03\x64im\x18\x04 \x01(\r\x12\x0b\n\x03ids\x18\x05 \x01(\x0c\x12\x0c\n\x04rows\x18\x06 \x01(\x0c\x12\x0f\n\x07removed\x18\x07 \x01(\x0c\x12\x12\n\nchanged_at\x18\x08 \x01(\x01\"?\n\x0fRowsPageRequest\x12\r\n\x05table\x18\x01 \x01(\t\x12\x0e\n\x06\x63ursor\x18\x02 \x01(\x04\x12\r\n\x05\x63ount\x18\x03 \x01(\r\"O\n\x10RowsPageResponse\x12\x0b\n\x03\x64im\x18\x01 \x01(\r\x12\x0b\n\x03ids\x18\x02 \x01(\x0c\x12\x0c\n\x04rows\x18\x03 \x01(\x0c\x12\x13\n\x0bnext_cursor\x18\x04 \x01(\x03\"R\n\x12\x43hangesManyRequest\x12<\n\x06tables\x18\x01 \x03(\x0b\x32,.streamrec.embedding_store.v1.ChangesRequest\"T\n\x13\x43hangesManyResponse\x12=\n\x06tables\x18\x01 \x03(\x0b\x32-.streamrec.embedding_store.v1.ChangesResponse*$\n\x08RowDtype\x12\x0b\n\x07\x46LOAT16\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01*/\n\x0e\x43heckpointKind\x12\x08\n\x04\x41UTO\x10\x00\x12\x08\n\x04\x46ULL\x10\x01\x12\t\n\x05\x44\x45LTA\x10\x02\x32\xbb\x07\n\x0e\x45mbeddingStore\x12\x63\n\x06Lookup\x12+.streamrec.embedding_store.v1.LookupRequest\x1a,.streamrec.embedding_store.v1.LookupResponse\x12]\n\x04Push\x12).streamrec.embedding_store.v1.PushRequest\x1a*.streamrec.embedding_store.v1.PushResponse\x12o\n\nCheckpoint\x12/.streamrec.embedding_store.v1.CheckpointRequest\x1a\x30.streamrec.embedding_store.v1.CheckpointResponse\x12\x66\n\x07Restore\x12,.streamrec.embedding_store.v1.RestoreRequest\x1a-.streamrec.embedding_store.v1.RestoreResponse\x12`\n\x05Stats\x12*.streamrec.embedding_store.v1.StatsRequest\x1a+.streamrec.embedding_store.v1.StatsResponse\x12\x63\n\x06Health\x12+.streamrec.embedding_store.v1.HealthRequest\x1a,.streamrec.embedding_store.v1.HealthResponse\x12\x66\n\x07\x43hanges\x12,.streamrec.embedding_store.v1.ChangesRequest\x1a-.streamrec.embedding_store.v1.ChangesResponse\x12r\n\x0b\x43hangesMany\x12\x30.streamrec.embedding_store.v1.ChangesManyRequest\x1a\x31.streamrec.embedding_store.v1.ChangesManyResponse\x12i\n\x08RowsPage\x12-.streamrec.embedding_store.v1.RowsPageRequest\x1a..streamrec.embedding_store.v1.RowsPageResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,10 +35,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RESTORERESPONSE_ROWSBYTABLEENTRY']._serialized_options = b'8\001'
   _globals['_HEALTHRESPONSE_DIMSENTRY']._loaded_options = None
   _globals['_HEALTHRESPONSE_DIMSENTRY']._serialized_options = b'8\001'
-  _globals['_ROWDTYPE']._serialized_start=3174
-  _globals['_ROWDTYPE']._serialized_end=3210
-  _globals['_CHECKPOINTKIND']._serialized_start=3212
-  _globals['_CHECKPOINTKIND']._serialized_end=3259
+  _globals['_ROWDTYPE']._serialized_start=3188
+  _globals['_ROWDTYPE']._serialized_end=3224
+  _globals['_CHECKPOINTKIND']._serialized_start=3226
+  _globals['_CHECKPOINTKIND']._serialized_end=3273
   _globals['_TABLEIDS']._serialized_start=77
   _globals['_TABLEIDS']._serialized_end=115
   _globals['_TABLEROWS']._serialized_start=117
@@ -52,43 +52,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUSHREQUEST']._serialized_start=554
   _globals['_PUSHREQUEST']._serialized_end=721
   _globals['_PUSHRESPONSE']._serialized_start=724
-  _globals['_PUSHRESPONSE']._serialized_end=909
-  _globals['_CHECKPOINTREQUEST']._serialized_start=911
-  _globals['_CHECKPOINTREQUEST']._serialized_end=1032
-  _globals['_CHECKPOINTRESPONSE']._serialized_start=1035
-  _globals['_CHECKPOINTRESPONSE']._serialized_end=1187
-  _globals['_RESTOREREQUEST']._serialized_start=1189
-  _globals['_RESTOREREQUEST']._serialized_end=1301
-  _globals['_RESTORERESPONSE']._serialized_start=1304
-  _globals['_RESTORERESPONSE']._serialized_end=1514
-  _globals['_RESTORERESPONSE_ROWSBYTABLEENTRY']._serialized_start=1464
-  _globals['_RESTORERESPONSE_ROWSBYTABLEENTRY']._serialized_end=1514
-  _globals['_STATSREQUEST']._serialized_start=1516
-  _globals['_STATSREQUEST']._serialized_end=1530
-  _globals['_TABLESTATS']._serialized_start=1533
-  _globals['_TABLESTATS']._serialized_end=1900
-  _globals['_LATENCYHISTOGRAM']._serialized_start=1902
-  _globals['_LATENCYHISTOGRAM']._serialized_end=1989
-  _globals['_STATSRESPONSE']._serialized_start=1992
-  _globals['_STATSRESPONSE']._serialized_end=2379
-  _globals['_HEALTHREQUEST']._serialized_start=2381
-  _globals['_HEALTHREQUEST']._serialized_end=2396
-  _globals['_HEALTHRESPONSE']._serialized_start=2399
-  _globals['_HEALTHRESPONSE']._serialized_end=2646
-  _globals['_HEALTHRESPONSE_DIMSENTRY']._serialized_start=2603
-  _globals['_HEALTHRESPONSE_DIMSENTRY']._serialized_end=2646
-  _globals['_CHANGESREQUEST']._serialized_start=2648
-  _globals['_CHANGESREQUEST']._serialized_end=2709
-  _globals['_CHANGESRESPONSE']._serialized_start=2712
-  _globals['_CHANGESRESPONSE']._serialized_end=2856
-  _globals['_ROWSPAGEREQUEST']._serialized_start=2858
-  _globals['_ROWSPAGEREQUEST']._serialized_end=2921
-  _globals['_ROWSPAGERESPONSE']._serialized_start=2923
-  _globals['_ROWSPAGERESPONSE']._serialized_end=3002
-  _globals['_CHANGESMANYREQUEST']._serialized_start=3004
-  _globals['_CHANGESMANYREQUEST']._serialized_end=3086
-  _globals['_CHANGESMANYRESPONSE']._serialized_start=3088
-  _globals['_CHANGESMANYRESPONSE']._serialized_end=3172
-  _globals['_EMBEDDINGSTORE']._serialized_start=3262
-  _globals['_EMBEDDINGSTORE']._serialized_end=4217
+  _globals['_PUSHRESPONSE']._serialized_end=923
+  _globals['_CHECKPOINTREQUEST']._serialized_start=925
+  _globals['_CHECKPOINTREQUEST']._serialized_end=1046
+  _globals['_CHECKPOINTRESPONSE']._serialized_start=1049
+  _globals['_CHECKPOINTRESPONSE']._serialized_end=1201
+  _globals['_RESTOREREQUEST']._serialized_start=1203
+  _globals['_RESTOREREQUEST']._serialized_end=1315
+  _globals['_RESTORERESPONSE']._serialized_start=1318
+  _globals['_RESTORERESPONSE']._serialized_end=1528
+  _globals['_RESTORERESPONSE_ROWSBYTABLEENTRY']._serialized_start=1478
+  _globals['_RESTORERESPONSE_ROWSBYTABLEENTRY']._serialized_end=1528
+  _globals['_STATSREQUEST']._serialized_start=1530
+  _globals['_STATSREQUEST']._serialized_end=1544
+  _globals['_TABLESTATS']._serialized_start=1547
+  _globals['_TABLESTATS']._serialized_end=1914
+  _globals['_LATENCYHISTOGRAM']._serialized_start=1916
+  _globals['_LATENCYHISTOGRAM']._serialized_end=2003
+  _globals['_STATSRESPONSE']._serialized_start=2006
+  _globals['_STATSRESPONSE']._serialized_end=2393
+  _globals['_HEALTHREQUEST']._serialized_start=2395
+  _globals['_HEALTHREQUEST']._serialized_end=2410
+  _globals['_HEALTHRESPONSE']._serialized_start=2413
+  _globals['_HEALTHRESPONSE']._serialized_end=2660
+  _globals['_HEALTHRESPONSE_DIMSENTRY']._serialized_start=2617
+  _globals['_HEALTHRESPONSE_DIMSENTRY']._serialized_end=2660
+  _globals['_CHANGESREQUEST']._serialized_start=2662
+  _globals['_CHANGESREQUEST']._serialized_end=2723
+  _globals['_CHANGESRESPONSE']._serialized_start=2726
+  _globals['_CHANGESRESPONSE']._serialized_end=2870
+  _globals['_ROWSPAGEREQUEST']._serialized_start=2872
+  _globals['_ROWSPAGEREQUEST']._serialized_end=2935
+  _globals['_ROWSPAGERESPONSE']._serialized_start=2937
+  _globals['_ROWSPAGERESPONSE']._serialized_end=3016
+  _globals['_CHANGESMANYREQUEST']._serialized_start=3018
+  _globals['_CHANGESMANYREQUEST']._serialized_end=3100
+  _globals['_CHANGESMANYRESPONSE']._serialized_start=3102
+  _globals['_CHANGESMANYRESPONSE']._serialized_end=3186
+  _globals['_EMBEDDINGSTORE']._serialized_start=3276
+  _globals['_EMBEDDINGSTORE']._serialized_end=4231
 # @@protoc_insertion_point(module_scope)

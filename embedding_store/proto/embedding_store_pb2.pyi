@@ -86,7 +86,7 @@ class PushRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tables: _Optional[_Iterable[_Union[TableGrads, _Mapping]]] = ..., dtype: _Optional[_Union[RowDtype, str]] = ..., return_rows: _Optional[bool] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("applied", "dropped_not_admitted", "rejected_nonfinite", "duplicate_request", "incarnation", "rows", "state", "row_steps")
+    __slots__ = ("applied", "dropped_not_admitted", "rejected_nonfinite", "duplicate_request", "incarnation", "rows", "state", "row_steps", "seen")
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     DROPPED_NOT_ADMITTED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_NONFINITE_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +95,7 @@ class PushResponse(_message.Message):
     ROWS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ROW_STEPS_FIELD_NUMBER: _ClassVar[int]
+    SEEN_FIELD_NUMBER: _ClassVar[int]
     applied: int
     dropped_not_admitted: int
     rejected_nonfinite: int
@@ -103,7 +104,8 @@ class PushResponse(_message.Message):
     rows: bytes
     state: bytes
     row_steps: bytes
-    def __init__(self, applied: _Optional[int] = ..., dropped_not_admitted: _Optional[int] = ..., rejected_nonfinite: _Optional[int] = ..., duplicate_request: _Optional[bool] = ..., incarnation: _Optional[str] = ..., rows: _Optional[bytes] = ..., state: _Optional[bytes] = ..., row_steps: _Optional[bytes] = ...) -> None: ...
+    seen: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, applied: _Optional[int] = ..., dropped_not_admitted: _Optional[int] = ..., rejected_nonfinite: _Optional[int] = ..., duplicate_request: _Optional[bool] = ..., incarnation: _Optional[str] = ..., rows: _Optional[bytes] = ..., state: _Optional[bytes] = ..., row_steps: _Optional[bytes] = ..., seen: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("directory", "kind", "metadata_json")

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -24,6 +25,7 @@ from embedding_store.errors import (
 )
 from embedding_store.proto import embedding_store_pb2 as pb
 from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
+from embedding_store.types import PushOrigin
 from embedding_store.wire import decode_row_state
 from tests.conftest import grpc_address, streamrec
 
@@ -465,3 +467,50 @@ def test_a_shard_back_after_a_long_outage_answers_the_default_retries(
         start_shards.track(again)
         c.accept_restarts()  # the default retries: about 1.5 s
         assert c.stats() is not None
+
+
+def test_a_push_reply_says_which_pushes_of_each_rank_its_rows_include(
+    write_job, token_file, start_shards
+) -> None:
+    """Two writers of one group push the same rows from two threads at once: each reply
+    says what every writer had applied on its shard, and its rows are exactly those
+    pushes' sum (SGD), whatever order they landed in."""
+    job = write_job(tables={"user": {"dim": 2, "optimizer": {"kind": "sgd", "lr": 1.0}}})
+    procs = start_shards(2, job, token_file)
+    token = token_file.read_text().strip()
+    cfg = load_config(job).store
+    ids = np.arange(1, 41, dtype=np.uint64)
+    with StoreClient.connect(grpc_address(procs), token=token, config=cfg) as first:
+        start = first.lookup({"user": ids})["user"].astype(np.float32)
+    replies: dict[tuple[int, int], Any] = {}
+    together = threading.Barrier(2)
+
+    def writer(rank: int) -> None:
+        with StoreClient.connect(grpc_address(procs), token=token, config=cfg) as client:
+            for step in range(1, 11):
+                together.wait(timeout=30)  # both push each step at once
+                origin = PushOrigin("job", rank=rank, ranks=2, seq=step)
+                grads = np.full((ids.shape[0], 2), 10.0**rank, np.float32)
+                replies[(rank, step)] = client.push(
+                    {"user": (ids, grads)}, request_id=origin.request_id, return_rows=True
+                ).rows
+
+    threads = [threading.Thread(target=writer, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    orders = set()
+    for (rank, step), rows in replies.items():
+        assert len(rows.parts) == 2  # one per shard
+        for part in rows.parts:
+            assert part.seen is not None
+            assert part.seen[rank] == step, part.seen
+            n0, n1 = part.seen
+            orders.add((n0, n1))
+            where = part.where["user"]
+            # Each applied push subtracted its gradient: 1 per rank-0 push, 10 per rank-1.
+            want = start[where] - (n0 * 1.0 + n1 * 10.0)
+            np.testing.assert_allclose(part.rows["user"].weights, want, rtol=1e-6)
+    # The first push of a step to land has seen the other rank's previous one only.
+    assert any(n0 != n1 for n0, n1 in orders), orders

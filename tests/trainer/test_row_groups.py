@@ -97,7 +97,7 @@ def test_the_cache_reads_across_its_generations_and_drops_the_oldest() -> None:
     def put(ids: list[int], value: float, seq: int) -> None:
         rows = RowState(np.full((2, 1), value, np.float32), np.zeros((2, 0), np.float32),
                         np.full(2, seq))  # fmt: skip
-        cache.put(tab, np.array(ids, np.uint64), rows, seq)
+        cache.put(tab, np.array(ids, np.uint64), rows, np.full((2, 1), seq), push=seq)
 
     put([1, 2], 1.0, 1)
     put([2, 3], 2.0, 2)  # full: [1, 2] becomes the previous generation
@@ -110,3 +110,25 @@ def test_the_cache_reads_across_its_generations_and_drops_the_oldest() -> None:
     missed, seen = cache.read(np.zeros(4, np.int32), keys, 0, np.zeros(4, np.bool_))
     assert missed.tolist() == [0, 1, 1, 0]
     assert seen.at.tolist() == [1, 2], "only rows that missed a push are read out"
+
+
+def test_an_older_answer_never_replaces_a_newer_row() -> None:
+    """Another rank's answer can come a step after this rank's newer one: the cache
+    keeps whichever state includes more of the row's updates."""
+    cache = PushedRowCache(dim=1, width=0, ranks=2)
+    tab, ids = np.zeros(1, np.int32), np.array([7], np.uint64)
+
+    def put(value: float, row_step: int, seen: list[int], push: int = 0) -> None:
+        rows = RowState(np.full((1, 1), value, np.float32), np.zeros((1, 0), np.float32),
+                        np.array([row_step]))  # fmt: skip
+        cache.put(tab, ids, rows, np.array([seen]), acked=float(row_step), push=push)
+
+    put(3.0, row_step=3, seen=[2, 1], push=2)  # this rank's push 2, after the other's 1
+    put(2.0, row_step=2, seen=[1, 1])  # the other rank's push 1, told later
+    _, seen = cache.read(tab, ids, 0, np.ones(1, np.bool_))
+    assert seen.rows.weights.ravel().tolist() == [3.0]
+    assert seen.seen.tolist() == [[2, 1]]
+    put(4.0, row_step=4, seen=[2, 2])  # the other's push 2 on top: newer, taken
+    _, seen = cache.read(tab, ids, 0, np.ones(1, np.bool_))
+    assert seen.rows.weights.ravel().tolist() == [4.0]
+    assert seen.seen.tolist() == [[2, 2]]
