@@ -160,10 +160,11 @@ class TrainerConfig(_Strict):
         "bounded",
         description=(
             "hybrid and async: each push brings back the rows it changed, and the next steps "
-            "train those instead of their staler looked-up copies; the push still in flight "
-            "(push_queue) is predicted with the store's arithmetic for rows the rank pushed "
-            "lately. 'bounded': a row it has not pushed lately misses at most that push "
-            "(never waits); 'exact': that push is waited for, so on one rank a row pushed at "
+            "train those instead of their staler looked-up copies, whichever rank pushed "
+            "them (the ranks tell each other their pushes at each step); the pushes not yet "
+            "answered are predicted with the store's arithmetic for rows pushed lately. "
+            "'bounded': a row no rank pushed lately misses at most those pushes (never "
+            "waits); 'exact': this rank's own are waited for, so on one rank a row pushed at "
             "step t is what step t+1 trains; 'off': rows as looked up (up to staleness "
             "pushes old)"
         ),
