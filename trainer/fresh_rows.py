@@ -47,7 +47,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar, cast
+from typing import TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -177,22 +177,17 @@ class TableGroup:
 
     def remember(
         self, parts: Sequence[ShardRows], *, rank: int, step: int, push: int, acked: float
-    ) -> Answered | None:
+    ) -> list[Answered]:
         """Keep the rows this rank's push ``push`` (of step ``step``) left, as its reply
-        brought them (shard by shard); returns them as kept (None: none of the group's).
+        brought them; returns them as kept, one piece per shard that held any.
         """
-        if all(
-            isinstance(part.rows, FlatRows)
-            and part.rows.flat is not None
-            and all(name in self.members for name in part.rows)
-            for part in parts
-        ):
-            answered = self._flat(parts, rank, step, acked)
-        else:
-            answered = self._pieces(parts, rank, step, acked)
-        if answered is not None:
-            self.take(answered, push=push)
-        return answered
+        kept = []
+        for part in parts:
+            answered = self._answered(part, rank, step, acked)
+            if answered is not None:
+                self.take(answered, push=push)
+                kept.append(answered)
+        return kept
 
     def take(self, answered: Answered, *, push: int = 0) -> None:
         """Keep what a push left where no newer state of a row is held (``push``: this
@@ -205,6 +200,22 @@ class TableGroup:
             push=push,
         )  # fmt: skip
 
+    def _answered(self, part: ShardRows, rank: int, step: int, acked: float) -> Answered | None:
+        """One shard's reply to this rank's push of ``step``, as the group keeps it: a
+        reply that holds only the group's tables back to back is taken as it came (no
+        copy of its rows)."""
+        rows = part.rows
+        if isinstance(rows, FlatRows) and rows.flat is not None:
+            names = rows.names
+            if not names or not all(name in self.members for name in names):
+                return self._pieces(part, rank, step, acked)
+            tab = np.repeat(
+                np.array([self.members[name] for name in names], np.int32), rows.shapes[:, 0]
+            )
+            ids = _concat([np.asarray(part.ids[name], np.uint64) for name in names])
+            return Answered(tab, ids, rows.flat, self._seen(part, rank, step, ids.shape[0]), acked)
+        return self._pieces(part, rank, step, acked)
+
     def _seen(self, part: ShardRows, rank: int, step: int, n: int) -> I64:
         """Per row of a shard's reply to this rank's push of ``step``: what it includes."""
         if part.seen is not None and len(part.seen) == self.ranks:
@@ -212,59 +223,24 @@ class TableGroup:
         else:  # one rank, or a shard that does not say: its own pushes up to this one
             vector = np.full(self.ranks, _ALL, np.int64)
             vector[rank] = step
-        return np.broadcast_to(vector, (n, self.ranks))
+        return np.ascontiguousarray(np.broadcast_to(vector, (n, self.ranks)))
 
-    def _pieces(
-        self, parts: Sequence[ShardRows], rank: int, step: int, acked: float
-    ) -> Answered | None:
+    def _pieces(self, part: ShardRows, rank: int, step: int, acked: float) -> Answered | None:
         pieces = [
-            (i, part.ids[name], part.rows[name], part)
-            for part in parts
+            (i, part.ids[name], part.rows[name])
             for name, i in self.members.items()
             if name in part.rows
         ]
         if not pieces:
             return None
-        tab = _numbers([(i, ids.shape[0]) for i, ids, _, _ in pieces])
-        ids = _concat([np.asarray(ids, np.uint64) for _, ids, _, _ in pieces])
+        tab = _numbers([(i, ids.shape[0]) for i, ids, _ in pieces])
+        ids = _concat([np.asarray(ids, np.uint64) for _, ids, _ in pieces])
         state = RowState(
-            _concat([r.weights for _, _, r, _ in pieces]),
-            _concat([r.state for _, _, r, _ in pieces]),
-            _concat([r.row_step for _, _, r, _ in pieces]),
+            _concat([r.weights for _, _, r in pieces]),
+            _concat([r.state for _, _, r in pieces]),
+            _concat([r.row_step for _, _, r in pieces]),
         )
-        seen = _concat([self._seen(p, rank, step, k.shape[0]) for _, k, _, p in pieces])
-        return Answered(tab, ids, state, np.ascontiguousarray(seen), acked)
-
-    def _flat(
-        self, parts: Sequence[ShardRows], rank: int, step: int, acked: float
-    ) -> Answered | None:
-        """:meth:`remember` of replies that hold only this group's tables, each back to
-        back (one reply is one piece: no copy of its rows per table).
-        """
-        tabs, ids, states, seen = [], [], [], []
-        for part in parts:
-            rows = cast(FlatRows, part.rows)
-            if not rows.names:
-                continue
-            tabs.append(
-                np.repeat(
-                    np.array([self.members[name] for name in rows.names], np.int32),
-                    rows.shapes[:, 0],
-                )
-            )
-            ids.append(_concat([np.asarray(part.ids[name], np.uint64) for name in rows.names]))
-            states.append(cast(RowState, rows.flat))
-            seen.append(self._seen(part, rank, step, ids[-1].shape[0]))
-        if not ids:
-            return None
-        state = RowState(
-            _concat([r.weights for r in states]),
-            _concat([r.state for r in states]),
-            _concat([r.row_step for r in states]),
-        )
-        return Answered(
-            _concat(tabs), _concat(ids), state, np.ascontiguousarray(_concat(seen)), acked
-        )
+        return Answered(tab, ids, state, self._seen(part, rank, step, ids.shape[0]), acked)
 
 
 def _concat(arrays: Sequence[npt.NDArray[_T]]) -> npt.NDArray[_T]:

@@ -343,8 +343,8 @@ class Pusher:
                     answered = group.remember(
                         parts, rank=self.rank, step=push.step, push=n, acked=answered_at
                     )
-                    if answered is not None and self._group_name is not None:
-                        kept.append((group.key, answered))
+                    if self._group_name is not None:
+                        kept.extend((group.key, a) for a in answered)
             with self._cond:
                 self.applied += 1
                 self._applied_at.append(answered_at)

@@ -48,7 +48,6 @@ I32 = npt.NDArray[np.int32]
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
 F32 = npt.NDArray[np.float32]
-F64 = npt.NDArray[np.float64]
 # The pushes per row whose numbers are kept (a lookup that missed more counts as this many).
 RECENT_PUSHES = 8
 _MAX_LOAD = 0.5
@@ -95,87 +94,117 @@ def _insert(keys: U64, tabs: I32, used: npt.NDArray[np.bool_], tab: I32, ids: U6
     return made
 
 
+# A generation's slots: [key (the id's bits), table number + 1 (0: empty), this rank's
+# newest push to the row (0: none), when the row's answer came (unix µs), the row's
+# update count, then per rank the newest push the row includes] in one row of int64,
+# and the row's weights and optimizer state back to back in one row of float32: a
+# probe reads one cache line, a copy two or three.
+_KEY, _TAB, _LAST, _ACKED, _STEP, _SEEN = 0, 1, 2, 3, 4, 5
+
+
 @nb.njit(nogil=True, cache=True, inline="always")
-def _newer(step_a: np.int64, seen_a: I64, step_b: np.int64, seen_b: I64) -> bool:
-    """Whether state a (its row's update count, what its reply had seen) is at least as
-    new as state b of the same row: one shard's answers are ordered by both."""
-    if step_a != step_b:
-        return bool(step_a > step_b)
-    return bool(seen_a.sum() >= seen_b.sum())
+def _gslot(meta: I64, key: np.int64, t: np.int32, mask: int) -> np.int64:
+    """The slot of key ``(t, key)`` in a generation, or the empty slot where it would go."""
+    b = _home(np.uint64(key), t, mask)
+    while meta[b, _TAB] != 0 and not (meta[b, _KEY] == key and meta[b, _TAB] == t + 1):
+        b = (b + 1) & mask
+    return b
+
+
+@nb.njit(nogil=True, cache=True, inline="always")
+def _newer(step: np.int64, seen: I64, meta: I64, b: np.int64) -> bool:
+    """Whether a state (its row's update count, what its reply had seen) is at least as
+    new as the one in slot ``b``: one shard's answers are ordered by both."""
+    if step != meta[b, _STEP]:
+        return bool(step > meta[b, _STEP])
+    held = 0
+    for j in range(seen.shape[0]):
+        held += meta[b, _SEEN + j]
+    return bool(seen.sum() >= held)
 
 
 @nb.njit(nogil=True, cache=True)
 def _put(
-    gen: tuple[U64, I32, npt.NDArray[np.bool_], I64, F32, F32, I64, I64, F64],
-    old: tuple[U64, I32, npt.NDArray[np.bool_], I64, F32, F32, I64, I64, F64],
+    meta: I64,
+    payload: F32,
+    recent: I64,
+    meta_o: I64,
     tab: I32,
-    ids: U64,
+    ids: I64,
     w: F32,
     st: F32,
     steps: I64,
     seen: I64,
-    acked: float,
+    acked_us: int,
     push: int,
+    check_old: bool,
 ) -> int:
-    """Each row into its key's slot of ``gen`` (made where missing) unless a newer state
-    of it is held (in ``gen`` or ``old``); ``push`` > 0: this rank's push number, kept as
-    the slot's newest (the oldest number drops off). Returns how many slots were made.
+    """Each row into its key's slot (made where missing) unless a newer state of it is
+    held (in this generation, or with ``check_old`` in the previous one, ``meta_o``);
+    ``push`` > 0: this rank's push number, kept as the slot's newest (the oldest number
+    drops off). Returns how many slots were made.
     """
-    keys, tabs, used, recent, weights, state, row_step, seen_at, acked_at = gen
-    mask = keys.shape[0] - 1
+    mask = meta.shape[0] - 1
+    mask_o = meta_o.shape[0] - 1
+    dim = w.shape[1]
     k = recent.shape[1]
     made = 0
     for i in range(ids.shape[0]):
-        o = _slot_of(old[0], old[1], old[2], ids[i], tab[i], old[0].shape[0] - 1)
-        if old[2][o] and not _newer(steps[i], seen[i], old[6][o], old[7][o]):
-            continue  # another rank's answer came after a newer one
-        b = _slot_of(keys, tabs, used, ids[i], tab[i], mask)
-        if not used[b]:
-            used[b] = True
-            keys[b] = ids[i]
-            tabs[b] = tab[i]
-            recent[b] = 0  # a reused slot's numbers were another key's
+        if check_old:
+            o = _gslot(meta_o, ids[i], tab[i], mask_o)
+            if meta_o[o, _TAB] != 0 and not _newer(steps[i], seen[i], meta_o, o):
+                continue  # another rank's answer came after a newer one
+        b = _gslot(meta, ids[i], tab[i], mask)
+        if meta[b, _TAB] == 0:
+            meta[b, _KEY] = ids[i]
+            meta[b, _TAB] = tab[i] + 1
+            meta[b, _LAST] = 0
             made += 1
-        elif not _newer(steps[i], seen[i], row_step[b], seen_at[b]):
+        elif not _newer(steps[i], seen[i], meta, b):
             continue
-        weights[b] = w[i]
-        state[b] = st[i]
-        row_step[b] = steps[i]
-        seen_at[b] = seen[i]
-        acked_at[b] = acked
-        if push <= 0 or recent[b, 0] == push:
-            continue  # another rank's, or the same push answered twice (a retry)
+        for j in range(dim):
+            payload[b, j] = w[i, j]
+        for j in range(st.shape[1]):
+            payload[b, dim + j] = st[i, j]
+        meta[b, _ACKED] = acked_us
+        meta[b, _STEP] = steps[i]
+        for j in range(seen.shape[1]):
+            meta[b, _SEEN + j] = seen[i, j]
+        if push <= 0:
+            continue  # another rank's push
+        if meta[b, _LAST] == 0:
+            recent[b] = 0  # a new or reused slot's numbers were another key's
+        elif recent[b, 0] == push:
+            continue  # the same push answered twice (a retry)
         for j in range(k - 1, 0, -1):
             recent[b, j] = recent[b, j - 1]
         recent[b, 0] = push
+        meta[b, _LAST] = push
     return made
 
 
 @nb.njit(nogil=True, cache=True, inline="always")
-def _probe_one(
-    keys: U64, tabs: I32, used: npt.NDArray[np.bool_], recent: I64, t: np.int32,
-    key: np.uint64, applied_before: int,
-) -> tuple[np.int64, int]:  # fmt: skip
-    """The slot of key ``(t, key)`` (-1: none) and how many of its pushes came after
-    ``applied_before``."""
-    b = _slot_of(keys, tabs, used, key, t, keys.shape[0] - 1)
-    if not used[b]:
-        return np.int64(-1), 0
+def _after(recent: I64, b: np.int64, applied_before: int) -> int:
+    """How many of slot ``b``'s pushes came after push ``applied_before``."""
     after = 0
     for j in range(recent.shape[1]):
         if recent[b, j] > applied_before:
             after += 1
-    return b, after
+    return after
 
 
 @nb.njit(nogil=True, cache=True)
 def _read(
-    new: tuple[U64, I32, npt.NDArray[np.bool_], I64, F32, F32, I64, I64, F64],
-    old: tuple[U64, I32, npt.NDArray[np.bool_], I64, F32, F32, I64, I64, F64],
+    meta_n: I64,
+    payload_n: F32,
+    recent_n: I64,
+    meta_o: I64,
+    payload_o: F32,
+    recent_o: I64,
     tab: I32,
-    ids: U64,
+    ids: I64,
     applied_before: int,
-    answered_after: float,
+    answered_after_us: int,
     wanted: npt.NDArray[np.bool_],
     missed: I32,
     at: I64,
@@ -185,34 +214,63 @@ def _read(
     out_step: I64,
     out_seen: I64,
 ) -> int:
-    """:meth:`PushedRowCache.read` in one pass over the keys and both generations
-    (``new`` read first); returns how many keys' rows were written to the outputs."""
+    """:meth:`PushedRowCache.read` in one pass over the keys (the previous generation,
+    ``_o``, is probed only for keys the current one, ``_n``, lacks or that a push after
+    the lookup changed); returns how many keys' rows were written to the outputs."""
+    mask_n = meta_n.shape[0] - 1
+    mask_o = meta_o.shape[0] - 1
     n = 0
     for i in range(ids.shape[0]):
-        b_new, m_new = _probe_one(new[0], new[1], new[2], new[3], tab[i], ids[i], applied_before)
-        b_old, m_old = _probe_one(old[0], old[1], old[2], old[3], tab[i], ids[i], applied_before)
-        missed[i] = m_new + m_old
-        src = new if b_new >= 0 else old
-        b = b_new if b_new >= 0 else b_old
-        late = b >= 0 and src[8][b] > answered_after
-        if missed[i] == 0 and not late and not wanted[i]:
+        b = _gslot(meta_n, ids[i], tab[i], mask_n)
+        in_new = meta_n[b, _TAB] != 0
+        m = 0
+        late = False
+        if in_new:
+            if meta_n[b, _LAST] > applied_before:
+                m = _after(recent_n, b, applied_before)
+                o = _gslot(meta_o, ids[i], tab[i], mask_o)
+                if meta_o[o, _TAB] != 0 and meta_o[o, _LAST] > applied_before:
+                    m += _after(recent_o, o, applied_before)
+            late = meta_n[b, _ACKED] > answered_after_us
+        else:
+            b = _gslot(meta_o, ids[i], tab[i], mask_o)
+            if meta_o[b, _TAB] == 0:
+                b = np.int64(-1)
+            else:
+                if meta_o[b, _LAST] > applied_before:
+                    m = _after(recent_o, b, applied_before)
+                late = meta_o[b, _ACKED] > answered_after_us
+        missed[i] = m
+        if m == 0 and not late and not wanted[i]:
             continue
         at[n] = i
         known[n] = b >= 0
-        if b >= 0:
-            for j in range(out_w.shape[1]):
-                out_w[n, j] = src[4][b, j]
-            for j in range(out_s.shape[1]):
-                out_s[n, j] = src[5][b, j]
-            out_step[n] = src[6][b]
-            out_seen[n] = src[7][b]
-        else:
+        if b < 0:
             out_w[n] = 0.0
             out_s[n] = 0.0
             out_step[n] = 0
             out_seen[n] = 0
+        elif in_new:
+            _copy_row(meta_n, payload_n, b, out_w, out_s, out_step, out_seen, n)
+        else:
+            _copy_row(meta_o, payload_o, b, out_w, out_s, out_step, out_seen, n)
         n += 1
     return n
+
+
+@nb.njit(nogil=True, cache=True, inline="always")
+def _copy_row(
+    meta: I64, payload: F32, b: np.int64,
+    out_w: F32, out_s: F32, out_step: I64, out_seen: I64, n: int,
+) -> None:  # fmt: skip
+    dim = out_w.shape[1]
+    for j in range(dim):
+        out_w[n, j] = payload[b, j]
+    for j in range(out_s.shape[1]):
+        out_s[n, j] = payload[b, dim + j]
+    out_step[n] = meta[b, _STEP]
+    for j in range(out_seen.shape[1]):
+        out_seen[n, j] = meta[b, _SEEN + j]
 
 
 class RowIndex:
@@ -292,51 +350,54 @@ class _Generation:
     """One hash table of rows, their payload by slot."""
 
     def __init__(self, dim: int, width: int, capacity: int, ranks: int) -> None:
-        self.keys = np.zeros(capacity, np.uint64)
-        self.tabs = np.zeros(capacity, np.int32)
-        self.used = np.zeros(capacity, np.bool_)
-        self.weights = np.zeros((capacity, dim), np.float32)
-        self.state = np.zeros((capacity, width), np.float32)
-        self.row_step = np.zeros(capacity, np.int64)
-        # Per rank, the newest of its pushes the row includes; when its push was answered.
-        self.seen = np.zeros((capacity, ranks), np.int64)
-        self.acked = np.zeros(capacity, np.float64)
+        self.meta = np.zeros((capacity, _SEEN + ranks), np.int64)  # see _KEY ... _SEEN
+        self.payload = np.zeros((capacity, dim + width), np.float32)  # weights, then state
         # This rank's last pushes that changed the row (their numbers).
         self.recent = np.zeros((capacity, RECENT_PUSHES), np.int64)
         self.size = 0
 
     @property
     def capacity(self) -> int:
-        return int(self.keys.shape[0])
+        return int(self.meta.shape[0])
 
     def clear(self) -> None:
-        self.used[:] = False
+        self.meta[:, _TAB] = 0
         self.size = 0
-
-    def arrays(self) -> tuple[U64, I32, npt.NDArray[np.bool_], I64, F32, F32, I64, I64, F64]:
-        """What the kernels read of the generation."""
-        return (
-            self.keys, self.tabs, self.used, self.recent,
-            self.weights, self.state, self.row_step, self.seen, self.acked,
-        )  # fmt: skip
 
     def grown(self, capacity: int) -> _Generation:
         """A copy with ``capacity`` slots."""
-        bigger = _Generation(
-            self.weights.shape[1], self.state.shape[1], capacity, self.seen.shape[1]
-        )
-        keep = np.flatnonzero(self.used)
-        slots = np.empty(keep.shape[0], np.int64)
-        bigger.size = _insert(
-            bigger.keys, bigger.tabs, bigger.used, self.tabs[keep], self.keys[keep], slots
-        )
-        bigger.weights[slots] = self.weights[keep]
-        bigger.state[slots] = self.state[keep]
-        bigger.row_step[slots] = self.row_step[keep]
-        bigger.seen[slots] = self.seen[keep]
-        bigger.acked[slots] = self.acked[keep]
+        ranks = self.meta.shape[1] - _SEEN
+        bigger = _Generation(0, self.payload.shape[1], capacity, ranks)
+        keep = np.flatnonzero(self.meta[:, _TAB])
+        slots = _slots_made(bigger.meta, self.meta[keep])
+        bigger.size = keep.shape[0]
+        bigger.meta[slots] = self.meta[keep]
+        bigger.payload[slots] = self.payload[keep]
         bigger.recent[slots] = self.recent[keep]
         return bigger
+
+
+@nb.njit(nogil=True, cache=True)
+def _slots_made(meta: I64, rows: I64) -> I64:
+    """Where each of ``rows`` (distinct keys' meta) goes in the empty table ``meta``."""
+    mask = meta.shape[0] - 1
+    out = np.empty(rows.shape[0], np.int64)
+    for i in range(rows.shape[0]):
+        b = _gslot(meta, rows[i, _KEY], np.int32(rows[i, _TAB] - 1), mask)
+        meta[b, _KEY] = rows[i, _KEY]
+        meta[b, _TAB] = rows[i, _TAB]
+        out[i] = b
+    return out
+
+
+def _keys(ids: U64) -> I64:
+    """Ids as the generations hold them (their bits as int64)."""
+    return np.ascontiguousarray(ids, np.uint64).view(np.int64)
+
+
+def _micros(t: float) -> int:
+    """Unix seconds as whole microseconds (a far future for inf)."""
+    return int(t * 1e6) if np.isfinite(t) else np.iinfo(np.int64).max
 
 
 def _capacity_for(rows: int, smallest: int = 1024) -> int:
@@ -398,10 +459,11 @@ class PushedRowCache:
         )
         with self.lock:
             old = self.previous if self.previous is not None else self._empty
+            new = self.current
             found = _read(
-                self.current.arrays(), old.arrays(), tab, ids, applied_before,
-                float(answered_after), wanted, missed, at, out.known, out.rows.weights,
-                out.rows.state, out.rows.row_step, out.seen,
+                new.meta, new.payload, new.recent, old.meta, old.payload, old.recent, tab,
+                _keys(ids), applied_before, _micros(answered_after), wanted, missed, at,
+                out.known, out.rows.weights, out.rows.state, out.rows.row_step, out.seen,
             )  # fmt: skip
         return missed, out.first(found)
 
@@ -435,9 +497,12 @@ class PushedRowCache:
                 self.current = current.grown(_capacity_for(current.size + n))
             old = self.previous if self.previous is not None else self._empty
             self.current.size += _put(
-                self.current.arrays(), old.arrays(), tab, ids,
+                self.current.meta, self.current.payload, self.current.recent, old.meta,
+                tab, _keys(ids),
                 np.ascontiguousarray(rows.weights, np.float32),
                 np.ascontiguousarray(rows.state, np.float32),
                 np.ascontiguousarray(rows.row_step, np.int64),
-                np.ascontiguousarray(seen, np.int64), acked, push,
+                np.ascontiguousarray(seen, np.int64), _micros(acked), push,
+                # One rank's answers come in order: only another rank's can be older.
+                self.ranks > 1 and self.previous is not None,
             )  # fmt: skip
