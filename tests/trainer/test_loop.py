@@ -522,7 +522,7 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 }
 
 
-def _rank_main(rank: int, world: int, init: str, tmp: str, out: Any) -> None:
+def _rank_main(rank: int, init: str, tmp: str, out: Any) -> None:
     """One trainer rank: every scenario in turn, in one process group."""
     import torch.distributed as dist
 
@@ -532,10 +532,10 @@ def _rank_main(rank: int, world: int, init: str, tmp: str, out: Any) -> None:
             "gloo",
             init_method=init,
             rank=rank,
-            world_size=world,
+            world_size=2,
             timeout=datetime.timedelta(seconds=30),
         )
-        src = source(partitions=world)
+        src = source(partitions=2)
         partition = f"synthetic/{rank}"
         results: dict[str, Any] = {}
         for name, kw in SCENARIOS.items():
@@ -577,31 +577,39 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, Any], Path]:
-    tmp = tmp_path_factory.mktemp("ranks")
+def run_ranks(
+    target: Callable[..., None], world: int, *args: Any, timeout_s: float = 90
+) -> dict[int, Any]:
+    """Run ``target(rank, init, *args, out)`` in ``world`` spawned processes (a gloo
+    group at ``init``); each puts ``(rank, results)`` on ``out``, or its traceback."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
     init = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [ctx.Process(target=_rank_main, args=(r, 2, init, str(tmp), out)) for r in range(2)]
+    procs = [ctx.Process(target=target, args=(r, init, *args, out)) for r in range(world)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     try:
         for _ in procs:
-            rank, res = out.get(timeout=90)  # a hung collective fails here
+            rank, res = out.get(timeout=timeout_s)  # a hung collective fails here
             assert not isinstance(res, str), f"rank {rank} failed:\n{res}"
             results[rank] = res
     except queue.Empty:
-        pytest.fail("the two ranks did not finish within 90 s (a hung collective?)")
+        pytest.fail(f"the ranks did not finish within {timeout_s} s (a hung collective?)")
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
                 p.join()
-    assert [p.exitcode for p in procs] == [0, 0]
-    return results, tmp
+    assert [p.exitcode for p in procs] == [0] * world
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[int, Any], Path]:
+    tmp = tmp_path_factory.mktemp("ranks")
+    return run_ranks(_rank_main, 2, str(tmp)), tmp
 
 
 def _same_dense(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:

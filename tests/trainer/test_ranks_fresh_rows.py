@@ -14,9 +14,6 @@ order-dependent optimizer (Adagrad's first steps) the two differ by that alone.
 from __future__ import annotations
 
 import datetime
-import multiprocessing
-import queue
-import socket
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +27,15 @@ from deploy.local.shards import ShardProcess
 from embedding_store.client import StoreClient
 from embedding_store.types import StoreConfig, TableConfig
 from tests.conftest import write_job_yaml
-from tests.trainer.test_loop import BATCH, SPEC, chunks, config, lazy_batches, source
+from tests.trainer.test_loop import (
+    BATCH,
+    SPEC,
+    chunks,
+    config,
+    lazy_batches,
+    run_ranks,
+    source,
+)
 from trainer.loop import DenseModel, TrainLoop
 
 STEPS = 8
@@ -84,12 +89,6 @@ def _rank_main(rank: int, init: str, stores: dict[str, str], out: Any) -> None:
         raise
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
 def two_hybrid_ranks(
     tmp_path: Path, start_shards: Callable[..., list[ShardProcess]]
@@ -98,28 +97,7 @@ def two_hybrid_ranks(
     stores = {
         name: "grpc://" + start_shards(1, job, None, prefix=name)[0].address for name in SCENARIOS
     }
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [ctx.Process(target=_rank_main, args=(r, init, stores, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results: dict[int, dict[str, Any]] = {}
-    try:
-        for _ in procs:
-            rank, res = out.get(timeout=180)
-            assert not isinstance(res, str), f"rank {rank} failed:\n{res}"
-            results[rank] = res
-    except queue.Empty:
-        pytest.fail("the two ranks did not finish within 180 s (a hung collective?)")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert [p.exitcode for p in procs] == [0, 0]
-    return results
+    return run_ranks(_rank_main, 2, stores, timeout_s=180)
 
 
 def test_two_hybrid_ranks_train_every_ranks_pushes_as_sync_does(
