@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -56,6 +57,11 @@ class Control:
         return bool(getattr(self, flag) > 0)
 
 
+def _kib(n: int) -> int:
+    """Bytes in whole KiB, rounded up."""
+    return -(-n // 1024)
+
+
 class DenseSync:
     """The per-step collective of one rank (see the module docstring)."""
 
@@ -73,10 +79,17 @@ class DenseSync:
         self.world = dist.get_world_size() if self.distributed else 1
         self.exchanges = 0
         self.averages = 0
+        # Per rank, the KiB each will hand gather_bytes at this step (see exchange).
+        self.share_kib: list[int] = [0]
 
-    def exchange(self, mine: Control) -> Control:
-        """All-reduce this step's dense gradients (allreduce mode) and the control flags."""
+    def exchange(self, mine: Control, *, share_bytes: int = 0) -> Control:
+        """All-reduce this step's dense gradients (allreduce mode) and the control flags.
+
+        ``share_bytes``: the size of what this rank will hand :meth:`gather_bytes` at
+        this step; every rank's travels with the flags (no collective of its own).
+        """
         self.exchanges += 1
+        self.share_kib = [_kib(share_bytes)]
         if self.world == 1:
             return mine
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -99,6 +112,10 @@ class DenseSync:
             dtype=torch.float32,
             device=params[0].device if params else torch.device("cpu"),
         )
+        # Each rank's share in KiB at its own slot: float32 holds them exactly to 16 GiB.
+        sizes = torch.zeros(self.world, dtype=torch.float32, device=flags.device)
+        sizes[dist.get_rank()] = float(self.share_kib[0])
+        flags = torch.cat([flags, sizes])
         if self.mode == "allreduce":
             grads = [
                 (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
@@ -122,7 +139,9 @@ class DenseSync:
             dist.all_reduce(flags)
             if self.exchanges % self.average_every == 0:
                 self.average()
-        a, w, s, c, n, f, h, e, r = (round(float(x)) for x in flags)
+        values = [round(float(x)) for x in flags]
+        self.share_kib = values[-self.world :]
+        a, w, s, c, n, f, h, e, r = values[: -self.world]
         return Control(
             active=a, waiting=w, stop=s, checkpoint=c, samples=n, failed=f, hungry=h, spare=e,
             report=r,
@@ -152,6 +171,28 @@ class DenseSync:
         )
         dist.all_reduce(buf)
         return [float(x) for x in buf.cpu()]
+
+    def gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data``, in rank order, at a step whose :meth:`exchange` was
+        told its size (one all_gather of buffers as large as the largest)."""
+        if self.world == 1:
+            return [data]
+        if _kib(len(data)) != self.share_kib[dist.get_rank()]:
+            msg = f"gather_bytes: {len(data)} bytes, but the exchange was told another size"
+            raise ValueError(msg)
+        width = max(self.share_kib) * 1024
+        raw = np.zeros(width + 8, np.uint8)  # the length, then the data
+        raw[:8] = np.frombuffer(len(data).to_bytes(8, "little"), np.uint8)
+        raw[8 : 8 + len(data)] = np.frombuffer(data, np.uint8)
+        buf = torch.from_numpy(raw)
+        out = [torch.empty_like(buf) for _ in range(self.world)]
+        dist.all_gather(out, buf)
+        got = []
+        for t in out:
+            each = t.numpy()
+            n = int.from_bytes(each[:8].tobytes(), "little")
+            got.append(each[8 : 8 + n].tobytes())
+        return got
 
     def barrier(self) -> None:
         if self.world > 1:

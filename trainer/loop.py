@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import pickle
 import threading
 import time
 import uuid
@@ -762,13 +763,20 @@ class TrainLoop:
                 ),
             )
             t0 = time.perf_counter()
-            everyone = self.sync.exchange(mine)
+            shared: tuple[SharedPushes, bytes] | None = None
+            if self._share_pushes:
+                # Told at this step's gather (its size travels with the flags).
+                told = self.pusher.share(self.step + 1, grads if self._failure is None else None)
+                shared = (told, pickle.dumps(told, protocol=pickle.HIGHEST_PROTOCOL))
+            everyone = self.sync.exchange(mine, share_bytes=len(shared[1]) if shared else 0)
             self.stats.sync_s += time.perf_counter() - t0
             if everyone.any("failed"):
                 # Nothing of this step is learned: the store goes back to the checkpoint.
                 what = str(self._failure) if self._failure else "another rank lost the store"
                 raise Rollback(what) from self._failure
             if not everyone.any("active"):
+                if shared is not None:
+                    self.pusher.unshare(shared[0])  # no gather at this step: told at the next
                 if (
                     budget is not None
                     and everyone.any("hungry")
@@ -795,12 +803,11 @@ class TrainLoop:
                 break
             self.stats.job_samples += everyone.samples
             self._job_learned += everyone.samples
-            if self._share_pushes:
+            if shared is not None:
                 t0 = time.perf_counter()
-                told = self.sync.gather(
-                    self.pusher.share(self.step + 1, grads if self._failure is None else None)
+                self.pusher.take_shared(
+                    [pickle.loads(blob) for blob in self.sync.gather_bytes(shared[1])]
                 )
-                self.pusher.take_shared(cast(list[SharedPushes], told))
                 self.stats.sync_s += time.perf_counter() - t0
             t0 = time.perf_counter()
             self.dense.optimizer.step()

@@ -191,6 +191,12 @@ class Pusher:
             steps, self._answered_steps = self._answered_steps, []
         return SharedPushes(self.rank, step, grads, answered, steps)
 
+    def unshare(self, shared: SharedPushes) -> None:
+        """Put back what :meth:`share` took when it could not be told (no step)."""
+        with self._cond:
+            self._outbox[:0] = shared.answered
+            self._answered_steps[:0] = shared.answered_steps
+
     def take_shared(self, told: list[SharedPushes]) -> None:
         """Keep what the other ranks answered pushes left, and know their next pushes."""
         groups = {group.key: group for group, _ in self._groups.values()}
