@@ -68,7 +68,6 @@ from embedding_store.types import (
     PushResult,
     RestoreResult,
     RowDtype,
-    RowState,
     ShardRows,
     ShardStats,
     StoreConfig,
@@ -96,6 +95,7 @@ from embedding_store.wire import (
     encode_matrix,
     encode_push,
     encode_shared,
+    row_state_reply,
     rows_frame_size,
 )
 
@@ -318,15 +318,13 @@ class InprocTransport:
                 if not return_rows:
                     return self.shard.push(cast, request_id=request_id)
                 # Filled as the push is applied (a peek after it could see a later push).
-                into = {
-                    k: RowState(
-                        np.empty((len(i), t.dim), np.float32),
-                        np.empty((len(i), t.state_width), np.float32),
-                        np.empty(len(i), np.int64),
-                    )
-                    for k, (i, _) in grads.items()
-                    for t in (self.shard.table(k),)
-                }
+                _, into = row_state_reply(
+                    {
+                        k: (len(i), t.dim, t.state_width)
+                        for k, (i, _) in grads.items()
+                        for t in (self.shard.table(k),)
+                    }
+                )
                 return replace(self.shard.push(cast, request_id=request_id, into=into), rows=into)
 
         return self._start(run, deferred)

@@ -145,8 +145,9 @@ _ALL = np.iinfo(np.int64).max // 2
 @dataclass(frozen=True)
 class Answered:
     """Rows of one group that one answered push left: each row's table number in the
-    group, its id, its state, and per rank the newest push it includes ([n, ranks]);
-    ``acked``: when the push was answered (unix s).
+    group, its id, its state, and per rank the newest push it includes ([n, ranks], or
+    [1, ranks]: the same for every row, as a shard's reply has it); ``acked``: when the
+    push was answered (unix s).
     """
 
     tab: I32
@@ -213,17 +214,18 @@ class TableGroup:
                 np.array([self.members[name] for name in names], np.int32), rows.shapes[:, 0]
             )
             ids = _concat([np.asarray(part.ids[name], np.uint64) for name in names])
-            return Answered(tab, ids, rows.flat, self._seen(part, rank, step, ids.shape[0]), acked)
+            return Answered(tab, ids, rows.flat, self._seen(part, rank, step), acked)
         return self._pieces(part, rank, step, acked)
 
-    def _seen(self, part: ShardRows, rank: int, step: int, n: int) -> I64:
-        """Per row of a shard's reply to this rank's push of ``step``: what it includes."""
+    def _seen(self, part: ShardRows, rank: int, step: int) -> I64:
+        """What a shard's reply to this rank's push of ``step`` includes ([1, ranks]:
+        the same for all its rows)."""
         if part.seen is not None and len(part.seen) == self.ranks:
-            vector = np.array(part.seen, np.int64)
-        else:  # one rank, or a shard that does not say: its own pushes up to this one
-            vector = np.full(self.ranks, _ALL, np.int64)
-            vector[rank] = step
-        return np.ascontiguousarray(np.broadcast_to(vector, (n, self.ranks)))
+            return np.array([part.seen], np.int64)
+        # One rank, or a shard that does not say: its own pushes up to this one.
+        vector = np.full((1, self.ranks), _ALL, np.int64)
+        vector[0, rank] = step
+        return vector
 
     def _pieces(self, part: ShardRows, rank: int, step: int, acked: float) -> Answered | None:
         pieces = [
@@ -240,7 +242,7 @@ class TableGroup:
             _concat([r.state for _, _, r in pieces]),
             _concat([r.row_step for _, _, r in pieces]),
         )
-        return Answered(tab, ids, state, self._seen(part, rank, step, ids.shape[0]), acked)
+        return Answered(tab, ids, state, self._seen(part, rank, step), acked)
 
 
 def _concat(arrays: Sequence[npt.NDArray[_T]]) -> npt.NDArray[_T]:

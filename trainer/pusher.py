@@ -199,15 +199,12 @@ class Pusher:
 
     def take_shared(self, told: list[SharedPushes]) -> None:
         """Keep what the other ranks answered pushes left, and know their next pushes."""
-        groups = {group.key: group for group, _ in self._groups.values()}
         for shared in told:
             if shared.rank == self.rank:
                 continue
             for key, answered in shared.answered:
-                found = groups.get(key)
-                if found is None:
-                    found = self._group_of(key)[0]
-                found.take(answered)
+                # A group's key is its first table's name: the group of that table.
+                self._group_of(key)[0].take(answered)
             if shared.answered_steps:
                 done = set(shared.answered_steps)
                 self._others = [

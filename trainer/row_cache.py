@@ -150,9 +150,10 @@ def _put(
     k = recent.shape[1]
     made = 0
     for i in range(ids.shape[0]):
+        row_seen = seen[i if seen.shape[0] > 1 else 0]
         if check_old:
             o = _gslot(meta_o, ids[i], tab[i], mask_o)
-            if meta_o[o, _TAB] != 0 and not _newer(steps[i], seen[i], meta_o, o):
+            if meta_o[o, _TAB] != 0 and not _newer(steps[i], row_seen, meta_o, o):
                 continue  # another rank's answer came after a newer one
         b = _gslot(meta, ids[i], tab[i], mask)
         if meta[b, _TAB] == 0:
@@ -160,7 +161,7 @@ def _put(
             meta[b, _TAB] = tab[i] + 1
             meta[b, _LAST] = 0
             made += 1
-        elif not _newer(steps[i], seen[i], meta, b):
+        elif not _newer(steps[i], row_seen, meta, b):
             continue
         for j in range(dim):
             payload[b, j] = w[i, j]
@@ -169,7 +170,7 @@ def _put(
         meta[b, _ACKED] = acked_us
         meta[b, _STEP] = steps[i]
         for j in range(seen.shape[1]):
-            meta[b, _SEEN + j] = seen[i, j]
+            meta[b, _SEEN + j] = row_seen[j]
         if push <= 0:
             continue  # another rank's push
         if meta[b, _LAST] == 0:
@@ -478,9 +479,9 @@ class PushedRowCache:
         push: int = 0,
     ) -> None:
         """Keep ``rows`` (what a push left, each having ``seen`` [n, ranks] of every
-        rank's pushes; answered at unix time ``acked``) as their keys' newest, where no
-        newer state of a key is held. ``push``: this rank's number of that push (0:
-        another rank's).
+        rank's pushes, or [1, ranks] for all of them; answered at unix time ``acked``)
+        as their keys' newest, where no newer state of a key is held. ``push``: this
+        rank's number of that push (0: another rank's).
         """
         n = ids.shape[0]
         with self.lock:
