@@ -184,3 +184,20 @@ def init_rows(
     """``init_row`` for each key into the matching row of ``out``."""
     for i in range(keys.shape[0]):
         init_row(out[i], keys[i], seed, kind, a, b)
+
+
+@nb.njit(nogil=True, cache=True)
+def init_rows_of(
+    out: npt.NDArray[np.float32],
+    keys: npt.NDArray[np.uint64],
+    table: npt.NDArray[np.int32],
+    seeds: npt.NDArray[np.uint64],
+    kinds: npt.NDArray[np.int64],
+    a: npt.NDArray[np.float64],
+    b: npt.NDArray[np.float64],
+) -> None:
+    """``init_row`` for each key of several tables at once: key ``i`` with the
+    initializer ``(seeds, kinds, a, b)[table[i]]``."""
+    for i in range(keys.shape[0]):
+        t = table[i]
+        init_row(out[i], keys[i], seeds[t], kinds[t], a[t], b[t])

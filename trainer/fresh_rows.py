@@ -52,7 +52,7 @@ from typing import TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from embedding_store.hashing import init_params, init_rows, table_seed
+from embedding_store.hashing import init_params, init_rows, init_rows_of, table_seed
 from embedding_store.optim import RowOptimizer, make_optimizer
 from embedding_store.table import update_rows
 from embedding_store.types import FlatRows, RowDtype, RowState, ShardRows, TableConfig
@@ -172,6 +172,18 @@ class TableGroup:
         self.key = rules[0][0]  # the same on every rank: the tables are in name order
         self.rules = [rule for _, rule in rules]
         self.rule = self.rules[0]
+        # Each table's initializer by its number (see init_rows_of); None: not all known.
+        known = [r for r in self.rules if r is not None]
+        self.inits = (
+            (
+                np.array([r.init[0] for r in known], np.uint64),
+                np.array([r.init[1] for r in known], np.int64),
+                np.array([r.init[2] for r in known], np.float64),
+                np.array([r.init[3] for r in known], np.float64),
+            )
+            if len(known) == len(self.rules)
+            else None
+        )
         self.max_rows = cached_rows
         self.ranks = ranks
         self.cache: PushedRowCache | None = None  # made by the first answered push
@@ -326,6 +338,7 @@ class GroupView:
 
     tables: list[TableBatch]
     starts: I64  # where each table's rows begin, then their total
+    rows: npt.NDArray[np.floating]  # the tables' rows back to back, as looked up
     missed: I32  # per row: own pushes its lookup missed
     still: I32  # per row: pushes in flight it is trained without
     replace: npt.NDArray[np.intp]  # rows whose value changes (sorted) ...
@@ -336,9 +349,9 @@ class GroupView:
     def apply(self, out: Freshened) -> None:
         """Write the new values into the tables' rows and count what was done in ``out``."""
         if self.replace.shape[0]:
-            # One copy of the tables' rows, written at once, each table then a view of
+            # The tables' rows written at once in their copy, each table then a view of
             # its part: a write per table cost more than the rows (26 tables a step).
-            rows = np.concatenate([np.asarray(t.rows) for t in self.tables])
+            rows = self.rows
             rows[self.replace] = self.values
             bounds = self.starts.tolist()
             for k, table in enumerate(self.tables):
@@ -370,6 +383,7 @@ def view_of(
     np.cumsum(lens, out=starts[1:])
     ids = _concat([np.ascontiguousarray(t.unique_ids, np.uint64) for t in tables])
     tab = _numbers([(i, n) for (i, _), n in zip(batch, lens, strict=True)])
+    looked_up = np.concatenate([np.asarray(t.rows) for t in tables])
     n = ids.shape[0]
     # Per push in flight, the row of its gradients for each of the batch's rows (-1: none).
     hits: list[tuple[InFlight, I64, npt.NDArray[np.floating]]] = []
@@ -387,9 +401,7 @@ def view_of(
     if cache is None:
         width = rule.optimizer.state_width(rule.dim) if rule is not None else 0
         missed = np.zeros(n, np.int32)
-        seen = Remembered.nothing(
-            np.flatnonzero(pending), np.asarray(tables[0].rows).shape[1], width, group.ranks
-        )
+        seen = Remembered.nothing(np.flatnonzero(pending), looked_up.shape[1], width, group.ranks)
     else:
         missed, seen = cache.read(tab, ids, applied_before, pending > 0, looked_up_at)
     sel, rows, included = seen.at, seen.rows, seen.seen
@@ -397,7 +409,7 @@ def view_of(
     known = seen.known.copy() if rule is not None else np.zeros(sel.shape[0], np.bool_)
     predicted = 0
     if rule is not None and hits:
-        _start_new_rows(group, batch, starts, ids, tab, sel, ahead, known, rows, included)
+        _start_new_rows(group, looked_up, ids, tab, sel, ahead, known, rows, included)
         for push, at, grads in hits:
             # Rows this push names whose known state does not include it.
             named = at[sel]
@@ -428,6 +440,7 @@ def view_of(
     return GroupView(
         tables,
         starts,
+        looked_up,
         missed + pending,
         still,
         sel[changed],
@@ -439,8 +452,7 @@ def view_of(
 
 def _start_new_rows(
     group: TableGroup,
-    batch: Sequence[tuple[int, TableBatch]],
-    starts: I64,
+    looked_up: npt.NDArray[np.floating],
     ids: U64,
     tab: I32,
     sel: I64,
@@ -453,27 +465,22 @@ def _start_new_rows(
     lookup read exactly what the store starts it as: it is new, its state before the
     push is the initial one (a row whose updates all rounded away would be predicted
     one step wrong). ``sel``: the batch's positions of ``ahead``, ``known``, ``rows``
-    and ``included``; ``ids`` and ``tab`` are the whole batch's.
+    and ``included``; ``looked_up``, ``ids`` and ``tab`` are the whole batch's.
     """
     unknown = np.flatnonzero(ahead & ~known)
-    if unknown.shape[0] == 0:
+    if unknown.shape[0] == 0 or group.inits is None or group.rule is None:
         return
-    position = {number: k for k, (number, _) in enumerate(batch)}
-    of_table = tab[sel[unknown]]
-    for number in np.unique(of_table).tolist():
-        rule = group.rules[number]
-        if rule is None:
-            continue
-        k = position[number]
-        table = batch[k][1]
-        at = unknown[of_table == number]
-        where = sel[at]
-        start = rule.new_rows(ids[where])
-        looked_up = np.asarray(table.rows)[where - starts[k]]
-        new = (start.weights.astype(looked_up.dtype) == looked_up).all(axis=1)
-        at = at[new]
-        rows.weights[at] = start.weights[new]
-        rows.state[at] = start.state[new]
-        rows.row_step[at] = 0
-        included[at] = 0
-        known[at] = True
+    where = sel[unknown]
+    start = np.empty((where.shape[0], looked_up.shape[1]), np.float32)
+    init_rows_of(start, ids[where], tab[where], *group.inits)
+    new = (start.astype(looked_up.dtype) == looked_up[where]).all(axis=1)
+    at = unknown[new]
+    weights = start[new]
+    state = np.zeros((at.shape[0], rows.state.shape[1]), np.float32)
+    # The group's tables share the optimizer: one initial state for all.
+    group.rule.optimizer.initialize(weights, state, np.arange(at.shape[0], dtype=np.int64))
+    rows.weights[at] = weights
+    rows.state[at] = state
+    rows.row_step[at] = 0
+    included[at] = 0
+    known[at] = True

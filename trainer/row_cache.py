@@ -42,6 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from embedding_store.hashing import mix64
+from embedding_store.table import _AHEAD, _prefetch
 from embedding_store.types import RowState
 
 I32 = npt.NDArray[np.int32]
@@ -51,6 +52,8 @@ F32 = npt.NDArray[np.float32]
 # The pushes per row whose numbers are kept (a lookup that missed more counts as this many).
 RECENT_PUSHES = 8
 _MAX_LOAD = 0.5
+# Rows a put keeps per hold of the cache's lock.
+_PUT_PART = 8192
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -105,10 +108,26 @@ _KEY, _TAB, _LAST, _ACKED, _STEP, _SEEN = 0, 1, 2, 3, 4, 5
 @nb.njit(nogil=True, cache=True, inline="always")
 def _gslot(meta: I64, key: np.int64, t: np.int32, mask: int) -> np.int64:
     """The slot of key ``(t, key)`` in a generation, or the empty slot where it would go."""
-    b = _home(np.uint64(key), t, mask)
+    return _gslot_from(meta, key, t, mask, _home(np.uint64(key), t, mask))
+
+
+@nb.njit(nogil=True, cache=True, inline="always")
+def _gslot_from(meta: I64, key: np.int64, t: np.int32, mask: int, b: np.int64) -> np.int64:
+    """:func:`_gslot` from the key's home slot ``b``."""
     while meta[b, _TAB] != 0 and not (meta[b, _KEY] == key and meta[b, _TAB] == t + 1):
         b = (b + 1) & mask
     return b
+
+
+@nb.njit(nogil=True, cache=True)
+def _homes(tab: I32, ids: I64, mask: int) -> I64:
+    """Each key's home slot: hashed in a pass of its own, so that the probes that
+    follow can ask for the slot ``_AHEAD`` keys on (a probe loop's data-dependent
+    branches otherwise keep one cache miss in flight at a time)."""
+    out = np.empty(ids.shape[0], np.int64)
+    for i in range(ids.shape[0]):
+        out[i] = _home(np.uint64(ids[i]), tab[i], mask)
+    return out
 
 
 @nb.njit(nogil=True, cache=True, inline="always")
@@ -149,13 +168,20 @@ def _put(
     dim = w.shape[1]
     k = recent.shape[1]
     made = 0
-    for i in range(ids.shape[0]):
+    n = ids.shape[0]
+    homes = _homes(tab, ids, mask)
+    for i in range(n):
+        if i + _AHEAD < n:
+            ahead = homes[i + _AHEAD]
+            _prefetch(meta, ahead)
+            _prefetch(payload, ahead)
+            _prefetch(recent, ahead)
         row_seen = seen[i if seen.shape[0] > 1 else 0]
         if check_old:
             o = _gslot(meta_o, ids[i], tab[i], mask_o)
             if meta_o[o, _TAB] != 0 and not _newer(steps[i], row_seen, meta_o, o):
                 continue  # another rank's answer came after a newer one
-        b = _gslot(meta, ids[i], tab[i], mask)
+        b = _gslot_from(meta, ids[i], tab[i], mask, homes[i])
         if meta[b, _TAB] == 0:
             meta[b, _KEY] = ids[i]
             meta[b, _TAB] = tab[i] + 1
@@ -215,47 +241,68 @@ def _read(
     out_step: I64,
     out_seen: I64,
 ) -> int:
-    """:meth:`PushedRowCache.read` in one pass over the keys (the previous generation,
-    ``_o``, is probed only for keys the current one, ``_n``, lacks or that a push after
-    the lookup changed); returns how many keys' rows were written to the outputs."""
+    """:meth:`PushedRowCache.read` in three passes over the keys: hash, probe (the
+    previous generation, ``_o``, is probed only for keys the current one, ``_n``,
+    lacks or that a push after the lookup changed), then copy the rows wanted, each
+    pass asking for the lines ``_AHEAD`` keys on; returns how many keys' rows were
+    written to the outputs."""
     mask_n = meta_n.shape[0] - 1
     mask_o = meta_o.shape[0] - 1
+    keys = ids.shape[0]
+    homes = _homes(tab, ids, mask_n)
+    homes_o = _homes(tab, ids, mask_o)
+    # Per row to copy, its slot: in the current generation (>= 0), the previous one
+    # (-2 - slot) or none (-1).
+    slot = homes  # each home is read before its place is written
     n = 0
-    for i in range(ids.shape[0]):
-        b = _gslot(meta_n, ids[i], tab[i], mask_n)
+    for i in range(keys):
+        if i + _AHEAD < keys:
+            _prefetch(meta_n, homes[i + _AHEAD])
+            _prefetch(meta_o, homes_o[i + _AHEAD])
+        b = _gslot_from(meta_n, ids[i], tab[i], mask_n, homes[i])
         in_new = meta_n[b, _TAB] != 0
         m = 0
         late = False
         if in_new:
             if meta_n[b, _LAST] > applied_before:
                 m = _after(recent_n, b, applied_before)
-                o = _gslot(meta_o, ids[i], tab[i], mask_o)
+                o = _gslot_from(meta_o, ids[i], tab[i], mask_o, homes_o[i])
                 if meta_o[o, _TAB] != 0 and meta_o[o, _LAST] > applied_before:
                     m += _after(recent_o, o, applied_before)
             late = meta_n[b, _ACKED] > answered_after_us
         else:
-            b = _gslot(meta_o, ids[i], tab[i], mask_o)
+            b = _gslot_from(meta_o, ids[i], tab[i], mask_o, homes_o[i])
             if meta_o[b, _TAB] == 0:
                 b = np.int64(-1)
             else:
                 if meta_o[b, _LAST] > applied_before:
                     m = _after(recent_o, b, applied_before)
                 late = meta_o[b, _ACKED] > answered_after_us
+                b = -2 - b
         missed[i] = m
         if m == 0 and not late and not wanted[i]:
             continue
         at[n] = i
-        known[n] = b >= 0
-        if b < 0:
-            out_w[n] = 0.0
-            out_s[n] = 0.0
-            out_step[n] = 0
-            out_seen[n] = 0
-        elif in_new:
-            _copy_row(meta_n, payload_n, b, out_w, out_s, out_step, out_seen, n)
-        else:
-            _copy_row(meta_o, payload_o, b, out_w, out_s, out_step, out_seen, n)
+        slot[n] = b
         n += 1
+    for r in range(n):
+        if r + _AHEAD < n:
+            ahead = slot[r + _AHEAD]
+            if ahead >= 0:
+                _prefetch(payload_n, ahead)
+            elif ahead < -1:
+                _prefetch(payload_o, -2 - ahead)
+        b = slot[r]
+        known[r] = b != -1
+        if b == -1:
+            out_w[r] = 0.0
+            out_s[r] = 0.0
+            out_step[r] = 0
+            out_seen[r] = 0
+        elif b >= 0:
+            _copy_row(meta_n, payload_n, b, out_w, out_s, out_step, out_seen, r)
+        else:
+            _copy_row(meta_o, payload_o, -2 - b, out_w, out_s, out_step, out_seen, r)
     return n
 
 
@@ -484,26 +531,39 @@ class PushedRowCache:
         rank's number of that push (0: another rank's).
         """
         n = ids.shape[0]
-        with self.lock:
-            current = self.current
-            if current.size and current.size + n > self.generation_rows:
-                recycled, self.previous = self.previous, current
-                need = _capacity_for(max(n, min(current.size, self.generation_rows)))
-                if recycled is not None and recycled.capacity >= need:
-                    recycled.clear()
-                    self.current = recycled
-                else:
-                    self.current = _Generation(self.dim, self.width, need, self.ranks)
-            elif current.size + n > _MAX_LOAD * current.capacity:
-                self.current = current.grown(_capacity_for(current.size + n))
-            old = self.previous if self.previous is not None else self._empty
-            self.current.size += _put(
-                self.current.meta, self.current.payload, self.current.recent, old.meta,
-                tab, _keys(ids),
-                np.ascontiguousarray(rows.weights, np.float32),
-                np.ascontiguousarray(rows.state, np.float32),
-                np.ascontiguousarray(rows.row_step, np.int64),
-                np.ascontiguousarray(seen, np.int64), _micros(acked), push,
-                # One rank's answers come in order: only another rank's can be older.
-                self.ranks > 1 and self.previous is not None,
-            )  # fmt: skip
+        keys = _keys(ids)
+        weights = np.ascontiguousarray(rows.weights, np.float32)
+        state = np.ascontiguousarray(rows.state, np.float32)
+        steps = np.ascontiguousarray(rows.row_step, np.int64)
+        seen = np.ascontiguousarray(seen, np.int64)
+        acked_us = _micros(acked)
+        # In parts, letting the lock go between them: a read of the trainer's waits
+        # for one part, not a whole push. Each row is kept whole with what it includes,
+        # so a read between two parts sees each row before or after, both consistent.
+        for a in range(0, n, _PUT_PART):
+            b = min(a + _PUT_PART, n)
+            with self.lock:
+                self._make_room(b - a)
+                old = self.previous if self.previous is not None else self._empty
+                self.current.size += _put(
+                    self.current.meta, self.current.payload, self.current.recent, old.meta,
+                    tab[a:b], keys[a:b], weights[a:b], state[a:b], steps[a:b],
+                    seen[a:b] if seen.shape[0] > 1 else seen, acked_us, push,
+                    # One rank's answers come in order: only another rank's can be older.
+                    self.ranks > 1 and self.previous is not None,
+                )  # fmt: skip
+
+    def _make_room(self, n: int) -> None:
+        """Make the current generation able to take ``n`` more rows: grow it, or start
+        a new one and drop the previous (the caller holds the lock)."""
+        current = self.current
+        if current.size and current.size + n > self.generation_rows:
+            recycled, self.previous = self.previous, current
+            need = _capacity_for(max(n, min(current.size, self.generation_rows)))
+            if recycled is not None and recycled.capacity >= need:
+                recycled.clear()
+                self.current = recycled
+            else:
+                self.current = _Generation(self.dim, self.width, need, self.ranks)
+        elif current.size + n > _MAX_LOAD * current.capacity:
+            self.current = current.grown(_capacity_for(current.size + n))

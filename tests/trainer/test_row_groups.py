@@ -132,3 +132,32 @@ def test_an_older_answer_never_replaces_a_newer_row() -> None:
     _, seen = cache.read(tab, ids, 0, np.ones(1, np.bool_))
     assert seen.rows.weights.ravel().tolist() == [4.0]
     assert seen.seen.tolist() == [[2, 2]]
+
+
+def test_a_push_larger_than_a_hold_of_the_lock_is_kept_whole() -> None:
+    """A put of many rows is made in parts (the lock is let go between them) and the
+    cache turns over generations midway: every row of the last pushes is read back as
+    put, with its push counted, against a dict of what was put."""
+    rng = np.random.default_rng(3)
+    cache = PushedRowCache(dim=2, width=1, max_rows=60_000)
+    newest: dict[tuple[int, int], tuple[float, int]] = {}
+    for push in range(1, 5):
+        n = 25_000
+        tab = rng.integers(0, 3, n).astype(np.int32)
+        ids = rng.integers(0, 40_000, n).astype(np.uint64)
+        keys = np.unique(np.stack([tab.astype(np.uint64), ids], axis=1), axis=0)
+        tab, ids = keys[:, 0].astype(np.int32), keys[:, 1]
+        values = rng.standard_normal(ids.shape[0]).astype(np.float32)
+        rows = RowState(np.repeat(values[:, None], 2, axis=1),
+                        values[:, None].copy(), np.full(ids.shape[0], push))  # fmt: skip
+        cache.put(tab, ids, rows, np.full((1, 1), push), push=push)
+        for t, i, v in zip(tab.tolist(), ids.tolist(), values.tolist(), strict=True):
+            newest[(t, i)] = (v, push)
+    last = [(k, v) for k, v in newest.items() if v[1] == 4]
+    tab = np.array([t for (t, _), _ in last], np.int32)
+    ids = np.array([i for (_, i), _ in last], np.uint64)
+    missed, seen = cache.read(tab, ids, 3, np.ones(ids.shape[0], np.bool_))
+    assert seen.known.all()
+    assert seen.rows.weights[:, 0].tolist() == [v for _, (v, _) in last]
+    assert seen.rows.state[:, 0].tolist() == [v for _, (v, _) in last]
+    assert (missed == 1).all(), "each row missed exactly its last push"
