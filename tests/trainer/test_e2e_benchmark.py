@@ -78,6 +78,11 @@ def test_every_trainer_of_the_benchmark_trains_and_reports(tmp_path: Path) -> No
     assert set(figures["targets"]) >= {"hybrid_vs_torchrec", "hybrid_vs_sync_small_at_2ms"}
     # The TorchRec baseline really ran FBGEMM's fused optimizer: no sparse step of its own.
     assert "sparse_step_s" not in figures["runs"]["torchrec"]["breakdown"]
+    # The control beside each job mode's rate: the machine's busy cores and CPU per sample.
+    for key in ("step", "sync", "hybrid", "hybrid_small_at_2ms"):
+        machine = figures["runs"][key]["machine_cpu"]
+        assert 0 < machine["busy_cores"] <= figures["cpus"] * 1.05, (key, machine)
+        assert machine["cpu_ms_per_1k_samples"] > 0, (key, machine)
     assert figures["runs"]["baseline"]["breakdown"]["sparse_step_s"] > 0
     # The trainer alone trained every batch of the stream, in the job's loop.
     assert figures["runs"]["step"]["steps"] == 32768 // 4096
