@@ -20,14 +20,14 @@ PEERS_SPEC ?= torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0
 PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder --durations=30
 DEMO_ARGS ?=
 
-.PHONY: install browser lint typecheck proto proto-check test test-only demo s3 bench-store bench-pipeline bench-e2e bench-chaos bench-scale bench-quality bench-serve bench-soak clean
+.PHONY: install browser lint typecheck proto proto-check docs test test-only demo s3 bench-store bench-pipeline bench-e2e bench-chaos bench-scale bench-quality bench-serve bench-soak clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[test,dev,peers]"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[test,dev,peers,docs]"
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-deps $(PEERS_SPEC)
 	touch $(STAMP)
 
@@ -49,11 +49,21 @@ proto: install
 proto-check: install
 	$(BIN)/python -m embedding_store.proto.generate --check
 
+# The docs site (MkDocs + Material) into site/. --strict fails on a broken link, a
+# missing page or anchor, and the generated reference pages import the packages, so
+# a schema or parser that no longer renders fails here too. Not -q: it hides the
+# warnings that --strict counts, and a broken link then passes.
+# NO_MKDOCS_2_WARNING: Material's banner about MkDocs 2, noise in every build.
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs
+docs: install
+	$(MKDOCS) build --strict
+
 # mypy (about 40 s of one core) checks beside the suite rather than before it: the
 # suite's tests wait on real processes and leave a core idle about a quarter of the
 # time. Either failing fails the target.
 test: install browser proto-check
 	$(BIN)/ruff check .
+	$(MKDOCS) build --strict
 	$(BIN)/mypy & mypy=$$!; $(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	  wait $$mypy || rc=1; exit $$rc
 

@@ -1198,10 +1198,10 @@ def test_resources_and_security_everywhere(target: str) -> None:
         assert sc["readOnlyRootFilesystem"] is True, where
 
 
-def readme_images() -> dict[str, str]:
-    """The image each VARIANT is built as by the README's ``docker build`` lines, and
-    checked that the README pushes it."""
-    text = (REPO_ROOT / "README.md").read_text()
+def docs_images() -> dict[str, str]:
+    """The image each VARIANT is built as by the docs' ``docker build`` lines
+    (docs/kubernetes.md), and checked that the docs push it."""
+    text = (REPO_ROOT / "docs" / "kubernetes.md").read_text()
     built = dict(re.findall(r"docker build .*--build-arg VARIANT=(\w+)\s+-t (\S+) \.", text))
     pushed = set(re.findall(r"docker push (\S+)", text))
     assert set(built) == {"cpu", "cuda"}, built
@@ -1210,12 +1210,10 @@ def readme_images() -> dict[str, str]:
 
 
 @pytest.mark.parametrize(("target", "variant"), [("cpu-small", "cpu"), ("gpu", "cuda")])
-def test_each_overlay_pulls_the_image_the_readme_builds_and_pushes(
-    target: str, variant: str
-) -> None:
+def test_each_overlay_pulls_the_image_the_docs_build_and_push(target: str, variant: str) -> None:
     """The gpu overlay used to pull registry.example.com/streamrec-cuda:0.1.0, which the
-    README's commands never build: every pod would stay in ImagePullBackOff."""
-    image = readme_images()[variant]
+    documented commands never build: every pod would stay in ImagePullBackOff."""
+    image = docs_images()[variant]
     assert {c["image"] for _, _, c in containers(objects(target))} == {image}
 
 
@@ -1300,11 +1298,11 @@ def test_an_upgrade_reaches_every_pod_without_exhausting_recovery(target: str) -
     shards = one(objs, "StatefulSet", "streamrec-store")["spec"]["replicas"]
     assert job.trainer.recovery.enabled
     assert job.trainer.recovery.max_in_a_row >= shards + 2, "trainer.recovery.max_in_a_row"
-    # The Dask operator does not roll its pods for a new image: the README's upgrade
-    # recreates the DaskCluster, by the name the overlays give it.
-    readme = (REPO_ROOT / "README.md").read_text()
+    # The Dask operator does not roll its pods for a new image: the documented upgrade
+    # (docs/operations.md) recreates the DaskCluster, by the name the overlays give it.
+    upgrade = (REPO_ROOT / "docs" / "operations.md").read_text()
     dask = one(objs, "DaskCluster", "streamrec-dask")["metadata"]["name"]
-    assert f"kubectl -n streamrec delete daskcluster {dask}" in readme
+    assert f"kubectl -n streamrec delete daskcluster {dask}" in upgrade
 
 
 # --- scraping by the Prometheus Operator (an optional component) ---------------------
@@ -1486,7 +1484,7 @@ PROMETHEUS = {
     "app.kubernetes.io/instance": "k8s",
     "prometheus": "k8s",
 }
-NAMESPACE = "streamrec"  # the README's: the policies' own namespace
+NAMESPACE = "streamrec"  # the docs': the policies' own namespace
 ELSEWHERE = "monitoring"  # another one, where a Prometheus usually runs
 
 

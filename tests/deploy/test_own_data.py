@@ -1,6 +1,7 @@
-"""The README's "Your own data" walkthrough, run as written: its blocks are read from README.md.
+"""The docs' worked example of "Your own data", run as written: its blocks are read from
+docs/own-data.md.
 
-A sample file of records (the README's Python block), the job YAML (its YAML
+A sample file of records (the page's Python block), the job YAML (its YAML
 block) and the commands (its last shell block) run in a fresh folder with the
 real `streamrec`: a local Kafka, a topic of two partitions, the file produced
 into it, a job that ends by itself with every record learned and none
@@ -24,19 +25,20 @@ from tests.conftest import REPO_ROOT, STREAMREC
 from trainer.checkpoint import CheckpointBook
 
 
-def readme_section(title: str) -> str:
-    text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
-    start = text.index(f"## {title}\n")
-    end = text.index("\n## ", start + 1)
-    return text[start:end]
+def docs_section(page: str, title: str) -> str:
+    """The part of a docs page under the heading ``## title``, up to the next ``##``."""
+    text = (REPO_ROOT / "docs" / page).read_text(encoding="utf-8")
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
 
 
 def blocks(section: str, lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", section, flags=re.S)
 
 
-def test_the_readme_walkthrough_trains_on_a_file_of_records(tmp_path: Path) -> None:
-    section = readme_section("Your own data")
+def test_the_docs_walkthrough_trains_on_a_file_of_records(tmp_path: Path) -> None:
+    section = docs_section("own-data.md", "A worked example, from a file to a trained model")
     make_sample = next(b for b in blocks(section, "sh") if "python3 - <<'PY'" in b)
     job_text = next(b for b in blocks(section, "yaml") if "run_dir: runs/own/run" in b)
     commands = next(b for b in blocks(section, "sh") if "streamrec kafka up" in b)
