@@ -1,4 +1,4 @@
-"""The docs site builds and its generated pages are complete.
+"""The docs site builds, its generated pages are complete, and the README stays a screen.
 
 The site is built as `make docs` builds it (``mkdocs build --strict``: a broken link,
 a missing page or anchor fails), into a temporary folder. The configuration reference
@@ -140,3 +140,14 @@ def test_the_command_line_page_lists_every_command(site: Path) -> None:
     assert "streamrec store serve" in found
     missing = [c for c in found if f"<code>{c}</code>" not in text]
     assert not missing, missing
+
+
+def test_the_readme_is_one_screen_and_starts_with_the_two_commands() -> None:
+    lines = (REPO_ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) < 250, len(lines)
+    assert lines[0].startswith("# ")
+    rest = [line for line in lines[1:] if line.strip()]
+    assert rest[0].startswith("```"), rest[0]
+    block = rest[1 : rest.index("```", 1)]
+    ran = [line.split("#")[0].strip() for line in block if line.split("#")[0].strip()]
+    assert ran[:2] == ["make demo", "make test"], ran
