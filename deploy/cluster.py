@@ -129,7 +129,7 @@ def check_torchrun_job(job: JobConfig, launch: TorchrunRank) -> None:
         msg = (
             f"started by torchrun (RANK={launch.rank}, WORLD_SIZE={launch.world}), every rank "
             f"joins services that already run: set {' and '.join(missing)} in the job YAML "
-            "(see 'Running on a cluster' in the README)"
+            "(see docs/cluster.md, 'Running on a cluster')"
         )
         raise ClusterError(msg)
     if launch.nodes_may_differ and job.trainer.checkpoint.dir is None:

@@ -300,7 +300,7 @@ def demo_next_steps(run_dir: Path) -> str:
         "from history: `streamrec synth --to runs/data/history.parquet --events 1000000`, "
         "then `streamrec backfill examples/backfill.yaml --from "
         "runs/data/history.parquet`.\n"
-        'your own records: see the README\'s "Your own data".'
+        'your own records: see docs/own-data.md, "Your own data".'
     )
 
 

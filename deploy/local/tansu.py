@@ -11,7 +11,7 @@ run one detached for a user (``streamrec kafka up --broker tansu``), recorded
 in a state dir as ``streamrec kafka up`` records its Kafka.
 
 Where Tansu 0.6 answers differently from Apache Kafka in a way streamrec
-meets (the README's Kafka section lists them): ListOffsets' "latest" offset is
+meets (docs/own-data.md, "Modern brokers and Tansu", lists them): ListOffsets' "latest" offset is
 the newest record batch's base offset plus one, not the log end (streamrec
 takes the larger of it and a Fetch's high watermark); a Fetch with
 ``max_wait_ms`` 0 is answered with no partitions (streamrec waits 1 ms); a
