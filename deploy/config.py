@@ -45,28 +45,42 @@ class _Strict(BaseModel):
 class KafkaJobSource(KafkaSourceConfig):
     """Train from Kafka topics (``streamrec run``)."""
 
-    kind: Literal["kafka"] = "kafka"
-    codec: Literal["json", "criteo_tsv", "arrow"] = "json"
+    kind: Literal["kafka"] = Field("kafka", description="train from Kafka topics")
+    codec: Literal["json", "criteo_tsv", "arrow"] = Field(
+        "json", description="how a record's bytes decode: JSON lines, Criteo TSV, Arrow IPC"
+    )
     deadletter: Literal["kafka", "file", "none"] = Field(
-        "file", description="kafka: <topic>.deadletter; file: <run_dir>/deadletter.jsonl"
+        "file",
+        description="where bad records go; kafka: <topic>.deadletter; "
+        "file: <run_dir>/deadletter-rank<R>.jsonl; none: counted only",
     )
 
 
 class ParquetJobSource(_Strict):
     """Train over Parquet history (``streamrec backfill``)."""
 
-    kind: Literal["parquet"] = "parquet"
+    kind: Literal["parquet"] = Field("parquet", description="train over Parquet files")
     paths: list[str] = Field(min_length=1, description="files, folders or globs")
-    columns: list[str] | None = None
-    name: str = "parquet"
-    deadletter: Literal["file", "none"] = "file"
+    columns: list[str] | None = Field(
+        None, description="the columns to read; None: those the features name"
+    )
+    name: str = Field("parquet", description="the source's name in offsets and metrics")
+    deadletter: Literal["file", "none"] = Field(
+        "file",
+        description="where bad records go; file: <run_dir>/deadletter-rank<R>.jsonl; "
+        "none: counted only",
+    )
 
 
 class SyntheticJobSource(SyntheticConfig):
     """The synthetic Criteo-like stream with a known best AUC (``streamrec demo``)."""
 
-    kind: Literal["synthetic"] = "synthetic"
-    deadletter: Literal["file", "none"] = "file"
+    kind: Literal["synthetic"] = Field("synthetic", description="the synthetic Criteo-like stream")
+    deadletter: Literal["file", "none"] = Field(
+        "file",
+        description="where bad records go; file: <run_dir>/deadletter-rank<R>.jsonl; "
+        "none: counted only",
+    )
 
 
 SourceConfig = Annotated[
@@ -81,7 +95,7 @@ class ClusterConfig(_Strict):
         None, description="a running Dask scheduler (tcp://host:8786); None: a local one"
     )
     workers: int = Field(2, ge=1, description="local Dask worker processes")
-    threads_per_worker: int = Field(1, ge=1)
+    threads_per_worker: int = Field(1, ge=1, description="threads of each local Dask worker")
     dashboard_address: str = Field(":8787", description="local scheduler's dashboard")
     scheduler_process: bool = Field(
         True,
@@ -223,12 +237,22 @@ class ServingConfig(_Strict):
 class JobConfig(_Strict):
     """A streamrec job: one YAML file, every section validated, unknown keys are errors."""
 
-    store: StoreConfig
-    features: FeatureSpec | None = None
-    source: SourceConfig | None = None
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    serving: ServingConfig = Field(default_factory=ServingConfig)
+    store: StoreConfig = Field(description="the embedding tables and the store's service")
+    features: FeatureSpec | None = Field(
+        None, description="the records' labels, dense and sparse fields (training needs them)"
+    )
+    source: SourceConfig | None = Field(
+        None, description="where records come from (backfill --from gives Parquet files instead)"
+    )
+    trainer: TrainerConfig = Field(
+        default_factory=TrainerConfig, description="the mode, the dense model, checkpoints"
+    )
+    cluster: ClusterConfig = Field(
+        default_factory=ClusterConfig, description="where the job's parts run"
+    )
+    serving: ServingConfig = Field(
+        default_factory=ServingConfig, description="publishing the model to prediction servers"
+    )
     run_dir: Path = Field(Path("runs/job"), description="metrics, checkpoints, dead letters")
 
 
