@@ -32,7 +32,7 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from embedding_store.errors import CheckpointError
-from embedding_store.table import RowBatch
+from embedding_store.types import RowBatch
 
 FORMAT_VERSION = 1
 MANIFEST_RE = re.compile(r"^MANIFEST-(\d{8})\.json$")

@@ -18,6 +18,7 @@ True
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 import uuid
@@ -40,7 +41,7 @@ from embedding_store.errors import (
 )
 from embedding_store.hashing import shard_of
 from embedding_store.location import Location
-from embedding_store.table import MAX_STEP, EmbeddingTable, TableGroups, apply_changes
+from embedding_store.table import MAX_STEP, EmbeddingTable, TableGroup, apply_changes
 from embedding_store.types import (
     CheckpointKind,
     CheckpointResult,
@@ -59,6 +60,27 @@ F32 = npt.NDArray[np.float32]
 _GROUPS_SEEN = 64
 CHANGE_LOGS_KEY = "change_logs"  # in a checkpoint's metadata
 U64 = npt.NDArray[np.uint64]
+_NAME = operator.attrgetter("name")
+
+
+class TableGroups:
+    """The groups a reader keeps, one per set of tables it reads together; a group is
+    made again once a restore replaced one of its tables, and at most ``limit`` sets
+    are kept (a client chooses them)."""
+
+    def __init__(self, limit: int = 64) -> None:
+        self.limit = limit
+        self._groups: dict[tuple[str, ...], TableGroup] = {}
+
+    def of(self, tables: Sequence[EmbeddingTable]) -> TableGroup:
+        """The group of ``tables`` (the very objects, in order)."""
+        key = tuple(map(_NAME, tables))
+        group = self._groups.get(key)
+        if group is None or not group.holds(tables):
+            if len(self._groups) >= self.limit:
+                self._groups.clear()
+            group = self._groups[key] = TableGroup(tables)
+        return group
 
 
 class _PendingPush:

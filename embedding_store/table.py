@@ -1,16 +1,8 @@
-"""One embedding table of one shard: a numba open-addressing hash table over row slots.
+"""One embedding table of one shard: a hash index (``kernels.hash_index``) over row slots.
 
-The index is an ``int64[buckets, 4]`` array probed linearly; one bucket holds
-the id, its row slot, the step it was last seen at and its frequency with three
-flag bits (dirty, persisted, being pushed). Keeping the per-id metadata in the
-bucket means a training lookup touches two cache lines per id (bucket and row),
-not four. Deletion
-shifts later buckets back instead of leaving tombstones, so probe lengths stay
-short under eviction churn. Rows live in separate slot arrays (weights,
-optimizer state, per-row step) that never move when the index does.
-
-Every method takes the table's lock, and every kernel runs without the GIL, so
-a shard serves calls on different tables in parallel.
+Rows live in slot arrays (weights, optimizer state, per-row step) that never move
+when the index grows. Every method takes the table's lock, and every kernel runs
+without the GIL, so a shard serves calls on different tables in parallel.
 
 >>> import numpy as np
 >>> from embedding_store.types import TableConfig
@@ -28,37 +20,53 @@ True
 from __future__ import annotations
 
 import operator
-import platform
 import threading
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
-import llvmlite.binding as llvm_binding  # type: ignore[import-untyped]
-import numba as nb
 import numpy as np
 import numpy.typing as npt
-from llvmlite import ir
-from numba.core import cgutils, types
-from numba.extending import intrinsic
-from numba.np.numpy_support import carray
 
 from embedding_store.changes import ChangeLog
 from embedding_store.errors import CheckpointError, InvalidRequest
-from embedding_store.hashing import (
-    init_params,
-    init_row,
-    mix64,
-    shard_index,
-    table_seed,
-    unit_float,
+from embedding_store.hashing import init_params, table_seed
+from embedding_store.kernels.admission import admit_count_min, admit_probability
+from embedding_store.kernels.float16 import gather_f16
+from embedding_store.kernels.group_read import (
+    P_BUCKET_ROWS,
+    P_BUCKETS,
+    P_WEIGHT_ROWS,
+    P_WEIGHTS,
+    read_tables,
+    read_tables_bounds,
 )
+from embedding_store.kernels.hash_index import (
+    DIRTY,
+    FREQ_ONE,
+    KEY,
+    MAX_LOAD,
+    META,
+    OVERFLOW,
+    PERSISTED,
+    ROW,
+    SEEN,
+    buckets_for,
+    delete_keys,
+    empty_buckets,
+    insert,
+    probe,
+    rehash,
+    resolve_push,
+    upsert,
+)
+from embedding_store.kernels.rows import gather, gather_or_init, gather_state, update_rows
 from embedding_store.optim import RowOptimizer, make_optimizer
 from embedding_store.types import (
     CountMinAdmission,
     ProbabilityAdmission,
     PushResult,
+    RowBatch,
     RowState,
     TableChanges,
     TableConfig,
@@ -68,296 +76,24 @@ from embedding_store.types import (
 F32 = npt.NDArray[np.float32]
 I64 = npt.NDArray[np.int64]
 U64 = npt.NDArray[np.uint64]
-U32 = npt.NDArray[np.uint32]
-U16 = npt.NDArray[np.uint16]
-
-KEY, ROW, SEEN, META = 0, 1, 2, 3
-# META = freq * FREQ_ONE | PUSHING | PERSISTED | DIRTY
-DIRTY, PERSISTED, PUSHING, FREQ_ONE = 1, 2, 4, 8
-MAX_LOAD = 0.75
-# A row that cannot be stored because one request brings more new ids than the
-# table's capacity (it reads as zeros and its gradient is dropped).
-OVERFLOW = -2
-NOT_ADMITTED = -1
-
-
-def update_rows(
-    optimizer: RowOptimizer,
-    weight_clip: float | None,
-    weights: F32,
-    state: F32,
-    row_step: I64,
-    rows: I64,
-    g: F32,
-) -> int:
-    """Apply ``g`` to the slots ``rows`` (``-1`` skipped) as a table's push does: the
-    optimizer's step, then the weight clip; a row the update would make non-finite is
-    left as it was. Returns how many rows were left so.
-
-    A finite gradient can still overflow a weight or an optimizer state (3e38 three
-    times), and a row that holds NaN or Inf would be served, and checkpointed, for
-    good. A trainer that predicts what its push will do calls this on copies of the
-    rows, so its prediction is the store's arithmetic, not a second implementation.
-
-    >>> from embedding_store.optim import make_optimizer
-    >>> from embedding_store.types import SGDConfig
-    >>> w, s, n = np.ones((1, 2), np.float32), np.zeros((1, 0), np.float32), np.zeros(1, np.int64)
-    >>> update_rows(make_optimizer(SGDConfig(lr=1.0)), 0.5, w, s, n, np.array([0]),
-    ...             np.full((1, 2), 2.0, np.float32))
-    0
-    >>> w.tolist(), n.tolist()
-    ([[-0.5, -0.5]], [1])
-    """
-    n, width = rows.shape[0], state.shape[1]
-    before = (
-        np.empty((n, weights.shape[1]), dtype=np.float32),
-        np.empty((n, width), dtype=np.float32),
-        np.empty(n, dtype=np.int64),
-    )
-    _save_rows(weights, state, row_step, rows, *before)
-    optimizer.apply(weights, state, row_step, rows, g)
-    if weight_clip is not None:
-        _clip(weights, rows, weight_clip)
-    return int(_undo_nonfinite(weights, state, row_step, rows, *before))
-
-
-@dataclass(frozen=True)
-class RowBatch:
-    """Rows taken out of (or going into) a table, each carrying its id."""
-
-    ids: U64
-    weights: F32
-    state: F32
-    row_step: I64
-    last_seen: I64
-    freq: I64
-
-    def __len__(self) -> int:
-        return int(self.ids.shape[0])
-
-    def select(self, mask: npt.NDArray[np.bool_]) -> RowBatch:
-        """The rows where ``mask`` is true."""
-        return RowBatch(
-            self.ids[mask],
-            self.weights[mask],
-            self.state[mask],
-            self.row_step[mask],
-            self.last_seen[mask],
-            self.freq[mask],
-        )
-
-
-# --- kernels --------------------------------------------------------------------
-
 
 # Step clocks a caller may set: 2**40 steps is 35 years at 1,000 steps a second.
 MAX_STEP = 1 << 40
 
-
-_S32 = np.uint64(32)
-
-
-@nb.njit(nogil=True, cache=True)
-def _gather_or_init(
-    weights: F32, rows: I64, keys: I64, seed: np.uint64, kind: int, a: float, b: float, out: F32
-) -> None:
-    """``out[i] = weights[rows[i]]``; the id's initial row where ``rows[i] < 0``."""
-    n = rows.shape[0]
-    dim = weights.shape[1]
-    for i in range(n):
-        if i + _AHEAD < n and rows[i + _AHEAD] >= 0:
-            _prefetch(weights, rows[i + _AHEAD])
-        r = rows[i]
-        if r < 0:
-            init_row(out[i], np.uint64(keys[i]), seed, kind, a, b)
-        else:
-            for j in range(dim):
-                out[i, j] = weights[r, j]
-
-
-@nb.njit(nogil=True, cache=True, inline="always")
-def _home(key: np.int64, n: int) -> np.int64:
-    # Lemire's multiply-shift maps the hash's top 32 bits onto [0, n) for any n, so
-    # the index can be sized to the capacity (n = capacity / MAX_LOAD) instead of
-    # the next power of two, which cost up to 2x the index's memory.
-    return np.int64(((mix64(np.uint64(key)) >> _S32) * np.uint64(n)) >> _S32)
-
-
-@nb.njit(nogil=True, cache=True, inline="always")
-def _next(b: int | np.int64, n: int) -> np.int64:
-    after = np.int64(b + 1)
-    return np.int64(0) if after == n else after
-
-
-@nb.njit(nogil=True, cache=True, inline="always")
-def _slot_for(buckets: I64, key: np.int64, b: np.int64, n: int) -> np.int64:
-    """The bucket holding ``key``, or the empty bucket where it would go, from ``b`` on."""
-    while buckets[b, ROW] >= 0 and buckets[b, KEY] != key:
-        b = _next(b, n)
-    return b
-
-
-# How many ids ahead a kernel prefetches the bucket (or row) it will read: enough
-# cache misses in flight to cover memory latency, few enough to stay in L1.
-_AHEAD = 32
-
-
-def _prefetch_typer(typingctx: Any, arr: Any, index: Any) -> Any:
-    """Hint the CPU to fetch the cache line of ``arr[index]`` (or ``arr[index, 0]``).
-
-    A probe or gather reads lines at random; numpy's gather keeps many misses in
-    flight by itself, but a probe loop with a data-dependent branch does not, so
-    the kernels ask for line ``i + _AHEAD`` while they work on line ``i``.
-    """
-    sig = types.void(arr, index)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        cg: Any = cgutils  # numba's code generation helpers carry no annotations
-        aryty, idxty = signature.args
-        ary = context.make_array(aryty)(context, builder, args[0])
-        idx = context.cast(builder, args[1], idxty, types.intp)
-        zero = context.get_constant(types.intp, 0)
-        ptr = cg.get_item_pointer2(
-            context,
-            builder,
-            ary.data,
-            cg.unpack_tuple(builder, ary.shape),
-            cg.unpack_tuple(builder, ary.strides),
-            aryty.layout,
-            [idx] + [zero] * (aryty.ndim - 1),
-            wraparound=False,
-        )
-        i8p = ir.IntType(8).as_pointer()
-        i32 = ir.IntType(32)
-        fn = cg.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0"
-        )
-        # read, keep in all cache levels, data cache
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-_prefetch: Any = intrinsic(_prefetch_typer)
-
-
-@nb.njit(nogil=True, cache=True)
-def _probe(buckets: I64, ids: I64, clock: int, touch: bool, rows_out: I64) -> int:
-    """The row of each id (``NOT_ADMITTED`` when absent); returns how many are absent.
-
-    Two passes (hash, then probe with the bucket ``_AHEAD`` ids on prefetched)
-    rather than one loop: each has a small, predictable body, so the CPU keeps
-    many cache misses in flight. With ``touch`` the bucket's seen-step and
-    frequency are updated (checkpointed state too: the bucket is marked dirty).
-    """
-    n_buckets = buckets.shape[0]
-    n = ids.shape[0]
-    for i in range(n):
-        rows_out[i] = _home(ids[i], n_buckets)
-    missing = 0
-    for i in range(n):
-        if i + _AHEAD < n:
-            _prefetch(buckets, rows_out[i + _AHEAD])
-        key = ids[i]
-        b = rows_out[i]
-        while True:
-            r = buckets[b, ROW]
-            if r < 0:
-                rows_out[i] = NOT_ADMITTED
-                missing += 1
-                break
-            if buckets[b, KEY] == key:
-                rows_out[i] = r
-                if touch:
-                    buckets[b, SEEN] = clock
-                    buckets[b, META] = (buckets[b, META] + FREQ_ONE) | DIRTY
-                break
-            b = _next(b, n_buckets)
-    return missing
-
-
-def _address_typer(typingctx: Any, address: Any) -> Any:
-    """The memory at ``address`` (an int64 from an array's ``ctypes.data``) as a pointer,
-    for ``numba.carray``."""
-    sig = types.voidptr(address)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
-
-    return sig, codegen
-
-
-_address: Any = intrinsic(_address_typer)
-
-# A table's placement (``EmbeddingTable._placement``): where its arrays lie and their rows.
-_P_BUCKETS, _P_BUCKET_ROWS, _P_WEIGHTS, _P_WEIGHT_ROWS = range(4)
-
-
-@nb.njit(nogil=True, cache=True, inline="always")
-def _placed_arrays(placements: I64, t: int | np.int64, dim: int) -> tuple[I64, F32]:
-    """Table ``t``'s buckets and weights, from its placement (``placements[t]`` is the
-    address of the table's placement array)."""
-    p = carray(_address(placements[t]), 4, np.int64)
-    buckets = carray(_address(p[_P_BUCKETS]), (p[_P_BUCKET_ROWS], 4), np.int64)
-    weights = carray(_address(p[_P_WEIGHTS]), (p[_P_WEIGHT_ROWS], dim), np.float32)
-    return buckets, weights
-
-
-@nb.njit(nogil=True, cache=True)
-def _read_tables(
-    placements: I64, seeds: U64, kinds: I64, a: Any, b: Any, unknown: I64,
-    which: I64, keys: I64, out: F32, half: bool,
-) -> None:  # fmt: skip
-    """``out[i]``: the row of ``keys[i]`` in table ``which[i]`` (``placements`` holds the
-    address of every table's placement), or its initial row where it has none,
-    counted in ``unknown``: ``EmbeddingTable.read`` of several tables in one call.
-    With ``half`` every value is rounded to float16 (and widened back).
-    """
-    dim = out.shape[1]
-    for i in range(keys.shape[0]):
-        t = which[i]
-        index, w = _placed_arrays(placements, t, dim)
-        key = keys[i]
-        n = index.shape[0]
-        r = index[_slot_for(index, key, _home(key, n), n), ROW]
-        if r < 0:
-            init_row(out[i], np.uint64(key), seeds[t], kinds[t], a[t], b[t])
-            unknown[t] += 1
-        else:
-            for j in range(dim):
-                out[i, j] = w[r, j]
-        if half:
-            for j in range(dim):
-                out[i, j] = _half_rounded(out[i, j])
-
-
-@nb.njit(nogil=True, cache=True)
-def _read_tables_bounds(
-    placements: I64, seeds: U64, kinds: I64, a: Any, b: Any, unknown: I64,
-    bounds: I64, num_shards: int, keys: I64, out: F32, half: bool,
-) -> None:  # fmt: skip
-    """``_read_tables`` of the ids of table ``t`` at ``keys[bounds[t]:bounds[t + 1]]``,
-    each read from the shard that owns it (the group holds every table of shard 0,
-    then of shard 1, ...)."""
-    n_tables = bounds.shape[0] - 1
-    which = np.empty(keys.shape[0], dtype=np.int64)
-    for t in range(n_tables):
-        for i in range(bounds[t], bounds[t + 1]):
-            shard = shard_index(np.uint64(keys[i]), num_shards) if num_shards > 1 else 0
-            which[i] = t + n_tables * shard
-    _read_tables(placements, seeds, kinds, a, b, unknown, which, keys, out, half)
-
-
+# A table's counters, as ``TableStats`` reports them.
+_COUNTERS = (
+    "lookups lookup_ids pushes push_ids admissions rejected_admissions evictions "
+    "expirations overflow dropped_not_admitted rejected_nonfinite unknown_reads"
+).split()
 _ACQUIRE = operator.methodcaller("acquire")
 _RELEASE = operator.methodcaller("release")
-_NAME = operator.attrgetter("name")
 
 
 class TableGroup:
     """Tables read together: :meth:`EmbeddingTable.read` of all of them in one kernel
-    call. A prediction request reads a few ids from each of dozens of tables (of
-    every shard), and a call per table cost more than the reads.
+    call: a prediction request reads a few ids from each of dozens of tables (of
+    every shard), and one call for all of them spares a call's overhead per table
+    (``benchmarks/serve.py``).
 
     >>> from embedding_store.types import TableConfig
     >>> config = TableConfig(dim=2, optimizer={"kind": "sgd", "lr": 1.0})
@@ -418,7 +154,7 @@ class TableGroup:
         keys = _as_ids(ids).view(np.int64)
         if not self.tables or self.dim != out.shape[1]:
             return False
-        self._locked(_read_tables, np.asarray(which, dtype=np.int64), keys, out, half)
+        self._locked(read_tables, np.asarray(which, dtype=np.int64), keys, out, half)
         return True
 
     def read_bounds(
@@ -449,7 +185,7 @@ class TableGroup:
             )
             raise ValueError(msg)
         bounds = np.asarray(bounds, dtype=np.int64)
-        self._locked(_read_tables_bounds, bounds, num_shards, keys, out, half)
+        self._locked(read_tables_bounds, bounds, num_shards, keys, out, half)
         return True
 
     def _locked(self, kernel: Any, *args: object) -> None:
@@ -458,7 +194,7 @@ class TableGroup:
         (``unknown[t]``) counted."""
         unknown = np.zeros(len(self.tables), dtype=np.int64)
         # Loops in C (map, consumed by a zero-length deque): a request reads dozens of
-        # tables, and a Python loop over them cost more than the kernel.
+        # tables, and a Python loop over their locks would outweigh the kernel.
         deque(map(_ACQUIRE, self._locks), 0)
         try:
             # The arrays are read under the locks: a table that grows replaces them (with
@@ -468,521 +204,6 @@ class TableGroup:
                 self.tables[t]._counters["unknown_reads"] += int(unknown[t])
         finally:
             deque(map(_RELEASE, self._locks), 0)
-
-
-class TableGroups:
-    """The groups a reader keeps, one per set of tables it reads together; a group is
-    made again once a restore replaced one of its tables, and at most ``limit`` sets
-    are kept (a client chooses them)."""
-
-    def __init__(self, limit: int = 64) -> None:
-        self.limit = limit
-        self._groups: dict[tuple[str, ...], TableGroup] = {}
-
-    def of(self, tables: Sequence[EmbeddingTable]) -> TableGroup:
-        """The group of ``tables`` (the very objects, in order)."""
-        key = tuple(map(_NAME, tables))
-        group = self._groups.get(key)
-        if group is None or not group.holds(tables):
-            if len(self._groups) >= self.limit:
-                self._groups.clear()
-            group = self._groups[key] = TableGroup(tables)
-        return group
-
-
-@nb.njit(nogil=True, cache=True)
-def _gather(weights: F32, rows: I64, out: F32) -> None:
-    """``out[i] = weights[rows[i]]``, zeros where ``rows[i] < 0``."""
-    n = rows.shape[0]
-    dim = weights.shape[1]
-    for i in range(n):
-        if i + _AHEAD < n and rows[i + _AHEAD] >= 0:
-            _prefetch(weights, rows[i + _AHEAD])
-        r = rows[i]
-        if r < 0:
-            for j in range(dim):
-                out[i, j] = 0.0
-        else:
-            for j in range(dim):
-                out[i, j] = weights[r, j]
-
-
-@nb.njit(nogil=True, cache=True, inline="always")
-def _f16_bits(u: np.uint32) -> np.uint16:
-    """IEEE float32 bits to float16 bits, rounded to nearest even (as numpy's astype).
-
-    Equal to ``numpy.float32.astype(numpy.float16)`` for every float32 that is not a
-    NaN (checked over all 2**32 bit patterns); a NaN becomes the quiet NaN 0x7E00.
-    Integer-only: the portable conversion, for CPUs without a float16 instruction.
-    """
-    sign = (u >> np.uint32(16)) & np.uint32(0x8000)
-    a = u & np.uint32(0x7FFFFFFF)
-    if a >= np.uint32(0x47800000):  # |x| >= 65536 rounds to Inf; Inf; NaN
-        h = np.uint32(0x7E00) if a > np.uint32(0x7F800000) else np.uint32(0x7C00)
-    elif a >= np.uint32(0x38800000):  # a normal float16: rebias the exponent, round
-        h = (a + np.uint32(0xC8000FFF) + ((a >> np.uint32(13)) & np.uint32(1))) >> np.uint32(13)
-    elif a >= np.uint32(0x33000000):  # a subnormal float16: shift the mantissa, round
-        m = (a & np.uint32(0x7FFFFF)) | np.uint32(0x800000)
-        shift = np.uint32(126) - (a >> np.uint32(23))
-        q = m >> shift
-        rem = m & ((np.uint32(1) << shift) - np.uint32(1))
-        half = np.uint32(1) << (shift - np.uint32(1))
-        if rem > half or (rem == half and (q & np.uint32(1))):
-            q += np.uint32(1)
-        h = q
-    else:  # below half the smallest subnormal: zero
-        h = np.uint32(0)
-    return np.uint16(h | sign)
-
-
-def _f16_fptrunc_typer(typingctx: Any, x: Any) -> Any:
-    """Float32 to float16 bits with LLVM's ``fptrunc`` (one F16C instruction on x86).
-
-    Rounds to nearest even, as numpy does; about 4x faster than ``_f16_bits``,
-    so the float16 gather costs what the float32 one does.
-    """
-    sig = types.uint16(types.float32)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-    return sig, codegen
-
-
-_f16_fptrunc: Any = intrinsic(_f16_fptrunc_typer)
-
-
-@nb.njit(nogil=True, cache=True, inline="always")
-def _f16_of_bits(u: np.uint32) -> np.uint16:
-    return _f16_bits(u)
-
-
-@nb.njit(nogil=True, cache=True, inline="always")
-def _f16_of_float(u: np.uint32) -> np.uint16:
-    bits: np.uint16 = _f16_fptrunc(np.uint32(u).view(np.float32))
-    return bits
-
-
-def _native_f16() -> bool:
-    """Whether LLVM turns ``fptrunc`` to half into an instruction on this CPU.
-
-    An x86 CPU without F16C (before 2012) would need a runtime library call that
-    numba's JIT may not resolve; other architectures (aarch64) have the instruction.
-    """
-    if platform.machine().lower() not in {"x86_64", "amd64", "i386", "i686"}:
-        return platform.machine().lower() in {"aarch64", "arm64"}
-    return "+f16c" in llvm_binding.get_host_cpu_features().flatten().split(",")
-
-
-_f16 = _f16_of_float if _native_f16() else _f16_of_bits
-
-
-@nb.njit(nogil=True, cache=True)
-def _gather_f16(weight_bits: U32, rows: I64, out: U16) -> None:
-    """As ``_gather``, writing float16 bits (``weight_bits``: the weights viewed as uint32)."""
-    n = rows.shape[0]
-    dim = weight_bits.shape[1]
-    for i in range(n):
-        if i + _AHEAD < n and rows[i + _AHEAD] >= 0:
-            _prefetch(weight_bits, rows[i + _AHEAD])
-        r = rows[i]
-        if r < 0:
-            for j in range(dim):
-                out[i, j] = 0
-        else:
-            for j in range(dim):
-                out[i, j] = _f16(weight_bits[r, j])
-
-
-@nb.njit(nogil=True, cache=True, inline="always")
-def _f32_of_f16(h: np.uint16) -> np.float32:
-    """The float32 of float16 bits ``h`` (exact: every float16 is a float32)."""
-    u = np.uint32(h)
-    sign = (u & np.uint32(0x8000)) << np.uint32(16)
-    e = (u >> np.uint32(10)) & np.uint32(0x1F)
-    m = u & np.uint32(0x3FF)
-    if e == np.uint32(0x1F):  # Inf, NaN
-        bits = sign | np.uint32(0x7F800000) | (m << np.uint32(13))
-    elif e != np.uint32(0):
-        bits = sign | ((e + np.uint32(112)) << np.uint32(23)) | (m << np.uint32(13))
-    else:  # zero or subnormal: m * 2**-24, exact in float32
-        bits = sign | np.float32(np.float32(m) * np.float32(2.0**-24)).view(np.uint32)
-    return np.uint32(bits).view(np.float32)
-
-
-def _f16_round_trip_typer(typingctx: Any, x: Any) -> Any:
-    """Float32 rounded to float16 and widened back with LLVM's ``fptrunc`` and ``fpext``
-    (two F16C instructions on x86, vectorised over a row)."""
-    sig = types.float32(types.float32)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        return builder.fpext(builder.fptrunc(args[0], ir.HalfType()), ir.FloatType())
-
-    return sig, codegen
-
-
-_f16_round_trip: Any = intrinsic(_f16_round_trip_typer)
-
-
-@nb.njit(nogil=True, cache=True, inline="always")
-def _half_rounded_native(x: np.float32) -> np.float32:
-    y: np.float32 = _f16_round_trip(x)
-    return y
-
-
-@nb.njit(nogil=True, cache=True, inline="always")
-def _half_rounded_bits(x: np.float32) -> np.float32:
-    return _f32_of_f16(_f16_bits(np.float32(x).view(np.uint32)))
-
-
-# ``x`` rounded to float16 and back: ``x.astype(np.float16).astype(np.float32)``.
-_half_rounded = _half_rounded_native if _native_f16() else _half_rounded_bits
-
-
-def f32_to_f16(values: F32) -> U16:
-    """Float32 values to float16 bits with the gather's conversion (a test hook).
-
-    >>> f32_to_f16(np.array([1.0, -2.5, 1e-8, 7e4], dtype=np.float32)).view(np.float16).tolist()
-    [1.0, -2.5, 0.0, inf]
-    """
-    flat = np.ascontiguousarray(values, dtype=np.float32).reshape(-1, 1)
-    out = np.empty(flat.shape, dtype=np.uint16)
-    _gather_f16(flat.view(np.uint32), np.arange(flat.shape[0], dtype=np.int64), out)
-    return out.reshape(np.shape(values))
-
-
-@nb.njit(nogil=True, cache=True)
-def _admit_count_min(
-    sketch: npt.NDArray[np.uint32],
-    ids: I64,
-    positions: I64,
-    threshold: int,
-    admitted: npt.NDArray[np.bool_],
-) -> None:
-    depth, width = sketch.shape
-    slots = np.empty(depth, dtype=np.int64)
-    for p in range(positions.shape[0]):
-        h = np.uint64(ids[positions[p]])
-        est = np.uint32(0xFFFFFFFF)
-        for d in range(depth):
-            h = mix64(h + np.uint64(d + 1))
-            slots[d] = int(h % np.uint64(width))
-            est = min(est, sketch[d, slots[d]])
-        # Conservative update: raise only the counters at the minimum.
-        if est < np.uint32(0xFFFFFFFF):
-            for d in range(depth):
-                if sketch[d, slots[d]] == est:
-                    sketch[d, slots[d]] = est + np.uint32(1)
-        admitted[p] = int(est) + 1 >= threshold
-
-
-@nb.njit(nogil=True, cache=True)
-def _admit_probability(
-    ids: I64,
-    positions: I64,
-    seed: np.uint64,
-    clock: int,
-    probability: float,
-    admitted: npt.NDArray[np.bool_],
-) -> None:
-    salt = mix64(seed ^ np.uint64(clock))
-    for p in range(positions.shape[0]):
-        admitted[p] = unit_float(mix64(np.uint64(ids[positions[p]]) ^ salt)) < probability
-
-
-@nb.njit(nogil=True, cache=True)
-def _insert(
-    buckets: I64,
-    ids: I64,
-    positions: I64,
-    clock: int,
-    alloc: I64,
-    free_rows: I64,
-    row_limit: int,
-    weights: F32,
-    seed: np.uint64,
-    init_kind: int,
-    init_a: float,
-    init_b: float,
-    rows_out: I64,
-    new_rows: I64,
-) -> int:
-    """Insert ``ids[positions]``; ``alloc`` is ``[used, n_free, next_row]``, updated in place."""
-    n_buckets = buckets.shape[0]
-    n_new = 0
-    for p in range(positions.shape[0]):
-        i = positions[p]
-        key = ids[i]
-        b = _slot_for(buckets, key, _home(key, n_buckets), n_buckets)
-        r = buckets[b, ROW]
-        if r < 0:
-            if alloc[0] >= row_limit:
-                rows_out[i] = OVERFLOW
-                continue
-            if alloc[1] > 0:
-                alloc[1] -= 1
-                r = free_rows[alloc[1]]
-            else:
-                r = alloc[2]
-                alloc[2] += 1
-            alloc[0] += 1
-            buckets[b, KEY] = key
-            buckets[b, ROW] = r
-            buckets[b, SEEN] = clock
-            buckets[b, META] = FREQ_ONE | DIRTY
-            init_row(weights[r], np.uint64(key), seed, init_kind, init_a, init_b)
-            new_rows[n_new] = r
-            n_new += 1
-        else:
-            # The same new id twice in one request: the second sees the first's row.
-            buckets[b, META] = (buckets[b, META] + FREQ_ONE) | DIRTY
-        rows_out[i] = r
-    return n_new
-
-
-@nb.njit(nogil=True, cache=True)
-def _delete_at(buckets: I64, b: int | np.int64) -> None:
-    """Remove bucket ``b`` by shifting back the entries that probed past it."""
-    n_buckets = buckets.shape[0]
-    hole = b
-    j = b
-    while True:
-        j = _next(j, n_buckets)
-        if buckets[j, ROW] < 0:
-            break
-        home = _home(buckets[j, KEY], n_buckets)
-        # The entry at j may move into the hole unless its home lies in (hole, j].
-        stays = hole < home <= j if hole <= j else home > hole or home <= j
-        if not stays:
-            for c in range(4):
-                buckets[hole, c] = buckets[j, c]
-            hole = j
-    buckets[hole, KEY] = 0
-    buckets[hole, ROW] = -1
-    buckets[hole, SEEN] = 0
-    buckets[hole, META] = 0
-
-
-@nb.njit(nogil=True, cache=True)
-def _delete_keys(
-    buckets: I64,
-    keys: I64,
-    alloc: I64,
-    free_rows: I64,
-    tombstones: I64,
-) -> tuple[int, int]:
-    """Delete ``keys``; returns (deleted, tombstones written)."""
-    n_buckets = buckets.shape[0]
-    deleted = 0
-    n_tomb = 0
-    for i in range(keys.shape[0]):
-        key = keys[i]
-        b = _slot_for(buckets, key, _home(key, n_buckets), n_buckets)
-        r = buckets[b, ROW]
-        if r < 0:
-            continue
-        if buckets[b, META] & PERSISTED:
-            tombstones[n_tomb] = key
-            n_tomb += 1
-        free_rows[alloc[1]] = r
-        alloc[1] += 1
-        alloc[0] -= 1
-        deleted += 1
-        _delete_at(buckets, b)
-    return deleted, n_tomb
-
-
-@nb.njit(nogil=True, cache=True)
-def _resolve_push(
-    buckets: I64,
-    ids: I64,
-    grads: F32,
-    rows_out: I64,
-    scratch: I64,
-) -> tuple[int, int, bool]:
-    """Map pushed ids to rows (-1: absent or non-finite); returns (absent, nonfinite, dup).
-
-    A duplicate id is detected by a PUSHING bit set in its bucket for the
-    duration of the call, so no extra per-row array is touched.
-    """
-    n_buckets = buckets.shape[0]
-    dim = grads.shape[1]
-    n = ids.shape[0]
-    for i in range(n):
-        scratch[i] = _home(ids[i], n_buckets)
-    absent = 0
-    nonfinite = 0
-    dup = False
-    for i in range(n):
-        if i + _AHEAD < n:
-            _prefetch(buckets, scratch[i + _AHEAD])
-        finite = True
-        for j in range(dim):
-            if not np.isfinite(grads[i, j]):
-                finite = False
-                break
-        if not finite:
-            rows_out[i] = -1
-            scratch[i] = -1
-            nonfinite += 1
-            continue
-        key = ids[i]
-        b = _slot_for(buckets, key, scratch[i], n_buckets)
-        r = buckets[b, ROW]
-        if r < 0:
-            rows_out[i] = -1
-            scratch[i] = -1
-            absent += 1
-            continue
-        meta = buckets[b, META]
-        if meta & PUSHING:
-            dup = True
-        buckets[b, META] = meta | DIRTY | PUSHING
-        rows_out[i] = r
-        scratch[i] = b
-    for i in range(n):
-        if scratch[i] >= 0:
-            buckets[scratch[i], META] &= ~PUSHING
-    return absent, nonfinite, dup
-
-
-@nb.njit(nogil=True, cache=True)
-def _upsert(
-    buckets: I64,
-    ids: I64,
-    alloc: I64,
-    free_rows: I64,
-    last_seen: I64,
-    freq: I64,
-    rows_out: I64,
-) -> int:
-    """Find or create a slot for each id (restore path); returns how many were created."""
-    n_buckets = buckets.shape[0]
-    created = 0
-    for i in range(ids.shape[0]):
-        key = ids[i]
-        b = _slot_for(buckets, key, _home(key, n_buckets), n_buckets)
-        r = buckets[b, ROW]
-        if r < 0:
-            if alloc[1] > 0:
-                alloc[1] -= 1
-                r = free_rows[alloc[1]]
-            else:
-                r = alloc[2]
-                alloc[2] += 1
-            alloc[0] += 1
-            created += 1
-            buckets[b, KEY] = key
-            buckets[b, ROW] = r
-        buckets[b, SEEN] = last_seen[i]
-        buckets[b, META] = freq[i] * FREQ_ONE
-        rows_out[i] = r
-    return created
-
-
-@nb.njit(nogil=True, cache=True)
-def _rehash(old: I64, new: I64) -> None:
-    n_buckets = new.shape[0]
-    for b in range(old.shape[0]):
-        if old[b, ROW] < 0:
-            continue
-        nb_ = _home(old[b, KEY], n_buckets)
-        while new[nb_, ROW] >= 0:
-            nb_ = _next(nb_, n_buckets)
-        for c in range(4):
-            new[nb_, c] = old[b, c]
-
-
-@nb.njit(nogil=True, cache=True)
-def _clip(weights: F32, rows: I64, c: float) -> None:
-    for i in range(rows.shape[0]):
-        r = rows[i]
-        if r < 0:
-            continue
-        for j in range(weights.shape[1]):
-            w = weights[r, j]
-            if w > c:
-                weights[r, j] = c
-            elif w < -c:
-                weights[r, j] = -c
-
-
-@nb.njit(nogil=True, cache=True)
-def _gather_state(
-    weights: F32, state: F32, row_step: I64, rows: I64, out_w: F32, out_s: F32, out_step: I64
-) -> None:
-    """Rows ``rows`` with their state into ``out_*``; a row -1 reads zeros and step -1."""
-    for i in range(rows.shape[0]):
-        r = rows[i]
-        if r < 0:
-            out_w[i] = 0.0
-            out_s[i] = 0.0
-            out_step[i] = -1
-        else:
-            out_w[i] = weights[r]
-            out_s[i] = state[r]
-            out_step[i] = row_step[r]
-
-
-@nb.njit(nogil=True, cache=True)
-def _save_rows(
-    weights: F32, state: F32, row_step: I64, rows: I64, w_out: F32, s_out: F32, step_out: I64
-) -> None:
-    """Copy the weights, state and step of each row (``rows[i] < 0`` skipped) before a push."""
-    n = rows.shape[0]
-    for i in range(n):
-        if i + _AHEAD < n and rows[i + _AHEAD] >= 0:
-            _prefetch(weights, rows[i + _AHEAD])
-            _prefetch(state, rows[i + _AHEAD])
-        r = rows[i]
-        if r < 0:
-            continue
-        for j in range(weights.shape[1]):
-            w_out[i, j] = weights[r, j]
-        for j in range(state.shape[1]):
-            s_out[i, j] = state[r, j]
-        step_out[i] = row_step[r]
-
-
-@nb.njit(nogil=True, cache=True)
-def _undo_nonfinite(
-    weights: F32, state: F32, row_step: I64, rows: I64, w_in: F32, s_in: F32, step_in: I64
-) -> int:
-    """Put back the saved values of every row a push left non-finite; returns how many.
-
-    One pass over the rows just written (still in cache), where checking them
-    with numpy took two gathers and two temporaries per array.
-    """
-    bad = 0
-    for i in range(rows.shape[0]):
-        r = rows[i]
-        if r < 0:
-            continue
-        finite = True
-        for j in range(weights.shape[1]):
-            finite &= np.isfinite(weights[r, j])
-        for j in range(state.shape[1]):
-            finite &= np.isfinite(state[r, j])
-        if finite:
-            continue
-        bad += 1
-        for j in range(weights.shape[1]):
-            weights[r, j] = w_in[i, j]
-        for j in range(state.shape[1]):
-            state[r, j] = s_in[i, j]
-        row_step[r] = step_in[i]
-    return bad
-
-
-def _empty_buckets(n: int) -> I64:
-    buckets = np.zeros((n, 4), dtype=np.int64)
-    buckets[:, ROW] = -1
-    return buckets
-
-
-def _buckets_for(rows: int) -> int:
-    """Buckets that hold ``rows`` at most ``MAX_LOAD`` full (at least 16)."""
-    return max(16, int(np.ceil(rows / MAX_LOAD)))
 
 
 def bytes_at_capacity(config: TableConfig) -> int:
@@ -1000,7 +221,7 @@ def bytes_at_capacity(config: TableConfig) -> int:
     sketch = 0
     if isinstance(config.admission, CountMinAdmission):
         sketch = 4 * config.admission.depth * config.admission.width
-    return _buckets_for(rows) * 4 * 8 + rows * per_row + sketch
+    return buckets_for(rows) * 4 * 8 + rows * per_row + sketch
 
 
 def _as_ids(ids: npt.ArrayLike, field: str = "ids") -> U64:
@@ -1028,12 +249,12 @@ class EmbeddingTable:
         self._seed = table_seed(name, config.seed)
         self._init = init_params(config.initializer)
         self._lock = threading.Lock()
-        # Where ``_buckets`` and ``_weights`` lie (see ``_placed_arrays``): made once, kept
-        # up to date in place under the lock, so that a ``TableGroup`` hands its kernel
-        # one address per table instead of two arrays (each array argument costs the
-        # call a type check and an unboxing: most of a cold request's read).
+        # Where ``_buckets`` and ``_weights`` lie (see ``kernels.group_read``): made once,
+        # kept up to date in place under the lock, so that a ``TableGroup`` hands its
+        # kernel one address per table instead of two arrays, each of which the call
+        # would type-check and unbox (``benchmarks/serve.py``).
         self._placement = np.zeros(4, dtype=np.int64)
-        self._max_buckets = _buckets_for(config.capacity)
+        self._max_buckets = buckets_for(config.capacity)
         adm = config.admission
         self._sketch = (
             np.zeros((adm.depth, adm.width), dtype=np.uint32)
@@ -1043,23 +264,7 @@ class EmbeddingTable:
         self.clock = 0
         # Made when a serving replica first asks what changed (see ``changes``).
         self._log: ChangeLog | None = None
-        self._counters = dict.fromkeys(
-            (
-                "lookups",
-                "lookup_ids",
-                "pushes",
-                "push_ids",
-                "admissions",
-                "rejected_admissions",
-                "evictions",
-                "expirations",
-                "overflow",
-                "dropped_not_admitted",
-                "rejected_nonfinite",
-                "unknown_reads",
-            ),
-            0,
-        )
+        self._counters = dict.fromkeys(_COUNTERS, 0)
         self._reset_storage(min(config.initial_rows, config.capacity))
         self._next_expiry = 0
 
@@ -1067,7 +272,7 @@ class EmbeddingTable:
         # The arrays are C-contiguous, here and when they grow: ``TableGroup`` hands
         # them to its kernel as they are.
         self._alloc_rows = max(1, rows)
-        self._buckets = _empty_buckets(min(self._max_buckets, _buckets_for(self._alloc_rows)))
+        self._buckets = empty_buckets(min(self._max_buckets, buckets_for(self._alloc_rows)))
         self._weights = np.zeros((self._alloc_rows, self.dim), dtype=np.float32)
         self._place()
         self._state = np.zeros((self._alloc_rows, self._state_width), dtype=np.float32)
@@ -1110,8 +315,8 @@ class EmbeddingTable:
             n = self._buckets.shape[0]
             while want > MAX_LOAD * n and n < self._max_buckets:
                 n *= 2
-            new = _empty_buckets(min(n, self._max_buckets))
-            _rehash(self._buckets, new)
+            new = empty_buckets(min(n, self._max_buckets))
+            rehash(self._buckets, new)
             self._buckets = new
             self._place()
 
@@ -1133,10 +338,10 @@ class EmbeddingTable:
         """``_placement`` for the arrays ``_buckets`` and ``_weights`` are now (called
         where they are replaced: under the lock, or before the table is shared)."""
         p = self._placement
-        p[_P_BUCKETS] = self._buckets.ctypes.data
-        p[_P_BUCKET_ROWS] = self._buckets.shape[0]
-        p[_P_WEIGHTS] = self._weights.ctypes.data
-        p[_P_WEIGHT_ROWS] = self._weights.shape[0]
+        p[P_BUCKETS] = self._buckets.ctypes.data
+        p[P_BUCKET_ROWS] = self._buckets.shape[0]
+        p[P_WEIGHTS] = self._weights.ctypes.data
+        p[P_WEIGHT_ROWS] = self._weights.shape[0]
 
     # --- the training path ------------------------------------------------------
 
@@ -1185,7 +390,7 @@ class EmbeddingTable:
         rows = np.empty(n, dtype=np.int64)
         with self._lock:
             clock = self._advance_clock(step) if train else self.clock
-            missing = _probe(self._buckets, keys, clock, train, rows)
+            missing = probe(self._buckets, keys, clock, train, rows)
             if train:
                 self._counters["lookups"] += 1
                 self._counters["lookup_ids"] += n
@@ -1193,9 +398,9 @@ class EmbeddingTable:
                     self._create(keys, np.flatnonzero(rows < 0), clock, rows)
             # Before expiry, and under the lock: the rows are read as this call left them.
             if out.dtype == np.float16:
-                _gather_f16(self._weights.view(np.uint32), rows, out.view(np.uint16))
+                gather_f16(self._weights.view(np.uint32), rows, out.view(np.uint16))
             else:
-                _gather(self._weights, rows, out)
+                gather(self._weights, rows, out)
             if train:
                 self._maybe_expire()
         return out
@@ -1204,10 +409,10 @@ class EmbeddingTable:
         adm = self.config.admission
         if isinstance(adm, CountMinAdmission):
             admitted = np.empty(positions.shape[0], dtype=np.bool_)
-            _admit_count_min(self._sketch, keys, positions, adm.threshold, admitted)
+            admit_count_min(self._sketch, keys, positions, adm.threshold, admitted)
         elif isinstance(adm, ProbabilityAdmission):
             admitted = np.empty(positions.shape[0], dtype=np.bool_)
-            _admit_probability(keys, positions, self._seed, clock, adm.probability, admitted)
+            admit_probability(keys, positions, self._seed, clock, adm.probability, admitted)
         else:
             admitted = np.ones(positions.shape[0], dtype=np.bool_)
         rejected = int(positions.shape[0] - np.count_nonzero(admitted))
@@ -1223,7 +428,7 @@ class EmbeddingTable:
         self._reserve(need)
         new_rows = np.empty(need, dtype=np.int64)
         kind, a, b = self._init
-        n_new = _insert(
+        n_new = insert(
             self._buckets,
             keys,
             positions,
@@ -1279,7 +484,7 @@ class EmbeddingTable:
         rows = np.empty(keys.shape[0], dtype=np.int64)
         with self._lock:
             scratch = np.empty(keys.shape[0], dtype=np.int64)
-            absent, nonfinite, dup = _resolve_push(self._buckets, keys, g, rows, scratch)
+            absent, nonfinite, dup = resolve_push(self._buckets, keys, g, rows, scratch)
             if dup:
                 valid = rows >= 0
                 uniq, inverse = np.unique(rows[valid], return_inverse=True)
@@ -1298,7 +503,7 @@ class EmbeddingTable:
                     # Rows of ids repeated or left out are found again (rare).
                     self._peek_locked(keys, into)
                 else:
-                    _gather_state(
+                    gather_state(
                         self._weights, self._state, self._row_step, rows,
                         into.weights, into.state, into.row_step,
                     )  # fmt: skip
@@ -1358,8 +563,8 @@ class EmbeddingTable:
 
     def _peek_locked(self, keys: I64, into: RowState) -> None:
         rows = np.empty(keys.shape[0], dtype=np.int64)
-        _probe(self._buckets, keys, self.clock, False, rows)
-        _gather_state(
+        probe(self._buckets, keys, self.clock, False, rows)
+        gather_state(
             self._weights, self._state, self._row_step, rows, into.weights, into.state,
             into.row_step,
         )  # fmt: skip
@@ -1383,13 +588,13 @@ class EmbeddingTable:
             out = np.empty((n, self.dim), dtype=np.float32)
         if n == 0:
             # A request's few ids leave most tables of most shards with none: no lock,
-            # no kernel (half of a one-record request's reads on two shards).
+            # no kernel.
             return out, 0
         rows = np.empty(n, dtype=np.int64)
         kind, a, b = self._init
         with self._lock:
-            unknown = _probe(self._buckets, keys, self.clock, False, rows)
-            _gather_or_init(self._weights, rows, keys, self._seed, kind, a, b, out)
+            unknown = probe(self._buckets, keys, self.clock, False, rows)
+            gather_or_init(self._weights, rows, keys, self._seed, kind, a, b, out)
             self._counters["unknown_reads"] += unknown
         return out, int(unknown)
 
@@ -1424,11 +629,11 @@ class EmbeddingTable:
                     changed_at=log.changed_at,
                 )  # fmt: skip
             rows = np.empty(keys.shape[0], dtype=np.int64)
-            _probe(self._buckets, keys, self.clock, False, rows)
+            probe(self._buckets, keys, self.clock, False, rows)
             present = rows >= 0
             kept = rows[present]
             weights = np.empty((kept.shape[0], self.dim), dtype=np.float32)
-            _gather(self._weights, kept, weights)
+            gather(self._weights, kept, weights)
             return TableChanges(
                 epoch=log.epoch, version=log.version, complete=True,
                 ids=keys[present].view(np.uint64), weights=weights,
@@ -1478,7 +683,7 @@ class EmbeddingTable:
             free[: self._alloc[1]] = self._free[: self._alloc[1]]
             self._free = free
         tomb = np.empty(keys.shape[0], dtype=np.int64)
-        deleted, n_tomb = _delete_keys(self._buckets, keys, self._alloc, self._free, tomb)
+        deleted, n_tomb = delete_keys(self._buckets, keys, self._alloc, self._free, tomb)
         if n_tomb:
             self._tombstones.append(tomb[:n_tomb].copy())
         if deleted and self._log is not None:
@@ -1586,7 +791,7 @@ class EmbeddingTable:
             if len(self) + keys.shape[0] > self.config.capacity:
                 # Only new ids need room; count them before failing.
                 present = np.empty(keys.shape[0], dtype=np.int64)
-                missing = _probe(self._buckets, keys, 0, False, present)
+                missing = probe(self._buckets, keys, 0, False, present)
                 if len(self) + missing > self.config.capacity:
                     msg = (
                         f"table {self.name!r}: restoring {len(self) + missing} rows onto a shard "
@@ -1596,7 +801,7 @@ class EmbeddingTable:
                     raise CheckpointError(msg)
             self._reserve(keys.shape[0])
             rows = np.empty(keys.shape[0], dtype=np.int64)
-            _upsert(
+            upsert(
                 self._buckets,
                 keys,
                 self._alloc,
@@ -1617,7 +822,7 @@ class EmbeddingTable:
         n = keys.shape[0]
         with self._lock:
             present = np.empty(n, dtype=np.int64)
-            missing = _probe(self._buckets, keys, 0, False, present)
+            missing = probe(self._buckets, keys, 0, False, present)
             if len(self) + missing > self.config.capacity:
                 msg = (
                     f"table {self.name!r}: {len(self) + missing} rows on a replica whose "
@@ -1627,7 +832,7 @@ class EmbeddingTable:
             self._reserve(missing)
             rows = np.empty(n, dtype=np.int64)
             zeros = np.zeros(n, dtype=np.int64)
-            _upsert(self._buckets, keys, self._alloc, self._free, zeros, zeros, rows)
+            upsert(self._buckets, keys, self._alloc, self._free, zeros, zeros, rows)
             self._weights[rows] = weights
 
     def remove(self, ids: npt.ArrayLike) -> int:

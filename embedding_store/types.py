@@ -94,9 +94,8 @@ class AdagradConfig(_Strict):
 
     Row-wise Adagrad keeps one accumulator per row (the mean of the squared
     gradient), which costs one float per row instead of ``dim``. The default
-    rate, 0.05, was measured on a real rating log and a hot-id stream (sync
-    mode, one pass): 0.01 lost 0.010 and 0.005 AUC against it (a row gets few
-    updates; Adagrad's rate only falls from there).
+    rate, 0.05, is high because a row gets few updates and Adagrad's rate only
+    falls from there (``benchmarks/quality.py`` compares rates on hot ids).
 
     >>> AdagradConfig().lr
     0.05
@@ -239,6 +238,32 @@ class StoreConfig(_Strict):
 
 
 # --- results --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RowBatch:
+    """Rows taken out of (or going into) a table, each carrying its id."""
+
+    ids: npt.NDArray[np.uint64]
+    weights: npt.NDArray[np.float32]
+    state: npt.NDArray[np.float32]
+    row_step: npt.NDArray[np.int64]
+    last_seen: npt.NDArray[np.int64]
+    freq: npt.NDArray[np.int64]
+
+    def __len__(self) -> int:
+        return int(self.ids.shape[0])
+
+    def select(self, mask: npt.NDArray[np.bool_]) -> RowBatch:
+        """The rows where ``mask`` is true."""
+        return RowBatch(
+            self.ids[mask],
+            self.weights[mask],
+            self.state[mask],
+            self.row_step[mask],
+            self.last_seen[mask],
+            self.freq[mask],
+        )
 
 
 @dataclass(frozen=True)

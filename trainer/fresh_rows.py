@@ -53,8 +53,8 @@ import numpy as np
 import numpy.typing as npt
 
 from embedding_store.hashing import init_params, init_rows, init_rows_of, table_seed
+from embedding_store.kernels.rows import update_rows
 from embedding_store.optim import RowOptimizer, make_optimizer
-from embedding_store.table import update_rows
 from embedding_store.types import FlatRows, RowDtype, RowState, ShardRows, TableConfig
 from pipeline.types import TableBatch
 from trainer.row_cache import PushedRowCache, Remembered, RowIndex

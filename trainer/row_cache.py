@@ -42,7 +42,8 @@ import numpy as np
 import numpy.typing as npt
 
 from embedding_store.hashing import mix64
-from embedding_store.table import _AHEAD, _prefetch
+from embedding_store.kernels.intrinsics import AHEAD as _AHEAD
+from embedding_store.kernels.intrinsics import prefetch as _prefetch
 from embedding_store.types import RowState
 
 I32 = npt.NDArray[np.int32]

@@ -20,9 +20,10 @@ import pytest
 from deploy.config import load_config
 from embedding_store.client import StoreClient
 from embedding_store.errors import InvalidRequest
+from embedding_store.kernels.float16 import f16_bits as _f16_bits
+from embedding_store.kernels.float16 import f32_to_f16
 from embedding_store.proto import embedding_store_pb2 as pb
 from embedding_store.shard import StoreShard
-from embedding_store.table import _f16_bits, f32_to_f16
 from embedding_store.types import StoreConfig
 from embedding_store.wire import (
     LOOKUP_FRAME_METHOD,

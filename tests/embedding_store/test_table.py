@@ -346,7 +346,8 @@ def test_half_rounding_is_numpys_on_both_kernels() -> None:
     lack them), is numpy's ``astype(float16).astype(float32)`` on the hard cases."""
     import numba
 
-    from embedding_store.table import _half_rounded_bits, _half_rounded_native
+    from embedding_store.kernels.float16 import half_rounded_bits as _half_rounded_bits
+    from embedding_store.kernels.float16 import half_rounded_native as _half_rounded_native
 
     @numba.njit
     def each(kernel: Any, x: Any, out: Any) -> None:  # pragma: no cover - compiled
