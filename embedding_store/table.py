@@ -23,6 +23,7 @@ import operator
 import threading
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import fields
 from typing import Any
 
 import numpy as np
@@ -80,11 +81,12 @@ U64 = npt.NDArray[np.uint64]
 # Step clocks a caller may set: 2**40 steps is 35 years at 1,000 steps a second.
 MAX_STEP = 1 << 40
 
-# A table's counters, as ``TableStats`` reports them.
-_COUNTERS = (
-    "lookups lookup_ids pushes push_ids admissions rejected_admissions evictions "
-    "expirations overflow dropped_not_admitted rejected_nonfinite unknown_reads"
-).split()
+# A table's counters: the fields of ``TableStats`` that ``stats`` does not compute.
+_COUNTERS = tuple(
+    f.name
+    for f in fields(TableStats)
+    if f.name not in {"name", "dim", "rows", "capacity", "memory_bytes", "clock"}
+)
 _ACQUIRE = operator.methodcaller("acquire")
 _RELEASE = operator.methodcaller("release")
 
