@@ -22,6 +22,7 @@ report interval) and their freshness gauges are here too, labelled ``server``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -33,66 +34,68 @@ from prometheus_client.registry import Collector
 
 from monitoring.state import MonitorState
 from monitoring.store_metrics import merge_families, store_metric_families
+from monitoring.types import TrainerReport
 from monitoring.wire import shard_stats_from_report
 
 
 def job_metric_families(state: MonitorState, now: float) -> list[Metric]:
-    """Trainer, source, checkpoint and store metrics of the job, as the state holds them."""
-    rank = ["rank"]
-    g = {
-        name: GaugeMetricFamily(f"streamrec_trainer_{name}", doc, labels=rank)
-        for name, doc in (
-            ("step", "Training steps taken by the job (restored ones included)."),
-            ("samples_per_second", "Samples learned per second over the last report interval."),
-            ("events_per_second", "Records read per second over the last report interval."),
-            ("loss", "Mean training loss of the recent steps."),
-            ("auc", "Progressive-validation AUC over the sliding window."),
-            ("logloss", "Progressive-validation log loss over the sliding window."),
-            ("calibration", "Mean prediction over mean label in the window (1 is calibrated)."),
-            ("pushes_queued", "Row-gradient pushes handed to the store and not yet applied."),
-            ("staleness_bound", "The configured staleness: pushes a lookup may miss at most."),
-            ("report_age_seconds", "Seconds since this rank last reported."),
-        )
-    }
+    """Trainer, source, checkpoint, serving and store metrics of the job, as the state
+    holds them."""
+    return [
+        *trainer_metric_families(state, now),
+        *source_metric_families(state),
+        *checkpoint_metric_families(state, now),
+        *serve_metric_families(state, now),
+        *store_families(state),
+    ]
 
-    def counters(specs: tuple[tuple[str, str], ...]) -> dict[str, CounterMetricFamily]:
-        return {
-            name: CounterMetricFamily(f"streamrec_trainer_{name}", doc, labels=rank)
-            for name, doc in specs
-        }
 
-    c = counters(
-        (
-            ("samples", "Samples learned by the job, restored checkpoints included."),
-            ("events", "Records read by this run of the rank, dead-lettered ones included."),
-            ("wait_seconds", "Seconds this run of the rank waited for prepared batches."),
-            ("compute_seconds", "Seconds this run of the rank spent in forward, backward, step."),
-        )
-    )
-    staleness = HistogramMetricFamily(
-        "streamrec_trainer_staleness",
-        "Batches by how many earlier pushes their lookup missed (observed staleness).",
-        labels=rank,
-    )
-    row_staleness = HistogramMetricFamily(
-        "streamrec_trainer_row_staleness",
+_F = TypeVar("_F", bound=Metric)
+
+_TRAINER_GAUGES = (
+    ("step", "Training steps taken by the job (restored ones included)."),
+    ("samples_per_second", "Samples learned per second over the last report interval."),
+    ("events_per_second", "Records read per second over the last report interval."),
+    ("loss", "Mean training loss of the recent steps."),
+    ("auc", "Progressive-validation AUC over the sliding window."),
+    ("logloss", "Progressive-validation log loss over the sliding window."),
+    ("calibration", "Mean prediction over mean label in the window (1 is calibrated)."),
+    ("pushes_queued", "Row-gradient pushes handed to the store and not yet applied."),
+    ("staleness_bound", "The configured staleness: pushes a lookup may miss at most."),
+    ("report_age_seconds", "Seconds since this rank last reported."),
+)
+_TRAINER_COUNTERS = (
+    ("samples", "Samples learned by the job, restored checkpoints included."),
+    ("events", "Records read by this run of the rank, dead-lettered ones included."),
+    ("wait_seconds", "Seconds this run of the rank waited for prepared batches."),
+    ("compute_seconds", "Seconds this run of the rank spent in forward, backward, step."),
+)
+_FRESH_COUNTERS = (
+    ("rows_freshened", "Rows trained with a pushed value instead of the looked-up one."),
+    ("rows_predicted", "Of the rows freshened, those computed for the push in flight."),
+    ("fresh_waits", "Pushes in flight waited for (a row's state was not remembered)."),
+)
+_STALENESS_HISTOGRAMS = (
+    ("staleness", "Batches by how many earlier pushes their lookup missed (observed staleness)."),
+    (
+        "row_staleness",
         "Embedding rows by how many of their rank's own pushes their lookup missed "
         "(fresh rows on).",
-        labels=rank,
-    )
-    row_staleness_trained = HistogramMetricFamily(
-        "streamrec_trainer_row_staleness_trained",
+    ),
+    (
+        "row_staleness_trained",
         "Embedding rows by how many of their rank's own pushes they still missed when "
         "trained (fresh rows on).",
-        labels=rank,
-    )
-    fresh = counters(
-        (
-            ("rows_freshened", "Rows trained with a pushed value instead of the looked-up one."),
-            ("rows_predicted", "Of the rows freshened, those computed for the push in flight."),
-            ("fresh_waits", "Pushes in flight waited for (a row's state was not remembered)."),
-        )
-    )
+    ),
+)
+
+
+def trainer_metric_families(state: MonitorState, now: float) -> list[Metric]:
+    """Per trainer rank: its last report's gauges and counters, and its staleness."""
+    g = _per_rank(GaugeMetricFamily, _TRAINER_GAUGES)
+    c = _per_rank(CounterMetricFamily, _TRAINER_COUNTERS)
+    hist = _per_rank(HistogramMetricFamily, _STALENESS_HISTOGRAMS)
+    fresh = _per_rank(CounterMetricFamily, _FRESH_COUNTERS)
     for rank_id, r in sorted(state.ranks.items()):
         last, label = r.last, [str(rank_id)]
         rates = r.series
@@ -115,27 +118,40 @@ def job_metric_families(state: MonitorState, now: float) -> list[Metric]:
         c["events"].add_metric(label, float(last["events_total"]))
         c["wait_seconds"].add_metric(label, last["wait_s"])
         c["compute_seconds"].add_metric(label, last["compute_s"])
-        bound = last["staleness_bound"]
-        staleness.add_metric(label, *_buckets(last["missed_pushes"], bound))
-        by_row = last.get("missed_pushes_by_row") or {}
-        # No per-row figures (fresh rows off, sync, an older trainer) is not 0 stale
-        # rows: such a rank has no samples in these families rather than zeros.
-        if by_row:
-            row_staleness.add_metric(label, *_buckets(by_row, bound))
-            trained = last.get("trained_missed_pushes_by_row") or {}
-            row_staleness_trained.add_metric(label, *_buckets(trained, bound))
-            fresh["rows_freshened"].add_metric(label, float(last.get("rows_freshened", 0)))
-            fresh["rows_predicted"].add_metric(label, float(last.get("rows_predicted", 0)))
-            fresh["fresh_waits"].add_metric(label, float(last.get("fresh_waits", 0)))
-    out: list[Metric] = [
-        *g.values(),
-        *c.values(),
-        staleness,
-        row_staleness,
-        row_staleness_trained,
-        *fresh.values(),
-    ]
+        _add_staleness(hist, fresh, label, last)
+    return [*g.values(), *c.values(), *hist.values(), *fresh.values()]
 
+
+def _per_rank(family: Callable[..., _F], specs: tuple[tuple[str, str], ...]) -> dict[str, _F]:
+    """One trainer family per ``(name, doc)``, labelled by rank."""
+    return {name: family(f"streamrec_trainer_{name}", doc, labels=["rank"]) for name, doc in specs}
+
+
+def _add_staleness(
+    hist: dict[str, HistogramMetricFamily],
+    fresh: dict[str, CounterMetricFamily],
+    label: list[str],
+    last: TrainerReport,
+) -> None:
+    """A rank's staleness histograms and, where it sends per-row figures, its fresh rows."""
+    bound = last["staleness_bound"]
+    hist["staleness"].add_metric(label, *_buckets(last["missed_pushes"], bound))
+    by_row = last.get("missed_pushes_by_row") or {}
+    # No per-row figures (fresh rows off, sync, an older trainer) is not 0 stale
+    # rows: such a rank has no samples in these families rather than zeros.
+    if by_row:
+        hist["row_staleness"].add_metric(label, *_buckets(by_row, bound))
+        trained = last.get("trained_missed_pushes_by_row") or {}
+        hist["row_staleness_trained"].add_metric(label, *_buckets(trained, bound))
+        fresh["rows_freshened"].add_metric(label, float(last.get("rows_freshened", 0)))
+        fresh["rows_predicted"].add_metric(label, float(last.get("rows_predicted", 0)))
+        fresh["fresh_waits"].add_metric(label, float(last.get("fresh_waits", 0)))
+
+
+def source_metric_families(state: MonitorState) -> list[Metric]:
+    """The source's best AUC (synthetic streams), and per partition its position, end,
+    lag and dead-lettered records."""
+    out: list[Metric] = []
     best = state.best_auc()
     if best is not None:
         m = GaugeMetricFamily(
@@ -167,31 +183,38 @@ def job_metric_families(state: MonitorState, now: float) -> list[Metric]:
             lag.add_metric(label, p["lag"])
         for reason, n in sorted(p["deadletter"].items()):
             dead.add_metric([p["partition"], reason], n)
-    out += [position, end, lag, dead]
+    return [*out, position, end, lag, dead]
 
+
+def checkpoint_metric_families(state: MonitorState, now: float) -> list[Metric]:
+    """The last job checkpoint's step, age, size, duration and time (none before one)."""
     cp = state.checkpoint(now)
-    if cp is not None:
-        for name, doc, value in (
-            ("step", "Step of the last job checkpoint.", cp["step"]),
-            ("age_seconds", "Seconds since the last job checkpoint was written.", cp["age_s"]),
-            ("bytes", "Bytes the store shards wrote for the last checkpoint.", cp["bytes"]),
-            ("duration_seconds", "How long the last checkpoint took.", cp["seconds"]),
-            ("timestamp_seconds", "Unix time of the last checkpoint.", cp["time"]),
-        ):
-            m = GaugeMetricFamily(f"streamrec_checkpoint_{name}", doc)
-            m.add_metric([], float(value))
-            out.append(m)
-
-    out += serve_metric_families(state, now)
-
-    if state.store is not None:
-        # Labelled by address, as each shard labels its own /metrics.
-        out += merge_families(
-            fam
-            for s in state.store["shards"]
-            for fam in store_metric_families(s["address"], shard_stats_from_report(s))
-        )
+    if cp is None:
+        return []
+    out: list[Metric] = []
+    for name, doc, value in (
+        ("step", "Step of the last job checkpoint.", cp["step"]),
+        ("age_seconds", "Seconds since the last job checkpoint was written.", cp["age_s"]),
+        ("bytes", "Bytes the store shards wrote for the last checkpoint.", cp["bytes"]),
+        ("duration_seconds", "How long the last checkpoint took.", cp["seconds"]),
+        ("timestamp_seconds", "Unix time of the last checkpoint.", cp["time"]),
+    ):
+        m = GaugeMetricFamily(f"streamrec_checkpoint_{name}", doc)
+        m.add_metric([], float(value))
+        out.append(m)
     return out
+
+
+def store_families(state: MonitorState) -> list[Metric]:
+    """The store shards' families, labelled by address as each shard labels its own
+    ``/metrics`` (none before the store reports)."""
+    if state.store is None:
+        return []
+    return merge_families(
+        fam
+        for s in state.store["shards"]
+        for fam in store_metric_families(s["address"], shard_stats_from_report(s))
+    )
 
 
 def serve_metric_families(state: MonitorState, now: float) -> list[Metric]:
