@@ -165,9 +165,10 @@ def serve_replica(
     """
     import threading
 
-    from embedding_store.client import GrpcTransport, RetryPolicy
     from embedding_store.errors import CheckpointError
     from embedding_store.replica import ShardFollower
+    from embedding_store.transport.base import RetryPolicy
+    from embedding_store.transport.grpc import GrpcTransport
 
     data_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()

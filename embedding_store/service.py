@@ -149,7 +149,7 @@ def checkpoint_to_pb(result: CheckpointResult) -> pb.CheckpointResponse:
 
 
 def latency_to_pb(snap: LatencySnapshot) -> pb.LatencyHistogram:
-    """The wire form of a latency snapshot (``client.latency_from_pb`` reads it back)."""
+    """The wire form of a latency snapshot (read back by ``transport.messages.latency_from_pb``)."""
     return pb.LatencyHistogram(
         buckets=snap.buckets, counts=snap.counts, sum_seconds=snap.sum_s, count=snap.count
     )

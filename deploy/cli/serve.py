@@ -254,7 +254,8 @@ class ServingStack:
         dashboard page then shows this server); None: no reports."""
         from connectors.codecs import make_codec
         from deploy.job import build_codec, serving_location
-        from embedding_store.client import RetryPolicy, StoreClient
+        from embedding_store.client import StoreClient
+        from embedding_store.transport.base import RetryPolicy
         from serving.freshness import FreshnessCollector, SparseFreshness
         from serving.http import InferenceServer
         from serving.model import DenseFollower, ServingModel

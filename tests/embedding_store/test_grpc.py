@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from deploy.config import load_config
-from embedding_store.client import RetryPolicy, StoreClient
+from embedding_store.client import StoreClient
 from embedding_store.errors import (
     InvalidRequest,
     MessageTooLarge,
@@ -25,6 +25,7 @@ from embedding_store.errors import (
 )
 from embedding_store.proto import embedding_store_pb2 as pb
 from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
+from embedding_store.transport.base import RetryPolicy
 from embedding_store.types import PushOrigin
 from embedding_store.wire import decode_row_state
 from tests.conftest import grpc_address, streamrec

@@ -15,10 +15,11 @@ import pytest
 
 from deploy.local.objectstore import LocalS3
 from deploy.local.shards import ShardProcess
-from embedding_store.client import RetryPolicy, StoreClient
+from embedding_store.client import StoreClient
 from embedding_store.errors import ShardRestarted
 from embedding_store.location import Location
 from embedding_store.mirror import remote_seqs
+from embedding_store.transport.base import RetryPolicy
 
 U64 = np.uint64
 FAST = RetryPolicy(attempts=2, initial_backoff_s=0.05, timeout_s=10)

@@ -20,11 +20,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from deploy.local.shards import ShardProcess
-from embedding_store.client import RetryPolicy, StoreClient
+from embedding_store.client import StoreClient
 from embedding_store.errors import InvalidRequest, StoreUnavailable
 from embedding_store.replica import ShardFollower
 from embedding_store.shard import StoreShard
 from embedding_store.table import EmbeddingTable
+from embedding_store.transport.base import RetryPolicy
 from embedding_store.types import StoreConfig, TableConfig
 from tests.conftest import DEFAULT_TABLES, streamrec
 
