@@ -35,7 +35,8 @@ import numpy.typing as npt
 I64 = npt.NDArray[np.int64]
 
 DEFAULT_CAPACITY = 1 << 20
-"""Ids kept per table (8 MiB): at 15,000 samples/s, about a minute of pushes."""
+"""Ids kept per table (8 MiB): many follower rounds of a busy job's pushes, so that only
+a follower stalled for long copies the table again (``benchmarks/serve.py`` follows one)."""
 
 
 class ChangeLog:

@@ -186,8 +186,8 @@ class ShardFollower:
         names = list(self.replica.tables)
         answers: dict[str, TableChanges] = {}
         try:
-            # One call for every table: a call per table cost the training shard about
-            # 18% of a core at 26 tables and 10 rounds a second, nearly all overhead.
+            # One call for every table: a call per table costs the training shard a
+            # call's overhead per table every round (``benchmarks/serve.py``).
             asks = [(n, *self._positions.get(n, ("", 0))) for n in names]
             answers = dict(zip(names, self.source.changes_many(asks), strict=True))
         except StoreError as exc:

@@ -13,8 +13,8 @@ embedding_store.errors.InvalidRequest: rows: 7 bytes is not a whole number of fl
 
 Lookup and Push also travel as *frames*: one raw message each way on gRPC's
 generic handlers (``FRAME_SERVICE``), with no protobuf around the payload. A
-2 MiB reply built as a protobuf field cost more than the lookup itself (the
-message is built, then serialised, then parsed: three copies of every row);
+reply built as a protobuf field copies every row three times (the message is
+built, then serialised, then parsed; ``benchmarks/store.py``, ``grpc_*``);
 a frame is a small fixed header, the table names, and the arrays back to
 back, so the server writes rows straight into the reply and the client reads
 them with ``np.frombuffer``. Layout, all little-endian::
@@ -38,8 +38,8 @@ area instead (``SharedCall``): the client writes the request frame into a
 file in ``/dev/shm`` that the shard has mapped, the shard reads it in place and
 writes the reply frame next to it, and gRPC carries only a 72-byte message one
 way and 8 bytes (a lookup) or a PushResponse the other, with the token,
-deadlines and error codes as for any call. Over loopback the 2.5 MB of a
-65,536-id lookup cost about as much as the lookup itself.
+deadlines and error codes as for any call, and the rows cross no socket
+(``benchmarks/store.py``: ``grpc_*`` against ``grpc_network_*``).
 
 >>> frame = decode_lookup(encode_lookup({"user": np.array([3, 4], np.uint64)}, train=True,
 ...                                     step=7, dtype="float16"))
