@@ -15,6 +15,7 @@ cannot.
 With one rank there is no process group and ``exchange`` only echoes.
 
 >>> import torch
+>>> from trainer.step_protocol import Control
 >>> sync = DenseSync(torch.nn.Linear(2, 1), mode="allreduce")
 >>> sync.exchange(Control(active=1, waiting=0, stop=0, checkpoint=1, samples=8))
 Control(active=1, waiting=0, stop=0, checkpoint=1, samples=8, failed=0, hungry=0, spare=0, report=0)
@@ -22,39 +23,13 @@ Control(active=1, waiting=0, stop=0, checkpoint=1, samples=8, failed=0, hungry=0
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-
-@dataclass(frozen=True)
-class Control:
-    """Per-rank flags in, sums over ranks out."""
-
-    active: int  # ranks that trained this step
-    waiting: int  # ranks with no batch now whose stream goes on (quiet partitions)
-    stop: int  # ranks asking to stop (SIGTERM, --max-time, an error)
-    checkpoint: int  # ranks whose checkpoint timer is due
-    samples: int  # samples trained this step
-    # Ranks that lost the embedding store (a shard died or restarted): every rank
-    # then rolls back to the newest job checkpoint together.
-    failed: int = 0
-    # With a job-wide --max-events: ranks at their share whose source holds more
-    # (hungry), and the events the ranks without work could still learn (spare).
-    hungry: int = 0
-    spare: int = 0
-    # Ranks asking for a report now: every rank then reports, with figures over every
-    # rank's predictions (a gather), at the same step.
-    report: int = 0
-
-    def any(
-        self,
-        flag: Literal["active", "waiting", "stop", "checkpoint", "failed", "hungry", "report"],
-    ) -> bool:
-        return bool(getattr(self, flag) > 0)
+from trainer.step_protocol import Control
 
 
 def _kib(n: int) -> int:

@@ -37,7 +37,7 @@ from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch
 from trainer.checkpoint import CheckpointBook, JobCheckpointError, JobManifest
 from trainer.config import DenseOptimizerConfig, LabelPrior, TrainerConfig
-from trainer.dense_sync import Control, DenseSync
+from trainer.dense_sync import DenseSync
 from trainer.event_budget import even_shares, share_spare
 from trainer.joined_fields import JoinedFields
 from trainer.ledger import Ledger
@@ -48,6 +48,20 @@ from trainer.publish import DensePublisher
 from trainer.pusher import Pusher, PushFailed, SharedPushes
 from trainer.run_files import RotatingLines
 from trainer.split_step import SplitStep
+from trainer.step_protocol import (
+    END_OF_STREAM,
+    MAX_EVENTS,
+    End,
+    RankState,
+    RollBackAll,
+    ShareSpare,
+    Step,
+    WaitQuietly,
+    ask_stream,
+    budget_at,
+    decide,
+    share_learned,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,8 +69,17 @@ _RECENT_LOSSES_KEPT = 4096
 _END = object()
 # While every rank's stream is quiet, the ranks meet this often (not in a busy loop).
 _QUIET_SLEEP_S = 0.05
-# How often a rank at its share of --max-events asks its source whether it holds more.
-_HUNGRY_CHECK_S = 0.5
+
+
+@dataclass
+class _RunState:
+    """What one run of the loop knows of its stream from step to step."""
+
+    exhausted: bool = False  # the stream ended (or this rank's share is learned)
+    end_reason: str = END_OF_STREAM
+    asked: bool = False  # the stream was asked for a batch at least once
+    hungry_checked: tuple[float, bool] = (-float("inf"), False)  # when, and the answer
+    last_report: float = field(default_factory=time.monotonic)
 
 
 class SharedBudget(Protocol):
@@ -674,53 +697,19 @@ class TrainLoop:
         return self.stats
 
     def _run(self, batches: Iterator[PreparedBatch | None], budget: JobBudget | None) -> None:
-        last_report = time.monotonic()
-        exhausted = False
-        end_reason = "end_of_stream"
-        sync_mode = self.config.mode == "sync"
-        queue_bound = self.config.effective_push_queue
+        run = _RunState()
         if budget is not None:
             self._even_shares(budget)
         if self._share_pushes:
             # One name for this incarnation of the job's pushes, the same on every rank.
             group = cast(list[str], self.sync.gather(uuid.uuid4().hex[:16]))[0]
             self.pusher.join(group)
-        hungry_checked = (-float("inf"), False)  # when this rank last asked, and the answer
         if self.initial_checkpoint:
             self.checkpoint()
-        # A deadline that passed while the job started still lets the source be asked
-        # once: a source that cannot be reached then says so (exit 1), rather than the
-        # job ending as if it had trained what there was.
-        asked = False
         while True:
-            if self._failure is None and self.store_changed is not None:
-                changed = self.store_changed()
-                if changed:
-                    self._failure = StoreLost(changed)
-            stop_reason = self.stop_reason()
-            batch = None
-            quiet = False
-            first_ask = not asked and stop_reason == "max_time"
-            if not exhausted and (not stop_reason or first_ask) and self._failure is None:
-                asked = True
-                t0 = time.perf_counter()
-                try:
-                    item = next(batches, _END)
-                except Exception as exc:
-                    if not store_failure(exc):
-                        raise
-                    self._failure, item = exc, None
-                self.stats.wait_s += time.perf_counter() - t0
-                if item is _END:
-                    exhausted = True
-                    # A stream cut short by a stop is not the stream's end.
-                    stop_reason = self.stop_reason()
-                elif self._failure is None:
-                    batch = cast(PreparedBatch | None, item)
-                    quiet = batch is None
+            batch, quiet, stop_reason = self._next_batch(batches, run)
             if self._prior_pending:
                 self._first_batch_prior(batch)
-            grads: dict[str, Any] = {}
             missed = (
                 self.pusher.missed_since(batch.looked_up_at)
                 if batch is not None and batch.looked_up_at > 0
@@ -728,132 +717,190 @@ class TrainLoop:
             )
             if self._fresh and batch is not None and len(batch) and batch.looked_up_at > 0:
                 self._freshen(batch)
-            t0 = time.perf_counter()
-            # A rank without a batch still steps, with no dense gradients of its own.
-            self.dense.optimizer.zero_grad(set_to_none=True)
-            if batch is not None and len(batch):
-                grads = self._forward_backward(batch)
-            self.stats.compute_s += time.perf_counter() - t0
-            hungry = False
-            spare = 0
-            capped = False
-            if budget is not None and batch is None and self.max_events is not None:
-                left = self.max_events - self._events
-                capped = left <= 0 and not exhausted
-                if capped:
-                    end_reason = "max_events"
-                    now = time.monotonic()
-                    if now - hungry_checked[0] >= _HUNGRY_CHECK_S:
-                        hungry_checked = (now, budget.stream.has_more())
-                    hungry = hungry_checked[1]
-                else:
-                    spare = max(0, left)
-            mine = Control(
-                active=int(batch is not None),
-                waiting=int(quiet and not capped),
-                stop=int(bool(stop_reason)),
-                checkpoint=int(self._want_checkpoint()),
-                samples=len(batch) if batch is not None else 0,
-                failed=int(self._failure is not None),
-                hungry=int(hungry),
-                spare=spare,
-                # Rank 0's clock says when every rank reports (at one step: a gather).
-                report=int(
-                    self.rank == 0 and time.monotonic() - last_report >= self.config.log_every_s
-                ),
-            )
+            grads = self._compute(batch)
+            mine = self._rank_state(batch, quiet, stop_reason, budget, run)
             t0 = time.perf_counter()
             shared: tuple[SharedPushes, bytes] | None = None
             if self._share_pushes:
                 # Told at this step's gather (its size travels with the flags).
                 told = self.pusher.share(self.step + 1, grads if self._failure is None else None)
                 shared = (told, pickle.dumps(told, protocol=pickle.HIGHEST_PROTOCOL))
-            everyone = self.sync.exchange(mine, share_bytes=len(shared[1]) if shared else 0)
+            everyone = self.sync.exchange(mine.control, share_bytes=len(shared[1]) if shared else 0)
             self.stats.sync_s += time.perf_counter() - t0
-            if everyone.any("failed"):
+            decision = decide(mine, everyone)
+            if isinstance(decision, RollBackAll):
                 # Nothing of this step is learned: the store goes back to the checkpoint.
                 what = str(self._failure) if self._failure else "another rank lost the store"
                 raise Rollback(what) from self._failure
-            if not everyone.any("active"):
-                if shared is not None:
-                    self.pusher.unshare(shared[0])  # no gather at this step: told at the next
-                if (
-                    budget is not None
-                    and everyone.any("hungry")
-                    and everyone.spare > 0
-                    and not everyone.any("stop")
-                ):
-                    self._share_spare(budget, hungry, spare)
-                    hungry_checked = (-float("inf"), False)
-                    continue
-                if everyone.any("waiting") and not everyone.any("stop"):
-                    # Every stream is quiet for now: no step, and no spinning. What was
-                    # learned before the quiet still gets its checkpoint when one is due
-                    # (and so its offsets committed), not only when records come again.
-                    if everyone.any("checkpoint") and self.step > self._checkpointed_step:
-                        self.checkpoint()
-                    if everyone.any("report"):
-                        self._report(every_rank=True)
-                        last_report = time.monotonic()
-                    time.sleep(_QUIET_SLEEP_S)
-                    continue
-                self.stats.stopped_by = stop_reason or (
-                    "another rank" if everyone.any("stop") else end_reason
-                )
-                break
-            self.stats.job_samples += everyone.samples
-            self._job_learned += everyone.samples
+            if isinstance(decision, Step):
+                self._take_step(batch, missed, grads, everyone.samples, shared, run, budget)
+                if decision.checkpoint:
+                    self.checkpoint()
+                if decision.stop_after:
+                    self.stats.stopped_by = decision.stop_after
+                    break
+                if decision.report:
+                    self._report(every_rank=True)
+                    run.last_report = time.monotonic()
+                continue
             if shared is not None:
-                t0 = time.perf_counter()
-                self.pusher.take_shared(
-                    [pickle.loads(blob) for blob in self.sync.gather_bytes(shared[1])]
-                )
-                self.stats.sync_s += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            self.dense.optimizer.step()
-            self.stats.compute_s += time.perf_counter() - t0
-            # Sync mode with several ranks: the ranks' pushes are applied one rank after
-            # the other, not as they arrive. A sparse optimizer's update depends on what
-            # the row saw before (Adagrad's sum of squares), so arrival order would
-            # make the model differ from run to run.
-            in_rank_order = sync_mode and self.sync.world > 1
-            if batch is not None:
-                self._learn(batch, missed, grads, push=not in_rank_order)
-                if self.max_events is not None and self._events >= self.max_events:
-                    # This rank's share is learned; the others may still have theirs (a
-                    # shared budget may move more to it: it keeps asking its stream).
-                    end_reason = "max_events"
-                    exhausted = budget is None
-            self.step += 1
-            self.stats.steps += 1
-            if self.publisher is not None:
-                self.publisher.maybe_publish(
-                    step=self.step,
-                    samples=self.samples_before + self._learned,
-                    module=self.dense.module,
-                )
-            # The staleness bound: the next lookup may miss at most this many pushes.
-            try:
-                if in_rank_order:
-                    self.stats.push_wait_s += self._push_in_rank_order(
-                        grads if batch is not None else {}
-                    )
-                else:
-                    self.stats.push_wait_s += self.pusher.wait(queue_bound)
-            except Exception as exc:
-                if not store_failure(exc):
-                    raise
-                self._failure = exc  # every rank hears of it at the next step
-            if sync_mode and not in_rank_order:
-                self.sync.barrier()  # every rank's push lands before any next lookup
-            if everyone.any("checkpoint"):
-                self.checkpoint()
-            if everyone.any("stop"):
-                self.stats.stopped_by = stop_reason or "another rank"
+                self.pusher.unshare(shared[0])  # no gather at this step: told at the next
+            if isinstance(decision, ShareSpare) and budget is not None:
+                self._share_spare(budget, mine.control.hungry > 0, mine.control.spare)
+                run.hungry_checked = (-float("inf"), False)
+            elif isinstance(decision, WaitQuietly):
+                if decision.checkpoint:
+                    self.checkpoint()
+                if decision.report:
+                    self._report(every_rank=True)
+                    run.last_report = time.monotonic()
+                time.sleep(_QUIET_SLEEP_S)
+            elif isinstance(decision, End):
+                self.stats.stopped_by = decision.stopped_by
                 break
-            if everyone.any("report"):
-                self._report(every_rank=True)
-                last_report = time.monotonic()
+        self._finish()
+
+    def _next_batch(
+        self, batches: Iterator[PreparedBatch | None], run: _RunState
+    ) -> tuple[PreparedBatch | None, bool, str]:
+        """This step's batch (None: none), whether the stream is quiet for now (it gave
+        None), and why the loop should stop ('' to go on)."""
+        if self._failure is None and self.store_changed is not None:
+            changed = self.store_changed()
+            if changed:
+                self._failure = StoreLost(changed)
+        stop_reason = self.stop_reason()
+        failed = self._failure is not None
+        if not ask_stream(
+            exhausted=run.exhausted, stop_reason=stop_reason, asked=run.asked, failed=failed
+        ):
+            return None, False, stop_reason
+        run.asked = True
+        t0 = time.perf_counter()
+        try:
+            item = next(batches, _END)
+        except Exception as exc:
+            if not store_failure(exc):
+                raise
+            self._failure, item = exc, None
+        self.stats.wait_s += time.perf_counter() - t0
+        if item is _END:
+            run.exhausted = True
+            # A stream cut short by a stop is not the stream's end.
+            return None, False, self.stop_reason()
+        if self._failure is not None:
+            return None, False, stop_reason
+        batch = cast(PreparedBatch | None, item)
+        return batch, batch is None, stop_reason
+
+    def _compute(self, batch: PreparedBatch | None) -> dict[str, Any]:
+        """The batch's forward and backward: its row gradients (none without a batch)."""
+        t0 = time.perf_counter()
+        # A rank without a batch still steps, with no dense gradients of its own.
+        self.dense.optimizer.zero_grad(set_to_none=True)
+        grads = self._forward_backward(batch) if batch is not None and len(batch) else {}
+        self.stats.compute_s += time.perf_counter() - t0
+        return grads
+
+    def _rank_state(
+        self,
+        batch: PreparedBatch | None,
+        quiet: bool,
+        stop_reason: str,
+        budget: JobBudget | None,
+        run: _RunState,
+    ) -> RankState:
+        """What this rank tells the others at this step, and what the decision needs."""
+        now = time.monotonic()
+        share = budget_at(
+            shared=budget is not None,
+            has_batch=batch is not None,
+            max_events=self.max_events,
+            events=self._events,
+            exhausted=run.exhausted,
+            since_hungry_check_s=now - run.hungry_checked[0],
+        )
+        if share.capped:
+            run.end_reason = MAX_EVENTS
+        if share.check_hungry and budget is not None:
+            run.hungry_checked = (now, budget.stream.has_more())
+        return RankState.before_exchange(
+            active=batch is not None,
+            samples=len(batch) if batch is not None else 0,
+            quiet=quiet,
+            budget=share,
+            hungry=share.capped and run.hungry_checked[1],
+            stop_reason=stop_reason,
+            checkpoint_due=self._want_checkpoint(),
+            failed=self._failure is not None,
+            # Rank 0's clock says when every rank reports (at one step: a gather).
+            report_due=self.rank == 0 and now - run.last_report >= self.config.log_every_s,
+            end_reason=run.end_reason,
+            shared_budget=budget is not None,
+            steps_since_checkpoint=self.step - self._checkpointed_step,
+        )
+
+    def _take_step(
+        self,
+        batch: PreparedBatch | None,
+        missed: int | None,
+        grads: dict[str, Any],
+        job_samples: int,
+        shared: tuple[SharedPushes, bytes] | None,
+        run: _RunState,
+        budget: JobBudget | None,
+    ) -> None:
+        """The dense step every rank takes when some rank trained, then this rank's pushes
+        and the wait that keeps the staleness bound."""
+        self.stats.job_samples += job_samples
+        self._job_learned += job_samples
+        if shared is not None:
+            t0 = time.perf_counter()
+            self.pusher.take_shared(
+                [pickle.loads(blob) for blob in self.sync.gather_bytes(shared[1])]
+            )
+            self.stats.sync_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.dense.optimizer.step()
+        self.stats.compute_s += time.perf_counter() - t0
+        sync_mode = self.config.mode == "sync"
+        # Sync mode with several ranks: the ranks' pushes are applied one rank after
+        # the other, not as they arrive, because a sparse optimizer's update depends on
+        # what the row saw before (Adagrad's sum of squares).
+        in_rank_order = sync_mode and self.sync.world > 1
+        if batch is not None:
+            self._learn(batch, missed, grads, push=not in_rank_order)
+            if share_learned(events=self._events, max_events=self.max_events):
+                # This rank's share is learned; the others may still have theirs (a
+                # shared budget may move more to it: it keeps asking its stream).
+                run.end_reason = MAX_EVENTS
+                run.exhausted = budget is None
+        self.step += 1
+        self.stats.steps += 1
+        if self.publisher is not None:
+            self.publisher.maybe_publish(
+                step=self.step,
+                samples=self.samples_before + self._learned,
+                module=self.dense.module,
+            )
+        # The staleness bound: the next lookup may miss at most this many pushes.
+        try:
+            if in_rank_order:
+                self.stats.push_wait_s += self._push_in_rank_order(
+                    grads if batch is not None else {}
+                )
+            else:
+                self.stats.push_wait_s += self.pusher.wait(self.config.effective_push_queue)
+        except Exception as exc:
+            if not store_failure(exc):
+                raise
+            self._failure = exc  # every rank hears of it at the next step
+        if sync_mode and not in_rank_order:
+            self.sync.barrier()  # every rank's push lands before any next lookup
+
+    def _finish(self) -> None:
+        """The run's end on every rank: one dense network, published, checkpointed (or
+        at least every push drained), and a last report."""
         if self.config.mode == "async":
             self.sync.average()  # the job ends with one dense network, not one per rank
         if self.publisher is not None and self.publisher.step != self.step:
