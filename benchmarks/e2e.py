@@ -425,7 +425,9 @@ def run_step_in_process(
     import torch
 
     from embedding_store.client import StoreClient
-    from trainer.loop import DenseModel, TrainLoop
+    from trainer.dense_model import DenseModel
+    from trainer.loop import TrainLoop
+    from trainer.loop_options import Compute, Outputs
 
     t_gen = time.perf_counter()
     prepared = hashed_batches(samples, seed)
@@ -454,7 +456,14 @@ def run_step_in_process(
         torch.set_num_threads(os.cpu_count() or 1)
         dense = DenseModel(job.trainer, SPEC, store.dims, torch.device("cpu"))
         # Its metrics file, as a job's rank writes it: timed by the job modes' clock.
-        loop = TrainLoop(job.trainer, SPEC, store, dense, run_dir=run_dir, step_threads=1)
+        loop = TrainLoop(
+            job.trainer,
+            SPEC,
+            store,
+            dense,
+            compute=Compute(step_threads=1),
+            outputs=Outputs(run_dir=run_dir),
+        )
 
         def looked_up() -> Any:
             for batch in prepared:  # staleness 0: the loop pushed the last batch before asking

@@ -349,7 +349,7 @@ def run_plain(
 
     from embedding_store.types import StoreConfig, UniformInit
     from trainer.config import FFNNConfig, TrainerConfig
-    from trainer.loop import build_optimizer
+    from trainer.dense_model import build_optimizer
     from trainer.metrics import ProgressiveMetrics
     from trainer.models import build_model, field_dims, loss_fn, rate_logits
 

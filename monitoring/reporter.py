@@ -35,7 +35,7 @@ from monitoring.types import (
     TrainerReport,
 )
 from monitoring.wire import shard_report
-from trainer.loop import Progress
+from trainer.progress import Progress
 
 log = logging.getLogger(__name__)
 

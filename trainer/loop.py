@@ -9,6 +9,11 @@ row gradients to the ``Pusher``. Before the next batch is asked for, at most
 staleness bound. Checkpoints are decided collectively (any rank's timer or
 stop request) and taken by ``JobCheckpointer``.
 
+Every rank runs the same per-step protocol: what it does after the step's one
+exchange is a pure function of its own state and every rank's sums
+(:func:`trainer.step_protocol.decide`); the loop gathers that state and carries
+the decision out.
+
 The loop knows nothing about Kafka, Dask or processes: it gets an iterator of
 batches, a store client and callbacks, which keeps it testable in one process.
 """
@@ -22,30 +27,30 @@ import pickle
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
 
 from embedding_store.client import StoreClient
-from embedding_store.errors import StoreUnavailable
-from embedding_store.types import TableConfig
 from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch
-from trainer.checkpoint import CheckpointBook, JobCheckpointError, JobManifest
-from trainer.config import DenseOptimizerConfig, LabelPrior, TrainerConfig
+from trainer.checkpoint import JobManifest
+from trainer.config import TrainerConfig
+from trainer.dense_model import DenseModel
 from trainer.dense_sync import DenseSync
+from trainer.errors import Rollback, StoreLost, store_failure
 from trainer.event_budget import even_shares, share_spare
 from trainer.joined_fields import JoinedFields
 from trainer.ledger import Ledger
+from trainer.loop_options import Compute, Outputs, Recovery, Start, Until
 from trainer.metrics import MetricsSnapshot, ProgressiveMetrics, snapshot_of
-from trainer.models import build_model, field_dims, loss_fn, rate_logits
+from trainer.models import loss_fn, rate_logits
 from trainer.pooling import host_tensor, pool, row_grads, to_tensors
-from trainer.publish import DensePublisher
-from trainer.pusher import Pusher, PushFailed, SharedPushes
+from trainer.progress import LoopStats, Progress
+from trainer.pusher import Pusher, SharedPushes
 from trainer.run_files import RotatingLines
 from trainer.split_step import SplitStep
 from trainer.step_protocol import (
@@ -102,336 +107,6 @@ class JobBudget:
     stream: SharedBudget
 
 
-class StoreLost(RuntimeError):
-    """A store shard lost its rows: it died and came back, or was replaced."""
-
-
-class Rollback(RuntimeError):
-    """The store lost state mid-run; every rank must roll back to the newest job checkpoint.
-
-    Raised by :meth:`TrainLoop.run` on every rank at the same step (the ranks
-    agree through the per-step collective), so the caller can restore and go on.
-    """
-
-
-def store_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` means the store (not the model or the data) failed: a rollback heals it.
-
-    >>> store_failure(StoreUnavailable("shard 1 down")), store_failure(ValueError("bad"))
-    (True, False)
-    """
-    if isinstance(exc, PushFailed):
-        return exc.__cause__ is not None and store_failure(exc.__cause__)
-    return isinstance(exc, StoreUnavailable | StoreLost)
-
-
-def build_optimizer(model: torch.nn.Module, cfg: DenseOptimizerConfig) -> torch.optim.Optimizer:
-    """The dense optimizer named by ``cfg``.
-
-    >>> opt = build_optimizer(torch.nn.Linear(2, 1), DenseOptimizerConfig(kind="sgd", lr=0.1))
-    >>> type(opt).__name__, opt.defaults["lr"]
-    ('SGD', 0.1)
-    """
-    params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.kind == "adam":
-        return torch.optim.Adam(
-            params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
-        )
-    if cfg.kind == "adamw":
-        return torch.optim.AdamW(
-            params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
-        )
-    if cfg.kind == "adagrad":
-        return torch.optim.Adagrad(params, lr=cfg.lr, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
-
-
-def pick_device(requested: str, index: int = 0, local_ranks: int = 1) -> torch.device:
-    """The device of local rank ``index`` of ``local_ranks`` ranks on this host.
-
-    ``auto`` is ``cuda:index`` when every local rank can have a GPU of its own
-    (NCCL refuses two ranks on one GPU), else the CPU; ``cuda`` insists, and
-    says why it cannot be had.
-
-    >>> pick_device("cpu", 3, 4)
-    device(type='cpu')
-    """
-    if requested == "cpu":
-        return torch.device("cpu")
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if requested == "cuda" and gpus == 0:
-        msg = "trainer.device: 'cuda' was asked for but no CUDA device is visible"
-        raise RuntimeError(msg)
-    if requested == "cuda" and gpus < local_ranks:
-        msg = (
-            f"trainer.device: 'cuda' for {local_ranks} ranks on this host, which has {gpus} "
-            "GPU(s): NCCL needs a GPU per rank; start at most that many ranks per host "
-            "(trainer.ranks, torchrun --nproc-per-node) or set trainer.device: auto or cpu"
-        )
-        raise RuntimeError(msg)
-    if gpus == 0 or gpus < local_ranks:
-        return torch.device("cpu")
-    return torch.device("cuda", index % gpus)
-
-
-def configured_rates(prior: LabelPrior, labels: list[str]) -> list[float] | None:
-    """The label rates a configured ``label_prior`` gives, one per label; None when the
-    prior is ``None`` or ``"first_batch"`` (the loop measures that one).
-
-    >>> configured_rates(0.01, ["click", "buy"]), configured_rates({"y": 0.2}, ["y"])
-    ([0.01, 0.01], [0.2])
-    >>> configured_rates({"click": 0.1}, ["click", "buy"])
-    Traceback (most recent call last):
-    ...
-    ValueError: trainer.label_prior names no rate for label(s) ['buy'] and one for no label []
-    """
-    if prior is None or prior == "first_batch":
-        return None
-    if isinstance(prior, dict):
-        missing = [name for name in labels if name not in prior]
-        unknown = sorted(set(prior) - set(labels))
-        if missing or unknown:
-            msg = (
-                f"trainer.label_prior names no rate for label(s) {missing} and one for no "
-                f"label {unknown}"
-            )
-            raise ValueError(msg)
-        return [prior[name] for name in labels]
-    return [float(prior)] * len(labels)
-
-
-class DenseModel:
-    """The dense network of one rank and its optimizer, built from the job.
-
-    A ``label_prior`` given as rates sets the output biases here, the same on every
-    rank; ``"first_batch"`` is left to the loop, which sees the first batch.
-    """
-
-    def __init__(
-        self, config: TrainerConfig, spec: FeatureSpec, dims: dict[str, int], device: torch.device
-    ) -> None:
-        torch.manual_seed(config.seed)  # every rank starts from the same weights
-        self.module = build_model(
-            config.model,
-            num_dense=len(spec.dense),
-            field_dims=field_dims(spec, dims),
-            num_tasks=len(spec.labels),
-            field_names=[f.name for f in spec.sparse],  # errors name the fields
-        ).to(device)
-        rates = configured_rates(config.label_prior, list(spec.labels))
-        if rates is not None:
-            self.module.set_output_bias(rate_logits(rates))
-        self.optimizer = build_optimizer(self.module, config.optimizer)
-
-    def state(self) -> dict[str, Any]:
-        return {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-
-
-@dataclass
-class LoopStats:
-    """What the loop has done; the summary of a run."""
-
-    steps: int = 0
-    samples: int = 0
-    # Every rank's samples in this run, from each step's sums (the same on every rank).
-    job_samples: int = 0
-    bad_records: int = 0
-    events: int = 0  # records learned: samples plus dead-lettered ones
-    checkpoints: int = 0
-    wait_s: float = 0.0  # waiting for prepared batches
-    compute_s: float = 0.0  # forward, backward, dense step
-    push_wait_s: float = 0.0  # waiting for the push queue to fall to its bound
-    sync_s: float = 0.0  # the per-step collective
-    started: float = field(default_factory=time.monotonic)
-    last_checkpoint: dict[str, Any] | None = None
-    stopped_by: str = ""
-    # Observed staleness: batches by how many earlier pushes their lookup missed.
-    missed_pushes: dict[int, int] = field(default_factory=dict)
-    # Per row (fresh_rows): rows by how many of this rank's pushes to them their lookup
-    # missed, by how many they still missed when trained (pushes in flight), and how
-    # many rows were trained with a push's value instead of the looked-up one.
-    missed_pushes_by_row: dict[int, int] = field(default_factory=dict)
-    trained_missed_pushes_by_row: dict[int, int] = field(default_factory=dict)
-    rows_freshened: int = 0
-    rows_predicted: int = 0  # of those, rows the push in flight changes, computed ahead
-    fresh_waits: int = 0  # pushes in flight waited for (a row's state was not remembered)
-    # Dead-lettered records by partition, then by reason.
-    bad_by_partition: dict[str, dict[str, int]] = field(default_factory=dict)
-    # Rollbacks to the newest checkpoint after the store lost state, and how long each took.
-    recoveries: int = 0
-    recovery_s: list[float] = field(default_factory=list)
-    # Times the job started its rank world again after a rank process was killed.
-    rank_restarts: int = 0
-
-    def elapsed(self) -> float:
-        return time.monotonic() - self.started
-
-
-@dataclass(frozen=True)
-class Progress:
-    """One progress report (also one line of ``metrics-rank<R>.jsonl``)."""
-
-    rank: int
-    step: int
-    samples: int  # learned in this run (this rank's)
-    samples_total: int  # learned by the job, restored checkpoints included
-    samples_per_s: float
-    elapsed_s: float
-    loss: float | None
-    metrics: MetricsSnapshot
-    staleness: int
-    pushes_queued: int
-    wait_s: float
-    compute_s: float
-    events_total: int = 0  # records read in this run, dead-lettered ones included
-    missed_pushes: dict[str, int] = field(default_factory=dict)  # see LoopStats
-    missed_pushes_by_row: dict[str, int] = field(default_factory=dict)  # see LoopStats
-    trained_missed_pushes_by_row: dict[str, int] = field(default_factory=dict)
-    rows_freshened: int = 0
-    rows_predicted: int = 0
-    fresh_waits: int = 0
-    positions: dict[str, int] = field(default_factory=dict)  # learned up to, per partition
-    deadletter: dict[str, dict[str, int]] = field(default_factory=dict)
-    best_auc: float | None = None  # the synthetic stream's best achievable AUC
-    last_checkpoint: dict[str, Any] | None = None
-    mode: str = ""
-    # Empty while the rank trains; its last report says why it stopped (signal,
-    # max_time, max_events, end_of_stream, another rank, error).
-    stopped_by: str = ""
-    recoveries: int = 0
-    # Every rank's: samples learned in this run, their rate, and the job's total
-    # (restored checkpoints included); with one rank the same as this rank's.
-    ranks: int = 1
-    job_samples: int = 0
-    job_samples_per_s: float = 0.0
-    job_samples_total: int = 0
-    # The progressive figures over every rank's predictions (None: one rank, whose
-    # ``metrics`` they are, or a report of this rank alone).
-    job_metrics: MetricsSnapshot | None = None
-
-
-class JobCheckpointer:
-    """Takes a coordinated checkpoint: all ranks drained, store, dense state, manifest."""
-
-    def __init__(
-        self,
-        book: CheckpointBook,
-        store: StoreClient,
-        *,
-        on_saved: Callable[[JobManifest], None] | None = None,
-        extra: dict[str, Any] | None = None,
-    ) -> None:
-        self.book = book
-        self.store = store
-        self.on_saved = on_saved
-        self.extra = dict(extra or {})
-
-    def take(
-        self,
-        sync: DenseSync,
-        *,
-        rank: int,
-        step: int,
-        positions: dict[str, int],
-        samples: int,
-        dense: dict[str, Any],
-        samples_before: int = 0,
-        failure: BaseException | None = None,
-    ) -> JobManifest | None:
-        """Every rank calls this at the same step, with its pushes drained.
-
-        ``samples`` is what this rank learned since the job (re)started,
-        ``samples_before`` what the restored checkpoint held (the same on every rank).
-        ``failure``: this rank could not get ready (a push or a dead-letter flush
-        failed). Every rank learns of any rank's failure, and of one in the store's
-        checkpoint, through the collectives here, so all raise together:
-        :class:`Rollback` when the store failed, else the failure itself (rank 0)
-        or a :class:`JobCheckpointError` naming it (the others). No manifest is
-        written then, so no offset is committed past what is durable.
-        """
-        # Rank 0 must not checkpoint the store while another rank still pushes.
-        ranks = cast(
-            list[dict[str, Any]],
-            sync.gather(
-                {
-                    "positions": positions,
-                    "samples": samples,
-                    "dense": dense,
-                    "failure": _describe(failure),
-                }
-            ),
-        )
-        manifest = None
-        error: BaseException | None = None
-        if any(r["failure"] for r in ranks):
-            error = failure
-        elif rank == 0:
-            try:
-                results = self.store.checkpoint(None, "auto", metadata={"job_step": step})
-                manifest = self.book.save(
-                    step=step,
-                    samples=samples_before + sum(int(r["samples"]) for r in ranks),
-                    positions={p: n for r in ranks for p, n in r["positions"].items()},
-                    shard_seqs=[r.seq for r in results],
-                    dense={"ranks": [r["dense"] for r in ranks]},
-                    extra={
-                        **self.extra,
-                        "store_bytes": sum(r.bytes for r in results),
-                        "store_kinds": [r.kind for r in results],
-                    },
-                )
-            except Exception as exc:
-                error = exc
-            if manifest is not None and self.on_saved is not None:
-                self.on_saved(manifest)
-        # Instead of a barrier: every rank learns whether the checkpoint happened.
-        outcome = cast(list[dict[str, Any]], sync.gather({"failure": _describe(error)}))
-        failures = [r["failure"] for r in ranks + outcome if r["failure"]]
-        if failures:
-            store_failed = any(f["store"] for f in failures)
-            text = "; ".join(sorted({f["text"] for f in failures}))
-            if error is not None and not store_failed:
-                raise error
-            if store_failed:
-                msg = f"checkpoint at step {step} not taken: {text}"
-                raise Rollback(msg) from error
-            msg = f"checkpoint at step {step} failed on another rank: {text}"
-            raise JobCheckpointError(msg)
-        return manifest
-
-
-def _describe(exc: BaseException | None) -> dict[str, Any] | None:
-    """What other ranks need to know of a failure (exceptions need not pickle)."""
-    if exc is None:
-        return None
-    return {"text": f"{type(exc).__name__}: {exc}", "store": store_failure(exc)}
-
-
-def restore_job(
-    book: CheckpointBook, store: StoreClient, dense: DenseModel, *, rank: int = 0
-) -> JobManifest | None:
-    """Roll the store back to the newest job checkpoint and load this rank's dense state."""
-    manifest = book.latest()
-    if manifest is None:
-        return None
-    if len(manifest.shard_seqs) != store.num_shards:
-        msg = (
-            f"{manifest.path}: checkpoint of {len(manifest.shard_seqs)} store shards, the "
-            f"store has {store.num_shards}; restore it with `streamrec store` onto the new "
-            "shards first or start the job with the same number of shards"
-        )
-        raise RuntimeError(msg)
-    if rank == 0:
-        store.restore(None, upto_seq=manifest.shard_seqs)
-    state = book.load_dense(manifest)["ranks"]
-    dense.load(state[min(rank, len(state) - 1)])
-    return manifest
-
-
 class TrainLoop:
     """One rank's loop over ``batches`` (see the module docstring)."""
 
@@ -443,67 +118,44 @@ class TrainLoop:
         dense: DenseModel,
         *,
         rank: int = 0,
-        device: torch.device | None = None,
-        run_dir: Path | None = None,
-        checkpointer: JobCheckpointer | None = None,
-        positions: dict[str, int] | None = None,
-        start_step: int = 0,
-        start_samples: int = 0,
-        max_events: int | None = None,
-        deadline: float | None = None,
-        stop: threading.Event | None = None,
-        on_progress: Callable[[Progress], None] | None = None,
-        best_auc: float | None = None,
-        store_changed: Callable[[], str | None] | None = None,
-        before_checkpoint: Callable[[], None] | None = None,
-        initial_checkpoint: bool = False,
-        stats: LoopStats | None = None,
-        step_threads: int | None = None,
-        store_tables: Mapping[str, TableConfig] | None = None,
-        publisher: DensePublisher | None = None,
+        compute: Compute | None = None,
+        start: Start | None = None,
+        until: Until | None = None,
+        recovery: Recovery | None = None,
+        outputs: Outputs | None = None,
     ) -> None:
-        """``max_events``: this rank learns at most this many records (dead-lettered
-        ones included) and then ends its stream (``stopped_by`` "max_events").
-        ``deadline``: a ``time.monotonic()`` value; the loop stops at the first step
-        boundary after it ("max_time"). ``store_changed()`` is asked every step and
-        returns what happened when a store shard lost its rows (it was restarted):
-        the ranks then roll back (:class:`Rollback`). ``before_checkpoint`` runs on
-        every rank before its state goes into a checkpoint (e.g. flushing dead
-        letters, so that no committed offset covers a record not yet durable).
-        ``initial_checkpoint``: take one before the first step, so that a job
-        always has a checkpoint to roll back to. ``stats``: carry on counting
-        into these (a job that recovered keeps one summary). ``step_threads``: on a
-        CPU, the threads each step's batch is split over (:class:`SplitStep`); 1
-        runs the whole batch on torch's intra-op threads; None: the config's
-        ``step_threads``, else 1 (the job resolves its default for the host).
-        ``store_tables``: the store's table configs (the job's ``store.tables``), with
-        which fresh rows predict what the push in flight does instead of waiting for
-        it; None: an in-process store's own, else the push in flight is not waited for.
-        ``publisher``: publishes the dense weights for prediction servers (rank 0's).
+        """Rank ``rank``'s loop; each group of options is described with its class
+        (:mod:`trainer.loop_options`), and defaults to a loop alone on the CPU that
+        starts afresh, runs to its stream's end, takes no checkpoint and writes nothing.
         """
+        compute = compute or Compute()
+        start = start or Start()
+        until = until or Until()
+        recovery = recovery or Recovery()
+        outputs = outputs or Outputs()
         self.config = config
-        self.best_auc = best_auc
+        self.best_auc = outputs.best_auc
         self.spec = spec
         self.store = store
         self.dense = dense
         self.rank = rank
-        self.device = device or torch.device("cpu")
-        self.run_dir = run_dir
-        self.checkpointer = checkpointer
+        self.device = compute.device
+        self.run_dir = outputs.run_dir
+        self.checkpointer = recovery.checkpointer
         # Per partition, every record before this was learned (not merely yielded).
-        self.positions = dict(positions or {})
-        self.step = start_step
-        self.samples_before = start_samples
-        self.max_events = max_events
-        self.deadline = deadline
-        self.stop = stop or threading.Event()
-        self.on_progress = on_progress
-        self.store_changed = store_changed
-        self.publisher = publisher
-        self.before_checkpoint = before_checkpoint
-        self.initial_checkpoint = initial_checkpoint
+        self.positions = dict(start.positions)
+        self.step = start.step
+        self.samples_before = start.samples
+        self.max_events = until.max_events
+        self.deadline = until.deadline
+        self.stop = until.stop or threading.Event()
+        self.on_progress = outputs.on_progress
+        self.store_changed = recovery.store_changed
+        self.publisher = outputs.publisher
+        self.before_checkpoint = recovery.before_checkpoint
+        self.initial_checkpoint = recovery.initial_checkpoint
         self.metrics = ProgressiveMetrics(window=config.metrics_window)
-        self.stats = stats if stats is not None else LoopStats()
+        self.stats = start.stats if start.stats is not None else LoopStats()
         # What went wrong with the store since the last step (told to every rank at
         # the next collective, which then rolls back together).
         self._failure: BaseException | None = None
@@ -524,7 +176,9 @@ class TrainLoop:
             store,
             run_id=f"{uuid.uuid4().hex[:12]}-r{rank}",
             fresh_rows=fresh,
-            tables=store_tables if store_tables is not None else store.table_configs,
+            tables=compute.store_tables
+            if compute.store_tables is not None
+            else store.table_configs,
             rank=rank,
             ranks=self.sync.world,
         )
@@ -534,12 +188,14 @@ class TrainLoop:
         self._share_pushes = fresh and self.sync.world > 1
         self._losses: list[float] = []
         self._last_checkpoint_t = time.monotonic()
-        self._checkpointed_step = start_step  # a restored job holds this step already
+        self._checkpointed_step = start.step  # a restored job holds this step already
         # A checkpoint after step 0 holds a trained bias; one at step 0 holds the seeded
         # init, so measuring the same first batch again gives an uninterrupted run's start.
-        self._prior_pending = config.label_prior == "first_batch" and start_step == 0
+        self._prior_pending = config.label_prior == "first_batch" and start.step == 0
         self._log: RotatingLines | None = None
-        threads = step_threads if step_threads is not None else config.step_threads or 1
+        threads = (
+            compute.step_threads if compute.step_threads is not None else config.step_threads or 1
+        )
         self._split = SplitStep(threads) if threads > 1 and self.device.type == "cpu" else None
         # One line per learned chunk, and a rollback line per restore: the audit
         # trail that shows each offset was learned once, across restarts.

@@ -78,7 +78,7 @@ class ProgressLine(StatusLine):
         self.last: Any = None
 
     def text(self, p: Any) -> str:
-        """One progress line for ``p`` (a ``trainer.loop.Progress``)."""
+        """One progress line for ``p`` (a ``trainer.progress.Progress``)."""
         # Every rank's samples (the step's sums), where the report has them.
         ranks = getattr(p, "ranks", 1)
         samples, rate, total = (

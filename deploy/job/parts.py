@@ -30,7 +30,9 @@ from monitoring.types import TOPIC
 from pipeline.prepare import StoreAddress
 from trainer import metrics
 from trainer.checkpoint import CheckpointBook, JobManifest
-from trainer.loop import DenseModel, JobCheckpointer, Progress
+from trainer.dense_model import DenseModel
+from trainer.job_checkpoint import JobCheckpointer
+from trainer.progress import Progress
 from trainer.publish import DensePublisher
 
 if TYPE_CHECKING:

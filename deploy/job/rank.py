@@ -26,7 +26,11 @@ from deploy.job.recovery import Rollbacks, restore, store_changed_since
 from deploy.job.services import Services
 from deploy.job.sources import RankSource, build_codec, build_source, stop_waiting_when
 from trainer.checkpoint import JobManifest
-from trainer.loop import JobBudget, LoopStats, Progress, Rollback, TrainLoop, pick_device
+from trainer.device import pick_device
+from trainer.errors import Rollback
+from trainer.loop import JobBudget, TrainLoop
+from trainer.loop_options import Compute, Outputs, Recovery, Start, Until
+from trainer.progress import LoopStats, Progress
 
 if TYPE_CHECKING:
     import torch
@@ -177,25 +181,29 @@ def _train_loop(
         parts.store,
         parts.dense,
         rank=parts.rank,
-        device=parts.device,
-        run_dir=job.run_dir,
-        checkpointer=parts.checkpointer,
-        positions=positions,
-        start_step=manifest.step if manifest is not None else 0,
-        start_samples=manifest.samples if manifest is not None else 0,
-        max_events=share,
-        deadline=limits.deadline,
-        stop=limits.stop,
-        on_progress=parts.progress,
-        best_auc=parts.best_auc,
-        store_changed=store_changed_since(parts.supervisor, restarts),
-        before_checkpoint=parts.deadletter.flush if parts.deadletter is not None else None,
-        # A job always has a checkpoint to roll back to.
-        initial_checkpoint=parts.book is not None and manifest is None,
-        stats=stats,
-        step_threads=parts.step_threads,
-        store_tables=job.store.tables,
-        publisher=parts.publisher,
+        compute=Compute(
+            device=parts.device, step_threads=parts.step_threads, store_tables=job.store.tables
+        ),
+        start=Start(
+            positions=positions,
+            step=manifest.step if manifest is not None else 0,
+            samples=manifest.samples if manifest is not None else 0,
+            stats=stats,
+        ),
+        until=Until(max_events=share, deadline=limits.deadline, stop=limits.stop),
+        recovery=Recovery(
+            checkpointer=parts.checkpointer,
+            before_checkpoint=parts.deadletter.flush if parts.deadletter is not None else None,
+            # A job always has a checkpoint to roll back to.
+            initial_checkpoint=parts.book is not None and manifest is None,
+            store_changed=store_changed_since(parts.supervisor, restarts),
+        ),
+        outputs=Outputs(
+            run_dir=job.run_dir,
+            on_progress=parts.progress,
+            best_auc=parts.best_auc,
+            publisher=parts.publisher,
+        ),
     )
 
 

@@ -19,7 +19,9 @@ from deploy.job.parts import RankParts
 from embedding_store.client import StoreClient
 from embedding_store.errors import StoreUnavailable
 from trainer.checkpoint import JobManifest
-from trainer.loop import LoopStats, Rollback, restore_job
+from trainer.errors import Rollback
+from trainer.job_checkpoint import restore_job
+from trainer.progress import LoopStats
 
 if TYPE_CHECKING:
     from deploy.local.shards import ShardSupervisor

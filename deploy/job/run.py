@@ -21,7 +21,7 @@ from deploy.job.errors import JobError
 from deploy.job.services import Services, start_services
 from deploy.job.world import run_ranks, run_torchrun_rank
 from trainer.checkpoint import JobManifest
-from trainer.loop import LoopStats, Progress
+from trainer.progress import LoopStats, Progress
 
 
 def run_job(

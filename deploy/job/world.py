@@ -30,7 +30,8 @@ from deploy.job.services import Services, batch_client, check_named_services
 from deploy.local.kafka import free_port
 from trainer.checkpoint import CheckpointBook, JobManifest
 from trainer.config import RecoveryConfig
-from trainer.loop import LoopStats, Progress, pick_device
+from trainer.device import pick_device
+from trainer.progress import LoopStats, Progress
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess

@@ -9,8 +9,8 @@ from typing import Any
 from embedding_store.types import LatencySnapshot, ShardStats
 from monitoring.reporter import Reporter, trainer_report
 from tests.monitoring.test_state import table
-from trainer.loop import Progress
 from trainer.metrics import MetricsSnapshot
+from trainer.progress import Progress
 
 
 def progress(step: int = 1, **over: Any) -> Progress:

@@ -25,7 +25,7 @@ from serving.oip import decode_bytes_tensor, encode_bytes_tensor
 from serving.replicas import StoreRows
 from serving.types import BadRecords
 from trainer.config import TrainerConfig
-from trainer.loop import DenseModel
+from trainer.dense_model import DenseModel
 from trainer.pooling import pool, to_tensors
 from trainer.publish import DensePublisher, published
 

@@ -20,7 +20,7 @@ from embedding_store.shard import StoreShard
 from pipeline.batch import build_batch
 from tests.conftest import streamrec
 from trainer.checkpoint import CheckpointBook
-from trainer.loop import DenseModel
+from trainer.dense_model import DenseModel
 from trainer.pooling import pool, to_tensors
 
 

@@ -29,7 +29,9 @@ from tests.trainer.test_loop import (
     lazy_batches,
     source,
 )
-from trainer.loop import DenseModel, TrainLoop
+from trainer.dense_model import DenseModel
+from trainer.loop import TrainLoop
+from trainer.loop_options import Compute
 
 STEPS = 12
 
@@ -44,7 +46,9 @@ def trained_rows_against_the_store(
     """
     cfg = config("hybrid", staleness=staleness, **kw)
     dense = DenseModel(cfg, SPEC, store.dims, torch.device("cpu"))
-    loop = TrainLoop(cfg, SPEC, store, dense, store_tables=TABLES if predict else None)
+    loop = TrainLoop(
+        cfg, SPEC, store, dense, compute=Compute(store_tables=TABLES if predict else None)
+    )
     seen: list[dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]] = []
     step = loop._forward_backward
     last: dict[str, Any] = {}

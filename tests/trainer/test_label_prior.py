@@ -28,7 +28,8 @@ from pipeline.prepare import prepare
 from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch
 from trainer.config import CheckpointConfig, DenseOptimizerConfig, TrainerConfig
-from trainer.loop import DenseModel, TrainLoop
+from trainer.dense_model import DenseModel
+from trainer.loop import TrainLoop
 from trainer.metrics import ProgressiveMetrics, logloss
 from trainer.models import (
     DCNv2Config,

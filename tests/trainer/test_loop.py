@@ -41,9 +41,13 @@ from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch
 from trainer.checkpoint import CheckpointBook
 from trainer.config import CheckpointConfig, DenseOptimizerConfig, TrainerConfig
+from trainer.dense_model import DenseModel
+from trainer.job_checkpoint import JobCheckpointer, restore_job
 from trainer.ledger import ledger_entries
-from trainer.loop import DenseModel, JobCheckpointer, Progress, TrainLoop, restore_job
+from trainer.loop import TrainLoop
+from trainer.loop_options import Compute, Outputs, Recovery, Start, Until
 from trainer.models import FFNNConfig, build_model, field_dims, loss_fn
+from trainer.progress import Progress
 from trainer.reference import ReferenceModel
 
 SPEC = FeatureSpec.model_validate(
@@ -193,9 +197,8 @@ def loop_run(
         SPEC,
         store,
         dense,
-        device=torch.device(device),
-        on_progress=reports.append,
-        step_threads=step_threads,
+        compute=Compute(device=torch.device(device), step_threads=step_threads),
+        outputs=Outputs(on_progress=reports.append),
     )
     prepared_after: list[int] = []
     batches = lazy_batches(
@@ -425,8 +428,8 @@ def test_checkpoint_crash_restore_and_resume_equal_an_uninterrupted_run(tmp_path
         SPEC,
         store,
         DenseModel(cfg, SPEC, store.dims, torch.device("cpu")),
-        run_dir=run_dir,
-        checkpointer=JobCheckpointer(book, store),
+        outputs=Outputs(run_dir=run_dir),
+        recovery=Recovery(checkpointer=JobCheckpointer(book, store)),
     )
     first.run(lazy_batches(src, planned[:crash_after], store))
     assert first.stats.checkpoints >= 2
@@ -462,11 +465,9 @@ def test_checkpoint_crash_restore_and_resume_equal_an_uninterrupted_run(tmp_path
         SPEC,
         store,
         dense,
-        run_dir=run_dir,
-        checkpointer=JobCheckpointer(book, store),
-        positions=restored.positions,
-        start_step=restored.step,
-        start_samples=restored.samples,
+        outputs=Outputs(run_dir=run_dir),
+        recovery=Recovery(checkpointer=JobCheckpointer(book, store)),
+        start=Start(positions=restored.positions, step=restored.step, samples=restored.samples),
     )
     resumed.run(lazy_batches(src, chunks(src, partition, start, STEPS * BATCH), store))
     assert resumed.step == STEPS
@@ -547,7 +548,12 @@ def _rank_main(rank: int, init: str, tmp: str, out: Any) -> None:
             dense = DenseModel(cfg, SPEC, store.dims, torch.device("cpu"))
             book = CheckpointBook(Path(tmp) / name / "checkpoints", keep=100)
             loop = TrainLoop(
-                cfg, SPEC, store, dense, rank=rank, checkpointer=JobCheckpointer(book, store)
+                cfg,
+                SPEC,
+                store,
+                dense,
+                rank=rank,
+                recovery=Recovery(checkpointer=JobCheckpointer(book, store)),
             )
             planned = chunks(src, partition, 0, RANK_BATCHES[rank] * BATCH)
             ahead = 0 if kw["mode"] == "sync" else 1
@@ -745,8 +751,8 @@ def test_a_quiet_stream_still_gets_its_due_checkpoint(tmp_path: Path) -> None:
         SPEC,
         store,
         DenseModel(cfg, SPEC, store.dims, torch.device("cpu")),
-        checkpointer=JobCheckpointer(book, store),
-        stop=stop,
+        recovery=Recovery(checkpointer=JobCheckpointer(book, store)),
+        until=Until(stop=stop),
     )
 
     def then_quiet() -> Iterator[PreparedBatch | None]:
@@ -801,7 +807,7 @@ def test_pick_device_gives_each_local_rank_its_own_gpu_or_none(
     want: str,
 ) -> None:
     """A GPU machine ran 2 ranks on cuda:0 and NCCL refused ("Duplicate GPU detected")."""
-    from trainer.loop import pick_device
+    from trainer.device import pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
@@ -812,7 +818,7 @@ def test_pick_device_gives_each_local_rank_its_own_gpu_or_none(
 def test_pick_device_says_why_cuda_cannot_be_had(
     monkeypatch: pytest.MonkeyPatch, gpus: int, local_ranks: int
 ) -> None:
-    from trainer.loop import pick_device
+    from trainer.device import pick_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)

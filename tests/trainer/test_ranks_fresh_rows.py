@@ -36,7 +36,9 @@ from tests.trainer.test_loop import (
     run_ranks,
     source,
 )
-from trainer.loop import DenseModel, TrainLoop
+from trainer.dense_model import DenseModel
+from trainer.loop import TrainLoop
+from trainer.loop_options import Compute
 
 STEPS = 8
 STORE = StoreConfig(
@@ -71,7 +73,9 @@ def _rank_main(rank: int, init: str, stores: dict[str, str], out: Any) -> None:
             store = StoreClient.connect(stores[name], config=STORE)
             torch.manual_seed(0)
             dense = DenseModel(cfg, SPEC, store.dims, torch.device("cpu"))
-            loop = TrainLoop(cfg, SPEC, store, dense, rank=rank, store_tables=STORE.tables)
+            loop = TrainLoop(
+                cfg, SPEC, store, dense, rank=rank, compute=Compute(store_tables=STORE.tables)
+            )
             ahead = 0 if kw["mode"] == "sync" else 1
             stats = loop.run(lazy_batches(src, planned, store, ahead=ahead))
             results[name] = {
