@@ -317,7 +317,7 @@ class Producer(threading.Thread):
         self.errors = 0
 
     def run(self) -> None:
-        from connectors.kafka import produce
+        from connectors.kafka_produce import produce
         from connectors.synthetic import SyntheticConfig, iter_json_lines
 
         block = self.block

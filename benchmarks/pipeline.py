@@ -274,7 +274,7 @@ def _fill(
 ) -> None:
     """Half of ``data`` into each of the topic's 2 partitions; ``batch_kb``: the
     producer's ``batch_size`` (kafka-python's default is 16 KB, as Kafka's is)."""
-    from connectors.kafka import produce
+    from connectors.kafka_produce import produce
 
     options: dict[str, Any] = {"compression_type": compression} if compression else {}
     if batch_kb is not None:

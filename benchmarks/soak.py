@@ -383,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
         topic = "soak"
         broker.create_topic(topic, partitions=2)
         broker.create_topic(SIDE_TOPIC, partitions=2)
-        from connectors.kafka import produce
+        from connectors.kafka_produce import produce
         from connectors.synthetic import SyntheticConfig, iter_json_lines
 
         cap = args.capacity_events

@@ -1,4 +1,4 @@
-"""Kafka as a stream source and a producer helper (kafka-python).
+"""Kafka as a stream source (kafka-python, and Fetch requests of its own).
 
 The driver *plans*: it lists partitions (``"topic/partition"``), asks where each
 starts (the consumer group's committed offset, else ``auto_offset_reset``) and
@@ -7,7 +7,7 @@ cuts chunks ``[position, min(position + max_records, log end))``. A Dask worker
 offsets inside the chunk, so a chunk read twice, or chunks read in any order,
 yield exactly the same records. By default (``reader: raw``) it sends Kafka's
 Fetch request to the partition's leader itself and parses the answer in one
-compiled pass (:mod:`connectors.kafka_fetch`: no Python object per record);
+compiled pass (:mod:`connectors.kafka_records`: no Python object per record);
 ``reader: kafka-python``, and whatever the raw reader does not handle
 (compressed message sets, TLS/SASL, brokers 0.11+), uses an assigned
 kafka-python consumer (no group membership, no auto-commit). Offsets reach the
@@ -16,7 +16,7 @@ calls once a checkpoint naming them is durable.
 
 A broker that goes away (restart, network) delays planning and reading: every
 call retries with backoff for up to ``retry_timeout_s`` and then raises
-:class:`KafkaUnavailable`; a chunk being read keeps what it already has and
+:class:`~connectors.kafka_client.KafkaUnavailable`; a chunk being read keeps what it already has and
 resumes after the last record it got, so nothing is lost or duplicated.
 
     >>> cfg = KafkaSourceConfig(
@@ -35,8 +35,8 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -45,22 +45,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from connectors import kafka_fetch
 from connectors.kafka_client import (
     REQUEST_TIMEOUT_MS,
+    ApiVersion,
     Backoff,
     Transient,
+    bootstrap_hosts,
     check_client_options,
     is_transient,
-    make_producer,
+    parse_api_version,
     reachable,
+    resolve_api_version,
     retrying,
 )
-from connectors.kafka_client import ApiVersion as ApiVersion  # noqa: PLC0414
-from connectors.kafka_client import ApiVersionSpec as ApiVersionSpec  # noqa: PLC0414
-from connectors.kafka_client import KafkaUnavailable as KafkaUnavailable  # noqa: PLC0414
-from connectors.kafka_client import bootstrap_hosts as bootstrap_hosts  # noqa: PLC0414
-from connectors.kafka_client import parse_api_version as parse_api_version  # noqa: PLC0414
-from connectors.kafka_client import (
-    resolve_api_version as resolve_api_version,  # noqa: PLC0414
-)
+from connectors.kafka_reads import FETCH_MAX_WAIT_MS, ConsumerReads, RawReads, Reads
 from connectors.types import Chunk, RawChunk, Source
 
 log = logging.getLogger(__name__)
@@ -70,14 +66,6 @@ T = TypeVar("T")
 # A chunk read that gets nothing for this long drops its consumer and opens a new one
 # (fresh connections and metadata after a broker restart).
 _READ_STALL_S = 5.0
-# The raw reader's fetch sizes: sized to the records a chunk still wants, within these
-# bounds (a larger fetch saves round trips; a smaller one reads less past the chunk).
-_RAW_FETCH_MIN_BYTES = 64 << 10
-_RAW_FETCH_MAX_BYTES = 16 << 20
-# A single message may be this large at most (fetches double up to it to take one whole).
-_RAW_FETCH_LIMIT_BYTES = 1 << 30
-# kafka-python's default fetch_max_wait_ms: how long the broker may hold a fetch.
-_FETCH_MAX_WAIT_MS = 500
 # How long a topic never seen by this source may be missing before it is an error.
 _UNKNOWN_TOPIC_GRACE_S = 10.0
 
@@ -139,10 +127,10 @@ class KafkaSourceConfig(BaseModel):
         "raw",
         description=(
             "how workers read chunks: 'raw' sends Kafka's Fetch request itself and parses "
-            "what it returns in one compiled pass (connectors.kafka_fetch; several times "
-            "faster) over PLAINTEXT: legacy message sets and record batches, compressed "
-            "batches inflated; compressed legacy message sets, TLS/SASL and proxies are "
-            "read with kafka-python all the same. "
+            "what it returns in one compiled pass (connectors.kafka_records; faster, "
+            "benchmarks/pipeline.py) over PLAINTEXT: legacy message sets and record "
+            "batches, compressed batches inflated; compressed legacy message sets, "
+            "TLS/SASL and proxies are read with kafka-python all the same. "
             "'kafka-python': always a KafkaConsumer (one Python object per record)"
         ),
     )
@@ -202,8 +190,8 @@ class KafkaSource:
         self._clients: dict[tuple[str, int, str], Any] = {}
         self._known: dict[str, list[int]] = {}  # partitions seen per topic; never shrink
         # The log end last asked per partition: a log end only grows, so a chunk that
-        # fits under it needs no broker round trip (one per batch cost the trainer's
-        # thread, which plans, about 8% of its time).
+        # fits under it needs no broker round trip (one per batch would take the
+        # planning thread, the trainer's, away from training).
         self._ends: dict[str, int] = {}
         self._should_stop: Callable[[], bool] | None = None  # stays on this side of a pickle
         # The raw reader's: partition leaders, connections per (thread, host, port), the
@@ -532,10 +520,10 @@ class KafkaSource:
             msg = f"KafkaSource cannot read a chunk of source {chunk.source!r}"
             raise ValueError(msg)
         topic, number = split_partition(chunk.partition)
-        reads: _Reads = (
-            _RawReads(self, topic, number)
+        reads: Reads = (
+            RawReads(self, topic, number)
             if self._raw_applies(chunk.partition)
-            else _ConsumerReads(self, topic, number)
+            else ConsumerReads(self, topic, number)
         )
         offsets: list[npt.NDArray[np.int64]] = []
         payloads: list[bytes] = []
@@ -563,7 +551,7 @@ class KafkaSource:
                     log.info("%s: reading on with kafka-python from offset %d", chunk.name, after)
                     with self._lock:
                         self._not_raw.add(chunk.partition)
-                    reads = _ConsumerReads(self, topic, number)
+                    reads = ConsumerReads(self, topic, number)
                 if len(got):
                     offsets.append(np.asarray(got, dtype=np.int64))
                     payloads += values
@@ -627,7 +615,7 @@ class KafkaSource:
         ms = options.get(
             "request_timeout_ms", max(REQUEST_TIMEOUT_MS, 2 * self.config.poll_timeout_ms)
         )
-        return float(ms + options.get("fetch_max_wait_ms", _FETCH_MAX_WAIT_MS)) / 1000
+        return float(ms + options.get("fetch_max_wait_ms", FETCH_MAX_WAIT_MS)) / 1000
 
     def _leader(self, topic: str, partition: int) -> tuple[str, int]:
         """``(host, port)`` of the partition's leader: cached, else a Metadata request."""
@@ -705,204 +693,6 @@ class KafkaSource:
             conn.close()
 
 
-class _Reads(Protocol):
-    """One way of reading a partition's records: a step at a time from a position.
-
-    ``step(position, end)`` returns the offsets and values of ``[position, end)`` it
-    got and where the next step starts (past offsets compaction removed, too).
-    ``hand_over`` says the rest of the chunk needs kafka-python; ``retry_now`` that
-    the step made no progress but knows what to change (no stall). ``reset`` drops
-    connections after an error; ``finish`` ends the chunk.
-    """
-
-    hand_over: bool
-    retry_now: bool
-
-    def step(
-        self, position: int, end: int
-    ) -> tuple[Sequence[int] | npt.NDArray[np.int64], list[bytes], int]: ...
-
-    def reset(self) -> None: ...
-
-    def finish(self) -> None: ...
-
-
-class _ConsumerReads:
-    """kafka-python's assigned consumer: seek once, then poll."""
-
-    hand_over = False
-    retry_now = False
-
-    def __init__(self, source: KafkaSource, topic: str, partition: int) -> None:
-        from kafka import TopicPartition
-
-        self.source = source
-        self.tp = TopicPartition(topic, partition)
-        self.client: Any = None
-
-    def step(
-        self, position: int, end: int
-    ) -> tuple[Sequence[int] | npt.NDArray[np.int64], list[bytes], int]:
-        tp = self.tp
-        if self.client is None:
-            self.client = self.source._client("read")
-            self.client.assign([tp])
-            self.client.seek(tp, position)
-        client = self.client
-        batch = client.poll(
-            timeout_ms=self.source.config.poll_timeout_ms,
-            max_records=max(1, min(end - position, 10_000)),
-        )
-        offsets: list[int] = []
-        payloads: list[bytes] = []
-        for record in batch.get(tp, []):
-            if record.offset < position:
-                continue  # a stale fetch: already taken
-            if record.offset >= end:
-                break
-            offsets.append(record.offset)
-            payloads.append(record.value if record.value is not None else b"")
-            position = record.offset + 1
-        # The consumer's position also moves past offsets compaction removed.
-        consumer_at = client.position(tp, timeout_ms=REQUEST_TIMEOUT_MS)
-        if consumer_at is not None and consumer_at > position:
-            position = min(int(consumer_at), end)
-        return offsets, payloads, position
-
-    def reset(self) -> None:
-        if self.client is not None:
-            self.source._drop("read")
-            self.client = None
-
-    def finish(self) -> None:
-        if self.client is not None:
-            self.client.unsubscribe()  # no prefetching past the chunk; the client stays cached
-
-
-class _RawReads:
-    """Fetch requests of our own to the leader, parsed by :mod:`connectors.kafka_fetch`."""
-
-    def __init__(self, source: KafkaSource, topic: str, partition: int) -> None:
-        options = source.config.client_options
-        self.source, self.topic, self.partition = source, topic, partition
-        self.fixed_bytes: int | None = options.get("max_partition_fetch_bytes")
-        self.min_bytes = int(options.get("fetch_min_bytes", 1))
-        self.at_once = False  # the next fetch asks for 1 byte (see step)
-        self.max_wait_ms = int(options.get("fetch_max_wait_ms", _FETCH_MAX_WAIT_MS))
-        self.check_crcs = bool(options.get("check_crcs", True))
-        self.isolation = source._isolation()
-        self.grow = 1  # doubles while one message is larger than a whole fetch
-        self.hand_over = False
-        self.retry_now = False
-
-    def fetch_bytes(self, records: int) -> int:
-        """How much to ask for: ``records`` at the size seen so far, or the configured size."""
-        if self.fixed_bytes is not None:
-            want = self.fixed_bytes
-        else:
-            want = int(self.source._record_bytes * records * 1.05) + 4096
-            want = min(max(want, _RAW_FETCH_MIN_BYTES), _RAW_FETCH_MAX_BYTES)
-        return min(want * self.grow, _RAW_FETCH_LIMIT_BYTES)
-
-    def step(
-        self, position: int, end: int
-    ) -> tuple[Sequence[int] | npt.NDArray[np.int64], list[bytes], int]:
-        from kafka.errors import CorruptRecordError, for_code
-
-        self.retry_now = False
-        conn = self.source._connection(*self.source._leader(self.topic, self.partition))
-        version = kafka_fetch.fetch_version(self.source.api_version(), conn.fetch_versions)
-        if version < 0:
-            # No Fetch version this reader speaks is one the broker answers.
-            self.hand_over = True
-            return [], [], position
-        max_bytes = self.fetch_bytes(end - position)
-        body = conn.request(
-            lambda cid: kafka_fetch.encode_fetch_request(
-                cid,
-                self.topic,
-                self.partition,
-                position,
-                max_bytes=max_bytes,
-                max_wait_ms=self.max_wait_ms,
-                min_bytes=1 if self.at_once else self.min_bytes,
-                version=version,
-                isolation_level=self.isolation,
-            )
-        )
-        answer = [
-            p
-            for p in kafka_fetch.decode_fetch_response(body, version)
-            if (p.topic, p.partition) == (self.topic, self.partition)
-        ]
-        if len(answer) != 1:
-            msg = f"a Fetch answer for {self.topic}/{self.partition} holds {len(answer)} answers"
-            raise kafka_fetch.ProtocolError(msg)
-        part = answer[0]
-        if part.error_code:
-            # NOT_LEADER, UNKNOWN_TOPIC_OR_PARTITION, ... are retriable (reset() forgets the
-            # leader); OFFSET_OUT_OF_RANGE goes to read()'s own handling.
-            raise for_code(part.error_code)(f"fetching {self.topic}/{self.partition} @{position}")
-        waited, self.at_once = self.at_once, False
-        if part.set_end == part.set_start and part.high_watermark > position and not waited:
-            # Nothing, though the log holds records here: a broker that answers a fetch
-            # whose min_bytes it does not reach with none of them (Tansu 0.6; Apache
-            # Kafka gives what it has). Ask again at once for whatever there is.
-            self.at_once = self.retry_now = True
-            return [], [], position
-        try:
-            found = kafka_fetch.parse_records(
-                body,
-                part.set_start,
-                part.set_end,
-                from_offset=position,
-                to_offset=end,
-                check_crcs=self.check_crcs,
-            )
-        except kafka_fetch.CorruptBatch as exc:
-            raise CorruptRecordError(f"{self.topic}/{self.partition}: {exc}") from exc
-        except NotImplementedError:
-            # A codec whose package is missing: kafka-python reads on (and says which).
-            self.hand_over = True
-            return [], [], position
-        if found.bad_crcs:
-            bad = found.bad_crcs
-            raise CorruptRecordError(f"{self.topic}/{self.partition}: offsets {bad[:5]} fail CRC")
-        # Past the last entry read whole: records, or a transaction marker holding none
-        # (a chunk that ends on a marker would otherwise never be read to its end).
-        after = max(int(found.offsets[-1]) + 1 if len(found) else position, found.next_offset)
-        after = min(after, end)
-        if len(found):
-            spent = found.stop - part.set_start
-            self.source._record_bytes = spent / len(found)
-        if part.aborted:
-            # Read committed: the records of aborted transactions are not delivered.
-            found = found.without(
-                kafka_fetch.aborted_ranges(body, part.set_start, part.set_end, part.aborted)
-            )
-        if found.status == "past":
-            after = end  # the next record is past the chunk (compaction may leave gaps)
-        elif found.status in ("compressed", "corrupt"):
-            self.hand_over = True
-        elif found.status == "truncated" and not len(found) and found.stop == part.set_start:
-            # Not one whole message fits: ask for more at once (kafka-python 0.9 would fail).
-            if max_bytes >= _RAW_FETCH_LIMIT_BYTES:
-                msg = (
-                    f"a message of {self.topic}/{self.partition} at offset {position} is over "
-                    f"{max_bytes:,} bytes"
-                )
-                raise ValueError(msg)
-            self.grow *= 2
-            self.retry_now = True
-        return found.offsets, found.payloads, after
-
-    def reset(self) -> None:
-        self.source._forget(self.topic, self.partition)
-
-    def finish(self) -> None:
-        pass
-
-
 def _close_quietly(consumer: Any) -> None:
     try:
         consumer.close(autocommit=False, timeout_ms=1000)
@@ -936,222 +726,6 @@ def _bounded(fn: Callable[[], T], timeout_s: float, *, on_timeout: Callable[[], 
     if error:
         raise error[0]
     return result[0]
-
-
-# -- writing ------------------------------------------------------------------------------
-
-
-class ProduceError(RuntimeError):
-    """The broker refused a record, or a record cannot go where it was asked to."""
-
-
-def produce(
-    bootstrap_servers: str,
-    topic: str,
-    payloads: Iterable[bytes],
-    *,
-    api_version: ApiVersionSpec,
-    partition: int | None = None,
-    keys: Iterable[bytes | None] | None = None,
-    client_options: Mapping[str, Any] | None = None,
-    timeout_s: float = 60.0,
-    progress: Callable[[int], None] | None = None,
-    flush_every: int = 10_000,
-) -> int:
-    """Write ``payloads`` to ``topic``, wait for the broker to acknowledge all; return the count.
-
-    ``partition`` pins every record to one partition; otherwise kafka-python's
-    partitioner spreads them (by key when ``keys`` are given, else at random).
-    Records of one partition land in the order given. Every ``flush_every``
-    records the producer waits for the broker's acknowledgements (bounding the
-    memory a long stream takes) and calls ``progress`` with the count so far.
-    Raises :class:`ProduceError` naming the first record (1-based) the broker
-    refused, or a ``partition`` the topic does not have.
-    """
-    from kafka.errors import KafkaError
-
-    version = resolve_api_version(
-        bootstrap_servers, api_version, client_options=client_options, retry_timeout_s=timeout_s
-    )
-    producer = make_producer(bootstrap_servers, version, client_options)
-    try:
-        if partition is not None:
-            known = producer.partitions_for(topic)
-            if partition not in known:
-                msg = (
-                    f"partition {partition}: topic {topic!r} has partitions 0-{max(known)}"
-                    if known
-                    else f"partition {partition}: topic {topic!r} has no partitions"
-                )
-                raise ProduceError(msg)
-        key_iter = iter(keys) if keys is not None else None
-        futures: list[Any] = []
-        done = 0
-        for payload in payloads:
-            key = next(key_iter) if key_iter is not None else None
-            try:
-                futures.append(producer.send(topic, value=payload, key=key, partition=partition))
-            except KafkaError as exc:  # e.g. a record over max_request_size
-                msg = f"record {done + len(futures) + 1}: cannot send it: {exc}"
-                raise ProduceError(msg) from exc
-            if len(futures) >= flush_every:
-                done += _acknowledged(producer, futures, done, timeout_s)
-                futures = []
-                if progress is not None:
-                    progress(done)
-        done += _acknowledged(producer, futures, done, timeout_s)
-        if progress is not None:
-            progress(done)
-        return done
-    finally:
-        producer.close(timeout=timeout_s)
-
-
-def _acknowledged(producer: Any, futures: list[Any], before: int, timeout_s: float) -> int:
-    """Flush, then wait for each of ``futures``; raises :class:`ProduceError` on a refusal."""
-    producer.flush(timeout=timeout_s)
-    for i, future in enumerate(futures):
-        try:
-            future.get(timeout=timeout_s)
-        except Exception as exc:
-            msg = f"record {before + i + 1}: the broker did not take it: {exc}"
-            raise ProduceError(msg) from exc
-    return len(futures)
-
-
-FileFormat = Literal["jsonl", "parquet"]
-_PARQUET_SUFFIXES = (".parquet", ".pq")
-
-
-def file_format(path: str, requested: str = "auto") -> FileFormat:
-    """The format of a file for :class:`FileRecords`: ``requested``, or for ``"auto"`` its suffix
-    (``.parquet`` / ``.pq``: Parquet, anything else: JSON lines).
-
-    >>> file_format("clicks.parquet"), file_format("clicks.jsonl"), file_format("x", "parquet")
-    ('parquet', 'jsonl', 'parquet')
-    """
-    if requested == "auto":
-        return "parquet" if path.lower().endswith(_PARQUET_SUFFIXES) else "jsonl"
-    if requested not in ("jsonl", "parquet"):
-        msg = f"--format {requested!r}: expected auto, jsonl or parquet"
-        raise ValueError(msg)
-    return "jsonl" if requested == "jsonl" else "parquet"
-
-
-def _key_bytes(value: object) -> bytes | None:
-    """A record key from a field's value: a string's UTF-8, else its compact JSON; None: none.
-
-    >>> _key_bytes("u1"), _key_bytes(7), _key_bytes(None)
-    (b'u1', b'7', None)
-    """
-    import json
-
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return value.encode()
-    return json.dumps(value, separators=(",", ":"), sort_keys=True).encode()
-
-
-class FileRecords:
-    """The records of a JSON-lines or Parquet file, in file order, for :func:`produce`.
-
-    Iterating yields ``(value, key)`` pairs. A JSON line's value is the line's
-    bytes as they are (no newline; a blank line is skipped and counted in
-    ``blank_lines``; a line that is not JSON is sent all the same: the job's
-    codec dead-letters it). A Parquet row becomes one compact JSON object, as
-    the JSON codec reads it (``JsonLinesCodec.encode``). With ``key_field`` the
-    key is that field's value (a string's UTF-8, else compact JSON); records
-    without it (or JSON lines that are not objects) go without a key and are
-    counted in ``keyless``. ``total`` is the number of records, known upfront.
-    """
-
-    def __init__(
-        self, path: str, *, fmt: str = "auto", key_field: str | None = None, batch_rows: int = 8192
-    ) -> None:
-        import os
-
-        self.path = path
-        self.format: FileFormat = file_format(path, fmt)
-        self.key_field = key_field
-        self.batch_rows = batch_rows
-        self.blank_lines = 0
-        self.keyless = 0
-        if not os.path.isfile(path):
-            what = "is a folder, not a file" if os.path.isdir(path) else "no such file"
-            msg = f"--from {path}: {what}"
-            raise ValueError(msg)
-        self.total = self._count()
-
-    def _count(self) -> int:
-        if self.format == "parquet":
-            import pyarrow.parquet as pq
-
-            try:
-                meta = pq.ParquetFile(self.path).metadata
-            except Exception as exc:  # pyarrow says ArrowInvalid, OSError, ...
-                msg = f"--from {self.path}: not a Parquet file ({exc})"
-                raise ValueError(msg) from exc
-            if self.key_field is not None and self.key_field not in meta.schema.names:
-                msg = (
-                    f"--key-field {self.key_field!r}: {self.path} has no such column "
-                    f"(its columns: {', '.join(meta.schema.names)})"
-                )
-                raise ValueError(msg)
-            return int(meta.num_rows)
-        with open(self.path, "rb") as f:
-            return sum(1 for line in f if line.strip())
-
-    def __iter__(self) -> Iterator[tuple[bytes, bytes | None]]:
-        if self.format == "parquet":
-            yield from self._parquet()
-        else:
-            yield from self._json_lines()
-
-    def _json_lines(self) -> Iterator[tuple[bytes, bytes | None]]:
-        import json
-
-        self.blank_lines = self.keyless = 0
-        with open(self.path, "rb") as f:
-            for line in f:
-                value = line.rstrip(b"\r\n")
-                if not value.strip():
-                    self.blank_lines += 1
-                    continue
-                key = None
-                if self.key_field is not None:
-                    try:
-                        record = json.loads(value)
-                    except ValueError:
-                        record = None
-                    if isinstance(record, dict):
-                        key = _key_bytes(record.get(self.key_field))
-                    if key is None:
-                        self.keyless += 1
-                yield value, key
-
-    def _parquet(self) -> Iterator[tuple[bytes, bytes | None]]:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-
-        from connectors.codecs import JsonLinesCodec
-
-        codec = JsonLinesCodec()
-        self.blank_lines = self.keyless = 0
-        row = 0
-        for batch in pq.ParquetFile(self.path).iter_batches(batch_size=self.batch_rows):
-            try:
-                values = codec.encode(pa.Table.from_batches([batch]))
-            except TypeError as exc:
-                msg = f"--from {self.path}: rows {row + 1}-{row + batch.num_rows}: {exc}"
-                raise ValueError(msg) from exc
-            if self.key_field is None:
-                yield from ((v, None) for v in values)
-            else:
-                keys = [_key_bytes(k) for k in batch.column(self.key_field).to_pylist()]
-                self.keyless += sum(k is None for k in keys)
-                yield from zip(values, keys, strict=True)
-            row += batch.num_rows
 
 
 if TYPE_CHECKING:  # mypy proves that the classes implement the shared protocols

@@ -35,7 +35,8 @@ from typing import Any
 
 import pytest
 
-from connectors.kafka import KafkaSource, KafkaSourceConfig, resolve_api_version
+from connectors.kafka import KafkaSource, KafkaSourceConfig
+from connectors.kafka_client import resolve_api_version
 from deploy.local import tansu as local_tansu
 from deploy.local.kafka import (
     API_VERSION,

@@ -2,23 +2,19 @@
 following ReLU done in the same pass, for batches where it beats torch's default.
 
 torch's CPU ``linear`` calls MKL, which on AMD CPUs runs its generic AVX2 kernels
-(``mkl_blas_def_sgemm_kernel_0_zen``); oneDNN picks its kernels by the CPU's
-features. On the 2-core AMD EPYC VM (AVX-512), one thread, the benchmark's
-FFNN (429 -> 512 -> 256 -> 1), median per forward: 288 against 483 us at 64
-rows with warm caches and 615 against 736 us with cold ones; 1.9 against 4.3
-ms at 512 rows; a tie at 16 rows with cold caches and slower below, where
-torch's own ``linear`` stays (:data:`MIN_ROWS`). Its sums are rounded in
-another order: within 2e-7 of torch's on those layers, well inside the 1e-5
-that serving, scoring and the trainer's forward are held to.
+(``mkl_blas_def_sgemm_kernel_0_zen``), while oneDNN picks its kernels by the CPU's
+features: it is used from :data:`MIN_ROWS` rows up, where it answers faster, and
+torch's own ``linear`` below. Its sums are rounded in another order, well inside
+the 1e-5 that serving, scoring and the trainer's forward are held to
+(``tests/trainer/test_fused_linear.py``).
 
 Each layer hands oneDNN its weight reordered once into oneDNN's blocked layout
-(again after the weight changes in place) rather than the plain matrix: at 64
-rows, 227 against 255 us warm and 499 against 580 cold for that FFNN, the
-same sums to the bit. :class:`LinearChain` runs an
-MLP's layers as consecutive oneDNN calls, a last sigmoid included, without a
-module call between them: a request that finds the caches cold pays for every
-call it makes (340 against 446 us at 64 rows, calls interleaved after 10 ms
-sleeps).
+(again after the weight changes in place) rather than the plain matrix, which
+saves the reorder on every call with the same sums to the bit.
+:class:`LinearChain` runs an MLP's layers as consecutive oneDNN calls, a last
+sigmoid included, without a module call between them, because a request that
+finds the caches cold pays for every call it makes. ``benchmarks/serve.py``
+(its latency phase) measures a server's forward on the machine at hand.
 
 Training keeps ``nn.Linear``: only a module that will answer without autograd
 is fused (:func:`fuse_for_inference`), after its weights are loaded; its state
@@ -43,10 +39,10 @@ __all__ = [
 ]
 
 MIN_ROWS = 16
-"""Batches of fewer rows take torch's ``linear`` (oneDNN was no faster there)."""
+"""Batches of fewer rows take torch's ``linear`` (oneDNN is no faster there)."""
 
-# The batch size oneDNN's weight layout is chosen for; every batch runs on it (16 to
-# 2,048 rows ran as fast with the layout chosen for 16, 64 or 512).
+# The batch size oneDNN's weight layout is chosen for; every batch runs on it, because
+# the layout hardly depends on the size it is chosen for.
 _PACK_ROWS = 64
 
 
@@ -146,9 +142,8 @@ def _onednn_batch(x: Tensor) -> bool:
 
 def _set_omp_team() -> None:
     # oneDNN runs OpenMP teams of the calling thread's size, which in a thread that has
-    # not set it is every core, not torch's setting: paced batches of 64 on a server's
-    # loop thread cost 10 ms of CPU instead of 0.4 (a spinning second thread). torch's
-    # setter sets this thread's (88 ns).
+    # not set it is every core, not torch's setting: a server's loop thread would spin
+    # a second thread on every call. torch's setter sets this thread's, and is cheap.
     torch.set_num_threads(torch.get_num_threads())
 
 

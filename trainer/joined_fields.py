@@ -8,12 +8,12 @@ Criteo) and all have one dim, the rows of all the tables are widened once, end
 to end, and one ``index_select`` gathers the model's whole input; otherwise
 one numba kernel per table writes its fields, sum- or mean-pooled, straight
 into their columns. The backward is one numba pass that adds each field's
-block of the matrix's gradient into its table's per-unique-id gradient. On
-one thread, with 26 one-id fields of dim 16 and batch 4096: a step of an MLP
-64-32 takes 7.7 ms against 10.7 ms on the general path, of the FFNN 512-256
-57 ms against 60 ms. Sums run in bag order, so a step is deterministic; it
-equals the general path's up to float rounding (bit for bit on the forward of
-one-id bags).
+block of the matrix's gradient into its table's per-unique-id gradient. It
+does in one pass what the general path does in dozens of small ops, which
+matters most for a small model, whose step those ops dominate
+(``benchmarks/e2e.py``'s ``step`` mode times the loop's step). Sums run in bag
+order, so a step is deterministic; it equals the general path's up to float
+rounding (bit for bit on the forward of one-id bags).
 
 It is the trainer's path on a CPU; a CUDA device keeps the general one.
 
@@ -316,7 +316,7 @@ def _scatter_one_id(
 
 
 def widened(rows: npt.NDArray[np.floating]) -> npt.NDArray[np.float32]:
-    """``rows`` as float32 (float16 rows widened by torch: numpy's cast is ~15x slower)."""
+    """``rows`` as float32 (float16 rows widened by torch: numpy's cast is much slower)."""
     if rows.dtype == np.float32:
         return np.ascontiguousarray(rows)
     with warnings.catch_warnings():

@@ -208,8 +208,8 @@ class TrainLoop:
         joined_fields: JoinedFields | None = None
         if self.device.type == "cpu":
             # Every field pooled straight into the model's input matrix, and its
-            # gradient scattered back in one pass: 3 ms a step less than the general
-            # path's torch ops per table (7.7 against 10.7 for an MLP 64-32).
+            # gradient scattered back in one pass, instead of torch ops per table
+            # (see trainer.joined_fields; benchmarks/e2e.py's step mode).
             joined_fields = JoinedFields(batch, self.spec)
             dense = host_tensor(batch.dense)
             labels = host_tensor(batch.labels)

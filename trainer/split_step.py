@@ -3,14 +3,12 @@
 On a CPU whose cores the trainer shares with the job's own Dask workers and
 store shards, torch's intra-op threads are a poor fit: each parallel matmul
 splits its work evenly between the threads and then waits for the slowest, so
-when another process pre-empts one thread the other spins at the barrier
-(measured on 2 cores with a competing load: a step of 57 ms with 2 threads at
-half a core's load, 100 ms at a full core's, against 62 ms with one thread,
-and 1.5-2x the CPU time of one thread). Here the batch is cut into chunks that
-``threads`` threads take in turn, each running torch's ops on its own (one
-intra-op thread): a pre-empted thread simply takes fewer chunks, and no CPU
-goes to spinning (same machine: 50 ms at half a core's load, 56 ms at a full
-one, about 36 ms on a quiet machine like 2 intra-op threads).
+when another process pre-empts one thread the other spins at the barrier. Here
+the batch is cut into chunks that ``threads`` threads take in turn, each running
+torch's ops on its own (one intra-op thread): a pre-empted thread simply takes
+fewer chunks, and no CPU goes to spinning. ``benchmarks/e2e.py`` shows it: its
+job modes split the default model's step over 2 threads on 2 busy cores, its
+``step`` mode runs on torch's intra-op threads alone.
 
 The result is the whole batch's step: each chunk's loss is its mean scaled by
 its share of the batch, so the chunks' gradients add up to the batch's. They

@@ -58,7 +58,7 @@ def _kafka_bootstrap(args: argparse.Namespace) -> tuple[str, dict[str, Any] | No
 def _kafka_topic(args: argparse.Namespace) -> int:
     from kafka.errors import KafkaError
 
-    from connectors.kafka import KafkaUnavailable, resolve_api_version
+    from connectors.kafka_client import KafkaUnavailable, resolve_api_version
     from deploy.local.kafka import KafkaSetupError, KafkaStartError, list_topics, make_topic
 
     bootstrap, local = _kafka_bootstrap(args)

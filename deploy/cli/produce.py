@@ -18,7 +18,7 @@ def _parse_kafka_url(url: str) -> tuple[str, str]:
     """
     import re
 
-    from connectors.kafka import bootstrap_hosts
+    from connectors.kafka_client import bootstrap_hosts
 
     expected = f"streamrec produce: --to {url!r}: expected kafka://HOST:PORT/TOPIC"
     if not url.startswith("kafka://") or "/" not in url.removeprefix("kafka://"):
@@ -85,13 +85,8 @@ def _produce_file(args: argparse.Namespace, servers: str, topic: str) -> int:
 
     from kafka.errors import KafkaError
 
-    from connectors.kafka import (
-        FileRecords,
-        KafkaUnavailable,
-        ProduceError,
-        produce,
-        resolve_api_version,
-    )
+    from connectors.kafka_client import KafkaUnavailable, resolve_api_version
+    from connectors.kafka_produce import FileRecords, ProduceError, produce
     from deploy.local.kafka import list_topics
 
     def fail(msg: str) -> int:
@@ -175,7 +170,8 @@ def _produce(args: argparse.Namespace) -> int:
     if args.from_file is not None:
         return _produce_file(args, servers, topic)
 
-    from connectors.kafka import produce, resolve_api_version
+    from connectors.kafka_client import resolve_api_version
+    from connectors.kafka_produce import produce
     from connectors.synthetic import SyntheticConfig, iter_json_lines
 
     # Resolve once: detecting a 0.9 broker's version costs seconds per attempt.

@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from connectors import kafka_fetch as kf
-from connectors.kafka import KafkaSource, KafkaSourceConfig, produce
+from connectors import kafka_records as kr
+from connectors.kafka import KafkaSource, KafkaSourceConfig
+from connectors.kafka_produce import produce
 from connectors.types import Chunk, RawChunk
 from deploy.local.kafka import API_VERSION
 from tests.connectors.contract import plan_all
@@ -40,8 +42,8 @@ def kafka_python_messages(
     return bytes(builder.build())
 
 
-def parse_all(data: bytes, **kw: int) -> kf.MessageSet:
-    return kf.parse_message_set(data, from_offset=kw.get("lo", 0), to_offset=kw.get("hi", 1 << 62))
+def parse_all(data: bytes, **kw: int) -> kr.MessageSet:
+    return kr.parse_message_set(data, from_offset=kw.get("lo", 0), to_offset=kw.get("hi", 1 << 62))
 
 
 @pytest.mark.parametrize("magic", [0, 1])
@@ -61,7 +63,7 @@ def test_parses_what_kafka_python_builds_keys_nulls_and_empty_values(magic: int)
     assert ms.bad_crcs(data) == []
     # Our own encoder writes the same bytes kafka-python does.
     ours = b"".join(
-        kf.encode_message(o, v, key=k, magic=magic, timestamp=1_700_000_000_000)
+        kr.encode_message(o, v, key=k, magic=magic, timestamp=1_700_000_000_000)
         for o, k, v in records
     )
     assert ours == data
@@ -105,7 +107,7 @@ def test_parses_record_batches_with_headers_nulls_and_many_records() -> None:
     flipped[len(first) - 3] ^= 0xFF
     bad = parse_all(bytes(flipped)).bad_crcs(bytes(flipped))
     assert bad == [100, 101, 102, 103]
-    unchecked = kf.parse_message_set(
+    unchecked = kr.parse_message_set(
         bytes(flipped), from_offset=0, to_offset=1 << 40, check_crcs=False
     )
     assert unchecked.bad_crcs(bytes(flipped)) == []
@@ -116,14 +118,14 @@ def test_control_batches_are_skipped_and_compressed_batches_handed_over() -> Non
     control = bytearray(kafka_python_batch(2, [(b"\x00\x00\x00\x00", b"\x00\x00\x00\x00\x00\x00")]))
     control[22] |= 0x20  # the attributes' control bit (the CRC is not checked here)
     gzip = kafka_python_batch(3, [(None, b"c" * 100)], codec=1)  # big enough to compress
-    ms = kf.parse_message_set(
+    ms = kr.parse_message_set(
         data + bytes(control) + gzip, from_offset=0, to_offset=10, check_crcs=False
     )
     assert ms.offsets.tolist() == [0, 1]
     assert ms.status == "compressed"
     assert ms.stop == len(data) + len(control)
     # A compressed batch wholly below the range is stepped over.
-    assert kf.parse_message_set(gzip + data, from_offset=4, to_offset=10).status == "end"
+    assert kr.parse_message_set(gzip + data, from_offset=4, to_offset=10).status == "end"
 
 
 @pytest.mark.parametrize("codec", [1, 2, 3, 4])
@@ -133,22 +135,22 @@ def test_compressed_batches_inflate_and_parse_on(codec: int) -> None:
     assert packed[22] & 0x07 == codec
     first = kafka_python_batch(0, [(None, b"first")])
     data = first + packed + kafka_python_batch(50, [(None, b"z")])
-    found = kf.parse_records(data, 0, len(data), from_offset=0, to_offset=1 << 40)
+    found = kr.parse_records(data, 0, len(data), from_offset=0, to_offset=1 << 40)
     assert found.status == "end"
     assert found.offsets.tolist() == [0, *range(10, 50), 50]
     assert found.payloads == [b"first", *(v for _, v in records), b"z"]
-    inside = kf.parse_records(data, 0, len(data), from_offset=15, to_offset=20)
+    inside = kr.parse_records(data, 0, len(data), from_offset=15, to_offset=20)
     assert (inside.offsets.tolist(), inside.status) == (list(range(15, 20)), "past")
     broken = bytearray(data)
     broken[len(first) + len(packed) - 5] ^= 0xFF  # inside the compressed records
-    with pytest.raises(kf.CorruptBatch, match="offset 10 fails its CRC-32C"):
-        kf.parse_records(bytes(broken), 0, len(data), from_offset=0, to_offset=1 << 40)
+    with pytest.raises(kr.CorruptBatch, match="offset 10 fails its CRC-32C"):
+        kr.parse_records(bytes(broken), 0, len(data), from_offset=0, to_offset=1 << 40)
 
 
 def test_a_partial_message_at_the_end_is_left_out_at_every_cut() -> None:
     values = [b"a" * 5, b"", b"ccc", b"d" * 40]
     entries = [
-        kf.encode_message(10 + i, v, key=b"k" if i % 2 else None) for i, v in enumerate(values)
+        kr.encode_message(10 + i, v, key=b"k" if i % 2 else None) for i, v in enumerate(values)
     ]
     data = b"".join(entries)
     bounds = [sum(len(e) for e in entries[:i]) for i in range(len(entries) + 1)]
@@ -168,15 +170,15 @@ def test_offsets_outside_the_wanted_range_are_skipped_or_stop_the_parse() -> Non
     assert ms.status == "past"
     assert data[ms.stop : ms.stop + 8] == struct.pack(">q", 12)
     # Parsing from the middle of a buffer: only data[start:end] counts.
-    first = len(kf.encode_message(5, b"5", magic=1, timestamp=1_700_000_000_000))
-    ms = kf.parse_message_set(data, first, from_offset=0, to_offset=100)
+    first = len(kr.encode_message(5, b"5", magic=1, timestamp=1_700_000_000_000))
+    ms = kr.parse_message_set(data, first, from_offset=0, to_offset=100)
     assert ms.offsets.tolist() == [6, 9, 12]
 
 
 def test_a_compressed_wrapper_stops_the_parse_unless_all_of_it_is_below_the_range() -> None:
     plain = kafka_python_messages([(0, None, b"p0"), (1, None, b"p1")], magic=0)
     gz = kafka_python_messages([(2, None, b"g2"), (3, None, b"g3")], magic=0, codec=1)
-    tail = kf.encode_message(4, b"p4")
+    tail = kr.encode_message(4, b"p4")
     data = plain + gz + tail
     ms = parse_all(data)
     assert ms.offsets.tolist() == [0, 1]
@@ -187,14 +189,14 @@ def test_a_compressed_wrapper_stops_the_parse_unless_all_of_it_is_below_the_rang
 
 
 def test_bytes_that_are_no_message_are_reported_corrupt_and_crcs_are_checked() -> None:
-    good = kf.encode_message(0, b"fine")
-    bad_magic = bytearray(kf.encode_message(1, b"x"))
+    good = kr.encode_message(0, b"fine")
+    bad_magic = bytearray(kr.encode_message(1, b"x"))
     bad_magic[12 + 4] = 7
     ms = parse_all(good + bytes(bad_magic))
     assert (ms.offsets.tolist(), ms.status, ms.stop) == ([0], "corrupt", len(good))
     too_small = struct.pack(">qi", 1, 3) + b"abc"
     assert parse_all(good + too_small).status == "corrupt"
-    flipped = bytearray(good + kf.encode_message(1, b"value"))
+    flipped = bytearray(good + kr.encode_message(1, b"value"))
     flipped[-1] ^= 0xFF
     ms = parse_all(bytes(flipped))
     assert ms.offsets.tolist() == [0, 1]
@@ -221,7 +223,7 @@ def test_any_message_set_and_any_prefix_of_it_parse_to_a_prefix(
     for key, value, magic, step in messages:
         offset += step
         offsets.append(offset)
-        entries.append(kf.encode_message(offset, value, key=key, magic=magic, timestamp=offset))
+        entries.append(kr.encode_message(offset, value, key=key, magic=magic, timestamp=offset))
     buf = b"".join(entries)
     cut = data.draw(st.integers(0, len(buf)))
     ms = parse_all(buf[:cut])
@@ -299,18 +301,18 @@ def test_aborted_transactions_are_found_as_kafka_s_consumer_finds_them() -> None
         + kafka_python_batch(9, [(None, b"plain")])
     )
     # The broker lists (producer, first offset) of each aborted transaction fetched.
-    ranges = kf.aborted_ranges(data, 0, len(data), ((7, 0),))
+    ranges = kr.aborted_ranges(data, 0, len(data), ((7, 0),))
     assert ranges == [(0, 2), (3, 4)]
-    found = kf.parse_records(data, 0, len(data), from_offset=0, to_offset=100, check_crcs=False)
+    found = kr.parse_records(data, 0, len(data), from_offset=0, to_offset=100, check_crcs=False)
     assert found.offsets.tolist() == [0, 1, 2, 3, 6, 7, 9]  # markers are not records
     kept = found.without(ranges)
     assert kept.offsets.tolist() == [2, 6, 7, 9]
     assert kept.payloads == [b"b0", b"c0", b"c1", b"plain"]
     # An abort listed from before the fetched offset, and none at all.
-    assert kf.aborted_ranges(data, len(data[:0]), len(data), ((7, -5),)) == [(0, 2), (3, 4)]
-    assert kf.aborted_ranges(data, 0, len(data), ()) == []
+    assert kr.aborted_ranges(data, len(data[:0]), len(data), ((7, -5),)) == [(0, 2), (3, 4)]
+    assert kr.aborted_ranges(data, 0, len(data), ()) == []
     # A partial batch at the end is left to the next fetch.
-    assert kf.aborted_ranges(data, 0, 30, ((7, 0),)) == []
+    assert kr.aborted_ranges(data, 0, 30, ((7, 0),)) == []
     request = kf.encode_fetch_request(
         1, "t", 0, 5, max_bytes=9, max_wait_ms=1, version=4, isolation_level=kf.READ_COMMITTED
     )

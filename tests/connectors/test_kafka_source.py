@@ -19,13 +19,9 @@ import pytest
 from pydantic import ValidationError
 
 from connectors.deadletter import DeadLetterError, KafkaDeadLetterSink, read_dead_letters
-from connectors.kafka import (
-    KafkaSource,
-    KafkaSourceConfig,
-    KafkaUnavailable,
-    UnknownTopic,
-    produce,
-)
+from connectors.kafka import KafkaSource, KafkaSourceConfig, UnknownTopic
+from connectors.kafka_client import KafkaUnavailable
+from connectors.kafka_produce import produce
 from connectors.types import BadRecord, Chunk, RawChunk
 from deploy.local.kafka import API_VERSION, LocalKafka, free_port
 from tests.connectors.contract import plan_all

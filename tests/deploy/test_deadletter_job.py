@@ -15,7 +15,8 @@ import json
 from pathlib import Path
 
 from connectors.deadletter import read_dead_letters
-from connectors.kafka import KafkaSource, KafkaSourceConfig, produce
+from connectors.kafka import KafkaSource, KafkaSourceConfig
+from connectors.kafka_produce import produce
 from connectors.synthetic import SyntheticConfig, iter_json_lines, synthetic_store_section
 from tests.conftest import streamrec, write_synthetic_job
 from tests.kafka_fixtures import KafkaForTests

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from connectors.kafka import produce
+from connectors.kafka_produce import produce
 from connectors.synthetic import SyntheticConfig, iter_json_lines, synthetic_store_section
 from tests.conftest import REPO_ROOT, STREAMREC, streamrec, write_synthetic_job
 from tests.kafka_fixtures import KafkaForTests

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from kafka import KafkaConsumer
 
-from connectors.kafka import produce
+from connectors.kafka_produce import produce
 from deploy.local.kafka import (
     API_VERSION,
     REPO_ROOT,

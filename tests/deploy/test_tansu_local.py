@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from connectors.kafka import produce
+from connectors.kafka_produce import produce
 from deploy.local.kafka import free_port, pid_alive
 from deploy.local.tansu import API_VERSION
 from tests.conftest import streamrec

@@ -17,7 +17,8 @@ import pytest
 import torch
 import yaml
 
-from connectors.kafka import KafkaSource, KafkaSourceConfig, produce
+from connectors.kafka import KafkaSource, KafkaSourceConfig
+from connectors.kafka_produce import produce
 from connectors.synthetic import (
     SyntheticConfig,
     iter_json_lines,

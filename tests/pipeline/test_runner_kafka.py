@@ -26,7 +26,8 @@ from distributed import Client
 
 from connectors.codecs import JsonLinesCodec
 from connectors.deadletter import JsonlDeadLetterSink, KafkaDeadLetterSink, read_dead_letters
-from connectors.kafka import KafkaSource, produce
+from connectors.kafka import KafkaSource
+from connectors.kafka_produce import produce
 from connectors.types import BadRecord, Chunk, DeadLetterSink
 from deploy.local.kafka import API_VERSION, LocalKafka
 from pipeline.prepare import StoreAddress, prepare
