@@ -155,7 +155,8 @@ def _train(
     serve_port: int | None = None,
 ) -> int:
     """Run ``job``; with ``serve_port`` also serve predictions beside it (``--serve``)."""
-    from connectors.kafka import KafkaUnavailable, UnknownTopic
+    from connectors.kafka import UnknownTopic
+    from connectors.kafka_client import KafkaUnavailable
     from deploy.config import ConfigError
     from deploy.job import JobError, run_job
 

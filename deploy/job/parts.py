@@ -16,7 +16,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from connectors.kafka import KafkaSource, KafkaUnavailable
+from connectors.kafka import KafkaSource
+from connectors.kafka_client import KafkaUnavailable
 from connectors.synthetic import SyntheticSource
 from connectors.types import DeadLetterSink, Source
 from deploy.config import JobConfig
