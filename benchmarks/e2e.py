@@ -92,7 +92,7 @@ from connectors.synthetic import (
 from trainer.run_files import read_lines
 
 if TYPE_CHECKING:
-    from monitoring.report import RunData
+    from monitoring.runs import RunData
     from pipeline.types import PreparedBatch
 
 SPEC = synthetic_feature_spec()
@@ -612,7 +612,7 @@ def timed_window(lines: dict[int, list[dict[str, Any]]]) -> tuple[float, float]:
 
 def read_for_report(run_dir: Path, label: str) -> RunData | None:
     """The run's metrics as ``streamrec report`` reads them; None (and why) if it cannot."""
-    from monitoring.report import ReportError, load_run
+    from monitoring.runs import ReportError, load_run
 
     try:
         return load_run(run_dir, name=label)
@@ -943,7 +943,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def write_run_report(path: Path, runs: dict[str, Run], samples: int) -> Path | None:
     """The HTML report of the streamrec runs (after the timing: it costs no measured time)."""
-    from monitoring.report import ReportError, write_report
+    from monitoring.report import write_report
+    from monitoring.runs import ReportError
 
     loaded = [r.metrics for r in runs.values() if r.metrics is not None]
     if not loaded:

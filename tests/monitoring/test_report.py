@@ -21,24 +21,25 @@ import pytest
 
 from connectors.synthetic import synthetic_feature_spec, synthetic_store_section
 from deploy.config import JobConfig
-from monitoring.report import (
-    PLOTS,
-    CheckpointMark,
-    Point,
-    ReportError,
+from monitoring.report import add_report_command, write_report
+from monitoring.report_figures import PLOTS
+from monitoring.run_series import (
     Segment,
-    add_report_command,
     job_samples,
-    load_run,
-    load_runs,
     metric_series,
-    parse_point,
-    run_from_lines,
-    split_incarnations,
     staleness_series,
     summarize,
     throughput,
-    write_report,
+)
+from monitoring.runs import (
+    CheckpointMark,
+    Point,
+    ReportError,
+    load_run,
+    load_runs,
+    parse_point,
+    run_from_lines,
+    split_incarnations,
 )
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"

@@ -29,7 +29,7 @@ import torch
 from connectors.synthetic import synthetic_store_section
 from deploy.config import JobConfig, load_config
 from embedding_store.shard import StoreShard
-from monitoring.report import load_run
+from monitoring.runs import load_run
 from tests.conftest import REPO_ROOT, STREAMREC, write_synthetic_job
 from trainer.checkpoint import CheckpointBook
 from trainer.ledger import learned_ranges
