@@ -375,37 +375,13 @@ class StoreShard:
                 # Never reuse a seq the mirror holds (a shard that ran elsewhere since).
                 seq = max(seq, (snapshot_mirror.newest_seq(mirror) or 0) + 1)
             chain = self._chain
-            can_delta = (
-                chain is not None
-                and chain[0] == target
-                and existing
-                and chain[1] == existing[-1][0]
-            )
-            if kind == "full" or not can_delta:
-                actual = "full"
-            elif kind == "delta":
-                actual = "delta"
-            else:
-                assert chain is not None
-                actual = "delta" if chain[2] < self.config.full_checkpoint_every else "full"
+            actual = self._checkpoint_kind(target, existing[-1][0] if existing else None, kind)
             # Read before the cut: a replica that starts from this checkpoint follows
             # the changes since then, a few it already holds included.
             logs = {n: p for n, t in self._tables.items() if (p := t.log_position()) is not None}
             if logs:
                 metadata = {**(metadata or {}), CHANGE_LOGS_KEY: logs}
-            snaps = []
-            for name, table in self._tables.items():
-                rows, tombs, clock = table.export(dirty_only=actual == "delta")
-                snaps.append(
-                    persistence.TableSnapshot(
-                        name=name,
-                        dim=table.dim,
-                        state_width=rows.state.shape[1],
-                        rows=rows,
-                        tombstones=tombs,
-                        clock=clock,
-                    )
-                )
+            snaps = self._export_tables(dirty_only=actual == "delta")
             try:
                 path, n_rows, n_tombs, n_bytes = persistence.write_checkpoint(
                     target,
@@ -417,19 +393,13 @@ class StoreShard:
                     metadata=metadata,
                 )
             except BaseException:
-                # The rows exported above were marked clean; without this the next
-                # delta would miss them. Force the next checkpoint to be full.
-                self._chain = None
-                for table in self._tables.values():
-                    table.mark_all_dirty()
+                self._break_chain()
                 raise
             if mirror is not None:
                 try:
                     snapshot_mirror.upload(path, mirror)
                 except BaseException:
-                    self._chain = None  # as above: the next checkpoint is full
-                    for table in self._tables.values():
-                        table.mark_all_dirty()
+                    self._break_chain()
                     raise
             deltas = 0 if actual == "full" else (chain[2] + 1 if chain else 1)
             self._chain = (target, seq, deltas)
@@ -448,6 +418,48 @@ class StoreShard:
             )
             self._last_checkpoint = result
             return result
+
+    def _checkpoint_kind(self, target: Path, last_seq: int | None, kind: CheckpointKind) -> str:
+        """``full`` or ``delta``: what a checkpoint of ``kind`` writes into ``target``, whose
+        newest checkpoint is ``last_seq`` (a delta needs this shard's last one as its base)."""
+        chain = self._chain
+        can_delta = (
+            chain is not None
+            and chain[0] == target
+            and last_seq is not None
+            and chain[1] == last_seq
+        )
+        if kind == "full" or not can_delta:
+            return "full"
+        if kind == "delta":
+            return "delta"
+        assert chain is not None
+        return "delta" if chain[2] < self.config.full_checkpoint_every else "full"
+
+    def _export_tables(self, *, dirty_only: bool) -> list[persistence.TableSnapshot]:
+        """Every table's rows (all, or those dirty since the last export), each table cut
+        consistently."""
+        snaps = []
+        for name, table in self._tables.items():
+            rows, tombs, clock = table.export(dirty_only=dirty_only)
+            snaps.append(
+                persistence.TableSnapshot(
+                    name=name,
+                    dim=table.dim,
+                    state_width=rows.state.shape[1],
+                    rows=rows,
+                    tombstones=tombs,
+                    clock=clock,
+                )
+            )
+        return snaps
+
+    def _break_chain(self) -> None:
+        """After a checkpoint failed: the rows it exported were marked clean, and the next
+        delta would miss them, so the next checkpoint is full."""
+        self._chain = None
+        for table in self._tables.values():
+            table.mark_all_dirty()
 
     def restore(
         self,
