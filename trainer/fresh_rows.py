@@ -3,9 +3,9 @@
 A hybrid rank looks a batch's rows up ``staleness`` steps ahead of training
 it, so a row that the steps in between pushed to (a hot id: a popular item, a
 heavy user, in nearly every batch of a real log) is read without those
-pushes. On a real rating log that cost 0.012 AUC at staleness 4, against
-sync mode, where the synthetic stream (ids spread over large vocabularies)
-showed 0.0005.
+pushes. On a real rating log that costs AUC against sync mode, where the
+synthetic stream (ids spread over large vocabularies) hides it
+(``benchmarks/quality.py`` measures both).
 
 The store answers each push with exactly the rows it pushed, as they are
 after it, with their optimizer state (``StoreClient.push(...,
@@ -19,7 +19,7 @@ before a step :func:`view_of` brings the batch's rows of a group up to date:
 - for the pushes not answered yet (the push queue lets the trainer run one
   step ahead of its last push), :func:`predict_rows` computes what the store
   will make of the rows they share with the batch, with the store's own
-  arithmetic (``embedding_store.table.update_rows``) from their last answered
+  arithmetic (``embedding_store.kernels.rows.update_rows``) from their last answered
   state, and that prediction replaces the batch's row. A row whose state is
   not remembered (no push named it lately) misses those pushes, or with
   ``fresh_rows: exact`` the trainer waits for its own.

@@ -5,8 +5,8 @@ Tables that the store updates with the same arithmetic (the same width, optimize
 clip and gradient dtype: a Criteo-like job's 26 tables are one such group) share one
 cache of rows, each key a table's number in the group and an id. The trainer then
 brings a whole batch up to date in a handful of numba and numpy calls per group
-instead of per table: on the hot-id stream's 26 tables, per-table calls cost about
-half a millisecond each per step, a fifth of the step.
+instead of per table, whose fixed cost added up to a large share of a step
+(``benchmarks/e2e.py`` measures fresh rows against none).
 
 :class:`RowIndex` finds keys; :class:`PushedRowCache` keeps with each key the newest
 row an answered push left in the store (this rank's or, in a job of several ranks,
@@ -42,8 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from embedding_store.hashing import mix64
-from embedding_store.kernels.intrinsics import AHEAD as _AHEAD
-from embedding_store.kernels.intrinsics import prefetch as _prefetch
+from embedding_store.kernels.intrinsics import AHEAD, prefetch
 from embedding_store.types import RowState
 
 I32 = npt.NDArray[np.int32]
@@ -123,7 +122,7 @@ def _gslot_from(meta: I64, key: np.int64, t: np.int32, mask: int, b: np.int64) -
 @nb.njit(nogil=True, cache=True)
 def _homes(tab: I32, ids: I64, mask: int) -> I64:
     """Each key's home slot: hashed in a pass of its own, so that the probes that
-    follow can ask for the slot ``_AHEAD`` keys on (a probe loop's data-dependent
+    follow can ask for the slot ``AHEAD`` keys on (a probe loop's data-dependent
     branches otherwise keep one cache miss in flight at a time)."""
     out = np.empty(ids.shape[0], np.int64)
     for i in range(ids.shape[0]):
@@ -172,11 +171,11 @@ def _put(
     n = ids.shape[0]
     homes = _homes(tab, ids, mask)
     for i in range(n):
-        if i + _AHEAD < n:
-            ahead = homes[i + _AHEAD]
-            _prefetch(meta, ahead)
-            _prefetch(payload, ahead)
-            _prefetch(recent, ahead)
+        if i + AHEAD < n:
+            ahead = homes[i + AHEAD]
+            prefetch(meta, ahead)
+            prefetch(payload, ahead)
+            prefetch(recent, ahead)
         row_seen = seen[i if seen.shape[0] > 1 else 0]
         if check_old:
             o = _gslot(meta_o, ids[i], tab[i], mask_o)
@@ -245,7 +244,7 @@ def _read(
     """:meth:`PushedRowCache.read` in three passes over the keys: hash, probe (the
     previous generation, ``_o``, is probed only for keys the current one, ``_n``,
     lacks or that a push after the lookup changed), then copy the rows wanted, each
-    pass asking for the lines ``_AHEAD`` keys on; returns how many keys' rows were
+    pass asking for the lines ``AHEAD`` keys on; returns how many keys' rows were
     written to the outputs."""
     mask_n = meta_n.shape[0] - 1
     mask_o = meta_o.shape[0] - 1
@@ -257,9 +256,9 @@ def _read(
     slot = homes  # each home is read before its place is written
     n = 0
     for i in range(keys):
-        if i + _AHEAD < keys:
-            _prefetch(meta_n, homes[i + _AHEAD])
-            _prefetch(meta_o, homes_o[i + _AHEAD])
+        if i + AHEAD < keys:
+            prefetch(meta_n, homes[i + AHEAD])
+            prefetch(meta_o, homes_o[i + AHEAD])
         b = _gslot_from(meta_n, ids[i], tab[i], mask_n, homes[i])
         in_new = meta_n[b, _TAB] != 0
         m = 0
@@ -287,12 +286,12 @@ def _read(
         slot[n] = b
         n += 1
     for r in range(n):
-        if r + _AHEAD < n:
-            ahead = slot[r + _AHEAD]
+        if r + AHEAD < n:
+            ahead = slot[r + AHEAD]
             if ahead >= 0:
-                _prefetch(payload_n, ahead)
+                prefetch(payload_n, ahead)
             elif ahead < -1:
-                _prefetch(payload_o, -2 - ahead)
+                prefetch(payload_o, -2 - ahead)
         b = slot[r]
         known[r] = b != -1
         if b == -1:
