@@ -44,22 +44,22 @@ class _Strict(BaseModel):
 class UniformInit(_Strict):
     """Rows start uniform in ``[-scale, scale)``, deterministic from (table, id, seed)."""
 
-    kind: Literal["uniform"] = "uniform"
-    scale: float = Field(0.01, ge=0.0)
+    kind: Literal["uniform"] = Field("uniform", description="uniform in [-scale, scale)")
+    scale: float = Field(0.01, ge=0.0, description="half the width of the range")
 
 
 class NormalInit(_Strict):
     """Rows start normal with ``mean`` and ``std``, deterministic from (table, id, seed)."""
 
-    kind: Literal["normal"] = "normal"
-    mean: float = 0.0
-    std: float = Field(0.01, ge=0.0)
+    kind: Literal["normal"] = Field("normal", description="normal with mean and std")
+    mean: float = Field(0.0, description="the mean")
+    std: float = Field(0.01, ge=0.0, description="the standard deviation")
 
 
 class ZerosInit(_Strict):
     """Rows start at zero (the usual choice for FTRL-trained linear weights)."""
 
-    kind: Literal["zeros"] = "zeros"
+    kind: Literal["zeros"] = Field("zeros", description="every weight 0")
 
 
 InitializerConfig = Annotated[UniformInit | NormalInit | ZerosInit, Field(discriminator="kind")]
@@ -71,12 +71,12 @@ InitializerConfig = Annotated[UniformInit | NormalInit | ZerosInit, Field(discri
 class SGDConfig(_Strict):
     """Stochastic gradient descent, with the semantics of ``torch.optim.SGD`` per row."""
 
-    kind: Literal["sgd"] = "sgd"
-    lr: float = Field(0.01, gt=0.0)
-    momentum: float = Field(0.0, ge=0.0, lt=1.0)
-    dampening: float = Field(0.0, ge=0.0, le=1.0)
-    nesterov: bool = False
-    weight_decay: float = Field(0.0, ge=0.0)
+    kind: Literal["sgd"] = Field("sgd", description="stochastic gradient descent")
+    lr: float = Field(0.01, gt=0.0, description="learning rate")
+    momentum: float = Field(0.0, ge=0.0, lt=1.0, description="momentum factor (a buffer per row)")
+    dampening: float = Field(0.0, ge=0.0, le=1.0, description="dampening of the momentum")
+    nesterov: bool = Field(False, description="Nesterov momentum (needs momentum, no dampening)")
+    weight_decay: float = Field(0.0, ge=0.0, description="L2 penalty added to the gradient")
 
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> SGDConfig:
@@ -101,13 +101,17 @@ class AdagradConfig(_Strict):
     0.05
     """
 
-    kind: Literal["adagrad"] = "adagrad"
-    lr: float = Field(0.05, gt=0.0)
-    eps: float = Field(1e-10, gt=0.0)
-    initial_accumulator_value: float = Field(0.0, ge=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    lr_decay: float = Field(0.0, ge=0.0)
-    rowwise: bool = False
+    kind: Literal["adagrad"] = Field("adagrad", description="Adagrad")
+    lr: float = Field(0.05, gt=0.0, description="learning rate")
+    eps: float = Field(1e-10, gt=0.0, description="added to the root of the accumulator")
+    initial_accumulator_value: float = Field(
+        0.0, ge=0.0, description="where a new row's sum of squared gradients starts"
+    )
+    weight_decay: float = Field(0.0, ge=0.0, description="L2 penalty added to the gradient")
+    lr_decay: float = Field(0.0, ge=0.0, description="lr / (1 + (updates - 1) * lr_decay)")
+    rowwise: bool = Field(
+        False, description="one accumulator per row (the mean squared gradient), not per weight"
+    )
 
 
 class AdamConfig(_Strict):
@@ -116,24 +120,26 @@ class AdamConfig(_Strict):
     ``decoupled_weight_decay=True`` gives AdamW.
     """
 
-    kind: Literal["adam"] = "adam"
-    lr: float = Field(0.001, gt=0.0)
-    beta1: float = Field(0.9, ge=0.0, lt=1.0)
-    beta2: float = Field(0.999, ge=0.0, lt=1.0)
-    eps: float = Field(1e-8, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    decoupled_weight_decay: bool = False
+    kind: Literal["adam"] = Field("adam", description="Adam, bias-corrected per row")
+    lr: float = Field(0.001, gt=0.0, description="learning rate")
+    beta1: float = Field(0.9, ge=0.0, lt=1.0, description="decay of the first moment")
+    beta2: float = Field(0.999, ge=0.0, lt=1.0, description="decay of the second moment")
+    eps: float = Field(1e-8, gt=0.0, description="added to the root of the second moment")
+    weight_decay: float = Field(0.0, ge=0.0, description="L2 penalty (or AdamW's decay)")
+    decoupled_weight_decay: bool = Field(False, description="AdamW: decay the weights directly")
 
 
 class FTRLConfig(_Strict):
     """FTRL-Proximal (McMahan et al. 2013), per coordinate."""
 
-    kind: Literal["ftrl"] = "ftrl"
-    alpha: float = Field(0.05, gt=0.0)
-    beta: float = Field(1.0, ge=0.0)
-    l1: float = Field(0.0, ge=0.0)
-    l2: float = Field(0.0, ge=0.0)
-    initial_accumulator_value: float = Field(0.0, ge=0.0)
+    kind: Literal["ftrl"] = Field("ftrl", description="FTRL-Proximal")
+    alpha: float = Field(0.05, gt=0.0, description="learning rate")
+    beta: float = Field(1.0, ge=0.0, description="smooths the per-coordinate rate")
+    l1: float = Field(0.0, ge=0.0, description="L1 strength (weights at exactly 0)")
+    l2: float = Field(0.0, ge=0.0, description="L2 strength")
+    initial_accumulator_value: float = Field(
+        0.0, ge=0.0, description="where a new row's sum of squared gradients starts"
+    )
 
 
 OptimizerConfig = Annotated[
@@ -147,16 +153,18 @@ OptimizerConfig = Annotated[
 class AlwaysAdmit(_Strict):
     """Every id gets a row the first time a training lookup sees it."""
 
-    kind: Literal["always"] = "always"
+    kind: Literal["always"] = Field("always", description="every new id gets a row")
 
 
 class CountMinAdmission(_Strict):
     """An id gets a row once a count-min sketch has seen it ``threshold`` times."""
 
-    kind: Literal["count_min"] = "count_min"
-    threshold: int = Field(2, ge=1)
-    width: int = Field(1 << 20, ge=16, le=1 << 30)
-    depth: int = Field(4, ge=1, le=16)
+    kind: Literal["count_min"] = Field(
+        "count_min", description="a row once the id was seen threshold times"
+    )
+    threshold: int = Field(2, ge=1, description="training lookups before an id gets a row")
+    width: int = Field(1 << 20, ge=16, le=1 << 30, description="counters per row of the sketch")
+    depth: int = Field(4, ge=1, le=16, description="rows of the sketch (hash functions)")
 
 
 class ProbabilityAdmission(_Strict):
@@ -165,8 +173,10 @@ class ProbabilityAdmission(_Strict):
     The draw is a hash of (id, seed, clock), so runs are reproducible.
     """
 
-    kind: Literal["probability"] = "probability"
-    probability: float = Field(0.5, gt=0.0, le=1.0)
+    kind: Literal["probability"] = Field(
+        "probability", description="each lookup of a new id admits it at random"
+    )
+    probability: float = Field(0.5, gt=0.0, le=1.0, description="chance of admission per lookup")
 
 
 AdmissionConfig = Annotated[
@@ -180,15 +190,21 @@ AdmissionConfig = Annotated[
 class TableConfig(_Strict):
     """One embedding table: its shape, initial values, optimizer and memory bounds."""
 
-    dim: int = Field(ge=1, le=4096)
-    initializer: InitializerConfig = Field(default_factory=UniformInit)
-    optimizer: OptimizerConfig = Field(default_factory=AdagradConfig)
-    admission: AdmissionConfig = Field(default_factory=AlwaysAdmit)
+    dim: int = Field(ge=1, le=4096, description="weights per row")
+    initializer: InitializerConfig = Field(
+        default_factory=UniformInit, description="what a new row starts as"
+    )
+    optimizer: OptimizerConfig = Field(
+        default_factory=AdagradConfig, description="how a push updates a row"
+    )
+    admission: AdmissionConfig = Field(
+        default_factory=AlwaysAdmit, description="when a new id gets a row"
+    )
     capacity: int = Field(1_000_000, ge=1, le=1 << 31, description="rows kept per shard")
     initial_rows: int = Field(1024, ge=1, description="rows allocated up front; grows to capacity")
     ttl_steps: int | None = Field(None, ge=1, description="rows unseen for this many steps expire")
     weight_clip: float | None = Field(None, gt=0.0, description="clamp weights to [-c, c]")
-    seed: int = Field(0, ge=0, lt=1 << 63)
+    seed: int = Field(0, ge=0, lt=1 << 63, description="of the initializer, with the name")
     change_log_ids: int = Field(
         1 << 20,
         ge=1,
@@ -204,14 +220,20 @@ class StoreConfig(_Strict):
     16
     """
 
-    tables: dict[str, TableConfig] = Field(min_length=1)
-    max_message_bytes: int = Field(64 << 20, ge=1024, le=(1 << 31) - 1)
-    row_dtype: RowDtype = "float16"
-    compression: Literal["zstd", "lz4", "none"] = "zstd"
+    tables: dict[str, TableConfig] = Field(min_length=1, description="the tables, by name")
+    max_message_bytes: int = Field(
+        64 << 20, ge=1024, le=(1 << 31) - 1, description="the largest gRPC message either way"
+    )
+    row_dtype: RowDtype = Field("float16", description="the dtype rows travel in to lookups")
+    compression: Literal["zstd", "lz4", "none"] = Field(
+        "zstd", description="of the checkpoint files"
+    )
     full_checkpoint_every: int = Field(
         8, ge=1, description="with kind 'auto', a full snapshot after this many deltas"
     )
-    keep_full_checkpoints: int = Field(2, ge=1)
+    keep_full_checkpoints: int = Field(
+        2, ge=1, description="full snapshots kept (with their deltas); older ones are deleted"
+    )
     remembered_push_ids: int = Field(65536, ge=1, description="push request ids kept for dedup")
     remembered_push_s: float = Field(
         300.0,
@@ -222,7 +244,7 @@ class StoreConfig(_Strict):
             "enough that the shard's memory for them is flat within minutes"
         ),
     )
-    server_threads: int = Field(8, ge=1, le=256)
+    server_threads: int = Field(8, ge=1, le=256, description="gRPC handler threads per shard")
 
     @field_validator("tables")
     @classmethod
