@@ -78,12 +78,11 @@ CRITEO_DENSE_MISSING: tuple[float, ...] = (
 # items of a rating log the size of MovieLens 100K; the others Criteo's fields cut
 # to at most 100 ids), no new ids, a user x item term larger than the per-field
 # weights, so that most of what can be learned sits in the rows of hot ids, and
-# users in sessions of 300 events. Sessions are what makes stale reads cost: in
-# benchmarks/quality.py (100k events, batch 256), rows read up to 4 pushes stale
-# (hybrid, trainer.fresh_rows off) lost no AUC against sync on this stream without
-# sessions, 0.002 with sessions of 200 events and 0.007 with 300, and 0.010 on
+# users in sessions of 300 events. Sessions are what makes stale reads cost, as on
 # MovieLens 100K, whose users rate a run of movies at a time: a new user's rows
-# learn over a few consecutive batches, each reading them before the last push.
+# learn over a few consecutive batches, each reading them before the last push, so
+# rows read a few pushes stale lose AUC against sync with sessions and not without
+# (benchmarks/quality.py shows it).
 HOT_IDS_CARDINALITIES: tuple[int, ...] = (
     1000,
     1700,

@@ -99,20 +99,7 @@ class CriteoTsvCodec:
     def decode(self, raw: RawChunk, spec: FeatureSpec) -> tuple[pa.Table, list[BadRecord]]:
         """The good records of ``raw`` and the bad ones (see the class docstring)."""
         names = self.column_names(spec)
-        for s in spec.sparse:
-            if s.name in names and s.type.startswith("list_"):
-                msg = (
-                    f"the criteo_tsv codec cannot read list field {s.name!r} (type {s.type}): "
-                    "a TSV column holds one value"
-                )
-                raise ValueError(msg)
-        missing = [name for name in spec.labels if name not in names]
-        if missing:
-            msg = (
-                f"labels {missing} are not among the TSV columns {list(names)}: "
-                "name every column with the codec's `columns` option"
-            )
-            raise ValueError(msg)
+        _check_columns(names, spec)
         payloads = payloads_of(raw, "criteo_tsv")
         n = len(payloads)
         if n == 0:
@@ -121,69 +108,8 @@ class CriteoTsvCodec:
         # A placeholder line of empty columns reads as a row of nulls, keeping rows aligned.
         placeholder = b"\t" * (len(names) - 1)
         replaced = dict.fromkeys(early, placeholder)
-        joined, starts, lens = join(payloads, replaced)
-        view = np.frombuffer(joined, dtype=np.uint8)
-        ends = view[np.maximum(starts[:-1] + lens - 1, 0)]
-        trailing = np.flatnonzero(((ends == _NEWLINE) | (ends == _CR)) & (lens > 0))
-        work: dict[int, bytes] = {}
-        for i in trailing.tolist():
-            if i in early:
-                continue
-            # A line's own newline is not part of the record.
-            line = payloads[i][:-2] if payloads[i].endswith(b"\r\n") else payloads[i][:-1]
-            if line:
-                work[i] = line
-            else:
-                early[i] = Problem(i, "empty_payload", None, "the payload is only a newline")
-                replaced[i] = placeholder
-        if work or trailing.shape[0]:
-            joined, starts, lens = join(payloads, {**work, **replaced})
-            view = np.frombuffer(joined, dtype=np.uint8)
-        if np.count_nonzero(view == _NEWLINE) != n - 1 or joined.find(b"\r") >= 0:
-            for i in range(n):
-                line = work.get(i, payloads[i])
-                if i not in replaced and (b"\n" in line or b"\r" in line):
-                    early[i] = Problem(
-                        i,
-                        "bad_line",
-                        None,
-                        f"the payload holds a newline, so it is not one TSV line: {show(line, 60)}",
-                    )
-                    replaced[i] = placeholder
-            joined, starts, lens = join(payloads, {**work, **replaced})
-        invalid: dict[int, Problem] = {}
-
-        def on_invalid(row: Any) -> str:
-            i = int(row.number) - 1
-            invalid[i] = Problem(
-                i,
-                "wrong_column_count",
-                None,
-                f"the line has {row.actual_columns} columns, not {row.expected_columns}",
-            )
-            return "skip"
-
-        spec_names = {*spec.labels, *(d.name for d in spec.dense), *(s.name for s in spec.sparse)}
-        table = pa_csv.read_csv(
-            pa.BufferReader(pa.py_buffer(joined)),
-            read_options=pa_csv.ReadOptions(column_names=list(names), use_threads=False),
-            parse_options=pa_csv.ParseOptions(
-                delimiter="\t",
-                quote_char=False,
-                escape_char=False,
-                double_quote=False,
-                newlines_in_values=False,
-                ignore_empty_lines=False,
-                invalid_row_handler=on_invalid,
-            ),
-            convert_options=pa_csv.ConvertOptions(
-                # Bytes first: the casts below decide row by row (a typed read fails whole).
-                column_types=dict.fromkeys(names, pa.binary()),
-                include_columns=[c for c in names if c in spec_names],
-                null_values=[""],
-                strings_can_be_null=True,
-            ),
-        )
+        joined = _one_line_each(payloads, early, replaced, placeholder)
+        table, invalid = _read_tsv(joined, names, spec)
         for i, p in invalid.items():
             if i not in replaced:
                 early[i] = p
@@ -196,29 +122,7 @@ class CriteoTsvCodec:
         if not keep.all():
             table, index = table.filter(pa.array(keep)), index[keep]
         marker = Marker(table.num_rows)
-        typed = {}
-        for name in spec.labels:
-            typed[name] = _text_to_float(
-                table.column(name), marker, name, f"label {name!r}", "label_wrong_type"
-            )
-        for d in spec.dense:
-            if d.name in table.column_names:
-                typed[d.name] = _text_to_float(
-                    table.column(d.name),
-                    marker,
-                    d.name,
-                    f"dense field {d.name!r}",
-                    "dense_wrong_type",
-                )
-        for s in spec.sparse:
-            if s.name in table.column_names:
-                what = f"sparse field {s.name!r} (type {s.type})"
-                col = table.column(s.name)
-                typed[s.name] = (
-                    _text_to_int(col, marker, s.name, what)
-                    if s.type == "int"
-                    else _text_to_string(col, marker, s.name, what, "not_utf8")
-                )
+        typed = _typed_columns(table, spec, marker)
         checked = check(pa.table(typed) if typed else pa.table({}), spec, marker)
         relabel(
             checked,
@@ -245,6 +149,135 @@ class CriteoTsvCodec:
             cells = [_tsv_cell(v, c) for v, c in zip(values, names, strict=True)]
             out.append("\t".join(cells).encode())
         return out
+
+
+def _check_columns(names: Sequence[str], spec: FeatureSpec) -> None:
+    """Refuse a spec the columns cannot serve: a list field, or a label not among them."""
+    for s in spec.sparse:
+        if s.name in names and s.type.startswith("list_"):
+            msg = (
+                f"the criteo_tsv codec cannot read list field {s.name!r} (type {s.type}): "
+                "a TSV column holds one value"
+            )
+            raise ValueError(msg)
+    missing = [name for name in spec.labels if name not in names]
+    if missing:
+        msg = (
+            f"labels {missing} are not among the TSV columns {list(names)}: "
+            "name every column with the codec's `columns` option"
+        )
+        raise ValueError(msg)
+
+
+def _one_line_each(
+    payloads: Sequence[bytes],
+    early: dict[int, Problem],
+    replaced: dict[int, bytes],
+    placeholder: bytes,
+) -> bytes:
+    """The payloads joined by newlines, one line each: a line's own newline dropped, a
+    payload holding another one bad (``early``) and ``placeholder`` in its place."""
+    n = len(payloads)
+    joined, starts, lens = join(payloads, replaced)
+    view = np.frombuffer(joined, dtype=np.uint8)
+    ends = view[np.maximum(starts[:-1] + lens - 1, 0)]
+    trailing = np.flatnonzero(((ends == _NEWLINE) | (ends == _CR)) & (lens > 0))
+    work: dict[int, bytes] = {}
+    for i in trailing.tolist():
+        if i in early:
+            continue
+        # A line's own newline is not part of the record.
+        line = payloads[i][:-2] if payloads[i].endswith(b"\r\n") else payloads[i][:-1]
+        if line:
+            work[i] = line
+        else:
+            early[i] = Problem(i, "empty_payload", None, "the payload is only a newline")
+            replaced[i] = placeholder
+    if work or trailing.shape[0]:
+        joined, starts, lens = join(payloads, {**work, **replaced})
+        view = np.frombuffer(joined, dtype=np.uint8)
+    if np.count_nonzero(view == _NEWLINE) != n - 1 or joined.find(b"\r") >= 0:
+        for i in range(n):
+            line = work.get(i, payloads[i])
+            if i not in replaced and (b"\n" in line or b"\r" in line):
+                early[i] = Problem(
+                    i,
+                    "bad_line",
+                    None,
+                    f"the payload holds a newline, so it is not one TSV line: {show(line, 60)}",
+                )
+                replaced[i] = placeholder
+        joined, starts, lens = join(payloads, {**work, **replaced})
+    return joined
+
+
+def _read_tsv(
+    joined: bytes, names: Sequence[str], spec: FeatureSpec
+) -> tuple[pa.Table, dict[int, Problem]]:
+    """The spec's columns of the joined lines, as bytes, and the lines of the wrong
+    column count (skipped by the reader), by index."""
+    invalid: dict[int, Problem] = {}
+
+    def on_invalid(row: Any) -> str:
+        i = int(row.number) - 1
+        invalid[i] = Problem(
+            i,
+            "wrong_column_count",
+            None,
+            f"the line has {row.actual_columns} columns, not {row.expected_columns}",
+        )
+        return "skip"
+
+    spec_names = {*spec.labels, *(d.name for d in spec.dense), *(s.name for s in spec.sparse)}
+    table = pa_csv.read_csv(
+        pa.BufferReader(pa.py_buffer(joined)),
+        read_options=pa_csv.ReadOptions(column_names=list(names), use_threads=False),
+        parse_options=pa_csv.ParseOptions(
+            delimiter="\t",
+            quote_char=False,
+            escape_char=False,
+            double_quote=False,
+            newlines_in_values=False,
+            ignore_empty_lines=False,
+            invalid_row_handler=on_invalid,
+        ),
+        convert_options=pa_csv.ConvertOptions(
+            # Bytes first: the casts below decide row by row (a typed read fails whole).
+            column_types=dict.fromkeys(names, pa.binary()),
+            include_columns=[c for c in names if c in spec_names],
+            null_values=[""],
+            strings_can_be_null=True,
+        ),
+    )
+    return table, invalid
+
+
+def _typed_columns(table: pa.Table, spec: FeatureSpec, marker: Marker) -> dict[str, pa.Array]:
+    """The byte columns cast to the spec's types; a value that does not cast is marked."""
+    typed = {}
+    for name in spec.labels:
+        typed[name] = _text_to_float(
+            table.column(name), marker, name, f"label {name!r}", "label_wrong_type"
+        )
+    for d in spec.dense:
+        if d.name in table.column_names:
+            typed[d.name] = _text_to_float(
+                table.column(d.name),
+                marker,
+                d.name,
+                f"dense field {d.name!r}",
+                "dense_wrong_type",
+            )
+    for s in spec.sparse:
+        if s.name in table.column_names:
+            what = f"sparse field {s.name!r} (type {s.type})"
+            col = table.column(s.name)
+            typed[s.name] = (
+                _text_to_int(col, marker, s.name, what)
+                if s.type == "int"
+                else _text_to_string(col, marker, s.name, what, "not_utf8")
+            )
+    return typed
 
 
 def _tsv_cell(value: Any, column: str) -> str:
