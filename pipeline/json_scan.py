@@ -46,7 +46,8 @@ import numpy as np
 import numpy.typing as npt
 
 from connectors.codecs.joined import JoinedPayloads
-from connectors.codecs.json_scan import ScanPlan, scan_values, sparse_elements
+from connectors.codecs.json_scan import ScanPlan, scan_values
+from connectors.codecs.json_sparse import sparse_elements
 from connectors.codecs.steps import join, utf8_ok
 from connectors.spec import DenseField, FeatureSpec
 from pipeline.batch import transform_dense

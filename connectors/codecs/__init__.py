@@ -22,8 +22,10 @@ The modules: :mod:`~connectors.codecs.protocol` (:class:`Codec`,
 :func:`make_codec`), :mod:`~connectors.codecs.steps` (the decoding steps the
 codecs share), one module per codec (:mod:`~connectors.codecs.json_lines`,
 :mod:`~connectors.codecs.criteo_tsv`, :mod:`~connectors.codecs.arrow_ipc`), and
-:mod:`~connectors.codecs.json_scan`, the JSON codec's compiled scanner, whose
-docstring says, with measurements, why there is one.
+the JSON codec's compiled scanner: :mod:`~connectors.codecs.json_lex` (bytes, strings,
+numbers), :mod:`~connectors.codecs.json_scan` (records into arrays; its docstring says
+why there is one), :mod:`~connectors.codecs.json_columns` (arrays into Arrow columns)
+and :mod:`~connectors.codecs.json_sparse` (sparse values for the serving path).
 
 >>> import numpy as np
 >>> from connectors.spec import FeatureSpec

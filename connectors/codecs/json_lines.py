@@ -1,7 +1,8 @@
 """The JSON lines codec, :class:`JsonLinesCodec`: one JSON object per payload.
 
 Its default engine reads a chunk with the compiled scanner of
-:mod:`connectors.codecs.json_scan` (whose docstring says why there is one); the
+:mod:`connectors.codecs.json_scan` (whose docstring says why there is one) and
+:mod:`connectors.codecs.json_columns`; the
 ``arrow`` engine reads it with ``pyarrow.json``. Either leaves the records it
 does not take to ``json.loads`` (the Python path, at the end of this module),
 which names why a record is bad.
@@ -22,7 +23,7 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.json as pa_json
 
-from connectors.codecs.json_scan import scan_json
+from connectors.codecs.json_columns import scan_json
 from connectors.codecs.steps import (
     drop_position,
     finish,
@@ -66,10 +67,10 @@ class JsonLinesCodec:
     stopped at: the rows before it are read again, that row goes to step 2,
     and the reading goes on after it (a failure that names no row halves the
     segment); records that do not start with ``{`` and end with ``}`` go to step
-    2 directly (Arrow's reader crashes on a first value of ``null``). It reads
-    Criteo-like records at about 0.57x the scanner's rate on one core (0.2x
-    with 1% bad records; the table in :mod:`connectors.codecs.json_scan`); it is the
-    reference the tests hold the scanner to. Arrow
+    2 directly (Arrow's reader crashes on a first value of ``null``). It is
+    slower than the scanner, the more so with bad records
+    (``benchmarks/decode_micro.py``); it is the reference the tests hold the
+    scanner to. Arrow
     also takes the non-standard ``Inf``, ``-Inf`` and ``-NaN``, which
     ``json.loads`` and so the default engine do not (``not_json``).
 
