@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     # Imported in the commands: deploy.config pulls in every source's config (numba,
     # kafka-python), which `streamrec --help` must not wait for.
     from deploy.config import JobConfig
+    from trainer.checkpoint import JobManifest
+    from trainer.progress import LoopStats, Progress
 
 
 def demo_job(
@@ -145,6 +147,60 @@ def _say_resume(job: JobConfig) -> None:
     )
 
 
+def _print_summary(
+    job: JobConfig,
+    stats: LoopStats,
+    manifest: JobManifest | None,
+    last: Progress | None,
+    elapsed: float,
+) -> None:
+    """The job's summary: what it trained, where the time went, its AUC and what it
+    healed (``last``: the final progress, None if none came)."""
+    print(
+        f"trained {stats.samples:,} samples in {stats.steps} steps, "
+        f"{elapsed:.1f}s ({stats.samples / max(elapsed, 1e-9):,.0f} samples/s overall); "
+        f"stopped by {stats.stopped_by}"
+    )
+    print(
+        f"time: waiting for batches {stats.wait_s:.1f}s, compute {stats.compute_s:.1f}s, "
+        f"push queue {stats.push_wait_s:.1f}s, rank sync {stats.sync_s:.1f}s, "
+        f"{stats.checkpoints} checkpoints"
+    )
+    final = last.metrics if last is not None else None
+    everyone = getattr(last, "job_metrics", None)  # every rank's predictions
+    best = last.best_auc if last is not None else None
+    if everyone is not None and everyone.auc is not None:
+        rank0 = f", rank 0 {final.auc:.4f}" if final is not None and final.auc else ""
+        print(f"progressive AUC {everyone.auc:.4f} (every rank's predictions{rank0})")
+        final = everyone
+    elif final is not None and final.auc is not None:
+        best_text = f" (the stream's best achievable: {best:.4f})" if best is not None else ""
+        print(f"progressive AUC {final.auc:.4f}{best_text}")
+    if final is not None and final.logloss is not None:
+        calibration = (
+            f", calibration {final.calibration:.3f} (mean prediction / label rate)"
+            if final.calibration is not None
+            else ""
+        )
+        print(f"progressive logloss {final.logloss:.4f}{calibration}")
+    if stats.bad_records:
+        print(f"{stats.bad_records} bad records dead-lettered (see {job.run_dir})")
+    if stats.recoveries:
+        times = ", ".join(f"{s:.1f}s" for s in stats.recovery_s)
+        print(
+            f"recovered {stats.recoveries} time(s) from a lost store shard by rolling back "
+            f"to the newest checkpoint ({times})"
+        )
+    if stats.rank_restarts:
+        print(
+            f"started the trainer ranks again {stats.rank_restarts} time(s) after a rank "
+            "process or the Dask scheduler was lost, each from the newest checkpoint (the "
+            "figures above count from the last start)"
+        )
+    if manifest is not None:
+        print(f"checkpoint: {manifest.path} (step {manifest.step})")
+
+
 def _train(
     job: JobConfig,
     *,
@@ -216,51 +272,7 @@ def _train(
         if beside and (stop.is_set() or not trained):
             beside[0].close()  # the job failed or was stopped: its server goes too
     line.done()
-    elapsed = time.monotonic() - started
-    print(
-        f"trained {stats.samples:,} samples in {stats.steps} steps, "
-        f"{elapsed:.1f}s ({stats.samples / max(elapsed, 1e-9):,.0f} samples/s overall); "
-        f"stopped by {stats.stopped_by}"
-    )
-    print(
-        f"time: waiting for batches {stats.wait_s:.1f}s, compute {stats.compute_s:.1f}s, "
-        f"push queue {stats.push_wait_s:.1f}s, rank sync {stats.sync_s:.1f}s, "
-        f"{stats.checkpoints} checkpoints"
-    )
-    last = line.last
-    final = last.metrics if last is not None else None
-    everyone = getattr(last, "job_metrics", None)  # every rank's predictions
-    best = last.best_auc if last is not None else None
-    if everyone is not None and everyone.auc is not None:
-        rank0 = f", rank 0 {final.auc:.4f}" if final is not None and final.auc else ""
-        print(f"progressive AUC {everyone.auc:.4f} (every rank's predictions{rank0})")
-        final = everyone
-    elif final is not None and final.auc is not None:
-        best_text = f" (the stream's best achievable: {best:.4f})" if best is not None else ""
-        print(f"progressive AUC {final.auc:.4f}{best_text}")
-    if final is not None and final.logloss is not None:
-        calibration = (
-            f", calibration {final.calibration:.3f} (mean prediction / label rate)"
-            if final.calibration is not None
-            else ""
-        )
-        print(f"progressive logloss {final.logloss:.4f}{calibration}")
-    if stats.bad_records:
-        print(f"{stats.bad_records} bad records dead-lettered (see {job.run_dir})")
-    if stats.recoveries:
-        times = ", ".join(f"{s:.1f}s" for s in stats.recovery_s)
-        print(
-            f"recovered {stats.recoveries} time(s) from a lost store shard by rolling back "
-            f"to the newest checkpoint ({times})"
-        )
-    if stats.rank_restarts:
-        print(
-            f"started the trainer ranks again {stats.rank_restarts} time(s) after a rank "
-            "process or the Dask scheduler was lost, each from the newest checkpoint (the "
-            "figures above count from the last start)"
-        )
-    if manifest is not None:
-        print(f"checkpoint: {manifest.path} (step {manifest.step})")
+    _print_summary(job, stats, manifest, line.last, time.monotonic() - started)
     if next_steps:
         print(next_steps)
     if beside and not stop.is_set():
