@@ -1,14 +1,14 @@
 """``ServeReporter``: a prediction server's reports to the scheduler's streamrec plugin.
 
 ``serve_report`` reads a server's own Prometheus registry
-(``serving.http.ServeMetrics.registry``, with the ``FreshnessCollector`` on it
+(``serving.metrics.ServeMetrics.registry``, with the ``FreshnessCollector`` on it
 for the ages) into a ``ServeReport``: cumulative counters and the infer latency
 histogram as they are; the scheduler takes rates and the p99 of each interval
 from two reports. A ``ServeReporter`` sends one every ``every_s`` from a daemon
 thread of its own, off the request path: a scheduler that is slow or gone costs
 a warning (once per kind of failure), never a request.
 
->>> from serving.http import ServeMetrics
+>>> from serving.metrics import ServeMetrics
 >>> metrics = ServeMetrics()
 >>> for seconds in (0.0004, 0.0009, 0.004):
 ...     metrics.count_request("infer", 200)
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 MIN_INTERVAL_S = 1.0  # the plugin folds a report a second per server at most
 
-# The samples read, as serving.http.ServeMetrics and serving.freshness name them.
+# The samples read, as serving.metrics.ServeMetrics and serving.freshness name them.
 _REQUESTS = "streamrec_serve_requests_total"  # {endpoint, code}: only endpoint="infer"
 _ERRORS = "streamrec_serve_errors_total"  # {reason}: all of them
 _RECORDS = "streamrec_serve_records_scored_total"

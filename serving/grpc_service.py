@@ -59,7 +59,7 @@ import grpc
 import grpc.aio
 
 from serving import grpc_oip
-from serving.http import ServeMetrics
+from serving.metrics import ServeMetrics
 from serving.proto import grpc_predict_v2_pb2 as pb
 from serving.proto import grpc_predict_v2_pb2_grpc as pb_grpc
 from serving.types import BadRecords, ModelUnavailable, OipError, Prediction, Predictor

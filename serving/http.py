@@ -57,8 +57,7 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, ClassVar, Final, NamedTuple
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram
-from prometheus_client.exposition import generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from tornado.http1connection import HTTP1Connection
 from tornado.httpserver import HTTPServer
 from tornado.httputil import (
@@ -69,6 +68,7 @@ from tornado.web import Application, RequestHandler, stream_request_body
 
 from serving import oip
 from serving.batching import LoopBatcher, takes_deadline
+from serving.metrics import ServeMetrics
 from serving.types import (
     BadRecords,
     Deadline,
@@ -81,15 +81,10 @@ from serving.types import (
 )
 from serving.wire import Reply, WireServer
 
-__all__ = ["InferenceServer", "ServeMetrics", "make_app"]
+__all__ = ["InferenceServer", "make_app"]
 
 log = logging.getLogger("streamrec.serve")
 
-# Infer latency buckets, in seconds: a batch-1 request takes well under 5 ms.
-LATENCY_BUCKETS: Final = (
-    0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-    1.0, 2.5,
-)  # fmt: skip
 # A refused request's body up to this size is read and dropped, so that a client that
 # sends its whole body before reading still sees the answer; a larger one is cut off.
 DRAIN_LIMIT: Final = 64 << 20
@@ -101,53 +96,6 @@ def _version() -> str:
         return importlib.metadata.version("streamrec")
     except importlib.metadata.PackageNotFoundError:
         return "0+unknown"
-
-
-class ServeMetrics:
-    """The server's Prometheus metrics, in a registry of their own (never the global one)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "streamrec_serve_requests",
-            "HTTP requests answered, by endpoint and status code.",
-            ["endpoint", "code"],
-            registry=self.registry,
-        )
-        self.infer_latency = Histogram(
-            "streamrec_serve_infer_latency_seconds",
-            "Time from an infer request's headers to its answer.",
-            buckets=LATENCY_BUCKETS,
-            registry=self.registry,
-        )
-        self.errors = Counter(
-            "streamrec_serve_errors",
-            "Requests refused or failed, by reason (bad_records, invalid_request, ...).",
-            ["reason"],
-            registry=self.registry,
-        )
-        self.bad_records = Counter(
-            "streamrec_serve_bad_records",
-            "Records a model refused, by the record error's reason.",
-            ["reason"],
-            registry=self.registry,
-        )
-        self.records = Counter(
-            "streamrec_serve_records_scored", "Records scored.", registry=self.registry
-        )
-        # labels() hashes and locks; the children are looked up once each.
-        self._requests: dict[tuple[str, int], Counter] = {}
-
-    def count_request(self, endpoint: str, code: int) -> None:
-        """Count one answered request."""
-        child = self._requests.get((endpoint, code))
-        if child is None:
-            child = self._requests[endpoint, code] = self.requests.labels(endpoint, str(code))
-        child.inc()
-
-    def exposition(self) -> bytes:
-        """The Prometheus text of every metric."""
-        return generate_latest(self.registry)
 
 
 class Limits(NamedTuple):

@@ -15,7 +15,7 @@ import pytest
 from monitoring.serve_reporter import ServeReporter, serve_report
 from monitoring.state import MonitorState
 from serving.freshness import FreshnessCollector, SparseFreshness
-from serving.http import LATENCY_BUCKETS, ServeMetrics
+from serving.metrics import LATENCY_BUCKETS, ServeMetrics
 
 URL = "http://10.0.0.7:8080"
 
