@@ -113,13 +113,16 @@ class KafkaSourceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     bootstrap_servers: str = Field(min_length=1, description="'host:port[,host:port...]'")
-    topics: tuple[str, ...] = Field(min_length=1)
+    topics: tuple[str, ...] = Field(min_length=1, description="the topics to train from")
     group_id: str = Field(min_length=1, description="consumer group that holds committed offsets")
-    api_version: Literal["auto"] | ApiVersion = "auto"
-    # Where a partition without a committed offset starts. "earliest" by default
-    # (Kafka's own default is "latest"): a new job trains on what the topic holds
-    # rather than silently skipping it.
-    auto_offset_reset: Literal["earliest", "latest"] = "earliest"
+    api_version: Literal["auto"] | ApiVersion = Field(
+        "auto", description="the broker's protocol version; auto: asked of the broker"
+    )
+    # "earliest" by default (Kafka's own default is "latest"): a new job trains on
+    # what the topic holds rather than silently skipping it.
+    auto_offset_reset: Literal["earliest", "latest"] = Field(
+        "earliest", description="where a partition without a committed offset starts"
+    )
     max_records: int = Field(10_000, gt=0, description="records per chunk at most")
     poll_timeout_ms: int = Field(1000, gt=0, description="one poll of a chunk read")
     retry_timeout_s: float = Field(300.0, gt=0, description="how long to wait out a broker")
@@ -134,7 +137,9 @@ class KafkaSourceConfig(BaseModel):
             "'kafka-python': always a KafkaConsumer (one Python object per record)"
         ),
     )
-    client_options: dict[str, Any] = Field(default_factory=dict)
+    client_options: dict[str, Any] = Field(
+        default_factory=dict, description="kafka-python KafkaConsumer options: TLS, SASL, tuning"
+    )
 
     @field_validator("bootstrap_servers", mode="before")
     @classmethod

@@ -52,13 +52,15 @@ class DenseField(_Strict):
     ``fill`` is None.
     """
 
-    name: str = Field(pattern=FIELD_NAME)
-    fill: float | None = 0.0
-    min_value: float | None = None
-    max_value: float | None = None
-    transform: Literal["none", "log1p", "signed_log1p"] = "none"
-    clip_min: float | None = None
-    clip_max: float | None = None
+    name: str = Field(pattern=FIELD_NAME, description="the record's field")
+    fill: float | None = Field(0.0, description="a missing value's; None: missing is bad")
+    min_value: float | None = Field(None, description="smaller values are bad (before transform)")
+    max_value: float | None = Field(None, description="larger values are bad (before transform)")
+    transform: Literal["none", "log1p", "signed_log1p"] = Field(
+        "none", description="log1p(x), or sign(x) * log1p(|x|)"
+    )
+    clip_min: float | None = Field(None, description="after the transform, clamp to at least")
+    clip_max: float | None = Field(None, description="after the transform, clamp to at most")
 
 
 class SparseField(_Strict):
@@ -69,19 +71,23 @@ class SparseField(_Strict):
     makes the record bad).
     """
 
-    name: str = Field(pattern=FIELD_NAME)
-    table: str = Field(pattern=TABLE_NAME_PATTERN.pattern)
-    type: Literal["string", "int", "list_string", "list_int"] = "string"
-    pooling: Literal["sum", "mean"] = "sum"
-    max_len: int = Field(256, ge=1, le=1 << 16)
+    name: str = Field(pattern=FIELD_NAME, description="the record's field")
+    table: str = Field(
+        pattern=TABLE_NAME_PATTERN.pattern, description="the store table its ids look up"
+    )
+    type: Literal["string", "int", "list_string", "list_int"] = Field(
+        "string", description="one value, or a list of values (multi-hot)"
+    )
+    pooling: Literal["sum", "mean"] = Field("sum", description="how a bag's rows combine")
+    max_len: int = Field(256, ge=1, le=1 << 16, description="list_*: more values are bad")
 
 
 class FeatureSpec(_Strict):
     """Labels, dense and sparse fields of the records a job trains on."""
 
-    labels: list[str] = Field(min_length=1)
-    dense: list[DenseField] = Field(default_factory=list)
-    sparse: list[SparseField] = Field(default_factory=list)
+    labels: list[str] = Field(min_length=1, description="label fields, one head each")
+    dense: list[DenseField] = Field(default_factory=list, description="numeric features")
+    sparse: list[SparseField] = Field(default_factory=list, description="categorical features")
     max_record_bytes: int = Field(1 << 20, ge=64, description="larger records are bad")
     labels_required: bool = Field(
         True,

@@ -162,7 +162,7 @@ class SyntheticConfig(BaseModel):
     )
     name: str = Field("synthetic", pattern=TABLE_NAME_PATTERN.pattern, description="source name")
     seed: int = Field(0, ge=0, lt=1 << 63, description="the world: ids, truth and events")
-    partitions: int = Field(1, ge=1, le=1 << 16)
+    partitions: int = Field(1, ge=1, le=1 << 16, description="partitions of the stream")
     events: int | None = Field(None, ge=0, description="events per partition; None = endless")
     chunk_size: int = Field(
         65536, ge=1, le=1 << 22, description="most records per planned chunk (and per write)"
@@ -179,9 +179,13 @@ class SyntheticConfig(BaseModel):
     new_id_window: int = Field(
         200_000, ge=1, description="a new id is drawn from those born in the last N events"
     )
-    zipf_exponent: float = Field(1.1, gt=0.0, le=4.0)
-    cardinalities: tuple[int, ...] = CRITEO_CARDINALITIES
-    dense_missing: tuple[float, ...] = CRITEO_DENSE_MISSING
+    zipf_exponent: float = Field(1.1, gt=0.0, le=4.0, description="skew of the ids' popularity")
+    cardinalities: tuple[int, ...] = Field(
+        CRITEO_CARDINALITIES, description="distinct ids of each sparse field"
+    )
+    dense_missing: tuple[float, ...] = Field(
+        CRITEO_DENSE_MISSING, description="share of missing values of each dense field"
+    )
     interaction: float = Field(
         0.0, ge=0.0, le=10.0, description="scale of the hidden user x item term (0: none)"
     )

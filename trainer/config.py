@@ -38,9 +38,12 @@ class FFNNConfig(_Strict):
     ``hidden`` are the widths of the hidden layers (none: a logistic regression).
     """
 
-    kind: Literal["ffnn"] = "ffnn"
-    hidden: list[Width] = Field(default_factory=lambda: [4096, 2048, 1024, 512, 256])
-    activation: Activation = "relu"
+    kind: Literal["ffnn"] = Field("ffnn", description="a feed-forward net (Persia's)")
+    hidden: list[Width] = Field(
+        default_factory=lambda: [4096, 2048, 1024, 512, 256],
+        description="widths of the hidden layers; []: a logistic regression",
+    )
+    activation: Activation = Field("relu", description="after each hidden layer")
 
 
 class DLRMConfig(_Strict):
@@ -51,9 +54,14 @@ class DLRMConfig(_Strict):
     then one logit per task. All sparse fields must share one dim.
     """
 
-    kind: Literal["dlrm"] = "dlrm"
-    bottom: list[Width] = Field(default_factory=lambda: [512, 256])
-    top: list[Width] = Field(default_factory=lambda: [1024, 1024, 512, 256])
+    kind: Literal["dlrm"] = Field("dlrm", description="DLRM: MLPs around a dot interaction")
+    bottom: list[Width] = Field(
+        default_factory=lambda: [512, 256], description="hidden widths of the dense features' MLP"
+    )
+    top: list[Width] = Field(
+        default_factory=lambda: [1024, 1024, 512, 256],
+        description="hidden widths of the MLP over the interactions",
+    )
 
 
 class DCNv2Config(_Strict):
@@ -64,11 +72,17 @@ class DCNv2Config(_Strict):
     the input and concatenates their outputs.
     """
 
-    kind: Literal["dcn_v2"] = "dcn_v2"
-    cross_layers: int = Field(3, ge=0, le=64)
-    low_rank: int | None = Field(None, ge=1, le=1 << 16)
-    deep: list[Width] = Field(default_factory=lambda: [1024, 512, 256])
-    structure: Literal["stacked", "parallel"] = "stacked"
+    kind: Literal["dcn_v2"] = Field("dcn_v2", description="DCN-v2: a cross network and an MLP")
+    cross_layers: int = Field(3, ge=0, le=64, description="cross layers")
+    low_rank: int | None = Field(
+        None, ge=1, le=1 << 16, description="rank of each cross weight; None: full"
+    )
+    deep: list[Width] = Field(
+        default_factory=lambda: [1024, 512, 256], description="hidden widths of the deep MLP"
+    )
+    structure: Literal["stacked", "parallel"] = Field(
+        "stacked", description="cross then deep, or both on the input side by side"
+    )
 
 
 ModelConfig = Annotated[FFNNConfig | DLRMConfig | DCNv2Config, Field(discriminator="kind")]
@@ -81,11 +95,13 @@ LabelPrior = Literal["first_batch"] | Rate | dict[str, Rate] | None
 class DenseOptimizerConfig(_Strict):
     """The optimizer of the dense network (torch.optim), the same on every rank."""
 
-    kind: Literal["adam", "adamw", "sgd", "adagrad"] = "adam"
-    lr: float = Field(1e-3, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
+    kind: Literal["adam", "adamw", "sgd", "adagrad"] = Field(
+        "adam", description="the torch.optim optimizer"
+    )
+    lr: float = Field(1e-3, gt=0, description="learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="weight decay (AdamW's: decoupled)")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="adam and adamw only")
+    eps: float = Field(1e-8, gt=0, description="adam, adamw and adagrad")
     momentum: float = Field(0.0, ge=0, description="sgd only")
 
 
@@ -99,11 +115,11 @@ class CheckpointConfig(_Strict):
             "file:///...) that every trainer host reaches; None: the run directory's checkpoints/"
         ),
     )
-    every_steps: int | None = Field(1000, ge=1)
-    every_s: float | None = Field(300.0, gt=0)
+    every_steps: int | None = Field(1000, ge=1, description="a checkpoint every N steps")
+    every_s: float | None = Field(300.0, gt=0, description="a checkpoint every T seconds")
     keep: int = Field(3, ge=1, description="job manifests (and dense states) kept")
-    on_exit: bool = True
-    enabled: bool = True
+    on_exit: bool = Field(True, description="a checkpoint when the job ends")
+    enabled: bool = Field(True, description="false: no checkpoints (nothing to resume from)")
 
 
 class RecoveryConfig(_Strict):
@@ -150,7 +166,11 @@ class RunFilesConfig(_Strict):
 class TrainerConfig(_Strict):
     """How the trainer ranks learn from the prepared batches."""
 
-    mode: Literal["hybrid", "sync", "async"] = "hybrid"
+    mode: Literal["hybrid", "sync", "async"] = Field(
+        "hybrid",
+        description="hybrid: rows up to staleness pushes old, dense synchronous; sync: "
+        "staleness 0; async: dense nets averaged every average_every steps",
+    )
     staleness: int = Field(4, ge=0, description="batches a lookup may miss the pushes of")
     batch_size: int = Field(4096, ge=1, description="records per chunk, i.e. per step")
     push_queue: int = Field(
@@ -170,10 +190,12 @@ class TrainerConfig(_Strict):
         ),
     )
     average_every: int = Field(50, ge=1, description="async mode: steps between dense averages")
-    ranks: int = Field(1, ge=1, le=256)
-    model: ModelConfig = Field(default_factory=FFNNConfig)
-    optimizer: DenseOptimizerConfig = Field(default_factory=DenseOptimizerConfig)
-    seed: int = Field(0, ge=0)
+    ranks: int = Field(1, ge=1, le=256, description="trainer ranks (one process each)")
+    model: ModelConfig = Field(default_factory=FFNNConfig, description="the dense network")
+    optimizer: DenseOptimizerConfig = Field(
+        default_factory=DenseOptimizerConfig, description="the dense network's optimizer"
+    )
+    seed: int = Field(0, ge=0, description="of the dense network's initial weights")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto",
         description="auto: cuda:LOCAL_RANK when every local rank has a GPU, else the CPU",
@@ -218,7 +240,9 @@ class TrainerConfig(_Strict):
             "checkpoint taken after step 0 (its dense state is restored)"
         ),
     )
-    log_every_s: float = Field(2.0, gt=0)
+    log_every_s: float = Field(
+        2.0, gt=0, description="seconds between progress reports (metrics files, live line)"
+    )
     collective_timeout_s: float = Field(
         600.0,
         gt=0,
@@ -227,9 +251,15 @@ class TrainerConfig(_Strict):
             "on a dead host); longer than the slowest checkpoint"
         ),
     )
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    recovery: RecoveryConfig = Field(default_factory=RecoveryConfig)
-    run_files: RunFilesConfig = Field(default_factory=RunFilesConfig)
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, description="when the job checkpoints"
+    )
+    recovery: RecoveryConfig = Field(
+        default_factory=RecoveryConfig, description="what a lost store shard does to the job"
+    )
+    run_files: RunFilesConfig = Field(
+        default_factory=RunFilesConfig, description="rotation of the run directory's files"
+    )
 
     @model_validator(mode="before")
     @classmethod
