@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
+    from connectors.spec import FeatureSpec
     from deploy.local.shards import ShardProcess, StartingShard
-    from pipeline.spec import FeatureSpec
 
 # The fields of a Criteo display-ads record besides ``label``: 13 dense counts
 # and 26 categorical (string) fields.
@@ -145,7 +145,7 @@ def criteo_spec(
     ``dense_options`` are added to every dense field; each sparse field ``Cn``
     feeds its own table ``cn``, or with ``shared_table`` all feed the table ``all``.
     """
-    from pipeline.spec import FeatureSpec
+    from connectors.spec import FeatureSpec
 
     return FeatureSpec.model_validate(
         {

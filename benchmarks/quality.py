@@ -101,9 +101,9 @@ from common import shared_dask, write_json  # noqa: E402
 from e2e import load, measured_rate, read_metrics  # noqa: E402
 
 if TYPE_CHECKING:
+    from connectors.spec import FeatureSpec
     from connectors.types import Chunk, RawChunk
     from embedding_store.types import OptimizerConfig
-    from pipeline.spec import FeatureSpec
     from pipeline.types import PreparedBatch
 
 DATASETS = ("hotids", "movielens")
@@ -136,7 +136,7 @@ class Dataset:
 
     @property
     def spec(self) -> FeatureSpec:
-        from pipeline.spec import FeatureSpec
+        from connectors.spec import FeatureSpec
 
         return FeatureSpec.model_validate(self.features)
 

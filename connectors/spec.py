@@ -6,7 +6,7 @@ Validation rejects unknown keys and names the offending field.
 The schema lives in ``connectors`` because the connectors are its first users
 (codecs decode to it, :mod:`connectors.validate` checks against it, the
 synthetic source generates it) and they sit below ``pipeline`` in the package
-order; :mod:`pipeline.spec` re-exports it.
+order.
 
 >>> spec = FeatureSpec.model_validate({
 ...     "labels": ["click"],

@@ -27,10 +27,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from connectors.kafka import KafkaSourceConfig
+from connectors.spec import FeatureSpec
 from connectors.synthetic import SyntheticConfig
 from embedding_store.follow import FOLLOW_POLL_S
 from embedding_store.types import StoreConfig
-from pipeline.spec import FeatureSpec
 from trainer.config import TrainerConfig
 
 

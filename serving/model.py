@@ -32,6 +32,7 @@ from torch import Tensor
 
 from connectors.codecs import Codec
 from connectors.codecs.json_lines import JsonLinesCodec
+from connectors.spec import FeatureSpec
 from connectors.types import BadRecord, Chunk, RawChunk
 from connectors.validate import POSITION, validate
 from embedding_store.errors import StoreUnavailable
@@ -39,7 +40,6 @@ from embedding_store.location import Location
 from pipeline.batch import build_batch
 from pipeline.json_scan import JsonScanBuilder
 from pipeline.plain import PlainBatchBuilder
-from pipeline.spec import FeatureSpec
 from pipeline.types import FlatBatch, PreparedBatch
 from serving.types import (
     BadRecords,

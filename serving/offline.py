@@ -23,11 +23,11 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from connectors.spec import FeatureSpec
 from connectors.types import BadRecord
 from embedding_store.location import Location
 from embedding_store.shard import StoreShard
 from embedding_store.types import StoreConfig
-from pipeline.spec import FeatureSpec
 from serving.model import DenseVersion, Scored, ServingModel, inference_module
 from trainer.checkpoint import CheckpointBook, JobManifest
 from trainer.config import TrainerConfig

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from pipeline.spec import FeatureSpec
+from connectors.spec import FeatureSpec
 from trainer.config import DenseOptimizerConfig, LabelPrior, TrainerConfig
 from trainer.models import build_model, field_dims, rate_logits
 

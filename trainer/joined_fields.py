@@ -18,7 +18,7 @@ rounding (bit for bit on the forward of one-id bags).
 It is the trainer's path on a CPU; a CUDA device keeps the general one.
 
 >>> import numpy as np
->>> from pipeline.spec import FeatureSpec
+>>> from connectors.spec import FeatureSpec
 >>> from pipeline.types import PreparedBatch, TableBatch
 >>> spec = FeatureSpec.model_validate({"labels": ["y"], "sparse": [
 ...     {"name": "tags", "table": "t", "type": "list_int", "pooling": "mean"},
@@ -62,7 +62,7 @@ import numpy.typing as npt
 import torch
 from torch import Tensor
 
-from pipeline.spec import FeatureSpec
+from connectors.spec import FeatureSpec
 from pipeline.types import FlatIds, PreparedBatch
 from trainer.pooling import checked_pooled_table
 
@@ -221,7 +221,7 @@ def joined_flat(
     bit for bit: the same copies and the same sums in the same order. With ``lead``
     (``[B, k]``), its columns come first: ``concat(dense, joined)`` in one matrix.
 
-    >>> from pipeline.spec import FeatureSpec
+    >>> from connectors.spec import FeatureSpec
     >>> from pipeline.types import FlatIds
     >>> spec = FeatureSpec.model_validate({"labels": ["y"], "sparse": [
     ...     {"name": "user", "table": "u", "type": "int"},

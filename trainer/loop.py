@@ -34,8 +34,8 @@ from typing import Any, Protocol, cast
 import numpy as np
 import torch
 
+from connectors.spec import FeatureSpec
 from embedding_store.client import StoreClient
-from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch
 from trainer.checkpoint import JobManifest
 from trainer.config import TrainerConfig

@@ -24,7 +24,7 @@ from typing import assert_never
 import torch
 from torch import Tensor, nn
 
-from pipeline.spec import FeatureSpec
+from connectors.spec import FeatureSpec
 
 # The configs live with the job schema (no torch there); re-exported for callers.
 from trainer.config import Activation, DCNv2Config, DLRMConfig, FFNNConfig, ModelConfig

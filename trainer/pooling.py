@@ -6,7 +6,7 @@ them into bags with one ``embedding_bag`` call per table, so after
 trainer pushes to the store (duplicate ids already summed by autograd).
 
 >>> import numpy as np
->>> from pipeline.spec import FeatureSpec
+>>> from connectors.spec import FeatureSpec
 >>> from pipeline.types import PreparedBatch, TableBatch
 >>> spec = FeatureSpec.model_validate({"labels": ["y"], "sparse": [
 ...     {"name": "tags", "table": "t", "type": "list_int", "pooling": "mean"}]})
@@ -39,7 +39,7 @@ import numpy.typing as npt
 import torch
 from torch import Tensor
 
-from pipeline.spec import FeatureSpec
+from connectors.spec import FeatureSpec
 from pipeline.types import PreparedBatch, TableBatch
 
 POOLING_MODES = ("sum", "mean")

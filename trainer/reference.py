@@ -36,6 +36,7 @@ import numpy.typing as npt
 import torch
 from torch import Tensor, nn
 
+from connectors.spec import FeatureSpec
 from embedding_store.hashing import init_params, init_rows, table_seed
 from embedding_store.types import (
     AdagradConfig,
@@ -46,7 +47,6 @@ from embedding_store.types import (
     SGDConfig,
     TableConfig,
 )
-from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch
 from trainer.models import loss_fn
 from trainer.pooling import pool_table

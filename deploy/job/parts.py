@@ -40,8 +40,8 @@ if TYPE_CHECKING:
     import torch
     from distributed import Client
 
+    from connectors.spec import FeatureSpec
     from deploy.local.shards import ShardSupervisor
-    from pipeline.spec import FeatureSpec
 
 log = logging.getLogger(__name__)
 

@@ -35,8 +35,8 @@ from trainer.progress import LoopStats, Progress
 if TYPE_CHECKING:
     import torch
 
+    from connectors.spec import FeatureSpec
     from pipeline.runner import StreamRunner
-    from pipeline.spec import FeatureSpec
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from connectors.codecs.joined import JoinedPayloads
+from connectors.spec import FeatureSpec
 from pipeline.json_scan import JsonScanBuilder
-from pipeline.spec import FeatureSpec
 from tests.pipeline.test_plain import (
     GOOD_VALUES,
     ODD_VALUES,

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 
 from connectors.codecs.json_lines import JsonLinesCodec
+from connectors.spec import FeatureSpec
 from connectors.types import Chunk, RawChunk
 from pipeline.batch import build_batch
 from pipeline.hashing import ValueHasher, feature_id
 from pipeline.plain import PlainBatchBuilder
-from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch
 
 SPEC = FeatureSpec.model_validate(

@@ -12,6 +12,7 @@ import torch
 
 from connectors.codecs import make_codec
 from connectors.codecs.joined import JoinedPayloads
+from connectors.spec import FeatureSpec
 from connectors.types import Chunk, RawChunk
 from embedding_store.client import StoreClient
 from embedding_store.location import Location
@@ -19,7 +20,6 @@ from embedding_store.replica import ShardFollower
 from embedding_store.shard import StoreShard
 from embedding_store.types import StoreConfig
 from pipeline.batch import build_batch
-from pipeline.spec import FeatureSpec
 from serving.model import DenseFollower, ServingModel
 from serving.oip import decode_bytes_tensor, encode_bytes_tensor
 from serving.replicas import StoreRows

@@ -21,11 +21,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from connectors.spec import FeatureSpec
 from connectors.synthetic import SyntheticConfig, SyntheticSource
 from embedding_store.client import StoreClient
 from embedding_store.types import StoreConfig, TableConfig
 from pipeline.prepare import prepare
-from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch
 from trainer.config import CheckpointConfig, DenseOptimizerConfig, TrainerConfig
 from trainer.dense_model import DenseModel

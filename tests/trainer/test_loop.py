@@ -31,13 +31,13 @@ import numpy as np
 import pytest
 import torch
 
+from connectors.spec import FeatureSpec
 from connectors.synthetic import SyntheticConfig, SyntheticSource
 from connectors.types import Chunk
 from embedding_store.client import StoreClient
 from embedding_store.shard import StoreShard
 from embedding_store.types import StoreConfig, TableConfig
 from pipeline.prepare import prepare
-from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch
 from trainer.checkpoint import CheckpointBook
 from trainer.config import CheckpointConfig, DenseOptimizerConfig, TrainerConfig

@@ -10,7 +10,7 @@ import torch
 from pydantic import TypeAdapter, ValidationError
 from torch import Tensor, nn
 
-from pipeline.spec import FeatureSpec
+from connectors.spec import FeatureSpec
 from trainer.models import (
     DLRM,
     FFNN,

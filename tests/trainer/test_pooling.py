@@ -19,8 +19,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from connectors.spec import FeatureSpec
 from pipeline.batch import build_batch
-from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch, TableBatch
 from trainer.pooling import pool, pool_table, row_grads, to_tensors
 

@@ -25,12 +25,12 @@ import pytest
 import torch
 from torch import nn
 
+from connectors.spec import FeatureSpec
 from connectors.synthetic import SyntheticConfig, SyntheticSource
 from embedding_store.client import StoreClient
 from embedding_store.table import EmbeddingTable
 from embedding_store.types import StoreConfig, TableConfig
 from pipeline.batch import build_batch
-from pipeline.spec import FeatureSpec
 from pipeline.types import PreparedBatch
 from trainer.models import FFNNConfig, build_model, field_dims, loss_fn
 from trainer.pooling import pool, row_grads, to_tensors

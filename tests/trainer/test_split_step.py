@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.spec import FeatureSpec
+from connectors.spec import FeatureSpec
 from pipeline.types import PreparedBatch, TableBatch
 from trainer.config import DCNv2Config, DLRMConfig, FFNNConfig
 from trainer.joined_fields import JoinedFields
