@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from deploy.cli.usage import UsageError
+
 STATE_HELP = (
     "where its data, logs and pids live (default $STREAMREC_STATE_DIR/kafka, else "
     "$XDG_STATE_HOME/streamrec/kafka, else ~/.local/state/streamrec/kafka)"
@@ -80,8 +82,8 @@ def _kafka_topic(args: argparse.Namespace) -> int:
         for item in args.config:
             key, eq, value = item.partition("=")
             if not eq or not key:
-                print(f"{what}: --config {item!r}: expected KEY=VALUE", file=sys.stderr)
-                return 2
+                msg = f"--config {item!r}: expected KEY=VALUE"
+                raise UsageError(msg)
             config[key] = value
         zookeeper = args.zookeeper or (
             str(local["zookeeper"]) if local and local.get("zookeeper") else None
@@ -117,8 +119,8 @@ def _tansu(args: argparse.Namespace) -> int:
             print(f"no Tansu running from {state_dir}")
         return 0
     if args.port is not None and not 0 <= args.port <= 65535:
-        print(f"streamrec kafka up: --port {args.port}: expected 0-65535", file=sys.stderr)
-        return 2
+        msg = f"--port {args.port}: expected 0-65535"
+        raise UsageError(msg)
     try:
         state = up(state_dir, port=args.port, storage=args.storage)
     except TansuError as exc:
@@ -160,8 +162,8 @@ def _kafka(args: argparse.Namespace) -> int:
     if args.broker == "tansu":
         return _tansu(args)
     if getattr(args, "storage", None):
-        print("streamrec kafka up: --storage is Tansu's (give --broker tansu)", file=sys.stderr)
-        return 2
+        msg = "--storage is Tansu's (give --broker tansu)"
+        raise UsageError(msg)
     state_dir: Path = args.state_dir or default_state_dir()
     legacy = Path(".streamrec/kafka")  # the state dir before it moved out of the checkout
     if args.state_dir is None and (legacy / "kafka.json").is_file():
@@ -179,8 +181,8 @@ def _kafka(args: argparse.Namespace) -> int:
                 recorded = recorded_state(state_dir)
                 port = None if recorded and recorded.get("bootstrap") else DEFAULT_BROKER_PORT
             if port is not None and not 0 <= port <= 65535:
-                print(f"streamrec kafka up: --port {port}: expected 0-65535", file=sys.stderr)
-                return 2
+                msg = f"--port {port}: expected 0-65535"
+                raise UsageError(msg)
             state = up(state_dir, cache_dir=args.cache_dir, port=port)
         except (KafkaSetupError, KafkaStartError) as exc:
             print(f"streamrec kafka up: {exc}", file=sys.stderr)

@@ -7,6 +7,7 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from deploy.cli.usage import UsageError
 from deploy.status_line import StatusLine, progress_bar
 
 
@@ -150,22 +151,24 @@ def _produce(args: argparse.Namespace) -> int:
     import itertools
     import time
 
-    def usage(msg: str) -> int:
-        print(f"streamrec produce: {msg}", file=sys.stderr)
-        return 2
-
     if (args.from_file is None) == (args.events is None):
-        return usage("give either --from FILE (records of a file) or --events N (synthetic)")
+        msg = "give either --from FILE (records of a file) or --events N (synthetic)"
+        raise UsageError(msg)
     if args.partition is not None and args.key_field is not None:
-        return usage("--partition and --key-field exclude each other")
+        msg = "--partition and --key-field exclude each other"
+        raise UsageError(msg)
     if args.events is None and args.seed is not None:
-        return usage("--seed is for the synthetic stream (--events), not --from")
+        msg = "--seed is for the synthetic stream (--events), not --from"
+        raise UsageError(msg)
     if args.from_file is None and (args.key_field is not None or args.format != "auto"):
-        return usage("--key-field and --format are for --from FILE")
+        msg = "--key-field and --format are for --from FILE"
+        raise UsageError(msg)
     if args.partition is not None and args.partition < 0:
-        return usage(f"--partition {args.partition}: expected 0 or more")
+        msg = f"--partition {args.partition}: expected 0 or more"
+        raise UsageError(msg)
     if args.rate < 0:
-        return usage(f"--rate {args.rate}: expected 0 (as fast as possible) or more")
+        msg = f"--rate {args.rate}: expected 0 (as fast as possible) or more"
+        raise UsageError(msg)
     servers, topic = _parse_kafka_url(args.to)
     if args.from_file is not None:
         return _produce_file(args, servers, topic)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from deploy.cli.usage import UsageError, load_job
 from deploy.status_line import StatusLine, progress_bar
 
 # Each attempt of a call to a replica process: short, so that a replica that stopped
@@ -18,20 +19,15 @@ REPLICA_CALL_TIMEOUT_S = 3.0
 
 
 def _scored(args: argparse.Namespace, command: str, *, labels_required: bool) -> Any:
-    """The file's scores with the parameters asked for, or an exit code."""
-    from deploy.config import ConfigError, load_config
+    """The file's scores with the parameters asked for."""
     from deploy.scoring import ScoringParameters, load_model
     from serving.offline import OfflineError
     from trainer.checkpoint import JobCheckpointError
 
-    try:
-        job = load_config(args.job)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    job = load_job(args.job)
     if job.features is None:
-        print(f"streamrec {command}: {args.job} has no `features:` section", file=sys.stderr)
-        return 2
+        msg = f"{args.job} has no `features:` section"
+        raise UsageError(msg)
     params = ScoringParameters(args.job, args.checkpoint, args.shards, labels_required)
     on_cluster = args.workers > 0 or args.scheduler is not None
     try:
@@ -41,8 +37,7 @@ def _scored(args: argparse.Namespace, command: str, *, labels_required: bool) ->
         _say_checkpoint(command, manifest, where)
         return _score_with_progress(model, args.source, args.batch)
     except (OfflineError, JobCheckpointError, OSError) as exc:
-        print(f"streamrec {command}: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from exc
 
 
 def _say_checkpoint(command: str, manifest: Any, where: str) -> None:
@@ -112,8 +107,6 @@ def cmd_score(args: argparse.Namespace) -> int:
     from serving.offline import write_scores
 
     scores = _scored(args, "score", labels_required=False)
-    if isinstance(scores, int):
-        return scores
     rejected = write_scores(scores, args.out)
     scored = scores.records - len(scores.bad)
     print(f"streamrec score: {scored:,} of {scores.records:,} records scored into {args.out}")
@@ -130,8 +123,6 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from serving.offline import evaluate_scores
 
     scores = _scored(args, "evaluate", labels_required=True)
-    if isinstance(scores, int):
-        return scores
     result = evaluate_scores(scores)
     reasons = count_reasons(scores.bad)
     for head, m in result.items():
@@ -401,31 +392,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from deploy.config import ConfigError, load_config
     from deploy.job.threads import take_short_gil_turns
     from deploy.store_server import read_token
     from embedding_store.errors import StoreError
 
-    try:
-        job = load_config(args.job)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
+    job = load_job(args.job)
     cfg = job.serving
     if job.features is None:
-        print(f"streamrec serve: {args.job} has no `features:` section", file=sys.stderr)
-        return 2
+        msg = f"{args.job} has no `features:` section"
+        raise UsageError(msg)
     if args.follow is not None and args.store is not None:
-        print("streamrec serve: give --store or --follow, not both", file=sys.stderr)
-        return 2
+        msg = "give --store or --follow, not both"
+        raise UsageError(msg)
     store = args.follow or args.store or cfg.store or job.cluster.store
     if store is None:
-        print(
-            "streamrec serve: give the serving replicas with --store grpc://HOST:PORT,... "
-            "(or serving.store in the job YAML)",
-            file=sys.stderr,
+        msg = (
+            "give the serving replicas with --store grpc://HOST:PORT,... "
+            "(or serving.store in the job YAML)"
         )
-        return 2
+        raise UsageError(msg)
     token_file = args.token_file or cfg.token_file
     token = read_token(token_file) if token_file is not None else None
     store_token_file = args.store_token_file or job.cluster.token_file
@@ -453,11 +438,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     except (StoreError, ValueError) as exc:
         flag = "--follow" if args.follow is not None else "--store"
-        print(f"streamrec serve: {flag} {store}: {exc}", file=sys.stderr)
-        return 2
+        msg = f"{flag} {store}: {exc}"
+        raise UsageError(msg) from exc
     except OSError as exc:
-        print(f"streamrec serve: cannot listen on port {port}: {exc}", file=sys.stderr)
-        return 2
+        msg = f"cannot listen on port {port}: {exc}"
+        raise UsageError(msg) from exc
     rows = f"following {store} every {cfg.follow_poll_s:g}s" if args.follow else f"from {store}"
     print(
         f"streamrec serve: model {cfg.model_name!r} on {stack.url} (rows {rows}, dense "

@@ -16,15 +16,19 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
+from deploy.cli.usage import UsageError, load_job
 from embedding_store.follow import FOLLOW_POLL_S
+
+if TYPE_CHECKING:
+    from embedding_store.location import Location
 
 TOKEN_FILE_HELP = "file holding the job's auth token (default: $STREAMREC_STORE_TOKEN)"
 
 
-def _store_token(args: argparse.Namespace, command: str) -> tuple[str | None, int]:
-    """The job's token for a store process (None with --no-auth), or an exit code 2."""
+def _store_token(args: argparse.Namespace) -> str | None:
+    """The job's token for a store process (None with --no-auth); checks --metrics-port too."""
     import os
 
     from deploy.cluster import TOKEN_ENV
@@ -32,28 +36,23 @@ def _store_token(args: argparse.Namespace, command: str) -> tuple[str | None, in
 
     env_token = os.environ.get(TOKEN_ENV, "").strip()
     if args.token_file is None and not env_token and not args.no_auth:
-        print(
-            f"streamrec store {command}: give the job's token with --token-file or ${TOKEN_ENV} "
-            "(or --no-auth for a loopback-only test shard)",
-            file=sys.stderr,
+        msg = (
+            f"give the job's token with --token-file or ${TOKEN_ENV} "
+            "(or --no-auth for a loopback-only test shard)"
         )
-        return None, 2
+        raise UsageError(msg)
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
-        print(
-            f"streamrec store {command}: --metrics-port {args.metrics_port}: expected 0-65535 "
-            "(0: any free port)",
-            file=sys.stderr,
-        )
-        return None, 2
+        msg = f"--metrics-port {args.metrics_port}: expected 0-65535 (0: any free port)"
+        raise UsageError(msg)
     if args.no_auth:
-        return None, 0
-    return (read_token(args.token_file) if args.token_file is not None else env_token), 0
+        return None
+    return read_token(args.token_file) if args.token_file is not None else env_token
 
 
-def _snapshots(args: argparse.Namespace, command: str) -> tuple[Any, int]:
-    """The --snapshots location (None when not given), or an exit code 2."""
+def _snapshots(args: argparse.Namespace) -> Location | None:
+    """The --snapshots location (None when not given)."""
     if args.snapshots is None:
-        return None, 0
+        return None
     from embedding_store.errors import CheckpointError
     from embedding_store.location import Location
 
@@ -61,27 +60,18 @@ def _snapshots(args: argparse.Namespace, command: str) -> tuple[Any, int]:
         mirror = Location.parse(args.snapshots)
         mirror.check()
     except CheckpointError as exc:
-        print(f"streamrec store {command}: --snapshots {exc}", file=sys.stderr)
-        return None, 2
-    return mirror, 0
+        msg = f"--snapshots {exc}"
+        raise UsageError(msg) from exc
+    return mirror
 
 
 def _store_serve(args: argparse.Namespace) -> int:
     # Imported here, not above: `--help` must not pay for the job config's imports.
-    from deploy.config import ConfigError, load_config
     from deploy.store_server import serve
 
-    try:
-        job = load_config(args.config)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    token, code = _store_token(args, "serve")
-    if code:
-        return code
-    mirror, code = _snapshots(args, "serve")
-    if code:
-        return code
+    job = load_job(args.config)
+    token = _store_token(args)
+    mirror = _snapshots(args)
     return serve(
         job.store,
         host=args.host,
@@ -96,23 +86,14 @@ def _store_serve(args: argparse.Namespace) -> int:
 
 
 def _store_replica(args: argparse.Namespace) -> int:
-    from deploy.config import ConfigError, load_config
     from deploy.store_server import serve_replica
 
-    try:
-        job = load_config(args.config)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    token, code = _store_token(args, "replica")
-    if code:
-        return code
-    mirror, code = _snapshots(args, "replica")
-    if code:
-        return code
+    job = load_job(args.config)
+    token = _store_token(args)
+    mirror = _snapshots(args)
     if not args.poll_s > 0:
-        print(f"streamrec store replica: --poll-s: must be > 0, got {args.poll_s}", file=sys.stderr)
-        return 2
+        msg = f"--poll-s: must be > 0, got {args.poll_s}"
+        raise UsageError(msg)
     return serve_replica(
         job.store,
         follow=args.follow,

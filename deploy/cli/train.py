@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from deploy.cli.usage import UsageError, load_job
 from deploy.status_line import StatusLine, progress_bar
 
 if TYPE_CHECKING:
@@ -260,8 +261,7 @@ def _train(
         trained = True
     except ConfigError as exc:
         line.done()
-        print(f"streamrec: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from exc
     except (JobError, KafkaUnavailable, UnknownTopic) as exc:
         # What could not be reached or recovered, in one line: no traceback.
         line.done()
@@ -317,27 +317,13 @@ def demo_next_steps(run_dir: Path) -> str:
     )
 
 
-def _load(path: Path) -> JobConfig | None:
-    from deploy.config import ConfigError, load_config
-
-    try:
-        return load_config(path)
-    except ConfigError as exc:
-        print(exc, file=sys.stderr)
-        return None
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    job = _load(args.job)
-    if job is None:
-        return 2
+    job = load_job(args.job)
     return _train(job, max_events=args.max_events, max_time_s=args.max_time)
 
 
 def cmd_backfill(args: argparse.Namespace) -> int:
-    job = _load(args.job)
-    if job is None:
-        return 2
+    job = load_job(args.job)
     if args.paths:
         from deploy.config import JobConfig
 
@@ -346,18 +332,14 @@ def cmd_backfill(args: argparse.Namespace) -> int:
             source = {**job.source.model_dump(), **source}
         job = JobConfig.model_validate({**job.model_dump(), "source": source})
     if job.source is None or job.source.kind != "parquet":
-        print(
-            "streamrec backfill: give Parquet files with --from, or a `source: {kind: parquet}`",
-            file=sys.stderr,
-        )
-        return 2
+        msg = "give Parquet files with --from, or a `source: {kind: parquet}`"
+        raise UsageError(msg)
     from deploy.job import build_source
 
     try:
         src = build_source(job)
     except (FileNotFoundError, ValueError) as exc:
-        print(f"streamrec backfill: {exc}", file=sys.stderr)
-        return 2
+        raise UsageError(str(exc)) from exc
     total = sum(src.end_position(p) or 0 for p in src.partitions())
     return _train(job, max_events=args.max_events, max_time_s=args.max_time, total=total)
 
