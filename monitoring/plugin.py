@@ -110,9 +110,9 @@ def _keep_few_events(scheduler: Any, topic: str, keep: int) -> None:
 
     It keeps every topic's last ``distributed.admin.low-level-log-length`` (1,000)
     events for clients that ask for them. The plugin takes what it draws from a
-    report as it arrives, so the broker's copies are only memory: about 22 KB and
-    280 objects each, so a full topic held 22 MB, and at a report every few
-    seconds it kept filling for most of a soak's hour. A Dask whose broker has
+    report as it arrives, so the broker's copies are only memory: a report is a
+    few hundred objects, so a full topic holds tens of MB, and at a report every
+    few seconds it keeps filling for the best part of an hour. A Dask whose broker has
     moved keeps its default.
     """
     topics = getattr(getattr(scheduler, "_broker", None), "_topics", None)

@@ -171,8 +171,9 @@ def dedup_tables(
 def dedup(ids: npt.ArrayLike) -> tuple[U64, I32]:
     """``(unique, inverse)`` with ``unique[inverse] == ids``; unique in first-seen order.
 
-    A hash map, not a sort: linear in ``len(ids)``, several times faster than
-    ``np.unique`` on 10^5-10^6 ids, and the order does not depend on the values.
+    A hash map, not a sort: linear in ``len(ids)``, faster than ``np.unique``
+    on a batch's ids (``benchmarks/hashing_micro.py`` compares the two), and the
+    order does not depend on the values.
 
     >>> unique, inverse = dedup(np.array([9, 4, 9, 7, 4], dtype=np.uint64))
     >>> unique.tolist(), inverse.tolist()

@@ -3,9 +3,9 @@
 A prediction server's request holds JSON records in the job's format. The
 Python path (``json.loads``, then :class:`pipeline.plain.PlainBatchBuilder`)
 spends its time creating a Python object for every value and looking at each
-one: about 20 us for a Criteo-like record of 39 fields, most of a batch-64
-request's cost; the columnar path pays per field (an Arrow column, a check and
-a hash call each). :class:`JsonScanBuilder` runs the codec's own scanner
+one, most of a batch-64 request's cost; the columnar path pays per field (an
+Arrow column, a check and a hash call each). :class:`JsonScanBuilder` runs the
+codec's own scanner
 (:mod:`connectors.codecs.json_scan`) and takes its values as arrays: every
 sparse value, field by field, to the training path's hash
 (:class:`pipeline.hashing.ValueHasher`) in one call, then its dedup

@@ -3,7 +3,7 @@
 A prediction server's request is often one record. On the columnar path
 (decode to Arrow, :func:`connectors.validate.check`, :func:`pipeline.batch.build_batch`)
 its cost is per field, not per record: a cast, a check and a hash call for each
-of some 40 fields, about 3 ms for one Criteo-like record. :class:`PlainBatchBuilder`
+of some 40 fields of a Criteo-like record. :class:`PlainBatchBuilder`
 takes records already parsed (``JsonLinesCodec.plain_objects``) and builds the
 same ``PreparedBatch`` in one pass over their values, with the training path's
 hash (:class:`pipeline.hashing.ValueHasher`), dedup (``dedup_tables``) and dense

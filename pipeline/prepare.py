@@ -100,11 +100,11 @@ def worker_store_client() -> StoreClient:
 class PrepareContext(WorkerPlugin):
     """A runner's source, spec and codec, held by every worker once instead of sent per task.
 
-    In every task they cost the scheduler, which unpickles each task it is given
-    (for the synthetic spec's 39 fields, about 250 objects and 34 KB) and keeps the
-    last thousand messages of each stream: a job at 8 chunks a second churned tens
-    of MB of small objects through the scheduler's heap a minute, and its RSS crept
-    up all hour. On a worker, one source serves every chunk, so its broker
+    In every task they would cost the scheduler, which unpickles each task it is
+    given (a spec of a few dozen fields is hundreds of objects) and keeps the last
+    thousand messages of each stream: a continuous job would churn small objects
+    through the scheduler's heap and grow its memory. On a worker, one source
+    serves every chunk, so its broker
     connections (cached per thread) outlive a chunk instead of being opened for each.
     A worker started later gets the plugin from the scheduler before any task.
     """

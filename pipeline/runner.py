@@ -127,7 +127,7 @@ class StreamRunner:
         self._submitted: deque[tuple[Future[Prepared], int, cf.Future[Prepared]]] = deque()
         # Fetches each task's result as soon as it is computed, while the consumer
         # trains: a Dask result stays on its worker until asked for, and asking only
-        # when the batch is due put a transfer (~2 MB) on every step's critical path.
+        # when the batch is due would put its transfer on every step's critical path.
         self._fetcher: cf.ThreadPoolExecutor | None = None
         self._order: list[str] = []
         self._next_partition = 0
@@ -183,8 +183,9 @@ class StreamRunner:
         # planning a different range from the same start) would return the old task.
         key = f"prepare-{chunk.name}-{chunk.start}-{chunk.end}-{self._token}"
         # Each task prefers the next worker in turn (any other may take it, a lost one's
-        # too). Left to choose, the scheduler gave one of 2 idle workers 98% of the
-        # tasks, so a job's pipeline ran on one worker whatever cluster.workers said.
+        # too). Left to choose, the scheduler gives nearly every task to one idle
+        # worker, so a job's pipeline would run on one worker whatever
+        # cluster.workers says.
         placement: dict[str, object] = {}
         if self._workers:
             worker = self._workers[self._next_worker % len(self._workers)]

@@ -3,10 +3,10 @@
 Two things grow in a scheduler that runs a streaming job for weeks, neither a
 leak: every task key is unique (``prepare-<partition>-<start>-<end>-<runner>``),
 and Dask caches the name it splits from each key (``dask.utils.key_split``, up
-to 100,000 entries, about 25 MB of strings that are never asked for again);
-and glibc keeps the pages freed between live blocks of the scheduler's churn of
-task messages. In an hour's soak the scheduler's RSS rose by about 0.7 MB a
-minute with both.
+to 100,000 entries, strings that are never asked for again); and glibc keeps
+the pages freed between live blocks of the scheduler's churn of task messages.
+Together they grow the scheduler's memory steadily (``benchmarks/soak.py``
+watches it).
 
 :class:`SchedulerTrim` is a scheduler plugin that calls :func:`trim_key_cache_and_heap`
 every ``every_s``: the key cache is emptied once it holds more than

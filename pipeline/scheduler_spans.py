@@ -5,10 +5,8 @@ and, through each, the ``TaskGroup`` of every task the span saw, long after
 the tasks are forgotten: spans have no lifetime yet (dask/distributed issue
 7977). A batch job does not notice. A streaming job does: whenever all its
 tasks are done for a moment, the scheduler starts a new default span for the
-next ones, so spans and task groups pile up for as long as the job runs. In a
-soak on 2 cores (6,300 events/s) the scheduler held 2,872 spans
-and task groups after 30 minutes, and its RSS grew 1.3 MB a minute, about 2 GB
-a day.
+next ones, so spans and task groups pile up, and the scheduler's memory grows,
+for as long as the job runs (``benchmarks/soak.py`` watches it).
 
 :class:`SpanPruner` is a scheduler plugin that calls :func:`prune_spans` every
 ``every_s``: root spans beyond the newest ``keep``, done for ``min_age_s``,
@@ -83,9 +81,8 @@ class SpanPruner(PeriodicPlugin):
     def __init__(self, keep: int = 100, every_s: float = 30.0, min_age_s: float = 60.0) -> None:
         """``min_age_s``: a span is dropped once done this long, so that the metrics of
         its last tasks, which workers send with their next heartbeats (every second
-        or so), still reach it. In an hour's soak (the job started 26 to 79 spans a
-        minute) the scheduler held about 500 when they were kept 10 minutes, at
-        most 140 when kept one."""
+        or so), still reach it; and no longer, since a streaming job starts spans
+        every minute and each one kept holds its task groups."""
         super().__init__(every_s)
         self.keep = keep
         self.min_age_s = min_age_s

@@ -4,11 +4,11 @@ A worker adds up the time its tasks spend in each activity, by span
 (``Worker.digests_total``, and the highest value since the last Prometheus
 poll in ``Worker.digests_max``), and keeps every key for as long as it lives:
 nothing in Dask reads those totals back or drops a span's. A streaming job
-starts a new span whenever its tasks are all done for a moment (about 100 a
-minute in a soak on 2 cores), each adding a handful of keys to both; and the
-worker caches the name it splits from every task key
-(``dask.utils.key_split``), each unique here. In an hour's soak the two
-workers' RSS rose about 0.47 MB a minute.
+starts a new span whenever its tasks are all done for a moment, many a
+minute, each adding a handful of keys to both; and the worker caches the name
+it splits from every task key (``dask.utils.key_split``), each unique here.
+Together they grow a worker's memory steadily (``benchmarks/soak.py`` watches
+it).
 
 :class:`WorkerTrim` is a worker plugin that calls :func:`trim_worker_memory`
 every ``every_s``: the totals of every span are folded into the same totals

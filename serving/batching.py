@@ -14,10 +14,9 @@ indices.
 
 A request that finds the model idle (no call for ``idle_s``, nothing waiting)
 can be scored at once (:meth:`LoopBatcher.score`): paced requests then skip
-the turns of the loop that joining costs (at 100 requests/s of batch 64, 0.435
-against 0.540 ms of server CPU per request around a model that costs
-nothing), while the requests of a busy server still wait for their turn's
-others.
+the turns of the loop that joining costs, and take less of the server's CPU
+(``benchmarks/serve.py`` paces them beside training), while the requests of a
+busy server still wait for their turn's others.
 
 What waits is bounded: a request that would take the records waiting past
 ``max_queued_records`` is shed at once (:class:`~serving.types.Overloaded`,
@@ -115,9 +114,9 @@ class LoopBatcher:
     call for the next turn: every request whose handler ran in between (all
     that the loop read while the previous call ran) is joined into it, up to
     ``max_records`` records. The loop's thread scores: handing requests to a
-    model thread and back costs two thread wake-ups each (on a 2-core VM, in
-    three interleaved rounds, a lone one-record request took 3.0 ms at the
-    median instead of 2.0, and eight clients got 960 requests/s instead of 1,270).
+    model thread and back costs two thread wake-ups each, which shows in both
+    the latency of a lone request and the rate of many clients (see
+    ``benchmarks/serve.py``).
 
     >>> import asyncio, numpy as np
     >>> from serving.types import Prediction

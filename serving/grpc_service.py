@@ -399,7 +399,7 @@ class GrpcInferenceServer:
         where = f"{host}:{self._requested_port}"
         try:
             port = server.add_insecure_port(where)
-        except RuntimeError as e:  # grpcio raises where it used to return 0
+        except RuntimeError as e:  # newer grpcio raises where older ones return 0
             port, reason = 0, f": {e}"
         else:
             reason = ""

@@ -13,7 +13,8 @@ from typing import Final
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import generate_latest
 
-# Infer latency buckets, in seconds: a batch-1 request takes well under 5 ms.
+# Infer latency buckets, in seconds: fine-grained below 5 ms, where small requests
+# land (``benchmarks/serve.py``), coarse up to a stalled call.
 LATENCY_BUCKETS: Final = (
     0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
     1.0, 2.5,

@@ -213,7 +213,7 @@ class ServingModel:
     """
 
     # Where the per-record Python of the plain path starts to cost more than the
-    # columnar path's per-field costs (Criteo-like records, measured).
+    # columnar path's per-field costs, for Criteo-like records.
     plain_max_records = 64
 
     def __init__(
@@ -419,7 +419,7 @@ class ServingModel:
             _check(deadline, "reading rows")
         with torch.no_grad():
             # The trainer's CPU path: every field pooled into the model's input matrix in
-            # one pass (a torch op per table was a fifth of a one-record request).
+            # one pass; a torch op per table costs a small request dearly.
             joined = JoinedFields(batch, self.spec).gather()
             probs = _probabilities(version, host_tensor(batch.dense), joined)
         return Scored(positions, probs, batch.labels, bad, parameters)

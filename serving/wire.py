@@ -3,10 +3,9 @@
 A prediction server beside a training job pays for every instruction a
 request runs, and each request, arriving alone every few milliseconds, finds
 the caches cold. Tornado's HTTP/1.1 connection (an ``IOStream``, a coroutine
-per request, a header object, a handler) was a third of a batch-64 request's
-CPU beside the model when paced at 100 requests/s; this module's protocol
-answers the requests a client sends over and over with a few dozen lines of
-work.
+per request, a header object, a handler) is a large part of a paced small
+request's CPU beside the model; this module's protocol answers the requests a
+client sends over and over with a few dozen lines of work.
 
 :class:`Wire` is an ``asyncio.Protocol``. It reads a request's head and, when
 :func:`plain_infer` says it is a plain infer request, reads its body, answers

@@ -150,8 +150,8 @@ class RunFilesConfig(_Strict):
     learned offsets (``learned-rank<R>.log``) its run directory keeps.
 
     Each is rotated past ``max_mb`` (``<file>.1``, ``.2``, ...) and the oldest part
-    beyond ``keep`` is deleted: on a busy job the ledger grows about 70 MB a day, the
-    progress lines 20 MB. ``streamrec report`` and the ledger's audit read every part
+    beyond ``keep`` is deleted: on a busy job the ledger and the progress lines each
+    grow by tens of MB a day. ``streamrec report`` and the ledger's audit read every part
     kept. ``max_mb: null`` never rotates (an audit of a whole long run).
     """
 

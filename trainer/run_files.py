@@ -1,8 +1,8 @@
 """Line files a rank appends to for as long as its job runs, bounded by rotation.
 
 A rank writes a progress line to ``metrics-rank<R>.jsonl`` every few seconds and
-a ledger line to ``learned-rank<R>.log`` every step: on a busy job about 20 MB
-and 70 MB a day, for weeks. :class:`RotatingLines` rotates such a file by size,
+a ledger line to ``learned-rank<R>.log`` every step: on a busy job tens of MB
+a day each, for weeks. :class:`RotatingLines` rotates such a file by size,
 as logrotate would: when a line would take ``<path>`` past ``max_bytes`` it
 becomes ``<path>.1`` (an older ``.1`` becomes ``.2``, and so on), the oldest
 beyond ``keep`` is deleted, and writing goes on in a new ``<path>``. A file is

@@ -229,8 +229,8 @@ def _start_dask(job: JobConfig, stack: ExitStack) -> tuple[str, str | None]:
             scheduler_process=job.cluster.scheduler_process,
         )
     )
-    # Before the page's address is printed: it used to answer 404 for seconds, until
-    # the first rank registered the plugin.
+    # Before the page's address is printed, so that the page answers from the start
+    # rather than 404 until the first rank registers the plugin.
     with Client(cluster, timeout=30) as client:
         install_dask_plugins(client)
     return cluster.scheduler_address, cluster.dashboard_link
@@ -239,9 +239,9 @@ def _start_dask(job: JobConfig, stack: ExitStack) -> tuple[str, str | None]:
 def batch_client(cluster: ClusterConfig, scheduler: str) -> Client:
     """The trainer's Dask client: it fetches each prepared batch from the worker that made it.
 
-    Through the scheduler (``cluster.direct_to_workers: false``) every batch, about
-    2 MB, is pickled in-band (the scheduler's comms speak pickle protocol 4) and
-    relayed once more: about 5% of a small model's rate on 2 cores. A worker the
+    Through the scheduler (``cluster.direct_to_workers: false``) every batch is
+    pickled in-band (the scheduler's comms speak pickle protocol 4) and relayed
+    once more, which a small model's rate pays for. A worker the
     trainer cannot reach still answers through the scheduler (Dask falls back).
     """
     from distributed import Client

@@ -14,10 +14,9 @@ from deploy.config import JobConfig
 # A rank's trainer thread makes many short numpy, numba and torch calls, each letting go
 # of the GIL, while its Dask client's event loop (receiving batches) and its push thread
 # run Python too. Each time the trainer thread wants the GIL back it may wait out a
-# whole switch interval (5 ms by default) of another thread's. On the hot-id stream (2
-# cores, 26 tables, batch 256, steps of about 20 ms), in six side-by-side pairs of hybrid
-# runs each run with 0.5 ms was the faster (by 1-4% with fresh rows, 4-40% without).
-# The Dask workers gained nothing from it and keep the default.
+# whole switch interval (5 ms by default) of another thread's: a shorter turn gives the
+# trainer its GIL back sooner, so a hybrid run trains faster. The Dask workers gain
+# nothing from it and keep the default.
 RANK_SWITCH_INTERVAL_S = 0.0005
 
 
@@ -41,9 +40,9 @@ def auto_torch_threads(
     and looking up; two local store shards take about one. What is left is
     shared between the host's ranks, at least one thread each. Giving a rank
     every core instead makes each parallel matmul wait for whichever of its
-    threads was pre-empted: on 2 cores with other work running, that ran the
-    hybrid trainer about 3x slower than one thread did (on a quiet machine the
-    two tie).
+    threads was pre-empted, which on a host with other work running costs far
+    more than the extra threads gain (``benchmarks/e2e.py --torch-threads``
+    compares).
 
     >>> auto_torch_threads(2, local_worker_threads=2, local_shards=2)  # the demo on 2 cores
     1
@@ -144,8 +143,8 @@ def torch_threads_for(job: JobConfig, local_ranks: int) -> int:
 
 
 # A split step pays a thread hand-off and a forward and backward call per chunk: worth
-# it for a step of about 20 ms or more on one core (dense weights x batch size, each
-# weight one multiply-add per sample), not for a small network's few ms.
+# it only when a step's work (dense weights x batch size, each weight one multiply-add
+# per sample) is at least this much, not for a small network.
 SPLIT_MIN_WORK = 1 << 29
 
 

@@ -3,11 +3,8 @@
 ``LocalCluster`` runs the scheduler (and the nannies) on an event loop in the
 process that starts it: here the trainer's. Every task's transitions, every
 heartbeat and the dashboard's periodic callbacks then take the trainer's GIL
-while its step runs. With a short step that cost shows: the hybrid trainer of
-a small model (MLP 64-32, 2 ms per store call, 2 cores) ran at 109k samples/s
-with the scheduler in its process and at 140k with the scheduler (and the
-workers, without nannies) in processes of their own, back to back; the default
-model's 70 ms step hid it (58k either way).
+while its step runs. A long step hides that cost; a small model's short step
+trains markedly slower for it.
 
 :func:`local_dask_cluster` is a ``SpecCluster`` as ``LocalCluster`` builds one
 (a ``Nanny`` per worker, the same memory limits), except that the scheduler is
@@ -73,7 +70,7 @@ class SchedulerProcess(SubprocessScheduler):
     async def _start(self) -> None:
         spec = {"cls": "distributed.Scheduler", "opts": dict(self.scheduler_kwargs)}
         # distributed's own module, not `python -m dask spec`: that loads every
-        # installed dask CLI plugin first (dask-kubernetes': 0.7 s of imports).
+        # installed dask CLI plugin first (dask-kubernetes' heavy imports among them).
         cmd = [sys.executable, "-m", "distributed.cli.dask_spec", "--spec", json.dumps(spec)]
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in close()
@@ -207,10 +204,10 @@ def _quiet_worker_plugins() -> tuple[WorkerPlugin, ...]:
 
 
 # A worker keeps its statistical profile of every second (the dashboard's profile
-# page) and its recent transitions and stimuli, each as many as this. Dask's 1,000
-# made a worker's memory grow for the first 17 minutes of every life (about 50 MB a
-# worker, the profiles' call trees), so a continuous job's memory looked like a leak
-# until then; 300 (five minutes of profiles) is flat within a few minutes.
+# page) and its recent transitions and stimuli, each as many as this. With Dask's
+# 1,000 a worker's memory grows for a long time after it starts (the profiles' call
+# trees), which in a continuous job looks like a leak; 300 (five minutes of
+# profiles) levels off soon (``benchmarks/soak.py`` watches workers' memory).
 LOW_LEVEL_LOG_LENGTH = 300
 # Dotted: a Nanny merges its config over Dask's top-level keys only, and the worker
 # process sets it (a nested {"distributed": ...} would replace all of Dask's own).

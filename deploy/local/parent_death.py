@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 __all__ = ["LAUNCHER", "with_parent_death"]
 
-# Isolated and without site (-I -S): about 15 ms, and nothing of the job's imported.
+# Isolated and without site (-I -S): it starts quickly, and imports nothing of the job's.
 LAUNCHER = """\
 import ctypes, os, sys
 parent, sig = int(sys.argv[1]), int(sys.argv[2])

@@ -1,4 +1,4 @@
-"""A modern-protocol Kafka broker on this machine: Tansu, beside Apache Kafka 0.9.
+"""A local modern-protocol Kafka broker: Tansu, beside Apache Kafka 0.9.
 
 Tansu is an Apache-Kafka-compatible broker written in Rust (the record-batch
 message format v2, the protocol's current API versions). Its binary ships in

@@ -31,8 +31,9 @@ log = logging.getLogger(__name__)
 
 # A short session lets a broker that was killed with -9 register again quickly: its
 # old ephemeral node in ZooKeeper (/brokers/ids/0) only goes away when the old
-# session expires, and a 0.9 broker started before that exits at once. 6 s stays well above the
-# pauses a loaded 2-core test machine sees.
+# session expires, and a 0.9 broker started before that exits at once. Not shorter:
+# a loaded test machine with few cores pauses processes for seconds, and a session
+# must outlast those pauses.
 ZK_SESSION_TIMEOUT_MS = 6000
 
 _STARTED = re.compile(r"\[Kafka Server \d+\], started \(kafka\.server\.KafkaServer\)")
