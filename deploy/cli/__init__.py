@@ -11,7 +11,9 @@ Tansu included), :mod:`deploy.cli.s3`, :mod:`deploy.cli.stock` (``dask``,
 ``torchrun``, ``rendezvous``), :mod:`deploy.cli.train` (``demo``, ``run``, ``backfill``) and
 :mod:`deploy.cli.serve` (``score``, ``evaluate``, ``serve``); ``report`` comes
 from :mod:`monitoring.report`. The handlers import what they need when they run,
-so that ``streamrec --help`` stays fast.
+so that ``streamrec --help`` stays fast. A handler returns its exit code (None for
+0), or raises :class:`UsageError` for a command line it cannot run with, which
+:func:`dispatch` alone turns into exit 2 and ``streamrec <cmd>: error: ...``.
 
 >>> build_parser().parse_args(["kafka", "topic", "list"]).topic_command
 'list'
