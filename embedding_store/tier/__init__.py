@@ -1,0 +1,1 @@
+"""Tables larger than memory: a disk tier under a shard's rows."""
