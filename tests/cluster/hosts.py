@@ -16,29 +16,17 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
 
+from tests.support.processes import STREAMREC
+from tests.support.waits import wait_until
+
 BIN = Path(sys.executable).parent
-STREAMREC = [sys.executable, "-m", "deploy.cli"]
-
-
-def free_port_on(address: str) -> int:
-    """A port free on ``address`` now, and on every other address too.
-
-    Some servers bind all addresses (torchrun's rendezvous store does), so a port
-    free on one loopback address only could be another host's.
-    """
-    del address
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -88,18 +76,14 @@ class Host:
 
     def wait_log(self, role: str, pattern: str, timeout_s: float = 120.0) -> re.Match[str]:
         """Wait until ``role``'s log matches ``pattern``; fail with the log if it exits first."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            m = re.search(pattern, self.log(role))
-            if m:
-                return m
-            proc = self.procs[role]
-            if proc.poll() is not None:
-                msg = f"{self.name}/{role} exited ({proc.returncode}):\n{self.log(role)[-4000:]}"
-                raise AssertionError(msg)
-            time.sleep(0.1)
-        msg = f"{self.name}/{role}: no {pattern!r} in {timeout_s}s:\n{self.log(role)[-4000:]}"
-        raise AssertionError(msg)
+        return wait_until(
+            lambda: re.search(pattern, self.log(role)),
+            f"{self.name}/{role}: {pattern!r} in its log",
+            timeout_s=timeout_s,
+            interval_s=0.1,
+            procs=[self.procs[role]],
+            details=lambda: self.log(role)[-4000:],
+        )
 
     def crash(self) -> None:
         """``kill -9`` of every process the host runs (no signal handler, no goodbye).

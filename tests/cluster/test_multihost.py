@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from connectors.kafka import KafkaSource, KafkaSourceConfig
 from connectors.kafka_produce import produce
@@ -52,13 +51,15 @@ from tests.cluster.hosts import (
     Host,
     dask_scheduler,
     dask_worker,
-    free_port_on,
     rendezvous,
     store_serve,
     torchrun,
 )
-from tests.conftest import REPO_ROOT, STREAMREC
-from tests.kafka_fixtures import KafkaForTests
+from tests.support.jobs import write_job_yaml
+from tests.support.kafka import KafkaForTests
+from tests.support.ports import free_port
+from tests.support.processes import start_job
+from tests.support.waits import wait_until
 from trainer.checkpoint import CheckpointBook, JobManifest
 from trainer.ledger import learned_ranges
 
@@ -146,9 +147,7 @@ class Cluster:
 
     def write_job(self, host: Host) -> str:
         """The job YAML, as each host has its own copy of it."""
-        path = host.workdir / "job.yaml"
-        path.write_text(yaml.safe_dump(self.job, sort_keys=False))
-        return str(path)
+        return str(write_job_yaml(host.workdir / "job.yaml", **self.job))
 
     def start_shard(self, i: int, *, wait: bool = True) -> None:
         host = self.shards[i]
@@ -212,8 +211,8 @@ def make_cluster(
         scheduler = host("scheduler")
         workers = [host(f"worker{i}") for i in range(2)]
         trainers = [host(f"trainer{i}") for i in range(2)]
-        ports = [free_port_on(h.address) for h in shards]
-        sched_port = free_port_on(scheduler.address)
+        ports = [free_port() for _ in shards]
+        sched_port = free_port()
         checkpoints = s3.url(f"{prefix}/checkpoints")
         job = job_doc(kafka, topic, mode=mode, checkpoints=checkpoints, optimizer=optimizer)
         job["cluster"] = {
@@ -222,7 +221,7 @@ def make_cluster(
             + ",".join(f"{h.address}:{p}" for h, p in zip(shards, ports, strict=True)),
         }
         rdzv_host = host("rendezvous")
-        rdzv = f"{rdzv_host.address}:{free_port_on(rdzv_host.address)}"
+        rdzv = f"{rdzv_host.address}:{free_port()}"
         cluster = Cluster(
             job, s3, prefix, shards, ports, scheduler, workers, trainers, rdzv_host, rdzv,
             f"{s3_prefix}{name}", host,
@@ -253,20 +252,19 @@ def make_cluster(
 def wait_for(
     cluster: Cluster, what: str, ok: Callable[[JobManifest | None], bool], timeout_s: float = 240
 ) -> JobManifest | None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    found: list[JobManifest | None] = []  # the manifest that was ok (None can be)
+
+    def reached() -> bool:
         latest = cluster.checkpoints.latest()
-        if ok(latest):
-            return latest
-        for host in cluster.trainers:
-            proc = host.procs.get("trainer")
-            if proc is not None and proc.poll() is not None:
-                code = proc.returncode
-                pytest.fail(
-                    f"{host.name}'s torchrun exited ({code}) before {what}:\n{cluster.logs()}"
-                )
-        time.sleep(0.3)
-    pytest.fail(f"timed out waiting for {what}:\n{cluster.logs()}")
+        found[:] = [latest]
+        return ok(latest)
+
+    def torchruns() -> list[subprocess.Popen[bytes]]:
+        return [h.procs["trainer"] for h in cluster.trainers if "trainer" in h.procs]
+
+    wait_until(reached, what, timeout_s=timeout_s, interval_s=0.3, procs=torchruns,
+               details=cluster.logs)  # fmt: skip
+    return found[0]
 
 
 def ends(topic: str, events: int = EVENTS) -> dict[str, int]:
@@ -427,16 +425,7 @@ def test_a_sync_job_on_many_hosts_learns_the_same_model_as_on_one_host(
     local["trainer"]["ranks"] = 2
     local["run_dir"] = str(tmp_path / "one-host" / "run")
     local["cluster"] = {"workers": 2, "store_shards": 2, "dashboard_address": ":0"}
-    job = tmp_path / "one-host.yaml"
-    job.write_text(yaml.safe_dump(local, sort_keys=False))
-    proc = subprocess.Popen(
-        [*STREAMREC, "run", str(job)],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+    proc = start_job(write_job_yaml(tmp_path / "one-host.yaml", **local))
     one_book = CheckpointBook(tmp_path / "one-host" / "run" / "checkpoints")
     try:
         deadline = time.monotonic() + 240

@@ -12,7 +12,6 @@ Deployment) would do.
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,15 +19,18 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.hosts import Host, dask_scheduler, dask_worker, free_port_on
-from tests.conftest import REPO_ROOT, STREAMREC
-from tests.trainer.test_job import wait_for_checkpoint
-from tests.trainer.test_job_faults import (
-    assert_every_offset_learned_once,
-    finish,
-    kill_leftovers,
-    write_job,
+from tests.cluster.hosts import Host, dask_scheduler, dask_worker
+from tests.support.jobs import (
+    assert_learned_once,
+    trainer_section,
+    wait_for_checkpoint,
+    write_synthetic_training_job,
 )
+from tests.support.ports import free_port
+from tests.support.processes import finish, kill_group, start_job
+
+EVENTS = 6_000  # per partition
+PARTITIONS = 2
 
 
 @pytest.fixture
@@ -47,35 +49,31 @@ def start_dask(host: Host, port: int) -> None:
 
 
 def test_a_job_finds_its_restarted_scheduler_and_goes_on(tmp_path: Path, dask_host: Host) -> None:
-    port = free_port_on(dask_host.address)
+    port = free_port()
     start_dask(dask_host, port)
     scheduler = f"tcp://{dask_host.address}:{port}"
     cluster = {"scheduler": scheduler, "store_shards": 2, "wait_for_services_s": 120}
-    job = write_job(tmp_path, cluster, ranks=1)
-    proc = subprocess.Popen(
-        [*STREAMREC, "run", str(job)],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
+    trainer = trainer_section(batch_size=200, hidden=[16], every_steps=4, mode="hybrid",
+                              staleness=2, ranks=1)  # fmt: skip
+    job = write_synthetic_training_job(
+        tmp_path, trainer=trainer, events=EVENTS, partitions=PARTITIONS, seed=4, cluster=cluster
     )
+    proc = start_job(job)
     run_dir = tmp_path / "run"
     try:
-        wait_for_checkpoint(run_dir, 4, proc)  # type: ignore[arg-type]
+        wait_for_checkpoint(run_dir, 4, proc)
         dask_host.crash()  # the scheduler and its worker, as a machine dies
         time.sleep(2)
         dask_host.replace()
         start_dask(dask_host, port)
-        code, out = finish(proc)
+        out = finish(proc, timeout=300)
     finally:
-        kill_leftovers(proc)
-    assert code == 0, out[-4000:]
+        kill_group(proc)
     assert f"the Dask scheduler at {scheduler}" in out, out[-4000:]
     assert "ended the world; starting the 1 rank(s) again" in out, out[-4000:]
     assert "started the trainer ranks again 1 time(s)" in out, out[-4000:]
     assert "Traceback" not in out, out[-4000:]
-    assert_every_offset_learned_once(run_dir)
+    assert_learned_once(run_dir, {f"synthetic/{p}": EVENTS for p in range(PARTITIONS)})
     # The restarted scheduler got the job's plugins again: its page, the span pruner and
     # the trims that keep its memory and its workers' flat (pipeline.scheduler_spans,
     # pipeline.scheduler_memory, pipeline.worker_memory).

@@ -18,7 +18,8 @@ from typing import Any
 
 from deploy.local.kafka import free_port
 from deploy.local.shards import ShardProcess
-from tests.conftest import REPO_ROOT, STREAMREC, write_job_yaml
+from tests.support.jobs import write_job_yaml
+from tests.support.processes import REPO_ROOT, STREAMREC
 
 
 def run(job: Path, **env: str) -> subprocess.CompletedProcess[str]:

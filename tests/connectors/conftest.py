@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from connectors.kafka import KafkaSource
-from tests.kafka_fixtures import make_kafka_source
+from tests.support.kafka import make_kafka_source
 
 
 @pytest.fixture

@@ -34,7 +34,7 @@ from connectors.deadletter import CountingDeadLetterSink, JsonlDeadLetterSink, r
 from connectors.spec import FeatureSpec
 from connectors.types import BadRecord, Chunk, RawChunk
 from connectors.validate import POSITION, REASONS, count_reasons, spec_schema
-from tests.connectors.bad_records import I64_MAX, JSON_BAD, SPEC, base, j, value_reason
+from tests.support.bad_records import I64_MAX, JSON_BAD, SPEC, base, j, value_reason
 
 # Criteo TSV has no list fields.
 TSV_SPEC = FeatureSpec.model_validate(

@@ -33,7 +33,7 @@ from connectors.deadletter import (
 )
 from connectors.types import BadRecord
 from deploy.local.kafka import free_port
-from tests.kafka_fixtures import KafkaForTests, read_partition
+from tests.support.kafka import KafkaForTests, read_partition
 
 # 921,600 bytes, every byte value: as JSON text (\u00XX escapes) about 3.7 MB.
 BIG_RAW = bytes(range(256)) * 3600

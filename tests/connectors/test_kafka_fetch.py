@@ -25,7 +25,7 @@ from connectors.kafka_produce import produce
 from connectors.types import Chunk, RawChunk
 from deploy.local.kafka import API_VERSION
 from tests.connectors.contract import plan_all
-from tests.kafka_fixtures import KafkaForTests, make_kafka_source
+from tests.support.kafka import KafkaForTests, make_kafka_source
 
 # -- the parser, on bytes (no broker) --------------------------------------------------------
 

@@ -25,7 +25,7 @@ from connectors.kafka_produce import produce
 from connectors.types import BadRecord, Chunk, RawChunk
 from deploy.local.kafka import API_VERSION, LocalKafka, free_port
 from tests.connectors.contract import plan_all
-from tests.kafka_fixtures import SLOW_READS, KafkaForTests, make_kafka_source
+from tests.support.kafka import SLOW_READS, KafkaForTests, make_kafka_source
 
 # -- helpers ----------------------------------------------------------------------------
 

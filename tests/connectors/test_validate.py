@@ -35,7 +35,7 @@ from connectors.validate import (
     spec_schema,
     validate,
 )
-from tests.connectors.bad_records import feature_spec, value_reason
+from tests.support.bad_records import feature_spec, value_reason
 
 SPEC = feature_spec(price_max=10, max_len=2)
 

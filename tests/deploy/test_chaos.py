@@ -16,7 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO_ROOT
+from tests.support.processes import REPO_ROOT
 
 
 def test_four_kills_lose_nothing_learn_nothing_twice_and_serve_on(tmp_path: Path) -> None:

@@ -18,8 +18,9 @@ from connectors.deadletter import read_dead_letters
 from connectors.kafka import KafkaSource, KafkaSourceConfig
 from connectors.kafka_produce import produce
 from connectors.synthetic import SyntheticConfig, iter_json_lines, synthetic_store_section
-from tests.conftest import streamrec, write_synthetic_job
-from tests.kafka_fixtures import KafkaForTests
+from tests.support.jobs import write_synthetic_job
+from tests.support.kafka import KafkaForTests
+from tests.support.processes import streamrec
 from trainer.checkpoint import CheckpointBook
 from trainer.ledger import learned_ranges
 

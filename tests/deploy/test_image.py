@@ -20,7 +20,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
+from tests.support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "deploy" / "image" / "Dockerfile"
@@ -428,12 +429,6 @@ def test_the_wheel_holds_every_package_file(installed: Installed) -> None:
     assert not missing, f"not in the wheel (pyproject's package-data?): {missing}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_store_shard_runs_from_the_venv(
@@ -441,7 +436,7 @@ def test_store_shard_runs_from_the_venv(
 ) -> None:
     """The store role, as the image runs it: serve, answer health and /metrics, SIGTERM."""
     streamrec = str(installed.venv / "bin" / "streamrec")
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "VIRTUAL_ENV"}}
     log = (tmp_path / "shard.log").open("w")
     argv = [streamrec, "store", "serve", "--config", str(write_job()), "--port", str(port)]

@@ -12,7 +12,6 @@ import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,38 +19,13 @@ from typing import Any
 
 import pytest
 
-from connectors.kafka_produce import produce
-from connectors.synthetic import SyntheticConfig, iter_json_lines, synthetic_store_section
-from tests.conftest import REPO_ROOT, STREAMREC, streamrec, write_synthetic_job
-from tests.kafka_fixtures import KafkaForTests
+from connectors.synthetic import synthetic_store_section
+from tests.support.jobs import wait_for_checkpoint, write_kafka_job, write_synthetic_job
+from tests.support.kafka import KafkaForTests, produce_in_blocks
+from tests.support.ports import held_port
+from tests.support.processes import REPO_ROOT, STREAMREC, start_job, streamrec
 from trainer.checkpoint import CheckpointBook
 from trainer.ledger import learned_ranges
-
-
-def kafka_job(
-    tmp: Path, bootstrap: str, topic: str, *, api_version: str = "auto", **trainer: Any
-) -> Path:
-    return write_synthetic_job(
-        tmp,
-        store=synthetic_store_section(dim=4),
-        source={
-            "kind": "kafka",
-            "bootstrap_servers": bootstrap,
-            "topics": [topic],
-            "group_id": f"{topic}-trainer",
-            "api_version": api_version,
-            "deadletter": "file",
-        },
-        trainer={
-            "batch_size": 100,
-            "model": {"kind": "ffnn", "hidden": [16]},
-            "torch_threads": 1,
-            "log_every_s": 0.5,
-            "checkpoint": {"every_steps": 10, "every_s": None},
-            **trainer,
-        },
-        cluster={"workers": 2, "store_shards": 1, "dashboard_address": ":0"},
-    )
 
 
 def job_api_version(broker: KafkaForTests) -> str:
@@ -67,19 +41,6 @@ def job_api_version(broker: KafkaForTests) -> str:
 def last_report(run_dir: Path) -> dict[str, Any]:
     lines = (run_dir / "metrics-rank0.jsonl").read_text().splitlines()
     return dict(json.loads(lines[-1]))
-
-
-def produce_in_blocks(kafka: KafkaForTests, topic: str, n: int, block: int) -> None:
-    """``n`` records in blocks of ``block`` alternating over 2 partitions (a short last chunk)."""
-    lines = list(iter_json_lines(SyntheticConfig(seed=9), n))
-    for i, start in enumerate(range(0, n, block)):
-        produce(
-            kafka.bootstrap,
-            topic,
-            lines[start : start + block],
-            api_version=kafka.api_version,
-            partition=i % 2,
-        )
 
 
 @pytest.mark.parametrize(
@@ -98,7 +59,7 @@ def test_max_events_equal_to_the_topic_ends_by_itself(
     """
     topic = broker.new_topic(partitions=2)
     produce_in_blocks(broker, topic, 2050, 100)  # 1050 / 1000: the last chunk is short
-    job = kafka_job(
+    job = write_kafka_job(
         tmp_path, broker.bootstrap, topic, api_version=job_api_version(broker), mode=mode
     )
     out = streamrec("run", str(job), "--max-events", "2050", timeout=180)
@@ -123,7 +84,7 @@ def test_max_events_cuts_a_chunk_at_the_budget_and_the_next_run_goes_on(
     """
     topic = kafka.new_topic(partitions=2)
     produce_in_blocks(kafka, topic, 1600, 100)
-    job = kafka_job(tmp_path, kafka.bootstrap, topic, api_version=job_api_version(kafka))
+    job = write_kafka_job(tmp_path, kafka.bootstrap, topic, api_version=job_api_version(kafka))
     first = streamrec("run", str(job), "--max-events", "777", timeout=180)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "trained 777 samples" in first.stdout
@@ -145,14 +106,13 @@ def no_broker_port() -> Iterator[int]:
     """A port nothing listens on, held for the test: a socket bound to it but not
     listening refuses connections, and no other process (the job's own Dask scheduler
     or a worker, under a loaded suite) can take it meanwhile and be dialled as Kafka."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
-        held.bind(("127.0.0.1", 0))
-        yield int(held.getsockname()[1])
+    with held_port(listen=False) as port:
+        yield port
 
 
 def no_broker_job(tmp: Path, port: int) -> Path:
     # "auto" must detect the version, so it dials at once.
-    return kafka_job(tmp, f"127.0.0.1:{port}", "events")
+    return write_kafka_job(tmp, f"127.0.0.1:{port}", "events")
 
 
 def test_max_time_ends_a_job_whose_broker_is_not_there(tmp_path: Path, no_broker_port: int) -> None:
@@ -213,8 +173,6 @@ def test_ctrl_c_in_a_terminal_stops_the_shards_after_the_last_checkpoint(tmp_pat
     collection delete the one the job's manifest names, so the next run could
     not restore. Now the job stops its shards itself, after its last checkpoint.
     """
-    from tests.trainer.test_job import wait_for_checkpoint
-
     job = write_synthetic_job(
         tmp_path,
         store={**synthetic_store_section(dim=4), "keep_full_checkpoints": 1},
@@ -228,14 +186,7 @@ def test_ctrl_c_in_a_terminal_stops_the_shards_after_the_last_checkpoint(tmp_pat
         cluster={"workers": 1, "store_shards": 2, "dashboard_address": ":0"},
     )
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [*STREAMREC, "run", str(job)],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # its own process group, as a shell gives a command
-    )
+    proc = start_job(job)  # its own process group, as a shell gives a command
     try:
         wait_for_checkpoint(run_dir, 5, proc)
         os.killpg(proc.pid, signal.SIGINT)

@@ -13,17 +13,17 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 from pathlib import Path
 
-import numpy as np
-
-from tests.conftest import REPO_ROOT, STREAMREC
-from tests.deploy.test_job_ends import kafka_job, produce_in_blocks
-from tests.kafka_fixtures import KafkaForTests
-from tests.trainer.test_job import finish, kill_group, wait_for_checkpoint, wait_for_learned
+from tests.support.jobs import (
+    assert_learned_once,
+    wait_for_checkpoint,
+    wait_for_learned,
+    write_kafka_job,
+)
+from tests.support.kafka import KafkaForTests, produce_in_blocks
+from tests.support.processes import finish, kill_group, start_job
 from trainer.checkpoint import CheckpointBook
-from trainer.ledger import learned_ranges
 
 EVENTS = 3_000  # 1,500 per partition
 BATCH = 100
@@ -35,15 +35,9 @@ def test_a_trainer_killed_mid_run_resumes_and_learns_every_offset_once(
     broker = tansu
     topic = broker.new_topic(partitions=2)
     produce_in_blocks(broker, topic, EVENTS, 100)
-    job = kafka_job(tmp_path, broker.bootstrap, topic, mode="hybrid", staleness=3)
+    job = write_kafka_job(tmp_path, broker.bootstrap, topic, mode="hybrid", staleness=3)
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [*STREAMREC, "run", str(job), "--max-events", str(EVENTS)],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its own process group: the test can kill all of it
-    )
+    proc = start_job(job, "--max-events", str(EVENTS))
     try:
         wait_for_checkpoint(run_dir, 10, proc)
         wait_for_learned(run_dir, 14, proc)  # the kill lands between two checkpoints
@@ -56,27 +50,11 @@ def test_a_trainer_killed_mid_run_resumes_and_learns_every_offset_once(
     assert kept is not None
     assert 0 < kept.samples < EVENTS
     left = EVENTS - kept.samples
-    again = subprocess.Popen(
-        [*STREAMREC, "run", str(job), "--max-events", str(left)],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    again = start_job(job, "--max-events", str(left))
     try:
         text = finish(again, timeout=180)
     finally:
         kill_group(again)
     assert f"resuming from checkpoint step {kept.step} " in text, text[-3000:]
     assert f"trained {left:,} samples" in text, text[-3000:]
-    final = book.latest()
-    assert final is not None
-    assert final.samples == EVENTS
-    assert final.positions == {f"{topic}/0": 1500, f"{topic}/1": 1500}
-    ranges = learned_ranges(run_dir / "learned-rank0.log")
-    for partition in (f"{topic}/0", f"{topic}/1"):
-        covered = np.zeros(1500, dtype=np.int64)
-        for s, e in ranges[partition]:
-            covered[s:e] += 1
-        assert covered.min() == 1, f"{partition}: an offset was never learned"
-        assert covered.max() == 1, f"{partition}: an offset was learned twice"
+    assert_learned_once(run_dir, {f"{topic}/0": 1500, f"{topic}/1": 1500})

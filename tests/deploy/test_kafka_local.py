@@ -29,7 +29,7 @@ from deploy.local.kafka import (
     up,
 )
 from deploy.local.kafka.broker import _BROKER_MAIN, _ZK_MAIN
-from tests.kafka_fixtures import KafkaForTests, read_partition
+from tests.support.kafka import KafkaForTests, read_partition
 
 
 def consume_all(bootstrap: str, topic: str, partition: int, n: int) -> list[tuple[int, bytes]]:
@@ -374,7 +374,7 @@ def test_a_source_reading_across_kafka_up_gets_every_record_once(state_dir: Path
     """A KafkaSource (the job's reader) that is in the middle of a chunk when the broker
     is killed waits, and once `streamrec kafka up` brought it back it carries on where
     it was: every offset exactly once, the records produced after the restart too."""
-    from tests.kafka_fixtures import SLOW_READS, make_kafka_source
+    from tests.support.kafka import SLOW_READS, make_kafka_source
 
     up = Up(state_dir)
     state = up()
@@ -431,7 +431,8 @@ def test_a_job_carries_on_by_itself_when_kafka_up_brings_its_broker_back(
     its ledger shows every offset learned exactly once, those produced after too."""
     from connectors.synthetic import SyntheticConfig, iter_json_lines, synthetic_store_section
     from deploy.local.kafka import create_topic
-    from tests.conftest import STREAMREC, write_synthetic_job
+    from tests.support.jobs import write_synthetic_job
+    from tests.support.processes import STREAMREC
     from trainer.ledger import learned_ranges
 
     up = Up(state_dir)

@@ -21,7 +21,7 @@ import yaml
 
 from deploy.config import load_config
 from deploy.local.kafka import free_port
-from tests.conftest import REPO_ROOT, STREAMREC
+from tests.support.processes import REPO_ROOT, STREAMREC
 from trainer.checkpoint import CheckpointBook
 
 

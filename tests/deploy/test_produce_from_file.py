@@ -4,7 +4,6 @@ keeps its cache and state: against a real broker (the session's), through the CL
 from __future__ import annotations
 
 import json
-import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,8 +21,9 @@ from deploy.local.kafka import (
     down,
     free_port,
 )
-from tests.conftest import streamrec
-from tests.kafka_fixtures import KafkaForTests
+from tests.support.kafka import KafkaForTests
+from tests.support.ports import held_port
+from tests.support.processes import streamrec
 
 
 def _version(kafka: KafkaForTests) -> str:
@@ -339,10 +339,7 @@ def test_kafka_up_keeps_its_state_in_xdg_state_home_and_prints_usable_lines(
 
 
 def test_kafka_up_on_a_taken_port_names_its_holder(xdg_state: Path) -> None:
-    with socket.socket() as squatter:
-        squatter.bind(("127.0.0.1", 0))
-        squatter.listen()
-        port = squatter.getsockname()[1]
+    with held_port() as port:
         refused = _one_line_error(streamrec("kafka", "up", "--port", str(port)))
     assert f"cannot listen on 127.0.0.1:{port}" in refused
     assert "--port N" in refused

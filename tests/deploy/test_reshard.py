@@ -18,7 +18,8 @@ import yaml
 from connectors.synthetic import synthetic_store_section
 from embedding_store import persistence
 from embedding_store.hashing import shard_of
-from tests.conftest import streamrec, write_synthetic_job
+from tests.support.jobs import write_synthetic_job
+from tests.support.processes import streamrec
 from trainer.checkpoint import CheckpointBook
 from trainer.ledger import learned_ranges
 

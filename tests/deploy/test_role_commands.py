@@ -15,7 +15,7 @@ import pytest
 
 from deploy.local.kafka import free_port
 from deploy.local.shards import ShardProcess
-from tests.conftest import REPO_ROOT, STREAMREC, streamrec
+from tests.support.processes import REPO_ROOT, STREAMREC, streamrec
 
 
 def test_store_health_says_serving_and_why_not(

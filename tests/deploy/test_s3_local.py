@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import re
-import socket
 from pathlib import Path
 
 import pytest
 
 from embedding_store.location import Location
-from tests.conftest import streamrec
+from tests.support.ports import held_port
+from tests.support.processes import streamrec
 
 
 def s3_up(state: str) -> str:
@@ -79,17 +79,14 @@ def test_weed_that_exits_on_a_taken_port_is_started_again_on_others(
     """Ports are picked free, then bound by weed; one taken in between costs a retry."""
     from deploy.local import objectstore
 
-    taken = socket.socket()
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    picks = iter([taken.getsockname()[1]])
-    real = objectstore._free_port_pair
-    monkeypatch.setattr(objectstore, "_free_port_pair", lambda: next(picks, None) or real())
-    server = objectstore.LocalS3.start(tmp_path / "s3")
-    try:
-        assert server.alive()
-        log = (tmp_path / "s3" / "weed.log").read_text(errors="replace")
-        assert str(taken.getsockname()[1]) in log, "the first weed was given the taken port"
-    finally:
-        server.stop()
-        taken.close()
+    with held_port() as taken:
+        picks = iter([taken])
+        real = objectstore._free_port_pair
+        monkeypatch.setattr(objectstore, "_free_port_pair", lambda: next(picks, None) or real())
+        server = objectstore.LocalS3.start(tmp_path / "s3")
+        try:
+            assert server.alive()
+            log = (tmp_path / "s3" / "weed.log").read_text(errors="replace")
+            assert str(taken) in log, "the first weed was given the taken port"
+        finally:
+            server.stop()

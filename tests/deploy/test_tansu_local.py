@@ -20,8 +20,8 @@ import pytest
 from connectors.kafka_produce import produce
 from deploy.local.kafka import free_port, pid_alive
 from deploy.local.tansu import API_VERSION
-from tests.conftest import streamrec
-from tests.kafka_fixtures import make_kafka_source
+from tests.support.kafka import make_kafka_source
+from tests.support.processes import streamrec
 
 
 def _cli(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:

@@ -7,8 +7,6 @@ import json
 import re
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,30 +25,13 @@ from connectors.synthetic import (
 )
 from deploy.cli.train import ProgressLine, demo_job
 from embedding_store.location import Location
-from tests.conftest import REPO_ROOT, STREAMREC, streamrec, write_synthetic_job
-from tests.kafka_fixtures import KafkaForTests
+from tests.support.jobs import SMALL_TRAINER, write_small_job, write_synthetic_job
+from tests.support.kafka import KafkaForTests
+from tests.support.processes import REPO_ROOT, STREAMREC, streamrec
+from tests.support.waits import wait_until
 from trainer.checkpoint import CheckpointBook
 from trainer.ledger import learned_ranges, ledger_entries
 from trainer.publish import published
-
-TRAINER: dict[str, Any] = {
-    "mode": "hybrid",
-    "staleness": 2,
-    "batch_size": 500,
-    "model": {"kind": "ffnn", "hidden": [16]},
-    "torch_threads": 1,
-    "checkpoint": {"every_steps": 3, "every_s": None},
-}
-
-
-def job_file(tmp: Path, source: dict[str, Any]) -> Path:
-    return write_synthetic_job(
-        tmp,
-        store=synthetic_store_section(dim=4),
-        source=source,
-        trainer=TRAINER,
-        cluster={"workers": 1, "store_shards": 1, "dashboard_address": ":0"},
-    )
 
 
 def two_rank_job(tmp: Path, source: dict[str, Any], batch_size: int) -> Path:
@@ -59,7 +40,7 @@ def two_rank_job(tmp: Path, source: dict[str, Any], batch_size: int) -> Path:
         tmp,
         store=synthetic_store_section(dim=4),
         source=source,
-        trainer={**TRAINER, "ranks": 2, "batch_size": batch_size},
+        trainer={**SMALL_TRAINER, "ranks": 2, "batch_size": batch_size},
         cluster={"workers": 1, "store_shards": 1, "dashboard_address": ":0"},
     )
 
@@ -104,7 +85,7 @@ def test_run_from_kafka_commits_what_it_learned_and_resumes_there(
     produce(kafka.bootstrap, topic, lines[:2000] + bad, api_version=kafka.api_version, partition=0)
     produce(kafka.bootstrap, topic, lines[2000:], api_version=kafka.api_version, partition=1)
     source = kafka_job_source(kafka, topic)
-    job = job_file(tmp_path, source)
+    job = write_small_job(tmp_path, source)
 
     first = streamrec("run", str(job), "--max-events", "1500")
     assert first.returncode == 0, first.stdout + first.stderr
@@ -292,8 +273,8 @@ def test_a_quiet_partition_holds_no_rank_up_and_max_time_ends_two_ranks(
         proc = subprocess.Popen([*STREAMREC, "run", str(job), "--max-events", "1966"],
                                 cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
     try:
-        wait_until(lambda: learned(f"{topic}/0") == 1000 or proc.poll() is not None, 240)
-        assert learned(f"{topic}/0") == 1000, log.read_text()
+        wait_until(lambda: learned(f"{topic}/0") == 1000, f"{topic}/0 learned", timeout_s=240,
+                   interval_s=0.1, procs=[proc], details=log.read_text)  # fmt: skip
         assert learned(f"{topic}/1") == 0
         produce(kafka.bootstrap, topic, lines[1000:1966], api_version=kafka.api_version,
                 partition=1)  # fmt: skip
@@ -323,12 +304,6 @@ def test_a_quiet_partition_holds_no_rank_up_and_max_time_ends_two_ranks(
     assert committed_offsets(source, after.positions) == after.positions
     assert_learned_once(run_dir, after.positions)
     assert after.samples == sum(after.positions.values())
-
-
-def wait_until(check: Callable[[], bool], timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check() and time.monotonic() < deadline:
-        time.sleep(0.1)
 
 
 @pytest.mark.parametrize(
@@ -366,7 +341,7 @@ def ledger(run_dir: Path, rank: int) -> list[tuple[int, str, int, int]]:
 
 def test_backfill_shows_a_progress_bar_and_resumes(tmp_path: Path) -> None:
     data = write_parquet(tmp_path / "history.parquet", SyntheticConfig(seed=2), 3000, 500)
-    job = job_file(tmp_path, {"kind": "parquet", "paths": ["unused.parquet"]})
+    job = write_small_job(tmp_path, {"kind": "parquet", "paths": ["unused.parquet"]})
     out = streamrec("backfill", str(job), "--from", str(data), "--max-events", "1000")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "%  step" in out.stdout  # the progress bar
@@ -382,14 +357,14 @@ def test_backfill_shows_a_progress_bar_and_resumes(tmp_path: Path) -> None:
 
 
 def test_backfill_names_a_missing_file(tmp_path: Path) -> None:
-    job = job_file(tmp_path, {"kind": "parquet", "paths": ["x.parquet"]})
+    job = write_small_job(tmp_path, {"kind": "parquet", "paths": ["x.parquet"]})
     out = streamrec("backfill", str(job), "--from", str(tmp_path / "nope.parquet"))
     assert out.returncode == 2
     assert "nope.parquet" in out.stderr
 
 
 def test_run_rejects_a_misspelled_key_naming_it(tmp_path: Path) -> None:
-    job = job_file(tmp_path, {"kind": "synthetic", "events": 10})
+    job = write_small_job(tmp_path, {"kind": "synthetic", "events": 10})
     raw = yaml.safe_load(job.read_text())
     raw["trainer"]["stalenes"] = 3
     job.write_text(yaml.safe_dump(raw))
@@ -400,7 +375,7 @@ def test_run_rejects_a_misspelled_key_naming_it(tmp_path: Path) -> None:
 
 def test_a_misspelled_section_is_named_not_printed(tmp_path: Path) -> None:
     """A misspelled top-level section used to print the whole section as a Python dict."""
-    job = job_file(tmp_path, {"kind": "synthetic", "events": 10})
+    job = write_small_job(tmp_path, {"kind": "synthetic", "events": 10})
     raw = yaml.safe_load(job.read_text())
     raw["featurs"] = raw.pop("features")
     job.write_text(yaml.safe_dump(raw))
@@ -463,7 +438,7 @@ def test_backfill_trains_at_the_batch_size_and_resumes_inside_a_row_group(
         tmp_path,
         store=synthetic_store_section(dim=4),
         source={"kind": "parquet", "paths": [str(data)]},
-        trainer={**TRAINER, "batch_size": 300},
+        trainer={**SMALL_TRAINER, "batch_size": 300},
         cluster={"workers": 1, "store_shards": 1, "dashboard_address": ":0"},
     )
     first = streamrec("backfill", str(job), "--max-events", "1100")

@@ -25,7 +25,7 @@ from pydantic import BaseModel
 
 from deploy.cli import build_parser
 from deploy.config import JobConfig
-from tests.conftest import REPO_ROOT
+from tests.support.processes import REPO_ROOT
 
 PAGES = (
     "index",

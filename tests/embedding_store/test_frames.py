@@ -35,7 +35,7 @@ from embedding_store.wire import (
     encode_push,
     rows_frame,
 )
-from tests.conftest import grpc_address
+from tests.support.processes import grpc_address
 
 U64 = np.uint64
 

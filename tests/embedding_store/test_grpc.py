@@ -28,7 +28,7 @@ from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
 from embedding_store.transport.base import RetryPolicy
 from embedding_store.types import PushOrigin
 from embedding_store.wire import decode_row_state
-from tests.conftest import grpc_address, streamrec
+from tests.support.processes import grpc_address, streamrec
 
 RNG = np.random.default_rng(7)
 

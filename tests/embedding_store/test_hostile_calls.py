@@ -20,7 +20,7 @@ from embedding_store.client import StoreClient
 from embedding_store.errors import MessageTooLarge
 from embedding_store.proto import embedding_store_pb2 as pb
 from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
-from tests.conftest import grpc_address
+from tests.support.processes import grpc_address
 
 U64 = np.uint64
 

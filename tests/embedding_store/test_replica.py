@@ -27,7 +27,9 @@ from embedding_store.shard import StoreShard
 from embedding_store.table import EmbeddingTable
 from embedding_store.transport.base import RetryPolicy
 from embedding_store.types import StoreConfig, TableConfig
-from tests.conftest import DEFAULT_TABLES, streamrec
+from tests.support.jobs import DEFAULT_TABLES
+from tests.support.processes import streamrec
+from tests.support.waits import wait_until
 
 U64 = np.uint64
 FAST = RetryPolicy(attempts=2, initial_backoff_s=0.05, timeout_s=10)
@@ -137,16 +139,6 @@ def test_a_replica_reads_many_tables_at_once_as_each_alone(dtype: str) -> None:
         replica.lookup({"a": np.array([1], U64), "b": np.array([0.5])}, train=False)
 
 
-def _wait_until(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> float:
-    """Seconds until ``check()`` held; fails the test after ``timeout_s``."""
-    start = time.monotonic()
-    while not check():
-        if time.monotonic() - start > timeout_s:
-            pytest.fail(f"{what}: not within {timeout_s}s")
-        time.sleep(0.02)
-    return time.monotonic() - start
-
-
 def _read(client: StoreClient, table: str, ids: np.ndarray) -> np.ndarray:
     return np.asarray(client.lookup({table: ids}, train=False)[table], dtype=np.float32)
 
@@ -181,12 +173,12 @@ def test_a_replica_serves_pushes_and_evictions_and_outlives_its_training_shard(
         StoreClient.connect(f"grpc://{training.address}", token=token, retry=FAST) as train,
         StoreClient.connect(f"grpc://{replica.address}", token=token, retry=FAST) as serve,
     ):
-        _wait_until(lambda: "SERVING" in _health(replica.address, token_file), "caught up")
+        wait_until(lambda: "SERVING" in _health(replica.address, token_file), "caught up")
         train.lookup({"user": ids})
         train.push({"user": (ids, np.full((800, 8), 0.5, np.float32))})
         learned = _read(train, "user", ids)
         assert not np.allclose(learned, _initial("user", ids))
-        _wait_until(lambda: np.array_equal(_read(serve, "user", ids), learned), "pushed rows")
+        wait_until(lambda: np.array_equal(_read(serve, "user", ids), learned), "pushed rows")
 
         # 400 more ids on a table of 1,000 rows: the least recently seen are evicted,
         # and the replica forgets them too (it reads them as initial rows again).
@@ -198,7 +190,7 @@ def test_a_replica_serves_pushes_and_evictions_and_outlives_its_training_shard(
         now = _read(train, "user", ids)
         gone = ids[np.all(now == 0.0, axis=1)]  # a training read of an absent id is zeros
         assert gone.shape[0] == evicted
-        _wait_until(
+        wait_until(
             lambda: np.array_equal(_read(serve, "user", gone), _initial("user", gone)),
             "evictions",
         )
@@ -219,7 +211,7 @@ def test_a_replica_serves_pushes_and_evictions_and_outlives_its_training_shard(
         # replica copies the restarted shard and holds what it holds.
         back = training.restart()
         start_shards.track(back)
-        _wait_until(
+        wait_until(
             lambda: np.array_equal(_read(serve, "user", kept), _initial("user", kept)),
             "the restarted shard's rows",
         )
@@ -238,7 +230,7 @@ def test_a_replica_starts_from_the_newest_checkpoint_and_asks_only_for_changes(
     start_shards.track(first)
     ids = np.arange(1, 3001, dtype=U64)
     with StoreClient.connect(f"grpc://{training.address}", token=token, retry=FAST) as train:
-        _wait_until(lambda: "SERVING" in _health(first.address, token_file), "first caught up")
+        wait_until(lambda: "SERVING" in _health(first.address, token_file), "first caught up")
         train.lookup({"item": ids})
         train.push({"item": (ids, np.full((3000, 4), 0.25, np.float32))})
         train.checkpoint(None, "full")  # names the change logs at its cut
@@ -253,7 +245,7 @@ def test_a_replica_starts_from_the_newest_checkpoint_and_asks_only_for_changes(
         )
         start_shards.track(second)
         with StoreClient.connect(f"grpc://{second.address}", token=token, retry=FAST) as serve:
-            _wait_until(lambda: "caught up" in second.log(), "second caught up")
+            wait_until(lambda: "caught up" in second.log(), "second caught up")
             np.testing.assert_array_equal(_read(serve, "item", ids), learned)
     log = second.log()
     assert "3000 rows from snapshots" in log
@@ -285,7 +277,7 @@ def test_a_replica_answers_syncing_until_it_reaches_its_training_shard(
         _read(serve, "item", ids)
     back = training.restart()
     start_shards.track(back)
-    _wait_until(lambda: "SERVING" in _health(replica.address, token_file), "caught up")
+    wait_until(lambda: "SERVING" in _health(replica.address, token_file), "caught up")
     assert _http(healthz) == (200, "SERVING")
     with StoreClient.connect(f"grpc://{replica.address}", token=token, retry=FAST) as serve:
         np.testing.assert_array_equal(_read(serve, "item", ids), _initial("item", ids))

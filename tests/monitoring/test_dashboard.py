@@ -20,7 +20,7 @@ import subprocess
 import threading
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,8 +34,10 @@ from connectors.synthetic import synthetic_store_section
 from monitoring.plugin import StreamrecPlugin
 from monitoring.serve_reporter import ServeReporter
 from monitoring.types import TOPIC
-from tests.conftest import REPO_ROOT, STREAMREC, write_synthetic_job
-from tests.monitoring.test_state import FRESH, store_report, trainer
+from tests.monitoring.reports import FRESH, store_report, trainer
+from tests.support.jobs import write_synthetic_job
+from tests.support.processes import REPO_ROOT, STREAMREC
+from tests.support.waits import wait_until
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -53,16 +55,6 @@ def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         for fam in text_string_to_metric_families(get(url))
         for s in fam.samples
     }
-
-
-def wait_until(what: str, check: Callable[[], Any], timeout: float = 60) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.25)
-    pytest.fail(f"{what}: not within {timeout} s")
 
 
 @contextmanager
@@ -146,8 +138,9 @@ def test_plugin_serves_the_page_its_data_and_metrics() -> None:
         )
         client.log_event(TOPIC, store_report(rows=40))
         data = wait_until(
-            "the reports reach the plugin",
             lambda: (d := json.loads(get(f"{base}/streamrec/data.json")))["reports"] == 3 and d,
+            "the reports reach the plugin",
+            interval_s=0.25,
         )
         assert data["ranks"]["0"]["series"]["samples_per_s"] == [20.0]
         assert data["partitions"][0]["lag"] == 10
@@ -205,7 +198,12 @@ def test_the_page_shows_serving_in_a_real_browser(tmp_path: Path) -> None:
         client.register_plugin(StreamrecPlugin())
         base = f"http://127.0.0.1:{cluster.scheduler.http_server.port}"
         browser.get(f"{base}/streamrec")
-        wait_until("the page's first update", lambda: "updated" in text(browser, "status"), 30)
+        wait_until(
+            lambda: "updated" in text(browser, "status"),
+            "the page's first update",
+            timeout_s=30,
+            interval_s=0.25,
+        )
         # No server has reported: no Serving section.
         assert browser.execute_script("return document.getElementById('serving').hidden;")
 
@@ -256,7 +254,7 @@ def test_the_page_shows_serving_in_a_real_browser(tmp_path: Path) -> None:
                     ok = fixed in table and real is not None and real[1] not in (DASH, "0.0")
                     return table if ok else None
 
-                table = wait_until("both servers on the page", shown, 30)
+                table = wait_until(shown, "both servers on the page", timeout_s=30, interval_s=0.25)
                 assert not browser.execute_script(
                     "return document.getElementById('serving').hidden;"
                 )
@@ -280,7 +278,12 @@ def test_the_page_shows_serving_in_a_real_browser(tmp_path: Path) -> None:
                 assert "2 server(s)" in text(browser, "status")
                 # Charts over time: requests/s and errors/s, and the p99, of both servers.
                 # 4 intervals of the known server, 1 and more of the real one.
-                wait_until("charts", lambda: chart(browser, "chart-serve-requests")[0] >= 10, 10)
+                wait_until(
+                    lambda: chart(browser, "chart-serve-requests")[0] >= 10,
+                    "charts",
+                    timeout_s=10,
+                    interval_s=0.25,
+                )
                 assert chart(browser, "chart-serve-p99")[0] >= 5
                 legend = text(browser, "legend-serving")
                 assert fixed in legend
@@ -324,7 +327,9 @@ class RunningJob:
                 pytest.fail("the job ended early:\n" + "".join(self.lines)[-3000:])
             return self.find(pattern)
 
-        m: re.Match[str] = wait_until(f"job output {pattern!r}", check, timeout)
+        m: re.Match[str] = wait_until(
+            check, f"job output {pattern!r}", timeout_s=timeout, interval_s=0.25
+        )
         return m
 
 
@@ -387,8 +392,10 @@ def shard_addresses(job: RunningJob) -> list[str]:
 def test_metrics_move_while_the_job_trains(job: RunningJob) -> None:
     url = f"{dashboard(job)}/metrics"
     key = ("streamrec_trainer_samples_total", (("rank", "0"),))
-    first = wait_until("a first trainer report", lambda: scrape(url).get(key))
-    second = wait_until("more samples", lambda: (v := scrape(url).get(key, 0)) > first and v)
+    first = wait_until(lambda: scrape(url).get(key), "a first trainer report", interval_s=0.25)
+    second = wait_until(
+        lambda: (v := scrape(url).get(key, 0)) > first and v, "more samples", interval_s=0.25
+    )
     assert second > first
     metrics = scrape(url)
     for shard in shard_addresses(job):
@@ -400,13 +407,23 @@ def test_metrics_move_while_the_job_trains(job: RunningJob) -> None:
 
 
 def test_every_shard_serves_its_own_metrics(job: RunningJob) -> None:
-    wait_until("both shards announce their metrics", lambda: len(shard_metric_urls(job)) == 2)
+    wait_until(
+        lambda: len(shard_metric_urls(job)) == 2,
+        "both shards announce their metrics",
+        interval_s=0.25,
+    )
     for i, (url, address) in enumerate(
         zip(shard_metric_urls(job), shard_addresses(job), strict=True)
     ):
         key = ("streamrec_store_lookup_seconds_count", (("shard", address),))
-        first = wait_until(f"shard {i} lookups", lambda u=url, k=key: scrape(u).get(k))
-        wait_until(f"shard {i} lookups move", lambda u=url, k=key, f=first: scrape(u).get(k, 0) > f)
+        first = wait_until(
+            lambda u=url, k=key: scrape(u).get(k), f"shard {i} lookups", interval_s=0.25
+        )
+        wait_until(
+            lambda u=url, k=key, f=first: scrape(u).get(k, 0) > f,
+            f"shard {i} lookups move",
+            interval_s=0.25,
+        )
 
 
 def shard_metric_urls(job: RunningJob) -> list[str]:

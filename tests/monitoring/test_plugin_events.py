@@ -12,7 +12,7 @@ from typing import Any
 
 from monitoring.plugin import EVENTS_KEPT, StreamrecPlugin
 from monitoring.types import TOPIC, TrainerReport
-from tests.pipeline.conftest import dask_cluster
+from tests.support.processes import dask_cluster
 
 
 def report(step: int) -> TrainerReport:

@@ -8,7 +8,7 @@ from typing import Any
 
 from embedding_store.types import LatencySnapshot, ShardStats
 from monitoring.reporter import Reporter, trainer_report
-from tests.monitoring.test_state import table
+from tests.monitoring.reports import table
 from trainer.metrics import MetricsSnapshot
 from trainer.progress import Progress
 

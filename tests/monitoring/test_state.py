@@ -4,57 +4,15 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import fields
 from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from embedding_store.types import LatencySnapshot, ShardStats, TableStats
 from monitoring.prometheus import JobMetricsCollector, job_metric_families
 from monitoring.state import MonitorState
-from monitoring.wire import shard_report, shard_stats_from_report
-
-
-def trainer(**over: Any) -> dict[str, Any]:
-    report: dict[str, Any] = {
-        "kind": "trainer",
-        "rank": 0,
-        "time": 100.0,
-        "step": 1,
-        "samples_total": 0,
-        "events_total": 0,
-        "loss": 0.6,
-        "auc": 0.7,
-        "logloss": 0.6,
-        "calibration": 1.0,
-        "best_auc": None,
-        "missed_pushes": {},
-        "staleness_bound": 2,
-        "pushes_queued": 0,
-        "wait_s": 0.0,
-        "compute_s": 0.0,
-        "partitions": {},
-        "checkpoint": None,
-        "mode": "hybrid",
-    }
-    return {**report, **over}
-
-
-def table(name: str, rows: int) -> TableStats:
-    sizes = {"name": name, "dim": 4, "rows": rows, "capacity": 1000, "memory_bytes": rows * 32}
-    counters = {f.name: 3 for f in fields(TableStats) if f.name not in sizes}
-    return TableStats(**sizes, **counters)  # type: ignore[arg-type]
-
-
-def store_report(rows: int) -> dict[str, Any]:
-    lat = LatencySnapshot((0.001, 0.01, math.inf), (10, 20, 20), 0.1, 20)
-    stats = ShardStats(tables=(table("a", rows), table("b", 1)), lookup_latency=lat)
-    return {
-        "kind": "store",
-        "time": 100.0,
-        "shards": [shard_report(0, "127.0.0.1:1", stats), shard_report(1, "127.0.0.1:2", stats)],
-    }
+from monitoring.wire import shard_stats_from_report
+from tests.monitoring.reports import FRESH, store_report, trainer
 
 
 def test_rates_come_from_two_reports_of_the_same_rank() -> None:
@@ -93,15 +51,6 @@ def test_staleness_sums_ranks_and_fills_every_count_up_to_the_bound() -> None:
         "bound": 2,
         "hist": {"0": 6, "1": 2, "2": 0, "3": 0, "4": 1},
     }
-
-
-FRESH = {
-    "missed_pushes_by_row": {"0": 900, "1": 80, "3": 20},
-    "trained_missed_pushes_by_row": {"0": 995, "1": 5},
-    "rows_freshened": 100,
-    "rows_predicted": 40,
-    "fresh_waits": 2,
-}
 
 
 def test_row_staleness_sums_the_ranks_that_count_rows() -> None:

@@ -36,7 +36,8 @@ from monitoring.store_metrics import (
     serve_store_metrics,
     store_metric_families,
 )
-from tests.conftest import grpc_address, streamrec
+from tests.support.ports import held_port
+from tests.support.processes import grpc_address, streamrec
 
 INF = math.inf
 TABLE_FAMILIES = {
@@ -388,11 +389,9 @@ def test_metrics_are_off_unless_asked_for(
 def test_a_taken_metrics_port_fails_the_start_clearly(
     write_job: Callable[..., Path], token_file: Path, tmp_path: Path
 ) -> None:
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen()
-        port = taken.getsockname()[1]
-        with pytest.raises(RuntimeError, match=f"--metrics-port {port}: could not serve metrics"):
+    with held_port() as port:
+        clash = f"--metrics-port {port}: could not serve metrics"
+        with pytest.raises(RuntimeError, match=clash):
             ShardProcess.start(
                 write_job(), tmp_path / "clash-0", token_file=token_file, metrics_port=port
             )

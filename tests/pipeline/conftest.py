@@ -3,27 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client
 
 from deploy.local.shards import ShardProcess
 from pipeline.prepare import StoreAddress
-from tests.conftest import write_job_yaml
-
-
-@contextmanager
-def dask_cluster() -> Iterator[Client]:
-    """A client of a new LocalCluster of 2 worker processes (1 thread each)."""
-    with (
-        LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0"
-        ) as lc,
-        Client(lc) as client,
-    ):
-        yield client
+from tests.support.jobs import write_job_yaml
+from tests.support.processes import dask_cluster
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from connectors.spec import DenseField, FeatureSpec
 from pipeline.batch import build_batch, dedup, dense_matrix, label_matrix
 from pipeline.types import PreparedBatch
-from tests.pipeline.test_hashing import ref_record_ids, ref_string_id
+from tests.pipeline.hashing_reference import ref_record_ids, ref_string_id
 
 # --- reference ---------------------------------------------------------------------
 

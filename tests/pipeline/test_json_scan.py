@@ -17,14 +17,14 @@ import pytest
 from connectors.codecs.joined import JoinedPayloads
 from connectors.spec import FeatureSpec
 from pipeline.json_scan import JsonScanBuilder
-from tests.pipeline.test_plain import (
+from tests.pipeline.plain_reference import (
     GOOD_VALUES,
     ODD_VALUES,
     SPEC,
-    _assert_same,
-    _columnar,
-    _plain,
+    assert_same,
+    columnar_batch,
     odd_payloads,
+    plain_batch,
 )
 
 # The plain test's values but one this path leaves to the others: a number beyond the
@@ -67,12 +67,12 @@ def test_good_records_give_the_columnar_batch_value_for_value(required: bool) ->
                 r["click"] = 1 if r.get("click") is None else r["click"]
                 r["buy"] = 0 if r.get("buy") is None else r["buy"]
         payloads = [_payload(r, rng) for r in records]
-        columnar, bad = _columnar(payloads, spec)
+        columnar, bad = columnar_batch(payloads, spec)
         assert bad == 0, payloads
         assert columnar is not None
         batch = builder.build(payloads)
         assert batch is not None, payloads  # plainly good: this path takes them all
-        _assert_same(batch, columnar)
+        assert_same(batch, columnar)
         scanned += 1
     assert scanned == 300
 
@@ -84,12 +84,12 @@ def test_an_odd_value_is_declined_or_agrees_with_the_columnar_path(
 ) -> None:
     spec = SPEC if required else SPEC.for_scoring()
     payloads = odd_payloads(field, text)
-    columnar, bad = _columnar(payloads, spec)
+    columnar, bad = columnar_batch(payloads, spec)
     batch = JsonScanBuilder(spec).build(payloads)
     if batch is not None:
         assert bad == 0, f"the scanned path took a record the columnar path finds bad: {payloads}"
         assert columnar is not None
-        _assert_same(batch, columnar)
+        assert_same(batch, columnar)
 
 
 # SPEC for scoring with every dense field filled: a record of one field is good.
@@ -113,12 +113,12 @@ NUMBERS = [
 def test_a_number_is_read_as_python_reads_it_or_declined(text: str) -> None:
     spec = SPEC.for_scoring()
     payloads = [f'{{"n": {text}, "price": 1, "age": 3, "delta": 0}}'.encode()]
-    columnar, bad = _columnar(payloads, spec)
+    columnar, bad = columnar_batch(payloads, spec)
     batch = JsonScanBuilder(spec).build(payloads)
     if batch is not None:
         assert bad == 0, text
         assert columnar is not None
-        _assert_same(batch, columnar)
+        assert_same(batch, columnar)
     if text in {"0", "-0", "7", "0.5", "-0.0", "1e3", "0.1", "1e22", "1e-22"}:
         assert batch is not None, f"{text}: a plain number this path should read"
 
@@ -140,12 +140,12 @@ def test_what_json_allows_beyond_the_plain_form_agrees_with_the_columnar_path(
 ) -> None:
     payloads = [b'{"user": "a"}', payload]
     batch = JsonScanBuilder(FILLED).build(payloads)
-    columnar, bad = _columnar(payloads, FILLED)
+    columnar, bad = columnar_batch(payloads, FILLED)
     assert bad == 0
     assert columnar is not None
     if batch is not None or b"\\u0075ser" not in payload:
         assert batch is not None, payload
-        _assert_same(batch, columnar)
+        assert_same(batch, columnar)
 
 
 @pytest.mark.parametrize(
@@ -220,13 +220,13 @@ def test_changed_bytes_are_declined_or_agree_with_the_columnar_path() -> None:
         if batch is None:
             continue
         taken += 1
-        columnar, bad = _columnar(payloads, spec)
+        columnar, bad = columnar_batch(payloads, spec)
         assert bad == 0, payloads
         assert columnar is not None
-        _assert_same(batch, columnar)
-        plain = _plain(payloads, spec)  # the plain path reads less, and alike
+        assert_same(batch, columnar)
+        plain = plain_batch(payloads, spec)  # the plain path reads less, and alike
         if plain is not None:
-            _assert_same(plain, columnar)
+            assert_same(plain, columnar)
     assert taken > 100  # the changes leave many records good: the comparison is exercised
 
 

@@ -26,7 +26,7 @@ from connectors.codecs import json_scan
 from connectors.codecs.json_scan import STALLED, ScanPlan, ScanStalled, scan_values
 from connectors.spec import FeatureSpec
 from pipeline.json_scan import JsonScanBuilder
-from tests.pipeline.test_plain import _assert_same, _columnar, _plain
+from tests.pipeline.plain_reference import assert_same, columnar_batch, plain_batch
 
 T = TypeVar("T")
 
@@ -131,15 +131,15 @@ def batches(draw: st.DrawFn) -> list[bytes]:
 @given(payloads=batches())
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
 def test_the_scan_gives_json_loads_batch_and_ends(payloads: list[bytes]) -> None:
-    want = _plain(payloads, SPEC)
+    want = plain_batch(payloads, SPEC)
     assert want is not None, "the plain path takes good records"
     scanned = ends(lambda: JsonScanBuilder(SPEC).build(payloads), payloads[:3])
     assert scanned is not None, "the scanner declined good records"
-    _assert_same(scanned, want)
-    columnar, bad = ends(lambda: _columnar(payloads, SPEC), payloads[:3])
+    assert_same(scanned, want)
+    columnar, bad = ends(lambda: columnar_batch(payloads, SPEC), payloads[:3])
     assert bad == 0
     assert columnar is not None
-    _assert_same(want, columnar)
+    assert_same(want, columnar)
 
 
 MUTATIONS = [b"{", b"}", b"[", b"]", b",", b":", b'"', b"\\", b"-", b"0", b" ", b"\\u", b"tru"]
@@ -165,11 +165,11 @@ def test_a_changed_batch_ends_and_is_declined_or_agrees(
             del b[min(at, len(b) - 1)]
         changed[k] = bytes(b) or b"{}"
     scanned = ends(lambda: JsonScanBuilder(SPEC).build(changed), changed[:3])
-    columnar, bad = ends(lambda: _columnar(changed, SPEC), changed[:3])
+    columnar, bad = ends(lambda: columnar_batch(changed, SPEC), changed[:3])
     if scanned is not None:
         assert bad == 0, "the scanner took a record json.loads finds bad"
         assert columnar is not None
-        _assert_same(scanned, columnar)
+        assert_same(scanned, columnar)
 
 
 def _no_progress(*args: Any) -> int:

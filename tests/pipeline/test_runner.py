@@ -26,7 +26,7 @@ from embedding_store.client import StoreClient
 from pipeline.prepare import StoreAddress, prepare
 from pipeline.runner import StreamRunner
 from pipeline.types import PreparedBatch
-from tests.pipeline.conftest import dask_cluster
+from tests.support.processes import dask_cluster
 
 SPEC = synthetic_feature_spec()
 EVENTS = 3000

@@ -33,9 +33,9 @@ from deploy.local.kafka import API_VERSION, LocalKafka
 from pipeline.prepare import StoreAddress, prepare
 from pipeline.runner import StreamRunner
 from pipeline.types import PreparedBatch
-from tests.connectors.bad_records import JSON_BAD_CASES, SPEC, j
-from tests.kafka_fixtures import SLOW_READS, KafkaForTests, make_kafka_source, read_partition
-from tests.pipeline.conftest import dask_cluster
+from tests.support.bad_records import JSON_BAD_CASES, SPEC, j
+from tests.support.kafka import SLOW_READS, KafkaForTests, make_kafka_source, read_partition
+from tests.support.processes import dask_cluster
 
 CODEC = JsonLinesCodec()
 ID_COLUMN = [d.name for d in SPEC.dense].index("age")

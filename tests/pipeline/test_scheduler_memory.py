@@ -14,7 +14,7 @@ from typing import Any
 from distributed import Client, wait
 
 from pipeline.scheduler_memory import SchedulerTrim
-from tests.pipeline.conftest import dask_cluster
+from tests.support.processes import dask_cluster
 
 
 def key_names(client: Client) -> int:

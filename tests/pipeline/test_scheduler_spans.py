@@ -15,7 +15,7 @@ from typing import Any
 from distributed import Client
 
 from pipeline.scheduler_spans import SpanPruner
-from tests.pipeline.conftest import dask_cluster
+from tests.support.processes import dask_cluster
 
 
 def spans(client: Client) -> int:

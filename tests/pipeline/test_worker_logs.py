@@ -13,7 +13,7 @@ import subprocess
 import sys
 import textwrap
 
-from tests.conftest import REPO_ROOT
+from tests.support.processes import REPO_ROOT
 
 SCRIPT = textwrap.dedent(
     """

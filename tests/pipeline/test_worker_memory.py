@@ -15,7 +15,7 @@ from typing import Any
 from distributed import Client, wait
 
 from pipeline.worker_memory import SPAN_CONTEXTS, WorkerTrim
-from tests.pipeline.conftest import dask_cluster
+from tests.support.processes import dask_cluster
 
 
 def span_keys_and_seconds(client: Client) -> dict[str, tuple[int, float]]:

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from connectors.synthetic import SyntheticConfig, write_parquet
-from tests.conftest import streamrec
-from tests.deploy.test_train_commands import job_file
+from tests.support.jobs import write_small_job
+from tests.support.processes import streamrec
 
 
 @pytest.fixture(scope="session")
@@ -16,7 +16,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A job that learned 3,000 events of the synthetic stream (its checkpoint stays)."""
     tmp = tmp_path_factory.mktemp("scored")
     data = write_parquet(tmp / "history.parquet", SyntheticConfig(seed=2), 3000, 500)
-    job = job_file(tmp, {"kind": "parquet", "paths": [str(data)]})
+    job = write_small_job(tmp, {"kind": "parquet", "paths": [str(data)]})
     out = streamrec("backfill", str(job))
     assert out.returncode == 0, out.stdout + out.stderr
     return job

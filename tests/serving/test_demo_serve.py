@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import REPO_ROOT
+from tests.support.processes import REPO_ROOT
 
 
 def _run_curl_line(line: str) -> bytes:

@@ -28,8 +28,10 @@ import yaml
 
 from deploy.config import load_config
 from deploy.local.shards import ShardProcess
-from tests.conftest import streamrec, write_job_yaml
-from tests.serving.test_serve import Server, _wait
+from tests.serving.server import Server
+from tests.support.jobs import write_job_yaml
+from tests.support.processes import streamrec
+from tests.support.waits import wait_until
 
 RECORDS = 1500  # about 5,000 genre strings: past the scanner's first store several times
 # A call that used to spin is given this long; the whole test takes seconds.
@@ -145,7 +147,7 @@ def test_serve_answers_a_request_of_records_with_lists(
             except OSError:
                 return False
 
-        _wait(ready, "ready")
+        wait_until(ready, "ready")
         records = lines.read_text().splitlines()
         body = json.dumps({
             "inputs": [{"name": "records", "datatype": "BYTES", "shape": [len(records)],
@@ -208,7 +210,7 @@ def test_a_request_whose_rows_do_not_come_gets_504_in_time(
             return e.code, json.loads(e.read()), time.monotonic() - started
 
     try:
-        _wait(lambda: infer()[0] == 200, "a first answer")
+        wait_until(lambda: infer()[0] == 200, "a first answer")
         os.kill(shard.proc.pid, signal.SIGSTOP)
         try:
             code, answer, took = infer()
@@ -217,11 +219,11 @@ def test_a_request_whose_rows_do_not_come_gets_504_in_time(
             assert took < 10, took  # the deadline, not the client's 6 x 30 s of retries
             with urllib.request.urlopen(f"{url}/v2/health/live", timeout=10) as reply:
                 assert reply.status == 200
-            _wait(lambda: ready() == 503, "not ready while the store does not answer")
+            wait_until(lambda: ready() == 503, "not ready while the store does not answer")
         finally:
             os.kill(shard.proc.pid, signal.SIGCONT)
-        _wait(lambda: ready() == 200, "ready once the shard answers")
-        _wait(lambda: infer()[0] == 200, "an answer once the shard is back")
+        wait_until(lambda: ready() == 200, "ready once the shard answers")
+        wait_until(lambda: infer()[0] == 200, "an answer once the shard is back")
         with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
             assert 'streamrec_serve_errors_total{reason="timeout"} 1.0' in reply.read().decode()
     finally:
@@ -250,7 +252,7 @@ def test_serve_answers_over_grpc_as_over_http(rated: tuple[Path, Path], tmp_path
     server = Server(argv, tmp_path / "serve.log")
     try:
         url = f"http://{server.address}"
-        _wait(lambda: "gRPC (KServe v2" in server.log(), "the gRPC address")
+        wait_until(lambda: "gRPC (KServe v2" in server.log(), "the gRPC address")
         found = re.search(r"GRPCInferenceService\) on (\S+)", server.log())
         assert found is not None, server.log()
 
@@ -261,7 +263,7 @@ def test_serve_answers_over_grpc_as_over_http(rated: tuple[Path, Path], tmp_path
             except OSError:
                 return False
 
-        _wait(ready, "ready")
+        wait_until(ready, "ready")
         records = lines.read_text().splitlines()[:64]
         body = json.dumps({
             "inputs": [{"name": "records", "datatype": "BYTES", "shape": [len(records)],

@@ -18,7 +18,7 @@ from connectors.types import Chunk, RawChunk
 from deploy.config import load_config
 from embedding_store.shard import StoreShard
 from pipeline.batch import build_batch
-from tests.conftest import streamrec
+from tests.support.processes import streamrec
 from trainer.checkpoint import CheckpointBook
 from trainer.dense_model import DenseModel
 from trainer.pooling import pool, to_tensors

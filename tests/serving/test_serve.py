@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -34,41 +33,10 @@ from deploy.local.shards import ShardProcess
 from embedding_store.client import StoreClient
 from pipeline.batch import build_batch
 from serving.model import DenseFollower
-from tests.conftest import REPO_ROOT, streamrec
+from tests.serving.server import Server
+from tests.support.processes import streamrec
+from tests.support.waits import wait_until
 from trainer.publish import DensePublisher, published
-
-_URL = re.compile(r"on http://(?P<host>[\d.]+):(?P<port>\d+) ")
-
-
-def _wait(check: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: not within {timeout_s}s")
-        time.sleep(0.05)
-
-
-class Server:
-    """A running ``streamrec serve`` and its log."""
-
-    def __init__(self, argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
-        self.argv = argv
-        self.log_path = log
-        with log.open("wb") as out:
-            self.proc = subprocess.Popen(
-                argv, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT, env=env
-            )
-        _wait(lambda: _URL.search(self.log()) is not None or self.proc.poll() is not None, "URL")
-        m = _URL.search(self.log())
-        assert m is not None, self.log()
-        self.address = f"{m.group('host')}:{m.group('port')}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self) -> int:
-        self.proc.terminate()
-        return self.proc.wait(30)
 
 
 def _with_follow_poll(job: Path, poll_s: float, out: Path) -> Path:
@@ -138,7 +106,7 @@ def test_serve_answers_as_score_does_and_follows_training(
 ) -> None:
     training, server = services
     client = triton.InferenceServerClient(server.address)
-    _wait(client.is_server_ready, "ready")
+    wait_until(client.is_server_ready, "ready")
     assert client.is_server_live()
     assert client.is_model_ready("streamrec")
     meta = client.get_model_metadata("streamrec")
@@ -192,7 +160,7 @@ def test_serve_answers_as_score_does_and_follows_training(
         now = _infer(client, records[:1]).as_numpy("click")
         return not np.isclose(now[0], before[0], atol=1e-6)
 
-    _wait(moved, "a pushed row served")
+    wait_until(moved, "a pushed row served")
     if "--follow" in server.argv:  # the job's poll, not the default, reached the followers
         assert f"following grpc://{training.address} every 0.05s" in server.log()
 
@@ -214,7 +182,7 @@ def test_serve_answers_as_score_does_and_follows_training(
         response = _infer(client, records[:1]).get_response()
         return bool(response["parameters"]["dense_version"] == newest.version + 1)
 
-    _wait(swapped, "the new dense version served")
+    wait_until(swapped, "the new dense version served")
     with urllib.request.urlopen(f"http://{server.address}/metrics", timeout=10) as reply:
         metrics = reply.read().decode()
     assert "streamrec_serve_records_scored_total" in metrics
@@ -263,10 +231,10 @@ def test_a_server_is_ready_only_once_its_kernels_answer_within_a_deadline(
     server = Server(argv, tmp_path / "serve.log", env=cold)
     try:
         client = triton.InferenceServerClient(server.address)
-        _wait(client.is_server_ready, "ready", timeout_s=240)
+        wait_until(client.is_server_ready, "ready", timeout_s=240)
         served = _infer(client, _records(64))
         assert served.as_numpy("click").shape == (64,)
-        _wait(lambda: "ready with dense version" in server.log(), "the ready line")
+        wait_until(lambda: "ready with dense version" in server.log(), "the ready line")
         assert re.search(r"scoring kernels warmed up in \d+\.\ds", server.log()), server.log()
         assert server.stop() == 0
     finally:

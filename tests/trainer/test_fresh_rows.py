@@ -19,8 +19,9 @@ import torch
 from deploy.local.shards import ShardProcess
 from embedding_store.client import StoreClient
 from pipeline.types import PreparedBatch
-from tests.conftest import grpc_address, write_job_yaml
-from tests.trainer.test_loop import (
+from tests.support.jobs import write_job_yaml
+from tests.support.processes import grpc_address
+from tests.trainer.loop_case import (
     BATCH,
     SPEC,
     TABLES,

@@ -10,14 +10,11 @@ every offset is learned exactly once across the restart.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 import re
 import signal
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +27,16 @@ from connectors.synthetic import synthetic_store_section
 from deploy.config import JobConfig, load_config
 from embedding_store.shard import StoreShard
 from monitoring.runs import load_run
-from tests.conftest import REPO_ROOT, STREAMREC, write_synthetic_job
+from tests.support.jobs import (
+    assert_learned_once,
+    trainer_section,
+    wait_for_checkpoint,
+    wait_for_learned,
+    write_synthetic_job,
+    write_synthetic_training_job,
+)
+from tests.support.processes import finish, kill_group, start_job
 from trainer.checkpoint import CheckpointBook
-from trainer.ledger import learned_ranges
 from trainer.run_files import parts_of, read_lines
 
 EVENTS = 16_000
@@ -47,77 +51,25 @@ def write_job(
     workers: int = 1,
     run_files: dict[str, Any] | None = None,
 ) -> Path:
-    trainer: dict[str, Any] = {
-        "mode": mode,
-        "batch_size": BATCH,
-        "model": {"kind": "ffnn", "hidden": [32, 16]},
-        "optimizer": {"kind": "adam", "lr": 0.01},
-        "torch_threads": 1,
-        "log_every_s": 0.5,
-        "checkpoint": {"every_steps": every_steps, "every_s": None},
-    }
+    trainer = trainer_section(
+        batch_size=BATCH,
+        hidden=[32, 16],
+        every_steps=every_steps,
+        mode=mode,
+        optimizer={"kind": "adam", "lr": 0.01},
+    )
     if mode == "hybrid":
         trainer["staleness"] = 3
     if run_files is not None:
         trainer["run_files"] = run_files
-    return write_synthetic_job(
+    return write_synthetic_training_job(
         tmp,
-        store=synthetic_store_section(dim=4, row_dtype="float32"),
-        source={"kind": "synthetic", "seed": 11, "partitions": 1, "events": EVENTS},
         trainer=trainer,
+        events=EVENTS,
+        partitions=1,
+        seed=11,
         cluster={"workers": workers, "store_shards": 2, "dashboard_address": ":0"},
     )
-
-
-def start(job: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [*STREAMREC, "run", str(job)],
-        cwd=REPO_ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its own process group: the test can kill all of it
-    )
-
-
-def finish(proc: subprocess.Popen[bytes], timeout: float = 240) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    text = out.decode(errors="replace")
-    assert proc.returncode == 0, text[-4000:]
-    return text
-
-
-def kill_group(proc: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-
-
-def wait_for_checkpoint(run_dir: Path, step: int, proc: subprocess.Popen[bytes]) -> None:
-    book = CheckpointBook(run_dir / "checkpoints")
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        m = book.latest()
-        if m is not None and m.step >= step:
-            return
-        if proc.poll() is not None:
-            out = proc.stdout.read() if proc.stdout is not None else b""
-            text = out.decode(errors="replace") if isinstance(out, bytes) else str(out)
-            pytest.fail(f"the job ended before checkpoint step {step}:\n{text[-4000:]}")
-        time.sleep(0.01)
-    pytest.fail(f"no checkpoint at step >= {step} within 180 s")
-
-
-def wait_for_learned(run_dir: Path, step: int, proc: subprocess.Popen[bytes]) -> None:
-    """Until the job has learned ``step`` steps (so the kill lands between checkpoints)."""
-    ledger = run_dir / "learned-rank0.log"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if len(read_lines(ledger)) >= step:
-            return
-        if proc.poll() is not None:
-            pytest.fail(f"the job ended before step {step}")
-        time.sleep(0.005)
-    pytest.fail(f"step {step} not reached within 60 s")
 
 
 def final_model(job_path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any], int]:
@@ -166,18 +118,8 @@ def assert_same_model(a: tuple[Any, Any, int], b: tuple[Any, Any, int]) -> None:
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, int]:
     tmp = tmp_path_factory.mktemp("uninterrupted")
     job = write_job(tmp, "sync")
-    finish(start(job))
+    finish(start_job(job))
     return final_model(job)
-
-
-def assert_learned_once(run_dir: Path, partition: str = "synthetic/0") -> None:
-    """Every offset of the stream learned exactly once, rollbacks applied (the ledger)."""
-    ranges = learned_ranges(run_dir / "learned-rank0.log")[partition]
-    covered = np.zeros(EVENTS, dtype=np.int64)
-    for s, e in ranges:
-        covered[s:e] += 1
-    assert covered.min() == 1, "an offset was never learned"
-    assert covered.max() == 1, "an offset was learned twice"
 
 
 def test_uninterrupted_sync_run_learns_every_event_once(
@@ -196,7 +138,7 @@ def test_sync_run_killed_and_restarted_ends_with_the_same_model(
 ) -> None:
     job = write_job(tmp_path, "sync", workers=2 if victim == "dask worker" else 1)
     run_dir = tmp_path / "run"
-    proc = start(job)
+    proc = start_job(job)
     at = random.Random(victim).choice([4, 8, 12])
     wait_for_checkpoint(run_dir, at, proc)
     wait_for_learned(run_dir, at + 2, proc)
@@ -211,7 +153,7 @@ def test_sync_run_killed_and_restarted_ends_with_the_same_model(
         _, alive = psutil.wait_procs(shards, timeout=60)
         assert not alive
         kill_group(proc)  # the orphaned Dask workers
-        finish(start(job))
+        finish(start_job(job))
     elif victim == "store shard":
         shards[0].kill()
         # The job restarts the shard, rolls every shard back to its newest checkpoint
@@ -231,18 +173,14 @@ def test_hybrid_run_killed_and_restarted_learns_every_offset_once(tmp_path: Path
     max_bytes = 600
     job = write_job(tmp_path, "hybrid", run_files={"max_mb": max_bytes / 1e6, "keep": 100})
     run_dir = tmp_path / "run"
-    proc = start(job)
+    proc = start_job(job)
     wait_for_checkpoint(run_dir, 8, proc)
     wait_for_learned(run_dir, 10, proc)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     kill_group(proc)
-    finish(start(job))
-    assert_learned_once(run_dir)
-    final = CheckpointBook(run_dir / "checkpoints").latest()
-    assert final is not None
-    assert final.samples == EVENTS
-    assert final.positions == {"synthetic/0": EVENTS}
+    finish(start_job(job))
+    assert_learned_once(run_dir, {"synthetic/0": EVENTS})
     for name in ("learned-rank0.log", "metrics-rank0.jsonl"):
         parts = parts_of(run_dir / name)
         assert len(parts) >= 3, f"{name} was not rotated: {parts}"
@@ -275,7 +213,7 @@ def test_observed_staleness_stays_within_the_bound(tmp_path: Path, mode: str, bo
         trainer=trainer,
         cluster={"workers": 2, "store_shards": 2, "dashboard_address": ":0"},
     )
-    finish(start(job))
+    finish(start_job(job))
     last = (tmp_path / "run" / "metrics-rank0.jsonl").read_text().splitlines()[-1]
     report = json.loads(last)
     missed = {int(k): n for k, n in report["missed_pushes"].items()}

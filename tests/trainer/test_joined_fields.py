@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.trainer.test_pooling import MIXED, Layout, gather_grads, naive_pool, random_batch
+from tests.trainer.pooling_case import MIXED, Layout, gather_grads, naive_pool, random_batch
 from trainer.config import DCNv2Config, DLRMConfig, FFNNConfig
 from trainer.joined_fields import JoinedFields
 from trainer.models import build_model

@@ -16,14 +16,10 @@
 from __future__ import annotations
 
 import datetime
-import multiprocessing
-import queue
-import socket
 import threading
 import time
 import traceback
-from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,118 +27,35 @@ import numpy as np
 import pytest
 import torch
 
-from connectors.spec import FeatureSpec
-from connectors.synthetic import SyntheticConfig, SyntheticSource
 from connectors.types import Chunk
 from embedding_store.client import StoreClient
 from embedding_store.shard import StoreShard
-from embedding_store.types import StoreConfig, TableConfig
-from pipeline.prepare import prepare
 from pipeline.types import PreparedBatch
+from tests.support.processes import run_ranks
+from tests.trainer.loop_case import (
+    ADAM,
+    BATCH,
+    MODEL,
+    SPEC,
+    STORE,
+    TABLES,
+    chunks,
+    config,
+    lazy_batches,
+    source,
+)
 from trainer.checkpoint import CheckpointBook
-from trainer.config import CheckpointConfig, DenseOptimizerConfig, TrainerConfig
+from trainer.config import CheckpointConfig
 from trainer.dense_model import DenseModel
 from trainer.job_checkpoint import JobCheckpointer, restore_job
 from trainer.ledger import ledger_entries
 from trainer.loop import TrainLoop
 from trainer.loop_options import Compute, Outputs, Recovery, Start, Until
-from trainer.models import FFNNConfig, build_model, field_dims, loss_fn
+from trainer.models import build_model, field_dims, loss_fn
 from trainer.progress import Progress
 from trainer.reference import ReferenceModel
 
-SPEC = FeatureSpec.model_validate(
-    {
-        "labels": ["click"],
-        "dense": [{"name": f"I{i}", "transform": "log1p", "min_value": 0} for i in (1, 2, 3, 4)],
-        "sparse": [
-            {"name": "C1", "table": "a"},
-            {"name": "C2", "table": "a", "pooling": "mean"},
-            {"name": "C3", "table": "b"},
-            {"name": "C4", "table": "b"},
-        ],
-    }
-)
-TABLES = {
-    "a": TableConfig(
-        dim=4,
-        optimizer={"kind": "adagrad", "lr": 0.1},
-        initializer={"kind": "normal", "std": 0.1},
-    ),
-    "b": TableConfig(
-        dim=6,
-        optimizer={"kind": "adagrad", "lr": 0.1, "rowwise": True},
-        initializer={"kind": "uniform", "scale": 0.1},
-    ),
-}
-STORE = StoreConfig(tables=TABLES, row_dtype="float32")
-BATCH = 48
 STEPS = 10
-MODEL = FFNNConfig(hidden=[16, 8])
-ADAM = DenseOptimizerConfig(kind="adam", lr=0.01)
-NO_CHECKPOINTS = CheckpointConfig(enabled=False)
-
-
-def source(partitions: int = 1) -> SyntheticSource:
-    # Small vocabularies: ids come back batch after batch, so a stale row shows.
-    return SyntheticSource(
-        SyntheticConfig(seed=5, partitions=partitions, cardinalities=(20,) * 26, chunk_size=BATCH)
-    )
-
-
-def chunks(src: SyntheticSource, partition: str, start: int, stop: int) -> list[Chunk]:
-    out = []
-    pos = start
-    while pos < stop:
-        chunk = src.plan(partition, pos, min(BATCH, stop - pos))
-        assert chunk is not None
-        out.append(chunk)
-        pos = chunk.end
-    return out
-
-
-def lazy_batches(
-    src: SyntheticSource,
-    planned: Sequence[Chunk],
-    store: StoreClient | None,
-    *,
-    ahead: int = 0,
-    prepared_after: list[int] | None = None,
-    pushes: Callable[[], int] | None = None,
-) -> Iterator[PreparedBatch]:
-    """Prepare (and look up) chunk i only when the loop asks for batch i - ``ahead``.
-
-    ``ahead=0`` is what the runner does in sync mode; ``ahead>0`` prefetches, so
-    a lookup may miss the pushes of the batches still ahead of it.
-    ``prepared_after`` records ``pushes()`` (pushes applied so far) at each lookup.
-    """
-    todo = deque(planned)
-    ready: deque[PreparedBatch] = deque()
-    while True:
-        while todo and len(ready) <= ahead:
-            if prepared_after is not None and pushes is not None:
-                prepared_after.append(pushes())
-            batch, bad = prepare(
-                todo.popleft(), src, SPEC, None, lookup=store is not None, store=store
-            )
-            assert not bad
-            ready.append(batch)
-        if not ready:
-            return
-        yield ready.popleft()
-
-
-def config(mode: str, **kw: Any) -> TrainerConfig:
-    base: dict[str, Any] = {
-        "mode": mode,
-        "batch_size": BATCH,
-        "model": MODEL,
-        "optimizer": ADAM,
-        "device": "cpu",
-        "log_every_s": 3600.0,
-        "checkpoint": NO_CHECKPOINTS,
-        "label_prior": None,  # the oracles start from torch's init
-    }
-    return TrainerConfig(**{**base, **kw})
 
 
 def store_rows(shards: Sequence[StoreShard]) -> dict[str, dict[str, np.ndarray]]:
@@ -575,41 +488,6 @@ def _rank_main(rank: int, init: str, tmp: str, out: Any) -> None:
     except BaseException:
         out.put((rank, traceback.format_exc()))
         raise
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_ranks(
-    target: Callable[..., None], world: int, *args: Any, timeout_s: float = 90
-) -> dict[int, Any]:
-    """Run ``target(rank, init, *args, out)`` in ``world`` spawned processes (a gloo
-    group at ``init``); each puts ``(rank, results)`` on ``out``, or its traceback."""
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    procs = [ctx.Process(target=target, args=(r, init, *args, out)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    try:
-        for _ in procs:
-            rank, res = out.get(timeout=timeout_s)  # a hung collective fails here
-            assert not isinstance(res, str), f"rank {rank} failed:\n{res}"
-            results[rank] = res
-    except queue.Empty:
-        pytest.fail(f"the ranks did not finish within {timeout_s} s (a hung collective?)")
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    assert [p.exitcode for p in procs] == [0] * world
-    return results
 
 
 @pytest.fixture(scope="module")

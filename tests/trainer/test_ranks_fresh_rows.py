@@ -26,14 +26,14 @@ import torch
 from deploy.local.shards import ShardProcess
 from embedding_store.client import StoreClient
 from embedding_store.types import StoreConfig, TableConfig
-from tests.conftest import write_job_yaml
-from tests.trainer.test_loop import (
+from tests.support.jobs import write_job_yaml
+from tests.support.processes import run_ranks
+from tests.trainer.loop_case import (
     BATCH,
     SPEC,
     chunks,
     config,
     lazy_batches,
-    run_ranks,
     source,
 )
 from trainer.dense_model import DenseModel
