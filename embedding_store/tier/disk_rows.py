@@ -14,15 +14,16 @@ Batched calls only: a lookup's misses are read together, spread over reader
 threads so that the disk's queue holds many reads at once.
 
 >>> import tempfile
->>> layout = RowLayout(dim=2, state_width=1)
->>> with tempfile.TemporaryDirectory() as d, DiskRows(d, layout) as disk:
-...     rows = layout.pack(
-...         np.array([[1, 2], [3, 4]], np.float32), np.array([[0.5], [0.25]], np.float32),
-...         np.array([7, 9]))
-...     disk.put(np.array([10, 20], np.uint64), rows)
+>>> rows = RowBatch(
+...     ids=np.array([10, 20], np.uint64),
+...     weights=np.array([[1, 2], [3, 4]], np.float32),
+...     state=np.array([[0.5], [0.25]], np.float32),
+...     row_step=np.array([1, 2]), last_seen=np.array([7, 9]), freq=np.array([3, 1]))
+>>> with tempfile.TemporaryDirectory() as d, DiskRows(d, RowLayout(2, 1)) as disk:
+...     disk.put(rows)
 ...     found, got = disk.get(np.array([20, 30, 10], np.uint64))
-...     found.tolist(), layout.weights(got)[found].tolist(), layout.steps(got)[found].tolist()
-([True, False, True], [[3.0, 4.0], [1.0, 2.0]], [9, 7])
+>>> found.tolist(), got.ids.tolist(), got.weights.tolist(), got.last_seen.tolist()
+([True, False, True], [20, 10], [[3.0, 4.0], [1.0, 2.0]], [9, 7])
 """
 
 from __future__ import annotations
@@ -42,10 +43,9 @@ import numpy.typing as npt
 import rocksdict
 
 from embedding_store.errors import StoreError
+from embedding_store.types import RowBatch
 
 U64 = npt.NDArray[np.uint64]
-I64 = npt.NDArray[np.int64]
-F32 = npt.NDArray[np.float32]
 Records = npt.NDArray[np.void]
 
 # Ids go to disk big-endian, so that RocksDB's byte order is the ids' order and a
@@ -62,10 +62,10 @@ class DiskFull(StoreError):
 
 @dataclass(frozen=True)
 class RowLayout:
-    """How one row is laid out on disk: weights, optimizer state, last step.
+    """How one row is laid out on disk: what a :class:`RowBatch` holds of it.
 
-    >>> RowLayout(dim=32, state_width=1).itemsize
-    140
+    >>> RowLayout(dim=32, state_width=1).itemsize  # 128 + 4 + 3 * 8
+    156
     """
 
     dim: int
@@ -76,33 +76,40 @@ class RowLayout:
         fields: list[tuple[Any, ...]] = [("weights", "<f4", (self.dim,))]
         if self.state_width:
             fields.append(("state", "<f4", (self.state_width,)))
-        fields.append(("step", "<i8"))
+        fields += [("row_step", "<i8"), ("last_seen", "<i8"), ("freq", "<i8")]
         return np.dtype(fields)
 
     @property
     def itemsize(self) -> int:
         return int(self.dtype.itemsize)
 
-    def pack(self, weights: F32, state: F32, steps: npt.ArrayLike) -> Records:
-        """Rows as records, ready for :meth:`DiskRows.put`."""
-        out = np.empty(weights.shape[0], dtype=self.dtype)
-        out["weights"] = weights
+    def encode(self, rows: RowBatch) -> Records:
+        out = np.empty(len(rows), dtype=self.dtype)
+        out["weights"] = rows.weights
         if self.state_width:
-            out["state"] = state
-        out["step"] = steps
+            out["state"] = rows.state
+        out["row_step"] = rows.row_step
+        out["last_seen"] = rows.last_seen
+        out["freq"] = rows.freq
         return out
 
-    def weights(self, records: Records) -> F32:
-        return np.ascontiguousarray(records["weights"], dtype=np.float32).reshape(-1, self.dim)
+    def decode(self, ids: U64, records: Records) -> RowBatch:
+        def column(name: str, dtype: type[np.generic]) -> Any:
+            return np.ascontiguousarray(records[name], dtype=dtype)
 
-    def state(self, records: Records) -> F32:
-        if not self.state_width:
-            return np.zeros((records.shape[0], 0), dtype=np.float32)
-        out = np.ascontiguousarray(records["state"], dtype=np.float32)
-        return out.reshape(-1, self.state_width)
-
-    def steps(self, records: Records) -> I64:
-        return np.ascontiguousarray(records["step"], dtype=np.int64)
+        state = (
+            column("state", np.float32).reshape(-1, self.state_width)
+            if self.state_width
+            else np.zeros((records.shape[0], 0), dtype=np.float32)
+        )
+        return RowBatch(
+            ids=np.ascontiguousarray(ids, dtype=np.uint64),
+            weights=column("weights", np.float32).reshape(-1, self.dim),
+            state=state,
+            row_step=column("row_step", np.int64),
+            last_seen=column("last_seen", np.int64),
+            freq=column("freq", np.int64),
+        )
 
 
 def _options() -> rocksdict.Options:
@@ -155,8 +162,12 @@ class DiskRows:
 
     # --- rows ------------------------------------------------------------------
 
-    def get(self, ids: U64) -> tuple[npt.NDArray[np.bool_], Records]:
-        """Which ``ids`` are on disk, and their records (garbage where not found)."""
+    def get(self, ids: U64) -> tuple[npt.NDArray[np.bool_], RowBatch]:
+        """Which ``ids`` are on disk, and the rows of those that are, in their order."""
+        found, records = self._get(ids)
+        return found, self.layout.decode(ids[found], records[found])
+
+    def _get(self, ids: U64) -> tuple[npt.NDArray[np.bool_], Records]:
         n = ids.shape[0]
         out = np.zeros(n, dtype=self.layout.dtype)
         found = np.zeros(n, dtype=np.bool_)
@@ -196,16 +207,20 @@ class DiskRows:
                 f.result()
         return found, out
 
-    def put(self, ids: U64, records: Records) -> None:
-        """Write ``records`` for ``ids`` (an id already there is replaced)."""
-        if records.dtype != self.layout.dtype or records.shape != ids.shape:
+    def put(self, rows: RowBatch) -> None:
+        """Write ``rows`` (an id already there is replaced)."""
+        if rows.weights.shape[1:] != (self.layout.dim,) or rows.state.shape[1:] != (
+            self.layout.state_width,
+        ):
             msg = (
-                f"records: expected {ids.shape[0]} rows of {self.layout.dtype}, "
-                f"got {records.shape} of {records.dtype}"
+                f"rows: expected weights of ({self.layout.dim},) and state of "
+                f"({self.layout.state_width},) per row, got {rows.weights.shape[1:]} and "
+                f"{rows.state.shape[1:]} (disk tier at {self.path})"
             )
             raise ValueError(msg)
+        ids = rows.ids
         keys = ids.astype(_KEY).tobytes()
-        raw = records.tobytes()
+        raw = self.layout.encode(rows).tobytes()
         size = self.layout.itemsize
         batch = rocksdict.WriteBatch(raw_mode=True)
         for i in range(ids.shape[0]):
@@ -229,7 +244,7 @@ class DiskRows:
                 raise DiskFull(msg) from e
             raise
 
-    def scan(self, after: int | None = None, count: int = 65536) -> tuple[U64, Records]:
+    def scan(self, after: int | None = None, count: int = 65536) -> RowBatch:
         """Up to ``count`` rows in id order, from the first id above ``after``."""
         self._check_open()
         it = self._db.iter(self._read)
@@ -247,17 +262,18 @@ class DiskRows:
             it.next()
         del it
         ids = np.frombuffer(b"".join(keys), dtype=_KEY).astype(np.uint64)
-        return ids, np.frombuffer(b"".join(values), dtype=self.layout.dtype).copy()
+        return self.layout.decode(ids, np.frombuffer(b"".join(values), dtype=self.layout.dtype))
 
-    def scan_all(self, count: int = 65536) -> Iterator[tuple[U64, Records]]:
+    def scan_all(self, count: int = 65536) -> Iterator[RowBatch]:
+        """Every row, ``count`` at a time, in id order."""
         after: int | None = None
         while True:
-            ids, records = self.scan(after, count)
-            if ids.shape[0]:
-                yield ids, records
-            if ids.shape[0] < count:
+            rows = self.scan(after, count)
+            if len(rows):
+                yield rows
+            if len(rows) < count:
                 return
-            after = int(ids[-1])
+            after = int(rows.ids[-1])
 
     # --- the tier as a whole -------------------------------------------------------
 
