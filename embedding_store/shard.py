@@ -41,7 +41,8 @@ from embedding_store.errors import (
 )
 from embedding_store.hashing import shard_of
 from embedding_store.location import Location
-from embedding_store.table import MAX_STEP, EmbeddingTable, TableGroup, apply_changes
+from embedding_store.table import MAX_STEP, EmbeddingTable, apply_changes
+from embedding_store.table_group import TableGroup
 from embedding_store.types import (
     CheckpointKind,
     CheckpointResult,

@@ -19,12 +19,8 @@ True
 
 from __future__ import annotations
 
-import operator
 import threading
-from collections import deque
-from collections.abc import Sequence
 from dataclasses import fields
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -39,8 +35,6 @@ from embedding_store.kernels.group_read import (
     P_BUCKETS,
     P_WEIGHT_ROWS,
     P_WEIGHTS,
-    read_tables,
-    read_tables_bounds,
 )
 from embedding_store.kernels.hash_index import (
     DIRTY,
@@ -87,125 +81,6 @@ _COUNTERS = tuple(
     for f in fields(TableStats)
     if f.name not in {"name", "dim", "rows", "capacity", "memory_bytes", "clock"}
 )
-_ACQUIRE = operator.methodcaller("acquire")
-_RELEASE = operator.methodcaller("release")
-
-
-class TableGroup:
-    """Tables read together: :meth:`EmbeddingTable.read` of all of them in one kernel
-    call: a prediction request reads a few ids from each of dozens of tables (of
-    every shard), and one call for all of them spares a call's overhead per table
-    (``benchmarks/serve.py``).
-
-    >>> from embedding_store.types import TableConfig
-    >>> config = TableConfig(dim=2, optimizer={"kind": "sgd", "lr": 1.0})
-    >>> t, u = EmbeddingTable("t", config), EmbeddingTable("u", config)
-    >>> _ = t.lookup([5])  # 5 has a row in t; 6 and 7 have none
-    >>> out = np.empty((3, 2), np.float32)
-    >>> TableGroup([t, u]).read(np.array([0, 1, 0]), np.array([5, 6, 7], np.uint64), out)
-    True
-    >>> want = [x.read([k])[0][0] for x, k in [(t, 5), (u, 6), (t, 7)]]
-    >>> bool((out == np.stack(want)).all())
-    True
-    """
-
-    def __init__(self, tables: Sequence[EmbeddingTable]) -> None:
-        self.tables = tuple(tables)
-        dims = {t.dim for t in self.tables}
-        self.dim = dims.pop() if len(dims) == 1 else None  # None: not one dim
-        self._seeds = np.array([t._seed for t in self.tables], dtype=np.uint64)
-        self._kinds = np.array([t._init[0] for t in self.tables], dtype=np.int64)
-        self._a = np.array([t._init[1] for t in self.tables], dtype=np.float64)
-        self._b = np.array([t._init[2] for t in self.tables], dtype=np.float64)
-        # Each table's placement array is made once and updated in place: its address
-        # holds for the table's life, and the group holds the tables.
-        self._placements = np.array([t._placement.ctypes.data for t in self.tables], dtype=np.int64)
-        # Taken in one global order, so that two groups never wait on each other.
-        self._locks = [lock for _, lock in sorted({id(t._lock): t._lock for t in tables}.items())]
-
-    def holds(self, tables: Sequence[EmbeddingTable]) -> bool:
-        """Whether this group is of ``tables`` (the very objects, in order)."""
-        return len(tables) == len(self.tables) and all(map(operator.is_, tables, self.tables))
-
-    def read_each(self, ids: Sequence[npt.ArrayLike]) -> list[F32] | None:
-        """``tables[t].read(ids[t])[0]`` for every table, in one kernel call; None,
-        with nothing read, where :meth:`read` would decline.
-
-        >>> from embedding_store.types import TableConfig
-        >>> config = TableConfig(dim=2, optimizer={"kind": "sgd", "lr": 1.0})
-        >>> t, u = EmbeddingTable("t", config), EmbeddingTable("u", config)
-        >>> a, b = TableGroup([t, u]).read_each([[5, 6], [7]])
-        >>> bool((a == t.read([5, 6])[0]).all() and (b == u.read([7])[0]).all())
-        True
-        """
-        keys = [_as_ids(k) for k in ids]  # refused as EmbeddingTable.read refuses them
-        if self.dim is None or len(keys) != len(self.tables):
-            return None
-        bounds = np.cumsum([0, *(k.shape[0] for k in keys)], dtype=np.int64)
-        out = np.empty((int(bounds[-1]), self.dim), np.float32)
-        flat = np.concatenate(keys) if keys else np.zeros(0, np.uint64)
-        if not self.read_bounds(bounds, flat, out):
-            return None
-        return [out[bounds[t] : bounds[t + 1]] for t in range(len(keys))]
-
-    def read(self, which: I64, ids: npt.ArrayLike, out: F32, *, half: bool = False) -> bool:
-        """``out[i]``: the row of ``ids[i]`` in ``tables[which[i]]``, read under every
-        table's lock; with ``half``, rounded to float16 as rows sent in float16 are
-        (``rows.astype(np.float16).astype(np.float32)``). False, with nothing read,
-        when the tables' dims differ from ``out``'s (read them one by one)."""
-        keys = _as_ids(ids).view(np.int64)
-        if not self.tables or self.dim != out.shape[1]:
-            return False
-        self._locked(read_tables, np.asarray(which, dtype=np.int64), keys, out, half)
-        return True
-
-    def read_bounds(
-        self, bounds: I64, ids: U64, out: F32, *, num_shards: int = 1, half: bool = False
-    ) -> bool:
-        """:meth:`read` of the ids of table ``t`` at ``ids[bounds[t]:bounds[t + 1]]``,
-        each from the shard that owns it, where the group holds every table of shard
-        0, then every table of shard 1, ... (``num_shards`` of them): a prediction's
-        ids as it has them, with no per-id table index made first.
-
-        >>> from embedding_store.types import TableConfig
-        >>> config = TableConfig(dim=2, optimizer={"kind": "sgd", "lr": 1.0})
-        >>> t, u = EmbeddingTable("t", config), EmbeddingTable("u", config)
-        >>> _ = t.lookup([5])
-        >>> out = np.empty((3, 2), np.float32)
-        >>> TableGroup([t, u]).read_bounds(np.array([0, 1, 3]), np.array([5, 6, 7], np.uint64), out)
-        True
-        >>> bool((out == np.stack([t.read([5])[0][0], *u.read([6, 7])[0]])).all())
-        True
-        """
-        keys = _as_ids(ids).view(np.int64)
-        if not self.tables or self.dim != out.shape[1]:
-            return False
-        if (bounds.shape[0] - 1) * num_shards != len(self.tables):
-            msg = (
-                f"bounds: {bounds.shape[0] - 1} tables of {num_shards} shard(s), but the group "
-                f"holds {len(self.tables)} tables"
-            )
-            raise ValueError(msg)
-        bounds = np.asarray(bounds, dtype=np.int64)
-        self._locked(read_tables_bounds, bounds, num_shards, keys, out, half)
-        return True
-
-    def _locked(self, kernel: Any, *args: object) -> None:
-        """``kernel(placements, seeds, kinds, a, b, unknown, *args)`` over every table's
-        arrays, read under the tables' locks; the ids it found without a row
-        (``unknown[t]``) counted."""
-        unknown = np.zeros(len(self.tables), dtype=np.int64)
-        # Loops in C (map, consumed by a zero-length deque): a request reads dozens of
-        # tables, and a Python loop over their locks would outweigh the kernel.
-        deque(map(_ACQUIRE, self._locks), 0)
-        try:
-            # The arrays are read under the locks: a table that grows replaces them (with
-            # C-contiguous ones, as the kernel takes them) and its placement with them.
-            kernel(self._placements, self._seeds, self._kinds, self._a, self._b, unknown, *args)
-            for t in np.flatnonzero(unknown).tolist():
-                self.tables[t]._counters["unknown_reads"] += int(unknown[t])
-        finally:
-            deque(map(_RELEASE, self._locks), 0)
 
 
 def bytes_at_capacity(config: TableConfig) -> int:
@@ -256,7 +131,9 @@ class EmbeddingTable:
         # kernel one address per table instead of two arrays, each of which the call
         # would type-check and unbox (``benchmarks/serve.py``).
         self._placement = np.zeros(4, dtype=np.int64)
-        self._max_buckets = buckets_for(config.capacity)
+        # Rows memory holds at most: all of them, or a tiered table's memory tier.
+        self._room = config.capacity if config.tier is None else config.tier.memory_rows
+        self._max_buckets = buckets_for(self._room)
         adm = config.admission
         self._sketch = (
             np.zeros((adm.depth, adm.width), dtype=np.uint32)
@@ -267,7 +144,7 @@ class EmbeddingTable:
         # Made when a serving replica first asks what changed (see ``changes``).
         self._log: ChangeLog | None = None
         self._counters = dict.fromkeys(_COUNTERS, 0)
-        self._reset_storage(min(config.initial_rows, config.capacity))
+        self._reset_storage(min(config.initial_rows, self._room))
         self._next_expiry = 0
 
     def _reset_storage(self, rows: int) -> None:
@@ -306,13 +183,13 @@ class EmbeddingTable:
     def _reserve(self, extra: int) -> None:
         """Make room for ``extra`` more rows (never beyond the capacity)."""
         used, n_free, next_row = (int(x) for x in self._alloc)
-        want = min(self.config.capacity, used + extra)
+        want = min(self._room, used + extra)
         free_slots = n_free + self._alloc_rows - next_row
         if used + free_slots < want:
             new_alloc = self._alloc_rows
             while new_alloc - next_row + n_free + used < want:
                 new_alloc *= 2
-            self._grow_rows(min(self.config.capacity, new_alloc))
+            self._grow_rows(min(self._room, new_alloc))
         if want > MAX_LOAD * self._buckets.shape[0] and self._buckets.shape[0] < self._max_buckets:
             n = self._buckets.shape[0]
             while want > MAX_LOAD * n and n < self._max_buckets:
@@ -392,6 +269,7 @@ class EmbeddingTable:
         rows = np.empty(n, dtype=np.int64)
         with self._lock:
             clock = self._advance_clock(step) if train else self.clock
+            self._ensure_resident(keys)
             missing = probe(self._buckets, keys, clock, train, rows)
             if train:
                 self._counters["lookups"] += 1
@@ -406,6 +284,10 @@ class EmbeddingTable:
             if train:
                 self._maybe_expire()
         return out
+
+    def _ensure_resident(self, keys: I64) -> None:
+        """Bring the rows of ``keys`` that are elsewhere into memory (under the lock):
+        nothing here, where every row is in memory; a tiered table reads them from disk."""
 
     def _create(self, keys: I64, positions: I64, clock: int, rows: I64) -> None:
         adm = self.config.admission
@@ -424,7 +306,7 @@ class EmbeddingTable:
         if positions.shape[0] == 0:
             return
         need = positions.shape[0]
-        overflow_room = self.config.capacity - len(self)
+        overflow_room = self._room - int(self._alloc[0])
         if need > overflow_room:
             self._evict_lru(need - overflow_room, protect_clock=clock)
         self._reserve(need)
@@ -437,7 +319,7 @@ class EmbeddingTable:
             clock,
             self._alloc,
             self._free,
-            self.config.capacity,
+            self._room,
             self._weights,
             self._seed,
             kind,
@@ -485,6 +367,7 @@ class EmbeddingTable:
         g = np.ascontiguousarray(g, dtype=np.float32)
         rows = np.empty(keys.shape[0], dtype=np.int64)
         with self._lock:
+            self._ensure_resident(keys)
             scratch = np.empty(keys.shape[0], dtype=np.int64)
             absent, nonfinite, dup = resolve_push(self._buckets, keys, g, rows, scratch)
             if dup:
@@ -564,6 +447,7 @@ class EmbeddingTable:
             self._peek_locked(keys, into)
 
     def _peek_locked(self, keys: I64, into: RowState) -> None:
+        self._ensure_resident(keys)
         rows = np.empty(keys.shape[0], dtype=np.int64)
         probe(self._buckets, keys, self.clock, False, rows)
         gather_state(
@@ -595,6 +479,7 @@ class EmbeddingTable:
         rows = np.empty(n, dtype=np.int64)
         kind, a, b = self._init
         with self._lock:
+            self._ensure_resident(keys)
             unknown = probe(self._buckets, keys, self.clock, False, rows)
             gather_or_init(self._weights, rows, keys, self._seed, kind, a, b, out)
             self._counters["unknown_reads"] += unknown
@@ -630,6 +515,7 @@ class EmbeddingTable:
                     weights=np.zeros((0, self.dim), np.float32), removed=empty,
                     changed_at=log.changed_at,
                 )  # fmt: skip
+            self._ensure_resident(keys)
             rows = np.empty(keys.shape[0], dtype=np.int64)
             probe(self._buckets, keys, self.clock, False, rows)
             present = rows >= 0
@@ -699,7 +585,7 @@ class EmbeddingTable:
             keep = seen < protect_clock
             occupied, seen = occupied[keep], seen[keep]
         # Evict a little more than asked so a full table does not rescan every call.
-        n = min(occupied.shape[0], max(n, self.config.capacity // 64))
+        n = min(occupied.shape[0], max(n, self._room // 64))
         if n <= 0:
             return 0
         victims = occupied[np.argpartition(seen, n - 1)[:n]] if n < occupied.shape[0] else occupied

@@ -187,6 +187,32 @@ AdmissionConfig = Annotated[
 # --- tables and the store -------------------------------------------------------
 
 
+class TierConfig(_Strict):
+    """A table larger than memory: at most ``memory_rows`` rows per shard in memory,
+    the rest on local disk (``embedding_store.tier``), each with its optimizer state.
+
+    >>> TierConfig(memory_rows=1_000_000).policy
+    'lfu'
+    """
+
+    memory_rows: int = Field(
+        ge=1024, le=1 << 31, description="rows a shard keeps in memory; the rest go to disk"
+    )
+    path: str | None = Field(
+        None,
+        description="the folder of the disk tier; by default the shard's data dir's "
+        "tier/<table>",
+    )
+    policy: Literal["lfu", "lru"] = Field(
+        "lfu",
+        description="which rows leave memory first: the least often looked up (lfu), "
+        "or the least recently (lru)",
+    )
+    readers: int = Field(
+        16, ge=1, le=256, description="threads reading one lookup's rows from disk at once"
+    )
+
+
 class TableConfig(_Strict):
     """One embedding table: its shape, initial values, optimizer and memory bounds."""
 
@@ -211,6 +237,19 @@ class TableConfig(_Strict):
         description="ids a shard remembers as changed for its serving replicas (8 bytes each); "
         "a replica further behind copies the table again",
     )
+    tier: TierConfig | None = Field(
+        None, description="keep only some rows in memory and the rest on local disk"
+    )
+
+    @model_validator(mode="after")
+    def _tier_within_capacity(self) -> TableConfig:
+        if self.tier is not None and self.tier.memory_rows > self.capacity:
+            msg = (
+                f"tier.memory_rows: {self.tier.memory_rows} is more than the table's capacity "
+                f"{self.capacity}; a tiered table's capacity counts its rows on disk too"
+            )
+            raise ValueError(msg)
+        return self
 
 
 class StoreConfig(_Strict):

@@ -44,7 +44,8 @@ from embedding_store.follow import FOLLOW_POLL_S
 from embedding_store.hashing import shard_of
 from embedding_store.replica import ChangeSource, ShardFollower
 from embedding_store.shard import StoreShard
-from embedding_store.table import EmbeddingTable, TableGroup
+from embedding_store.table import EmbeddingTable
+from embedding_store.table_group import TableGroup
 from embedding_store.transport.base import RetryPolicy, id_array
 from embedding_store.transport.grpc import GrpcTransport
 from embedding_store.types import RowDtype, StoreConfig

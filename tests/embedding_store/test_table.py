@@ -258,7 +258,7 @@ def test_routing_spreads_ids_and_moves_few_when_shards_are_added() -> None:
 
 
 def test_a_table_group_reads_as_each_table_does_as_the_tables_grow() -> None:
-    from embedding_store.table import TableGroup
+    from embedding_store.table_group import TableGroup
 
     sgd = {"kind": "sgd", "lr": 1.0}
     tables = [
@@ -311,7 +311,7 @@ def test_a_group_of_shards_reads_each_id_from_the_shard_that_owns_it() -> None:
     """``read_bounds``: table ``t``'s ids in ``ids[bounds[t]:bounds[t + 1]]``, the group
     holding every table of shard 0, then of shard 1, ...: each id is read from its
     owner (``shard_of``), as ``read`` with an explicit table index reads it."""
-    from embedding_store.table import TableGroup
+    from embedding_store.table_group import TableGroup
 
     sgd = {"kind": "sgd", "lr": 1.0}
     shards, names = 3, ("a", "b")
