@@ -565,6 +565,15 @@ class EmbeddingTable:
     # --- eviction and expiry ----------------------------------------------------
 
     def _delete(self, keys: I64) -> int:
+        deleted, persisted = self._delete_slots(keys)
+        if persisted.shape[0]:
+            self._tombstones.append(persisted)
+        if deleted and self._log is not None:
+            self._log.record(keys)
+        return deleted
+
+    def _delete_slots(self, keys: I64) -> tuple[int, I64]:
+        """Free the rows of ``keys``; returns how many, and the keys of those persisted."""
         need = int(self._alloc[1]) + keys.shape[0]
         if need > self._free.shape[0]:
             free = np.zeros(min(self._alloc_rows, max(need, 2 * self._free.shape[0])), np.int64)
@@ -572,11 +581,7 @@ class EmbeddingTable:
             self._free = free
         tomb = np.empty(keys.shape[0], dtype=np.int64)
         deleted, n_tomb = delete_keys(self._buckets, keys, self._alloc, self._free, tomb)
-        if n_tomb:
-            self._tombstones.append(tomb[:n_tomb].copy())
-        if deleted and self._log is not None:
-            self._log.record(keys)
-        return int(deleted)
+        return int(deleted), tomb[:n_tomb].copy()
 
     def _evict_lru(self, n: int, protect_clock: int | None = None) -> int:
         occupied = np.flatnonzero(self._buckets[:, ROW] >= 0)
@@ -636,16 +641,8 @@ class EmbeddingTable:
             if dirty_only:
                 occupied &= (self._buckets[:, META] & DIRTY) != 0
             sel = np.flatnonzero(occupied)
-            rows = self._buckets[sel, ROW]
             meta = self._buckets[sel, META]
-            batch = RowBatch(
-                ids=self._buckets[sel, KEY].view(np.uint64),
-                weights=self._weights[rows],
-                state=self._state[rows],
-                row_step=self._row_step[rows],
-                last_seen=self._buckets[sel, SEEN].copy(),
-                freq=meta // FREQ_ONE,
-            )
+            batch = self._rows_at(sel)
             tombs = (
                 np.concatenate(self._tombstones).view(np.uint64)
                 if self._tombstones
@@ -655,6 +652,18 @@ class EmbeddingTable:
                 self._buckets[sel, META] = (meta & ~np.int64(DIRTY)) | PERSISTED
                 self._tombstones = []
             return batch, tombs, self.clock
+
+    def _rows_at(self, sel: I64) -> RowBatch:
+        """The rows of the buckets ``sel`` (under the lock)."""
+        rows = self._buckets[sel, ROW]
+        return RowBatch(
+            ids=self._buckets[sel, KEY].view(np.uint64),
+            weights=self._weights[rows],
+            state=self._state[rows],
+            row_step=self._row_step[rows],
+            last_seen=self._buckets[sel, SEEN].copy(),
+            freq=self._buckets[sel, META] // FREQ_ONE,
+        )
 
     def mark_all_dirty(self) -> None:
         """Forget what was persisted (after a failed checkpoint, the next must be full)."""

@@ -196,7 +196,7 @@ class TierConfig(_Strict):
     """
 
     memory_rows: int = Field(
-        ge=1024, le=1 << 31, description="rows a shard keeps in memory; the rest go to disk"
+        ge=1, le=1 << 31, description="rows a shard keeps in memory; the rest go to disk"
     )
     path: str | None = Field(
         None,

@@ -1,0 +1,354 @@
+"""A table larger than memory: the hot rows in an :class:`EmbeddingTable`, the rest on disk.
+
+The memory tier is the table as it always is, bounded by ``tier.memory_rows``
+instead of the capacity. Any call that needs a row memory does not hold (a
+lookup, a push, a read) first reads it from the disk tier (:mod:`.disk_rows`) with
+its optimizer state, last step and frequency, making room by moving the rows the
+policy picks to disk. A row thus trains exactly as it would in memory: the two
+tiers together hold what an all-in-memory table holds, row for row.
+
+The disk tier keeps a copy of every row that ever left memory; a row read back is
+clean until it changes. The index's ``PERSISTED`` bit says a row has a copy on
+disk, ``DIRTY`` that memory's is newer, so a clean row leaves memory without a
+write. A checkpoint (:meth:`export`) writes memory's changed rows to disk first,
+and its delta holds every row changed since the last, in memory or moved to disk
+since.
+
+>>> import tempfile
+>>> from embedding_store.types import TableConfig
+>>> config = TableConfig(dim=2, capacity=1000, tier={"memory_rows": 4},
+...                      optimizer={"kind": "sgd", "lr": 1.0})
+>>> first, second = np.arange(4, dtype=np.uint64), np.arange(4, 8, dtype=np.uint64)
+>>> with tempfile.TemporaryDirectory() as d:
+...     t = TieredTable("t", config, d)
+...     before = t.lookup(first).copy()
+...     _ = t.push(first, np.ones((4, 2), np.float32))
+...     _ = t.lookup(second)  # memory holds 4 rows: the first four go to disk
+...     moved = t.tier_counters()["demotions"]
+...     back = t.lookup(first, train=False)  # and come back, as they were left
+...     t.close()
+>>> moved, len(t), t.memory_rows, bool(np.allclose(back, before - 1.0))
+(4, 8, 4, True)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+
+from embedding_store.errors import InvalidRequest
+from embedding_store.kernels.hash_index import (
+    DIRTY,
+    FREQ_ONE,
+    KEY,
+    META,
+    PERSISTED,
+    ROW,
+    SEEN,
+    probe,
+    upsert,
+)
+from embedding_store.table import EmbeddingTable
+from embedding_store.tier.disk_rows import DiskRows, RowLayout
+from embedding_store.tier.flags import meta_of, set_flags
+from embedding_store.types import RowBatch, TableConfig, TierConfig
+
+I64 = npt.NDArray[np.int64]
+U64 = npt.NDArray[np.uint64]
+
+# A frequency above this ranks as this: the score packs it over the 40 bits of a step.
+_FREQ_CAP = (1 << 22) - 1
+_STEP_BITS = 40
+# Rows of the disk tier one expiry pass looks at: expiring rows on disk is a scan,
+# spread over the passes instead of read in one.
+_EXPIRY_SCAN = 65536
+
+
+def _empty_rows(dim: int, state_width: int) -> RowBatch:
+    return RowBatch(
+        ids=np.zeros(0, np.uint64),
+        weights=np.zeros((0, dim), np.float32),
+        state=np.zeros((0, state_width), np.float32),
+        row_step=np.zeros(0, np.int64),
+        last_seen=np.zeros(0, np.int64),
+        freq=np.zeros(0, np.int64),
+    )
+
+
+def _concat(parts: list[RowBatch]) -> RowBatch:
+    return RowBatch(
+        ids=np.concatenate([p.ids for p in parts]),
+        weights=np.concatenate([p.weights for p in parts]),
+        state=np.concatenate([p.state for p in parts]),
+        row_step=np.concatenate([p.row_step for p in parts]),
+        last_seen=np.concatenate([p.last_seen for p in parts]),
+        freq=np.concatenate([p.freq for p in parts]),
+    )
+
+
+class TieredTable(EmbeddingTable):
+    """An :class:`EmbeddingTable` whose rows beyond ``tier.memory_rows`` live on disk
+    at ``path`` (a folder it owns). ``close`` it to release the disk tier."""
+
+    def __init__(self, name: str, config: TableConfig, path: str | os.PathLike[str]) -> None:
+        if config.tier is None:
+            msg = f"table {name!r}: a tiered table needs tier settings (tier.memory_rows)"
+            raise ValueError(msg)
+        super().__init__(name, config)
+        self.tier: TierConfig = config.tier
+        layout = RowLayout(config.dim, self.state_width)
+        # A table starts empty, as an untiered one does: rows come back by a restore
+        # from a checkpoint, never from the files of a tier that was live (they are
+        # written without a log, so a crash leaves them behind memory's rows).
+        shutil.rmtree(path, ignore_errors=True)
+        self.disk = DiskRows(Path(path), layout, readers=config.tier.readers)
+        # Rows on disk, counted exactly: rows leave memory with a copy there, or were
+        # put there by a restore; only deletions take them off.
+        self._disk_rows = 0
+        # After a failed checkpoint: every row counts as changed until the next.
+        self._all_changed = False
+        # Ids changed since the last checkpoint whose newest copy went to disk, and ids
+        # deleted since: the next delta's rows read back from disk, and its tombstones.
+        self._changed_on_disk: list[I64] = []
+        self._deleted: list[I64] = []
+        self._expiry_cursor: int | None = None
+        self._tier_counters = {"promotions": 0, "demotions": 0, "disk_reads": 0, "dropped": 0}
+
+    # --- sizes -------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Rows of the table in both tiers."""
+        return self._disk_rows + self._memory_only()
+
+    def _memory_only(self) -> int:
+        occupied = self._buckets[:, ROW] >= 0
+        return int(np.count_nonzero(occupied & ((self._buckets[:, META] & PERSISTED) == 0)))
+
+    @property
+    def memory_rows(self) -> int:
+        return int(self._alloc[0])
+
+    def tier_counters(self) -> dict[str, int]:
+        """Rows read from disk (``promotions``), rows moved to disk (``demotions``),
+        ids looked for on disk (``disk_reads``), rows dropped over the capacity."""
+        with self._lock:
+            return dict(self._tier_counters)
+
+    # --- moving rows between the tiers --------------------------------------------
+
+    def _ensure_resident(self, keys: I64) -> None:
+        if keys.shape[0] == 0:
+            return
+        rows = np.empty(keys.shape[0], dtype=np.int64)
+        if not probe(self._buckets, keys, self.clock, False, rows):
+            return
+        wanted = np.unique(keys[rows < 0])
+        self._tier_counters["disk_reads"] += wanted.shape[0]
+        _, batch = self.disk.get(wanted.view(np.uint64))
+        if not len(batch):
+            return
+        free = self._room - int(self._alloc[0])
+        if len(batch) > free:
+            self._evict_lru(len(batch) - free, protect=keys)
+            if len(batch) > self._room - int(self._alloc[0]):
+                msg = (
+                    f"table {self.name!r}: one call needs {np.unique(keys).shape[0]} rows in "
+                    f"memory at once, more than tier.memory_rows ({self._room}); raise it"
+                )
+                raise InvalidRequest(msg)
+        self._reserve(len(batch))
+        keys_in = batch.ids.view(np.int64)
+        slots = np.empty(len(batch), dtype=np.int64)
+        upsert(self._buckets, keys_in, self._alloc, self._free, batch.last_seen, batch.freq, slots)
+        self._weights[slots] = batch.weights
+        self._state[slots] = batch.state
+        self._row_step[slots] = batch.row_step
+        set_flags(self._buckets, keys_in, PERSISTED)
+        self._tier_counters["promotions"] += len(batch)
+
+    def _evict_lru(
+        self, n: int, protect_clock: int | None = None, protect: I64 | None = None
+    ) -> int:
+        """Move ``n`` rows (or a little more) to disk, the policy's least wanted first;
+        never rows seen at ``protect_clock`` or of ``protect``. Over the capacity, the
+        rows are dropped instead, as an untiered table drops them."""
+        occupied = np.flatnonzero(self._buckets[:, ROW] >= 0)
+        seen = self._buckets[occupied, SEEN]
+        keep = np.ones(occupied.shape[0], dtype=np.bool_)
+        if protect_clock is not None:
+            keep &= seen < protect_clock
+        if protect is not None:
+            keep &= ~np.isin(self._buckets[occupied, KEY], protect)
+        occupied, seen = occupied[keep], seen[keep]
+        n_asked = n
+        n = min(occupied.shape[0], max(n, self._room // 64))
+        if n <= 0:
+            return 0
+        if self.tier.policy == "lfu":
+            freq = np.minimum(self._buckets[occupied, META] // FREQ_ONE, _FREQ_CAP)
+            score = (freq << _STEP_BITS) | seen
+        else:
+            score = seen
+        victims = occupied[np.argpartition(score, n - 1)[:n]] if n < occupied.shape[0] else occupied
+        if protect is None and len(self) + n_asked > self.config.capacity:
+            dropped = self._delete(self._buckets[victims, KEY].copy())
+            self._counters["evictions"] += dropped
+            self._tier_counters["dropped"] += dropped
+            return dropped
+        return self._demote(victims)
+
+    def _demote(self, victims: I64) -> int:
+        meta = self._buckets[victims, META]
+        persisted = (meta & PERSISTED) != 0
+        write = ((meta & DIRTY) != 0) | ~persisted
+        if write.any():
+            rows = self._rows_at(victims[write])
+            self.disk.put(rows)  # raises DiskFull before anything leaves memory
+            self._disk_rows += int(np.count_nonzero(~persisted))
+            self._changed_on_disk.append(rows.ids.view(np.int64).copy())
+        moved, _ = self._delete_slots(self._buckets[victims, KEY].copy())
+        self._tier_counters["demotions"] += moved
+        return moved
+
+    # --- deletion and expiry -------------------------------------------------------
+
+    def _delete(self, keys: I64) -> int:
+        meta = np.empty(keys.shape[0], dtype=np.int64)
+        meta_of(self._buckets, keys, meta)
+        elsewhere = np.unique(keys[meta < 0])
+        found, _ = self.disk.get(elsewhere.view(np.uint64))
+        on_disk_only = elsewhere[found]
+        deleted, persisted = self._delete_slots(keys)
+        gone = np.concatenate([persisted, on_disk_only])
+        if gone.shape[0]:
+            self.disk.delete(gone.view(np.uint64))
+            self._disk_rows -= gone.shape[0]
+        removed = deleted + on_disk_only.shape[0]
+        if removed:
+            self._deleted.append(keys.copy())
+            if self._log is not None:
+                self._log.record(keys)
+        return int(removed)
+
+    def _expire_now(self, ttl: int) -> int:
+        return super()._expire_now(ttl) + self._expire_on_disk(ttl)
+
+    def _expire_on_disk(self, ttl: int) -> int:
+        """Delete the stale rows of the next part of the disk tier (rows in memory are
+        the memory tier's to expire: their copy on disk may be older)."""
+        part = self.disk.scan(self._expiry_cursor, _EXPIRY_SCAN)
+        self._expiry_cursor = int(part.ids[-1]) if len(part) == _EXPIRY_SCAN else None
+        stale = part.ids[part.last_seen < self.clock - ttl].view(np.int64)
+        if stale.shape[0] == 0:
+            return 0
+        meta = np.empty(stale.shape[0], dtype=np.int64)
+        meta_of(self._buckets, stale, meta)
+        stale = stale[meta < 0]
+        expired = self._delete(stale) if stale.shape[0] else 0
+        self._counters["expirations"] += expired
+        return expired
+
+    # --- checkpoints ---------------------------------------------------------------
+
+    def export(self, dirty_only: bool, *, mark_clean: bool = True) -> tuple[RowBatch, U64, int]:
+        """As :meth:`EmbeddingTable.export`, over both tiers. With ``mark_clean``, the
+        changed rows in memory are written to disk first (they stay in memory)."""
+        with self._lock:
+            dirty_only = dirty_only and not self._all_changed
+            occupied = self._buckets[:, ROW] >= 0
+            if dirty_only:
+                occupied &= (self._buckets[:, META] & DIRTY) != 0
+            in_memory = self._rows_at(np.flatnonzero(occupied))
+            parts = [in_memory]
+            disk_ids = (
+                np.unique(np.concatenate(self._changed_on_disk))
+                if dirty_only and self._changed_on_disk
+                else np.zeros(0, np.int64)
+            )
+            if not dirty_only:
+                parts += [self._disk_only(rows) for rows in self.disk.scan_all()]
+            elif disk_ids.shape[0]:
+                # Changed since the last checkpoint and moved to disk: its newest copy is
+                # in memory if it came back (then it is there as a clean row), else on disk.
+                here = np.empty(disk_ids.shape[0], dtype=np.int64)
+                meta_of(self._buckets, disk_ids, here)
+                back = disk_ids[(here >= 0) & ((here & DIRTY) == 0)]
+                parts.append(self._rows_at(self._buckets_of(back)))
+                _, rows = self.disk.get(disk_ids[here < 0].view(np.uint64))
+                parts.append(rows)
+            batch = _concat(parts)
+            tombs = (
+                np.setdiff1d(np.concatenate(self._deleted), batch.ids.view(np.int64))
+                if self._deleted
+                else np.zeros(0, np.int64)
+            )
+            if mark_clean:
+                self._flush(np.flatnonzero(self._buckets[:, ROW] >= 0))
+                self._changed_on_disk = []
+                self._deleted = []
+                self._all_changed = False
+            return batch, tombs.view(np.uint64), self.clock
+
+    def _disk_only(self, rows: RowBatch) -> RowBatch:
+        meta = np.empty(len(rows), dtype=np.int64)
+        meta_of(self._buckets, rows.ids.view(np.int64), meta)
+        return rows.select(meta < 0)
+
+    def _buckets_of(self, keys: I64) -> I64:
+        """The buckets of ``keys``, all of which have a row in memory."""
+        occupied = np.flatnonzero(self._buckets[:, ROW] >= 0)
+        at = np.isin(self._buckets[occupied, KEY], keys)
+        return occupied[at]
+
+    def _flush(self, sel: I64) -> None:
+        """Write the rows of buckets ``sel`` that disk lacks or holds older to disk."""
+        meta = self._buckets[sel, META]
+        write = sel[((meta & DIRTY) != 0) | ((meta & PERSISTED) == 0)]
+        if write.shape[0] == 0:
+            return
+        new = int(np.count_nonzero((self._buckets[write, META] & PERSISTED) == 0))
+        self.disk.put(self._rows_at(write))
+        self._disk_rows += new
+        self._buckets[write, META] = (self._buckets[write, META] & ~np.int64(DIRTY)) | PERSISTED
+
+    def mark_all_dirty(self) -> None:
+        """Every row counts as changed: the next delta holds them all (a failed checkpoint
+        leaves what was persisted unknown)."""
+        with self._lock:
+            occupied = self._buckets[:, ROW] >= 0
+            self._buckets[occupied, META] |= DIRTY
+            self._all_changed = True
+
+    def load(self, batch: RowBatch) -> None:
+        """Insert or overwrite rows (restore path): rows memory holds are overwritten
+        there, the others go to disk; all count as changed since the last checkpoint."""
+        keys = np.ascontiguousarray(batch.ids).view(np.int64)
+        with self._lock:
+            meta = np.empty(keys.shape[0], dtype=np.int64)
+            meta_of(self._buckets, keys, meta)
+        here = meta >= 0
+        if here.any():
+            super().load(batch.select(here))
+        rest = batch.select(~here)
+        if not len(rest):
+            return
+        with self._lock:
+            found, _ = self.disk.get(rest.ids)
+            self.disk.put(rest)
+            self._disk_rows += int(np.count_nonzero(~found))
+            self._changed_on_disk.append(rest.ids.view(np.int64).copy())
+
+    def ids(self) -> U64:
+        """The ids that have a row now, in either tier."""
+        with self._lock:
+            memory = self._buckets[self._buckets[:, ROW] >= 0, KEY]
+            disk = [rows.ids.view(np.int64) for rows in self.disk.scan_all()]
+        return np.unique(np.concatenate([memory, *disk])).view(np.uint64)
+
+    def close(self) -> None:
+        """Release the disk tier (its files stay)."""
+        self.disk.close()
