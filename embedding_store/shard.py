@@ -19,11 +19,12 @@ True
 from __future__ import annotations
 
 import operator
+import shutil
 import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from embedding_store.hashing import shard_of
 from embedding_store.location import Location
 from embedding_store.table import MAX_STEP, EmbeddingTable, apply_changes
 from embedding_store.table_group import TableGroup
+from embedding_store.tier.tiered_table import TieredTable
 from embedding_store.types import (
     CheckpointKind,
     CheckpointResult,
@@ -54,14 +56,23 @@ from embedding_store.types import (
     ShardStats,
     StoreConfig,
     TableChanges,
+    TableConfig,
 )
 
 F32 = npt.NDArray[np.float32]
 # Groups of writers (job incarnations) whose pushes a shard keeps count of.
 _GROUPS_SEEN = 64
 CHANGE_LOGS_KEY = "change_logs"  # in a checkpoint's metadata
+TIER_DIR = "tier"  # in a shard's data dir: the disk tiers of its tiered tables
 U64 = npt.NDArray[np.uint64]
 _NAME = operator.attrgetter("name")
+
+
+def _close_tables(tables: Iterable[EmbeddingTable]) -> None:
+    for table in tables:
+        if isinstance(table, TieredTable):
+            table.close()
+            shutil.rmtree(table.disk.path, ignore_errors=True)
 
 
 class TableGroups:
@@ -122,7 +133,12 @@ class StoreShard:
         # Tells this life of the shard from any other: a client that sees it change
         # knows that what was pushed since the last checkpoint is gone.
         self.incarnation = uuid.uuid4().hex
-        self._tables = {name: EmbeddingTable(name, cfg) for name, cfg in config.tables.items()}
+        # Tiered tables keep their disk tier under data_dir/tier, one folder per table and
+        # restore (the tables being replaced serve on until the new ones are in).
+        self._tier_generation = 0
+        if self.data_dir is not None:
+            shutil.rmtree(self.data_dir / TIER_DIR, ignore_errors=True)
+        self._tables = self._new_tables()
         self._groups = TableGroups()  # a replica's reads of several tables at once
         self._push_lock = threading.Lock()
         # request id -> (monotonic time first seen, its push), oldest first
@@ -516,11 +532,16 @@ class StoreShard:
         chains = [persistence.plan_restore(d, seq) for d, seq in sources]
         for chain in chains:
             persistence.verify(chain)
-        fresh = {name: EmbeddingTable(name, cfg) for name, cfg in self.config.tables.items()}
-        for chain in chains:
-            for manifest in chain:
-                self._apply_manifest(manifest, fresh, shard_index, num_shards)
-        self._tables = fresh
+        fresh = self._new_tables()
+        try:
+            for chain in chains:
+                for manifest in chain:
+                    self._apply_manifest(manifest, fresh, shard_index, num_shards)
+        except BaseException:
+            _close_tables(fresh.values())
+            raise
+        old, self._tables = self._tables, fresh
+        _close_tables(old.values())
         # The next checkpoint must be full: these rows were never written by this shard.
         self._chain = None
         newest = chains[-1][-1] if len(chains) == 1 and chains[0] else None
@@ -561,6 +582,36 @@ class StoreShard:
                     rows = rows.select(shard_of(rows.ids, num_shards) == shard_index)
                 table.load(rows)
             table.set_clock(int(tinfo["clock"]))
+
+    def _new_tables(self) -> dict[str, EmbeddingTable]:
+        self._tier_generation += 1
+        tables: dict[str, EmbeddingTable] = {}
+        try:
+            for name, cfg in self.config.tables.items():
+                tables[name] = self._new_table(name, cfg)
+        except BaseException:
+            _close_tables(tables.values())
+            raise
+        return tables
+
+    def _new_table(self, name: str, cfg: TableConfig) -> EmbeddingTable:
+        if cfg.tier is None:
+            return EmbeddingTable(name, cfg)
+        if self.read_only:
+            msg = (
+                f"table {name!r} is tiered (tier.memory_rows): a serving replica copies a "
+                "table into memory and cannot follow one kept partly on disk"
+            )
+            raise InvalidRequest(msg)
+        if self.data_dir is None:
+            msg = f"table {name!r} is tiered: its disk tier needs the shard's data dir"
+            raise InvalidRequest(msg)
+        path = self.data_dir / TIER_DIR / f"{name}.{self._tier_generation}"
+        return TieredTable(name, cfg, path)
+
+    def close(self) -> None:
+        """Release the tables' disk tiers (a shard that holds none has nothing to close)."""
+        _close_tables(self._tables.values())
 
     # --- serving replicas -----------------------------------------------------------
 

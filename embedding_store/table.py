@@ -84,15 +84,16 @@ _COUNTERS = tuple(
 
 
 def bytes_at_capacity(config: TableConfig) -> int:
-    """Bytes of one table's arrays once it holds ``config.capacity`` rows: what a shard's
-    memory limit must hold for it (its free list counted full, as after mass evictions).
+    """Bytes of one table's arrays once it holds ``config.capacity`` rows (a tiered
+    table's ``tier.memory_rows``): what a shard's memory limit must hold for it (its
+    free list counted full, as after mass evictions).
 
     >>> from embedding_store.types import AdagradConfig
     >>> bytes_at_capacity(TableConfig(dim=16, capacity=1000, optimizer=AdagradConfig()))
     186688
     """
     width = make_optimizer(config.optimizer).state_width(config.dim)
-    rows = config.capacity
+    rows = config.capacity if config.tier is None else config.tier.memory_rows
     # weights and optimizer state (float32), the row's step and a free-list slot (int64)
     per_row = 4 * (config.dim + width) + 8 + 8
     sketch = 0

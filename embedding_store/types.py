@@ -190,6 +190,7 @@ AdmissionConfig = Annotated[
 class TierConfig(_Strict):
     """A table larger than memory: at most ``memory_rows`` rows per shard in memory,
     the rest on local disk (``embedding_store.tier``), each with its optimizer state.
+    The disk tier lives in the shard's data dir, under ``tier/``.
 
     >>> TierConfig(memory_rows=1_000_000).policy
     'lfu'
@@ -197,11 +198,6 @@ class TierConfig(_Strict):
 
     memory_rows: int = Field(
         ge=1, le=1 << 31, description="rows a shard keeps in memory; the rest go to disk"
-    )
-    path: str | None = Field(
-        None,
-        description="the folder of the disk tier; by default the shard's data dir's "
-        "tier/<table>",
     )
     policy: Literal["lfu", "lru"] = Field(
         "lfu",

@@ -165,3 +165,29 @@ def test_a_tiered_table_starts_empty_over_the_files_of_a_live_one(tmp_path: Path
         assert again.ids().shape[0] == 0
     finally:
         again.close()
+
+
+def test_a_shard_keeps_its_tiers_in_its_data_dir_and_says_what_a_tier_needs(
+    tmp_path: Path,
+) -> None:
+    from embedding_store.shard import StoreShard
+    from embedding_store.types import StoreConfig
+
+    _, config = configs(CASES["adagrad"])
+    store = StoreConfig(tables={"t": config})
+    with pytest.raises(InvalidRequest, match=r"table 't' is tiered: its disk tier needs"):
+        StoreShard(store)
+    with pytest.raises(InvalidRequest, match=r"table 't' is tiered .* a serving replica"):
+        StoreShard(store, data_dir=tmp_path / "replica", read_only=True)
+    shard = StoreShard(store, data_dir=tmp_path / "shard")
+    try:
+        assert isinstance(shard.table("t"), TieredTable)
+        for part in np.split(np.arange(4 * MEMORY_ROWS, dtype=np.uint64), 8):
+            shard.lookup({"t": part})
+        assert len(shard.table("t")) == 4 * MEMORY_ROWS
+        shard.checkpoint()
+        shard.restore()  # a new table, in a folder of its own; the old one's is gone
+        assert len(shard.table("t")) == 4 * MEMORY_ROWS
+        assert [p.name for p in (tmp_path / "shard" / "tier").iterdir()] == ["t.2"]
+    finally:
+        shard.close()
