@@ -66,7 +66,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -631,177 +631,251 @@ def count_offsets(run_dir: Path, ends: dict[str, int]) -> dict[str, int]:
     return {"learned_once": once, "learned_twice": twice, "never_learned": never}
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    random.seed(args.seed)
+@dataclass
+class Chaos:
+    """One run: its options, the processes it plays the supervisor of, the kills so far."""
 
-    work = args.work_dir or Path(tempfile.mkdtemp(prefix="streamrec-chaos-"))
-    work.mkdir(parents=True, exist_ok=True)
-    run_dir = work / "run"
-    kafka = Broker(args.broker, work)
+    args: argparse.Namespace
+    work: Path
+    kafka: Broker
+    topic: str = "chaos"
+    job: Path | None = None  # the job file
     job_proc: subprocess.Popen[bytes] | None = None
     producer: Producer | None = None
     serving: Serving | None = None
     dask: ExternalDask | None = None
-    try:
-        topic = "chaos"
-        kafka.create_topic(topic, partitions=2)
-        producer = Producer(kafka, topic, args.rate, args.seed)
-        producer.start()
-        if args.scheduler == "external":
-            dask = ExternalDask(work, workers=2)
-        job = write_job(
-            work,
-            kafka.bootstrap,
-            topic,
-            args.batch_size,
-            kafka.api_version,
-            args.ranks,
-            dask.address if dask is not None else None,
+    started: float = 0.0  # when the job started (time.monotonic())
+    kinds: tuple[str, ...] = ()
+    kills: list[Kill] = field(default_factory=list)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.work / "run"
+
+    @property
+    def log_path(self) -> Path:
+        return self.work / "job.log"
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        assert self.job_proc is not None
+        return self.job_proc
+
+
+def start_all(c: Chaos) -> None:
+    """The topic, the producer, the Dask cluster (``--scheduler external``) and the job,
+    until the job trains; then the serving side (``--serve``)."""
+    args = c.args
+    c.kafka.create_topic(c.topic, partitions=2)
+    c.producer = Producer(c.kafka, c.topic, args.rate, args.seed)
+    c.producer.start()
+    if args.scheduler == "external":
+        c.dask = ExternalDask(c.work, workers=2)
+    c.job = write_job(
+        c.work,
+        c.kafka.bootstrap,
+        c.topic,
+        args.batch_size,
+        c.kafka.api_version,
+        args.ranks,
+        c.dask.address if c.dask is not None else None,
+    )
+    c.job_proc = start_job(c.job, c.log_path)
+    c.started = time.monotonic()
+    while learned_count(c.run_dir) == 0:  # until the job trains
+        if c.job_proc.poll() is not None or time.monotonic() - c.started > 300:
+            msg = f"the job did not start training; see {c.log_path}"
+            raise RuntimeError(msg)
+        time.sleep(0.5)
+    if args.serve:
+        found = re.search(r"store: (grpc://\S+)", c.log_path.read_text(errors="replace"))
+        if found is None:
+            msg = f"the job printed no store address; see {c.log_path}"
+            raise RuntimeError(msg)
+        c.serving = Serving(
+            c.job, found.group(1), c.run_dir / "store.token", c.work, args.requests_per_s
         )
-        log_path = work / "job.log"
-        job_proc = start_job(job, log_path)
-        started = time.monotonic()
-        while learned_count(run_dir) == 0:  # until the job trains
-            if job_proc.poll() is not None or time.monotonic() - started > 300:
-                msg = f"the job did not start training; see {log_path}"
-                raise RuntimeError(msg)
-            time.sleep(0.5)
-        if args.serve:
-            found = re.search(r"store: (grpc://\S+)", log_path.read_text(errors="replace"))
-            if found is None:
-                msg = f"the job printed no store address; see {log_path}"
-                raise RuntimeError(msg)
-            serving = Serving(
-                job, found.group(1), run_dir / "store.token", work, args.requests_per_s
-            )
-        default = (*KINDS, *(("replica",) if args.serve else ()))
-        default += ("trainer",) if args.ranks > 1 else ()
-        default += ("scheduler",) if dask is not None else ()
-        kinds = tuple(args.victims or default)
-        if "replica" in kinds and not args.serve:
-            msg = "--victims replica needs --serve (there are no replicas otherwise)"
-            raise SystemExit(msg)
-        if "scheduler" in kinds and dask is None:
-            msg = "--victims scheduler needs --scheduler external (the job's own dies with it)"
-            raise SystemExit(msg)
-        if "trainer" in kinds and args.ranks < 2:
-            msg = "--victims trainer needs --ranks 2 or more (rank 0 is the job itself)"
-            raise SystemExit(msg)
-        kills: list[Kill] = []
-        bag: list[str] = []
-        until = time.monotonic() + args.minutes * 60
-        next_kill = time.monotonic() + args.kill_every_s
-        # After the last kill too, the producer writes on until the job has recovered
-        # from it: stopped at once, a job that had learned every record so far had
-        # nothing left to learn, and its last recovery went uncounted.
-        while time.monotonic() < until and (
-            args.kills is None
-            or len(kills) < args.kills
-            or any(k.recovery_s is None for k in kills)
-        ):
-            if job_proc.poll() is not None:
-                break  # the job died: a failure the figures show (manual_restarts stays 0)
-            now = time.monotonic()
-            pending = [k for k in kills if k.recovery_s is None]
-            learned = learned_count(run_dir)
-            rollbacks = rollback_count(run_dir)
-            for k in pending:
-                if k.kind == "replica":
-                    continue  # its supervisor times it: until it has caught up again
-                if k.kind in ROLLBACK_KINDS and rollbacks > k.rollbacks_at_kill:
-                    k.ready = True
-                if k.ready and learned > k.learned_at_kill:
-                    k.recovery_s = now - started - k.at_s
-                    print(f"  {k.kind} kill at {k.at_s:.0f}s: recovered in {k.recovery_s:.1f}s")
-            # One component down at a time: the next kill waits for the last recovery.
-            more = args.kills is None or len(kills) < args.kills
-            if now >= next_kill and not pending and more:
-                bag = bag or random.sample(kinds, len(kinds))
-                kill = Kill(bag.pop(), time.monotonic() - started, 0, learned)
-                kill.rollbacks_at_kill = rollback_count(run_dir)
-                # Steps already under way may still be learned before the job notices
-                # the lost shard; they are rolled back and do not count as recovery.
-                kill.ready = kill.kind not in ROLLBACK_KINDS
-                if kill.kind == "replica":
-                    assert serving is not None
-                    serving.kill_replica(kill, args.outage_s, started)
-                else:
-                    kill_one(kill, job_proc, kafka, args.outage_s, run_dir, dask)
-                kills.append(kill)
-                print(f"killed the {kill.kind} (pid {kill.pid}) at {kill.at_s:.0f}s")
-                next_kill = time.monotonic() + args.kill_every_s
-            time.sleep(0.25)
-        producer.stopped.set()
-        producer.join(timeout=60)
-        # Let the last recovery finish and the job catch up with the topic's end.
-        src = group_source(kafka, topic)
-        ends = {p: src.end_position(p) for p in src.partitions()}
-        catch_up(job_proc, run_dir, ends, args.catch_up_s)
+
+
+def victim_kinds(c: Chaos) -> tuple[str, ...]:
+    """What may be killed: ``--victims``, else every kind this run has."""
+    args = c.args
+    default = (*KINDS, *(("replica",) if args.serve else ()))
+    default += ("trainer",) if args.ranks > 1 else ()
+    default += ("scheduler",) if c.dask is not None else ()
+    kinds = tuple(args.victims or default)
+    if "replica" in kinds and not args.serve:
+        msg = "--victims replica needs --serve (there are no replicas otherwise)"
+        raise SystemExit(msg)
+    if "scheduler" in kinds and c.dask is None:
+        msg = "--victims scheduler needs --scheduler external (the job's own dies with it)"
+        raise SystemExit(msg)
+    if "trainer" in kinds and args.ranks < 2:
+        msg = "--victims trainer needs --ranks 2 or more (rank 0 is the job itself)"
+        raise SystemExit(msg)
+    return kinds
+
+
+def note_recoveries(c: Chaos, pending: list[Kill], now: float, learned: int) -> None:
+    """A pending kill is over once the job learns more after it (and, for the kinds that
+    roll back, after its rollback)."""
+    rollbacks = rollback_count(c.run_dir)
+    for k in pending:
+        if k.kind == "replica":
+            continue  # its supervisor times it: until it has caught up again
+        if k.kind in ROLLBACK_KINDS and rollbacks > k.rollbacks_at_kill:
+            k.ready = True
+        if k.ready and learned > k.learned_at_kill:
+            k.recovery_s = now - c.started - k.at_s
+            print(f"  {k.kind} kill at {k.at_s:.0f}s: recovered in {k.recovery_s:.1f}s")
+
+
+def kill_next(c: Chaos, bag: list[str], learned: int) -> None:
+    """Kill one component of the next kind in ``bag`` (refilled, shuffled, when empty)."""
+    if not bag:
+        bag.extend(random.sample(c.kinds, len(c.kinds)))
+    kill = Kill(bag.pop(), time.monotonic() - c.started, 0, learned)
+    kill.rollbacks_at_kill = rollback_count(c.run_dir)
+    # Steps already under way may still be learned before the job notices
+    # the lost shard; they are rolled back and do not count as recovery.
+    kill.ready = kill.kind not in ROLLBACK_KINDS
+    if kill.kind == "replica":
+        assert c.serving is not None
+        c.serving.kill_replica(kill, c.args.outage_s, c.started)
+    else:
+        kill_one(kill, c.proc, c.kafka, c.args.outage_s, c.run_dir, c.dask)
+    c.kills.append(kill)
+    print(f"killed the {kill.kind} (pid {kill.pid}) at {kill.at_s:.0f}s")
+
+
+def kill_phase(c: Chaos) -> None:
+    """A kill every ``--kill-every-s``, one component down at a time, for ``--minutes``
+    (or until ``--kills`` kills have all recovered)."""
+    args = c.args
+    bag: list[str] = []
+    until = time.monotonic() + args.minutes * 60
+    next_kill = time.monotonic() + args.kill_every_s
+    # After the last kill too, the producer writes on until the job has recovered
+    # from it: stopped at once, a job that had learned every record so far had
+    # nothing left to learn, and its last recovery went uncounted.
+    while time.monotonic() < until and (
+        args.kills is None
+        or len(c.kills) < args.kills
+        or any(k.recovery_s is None for k in c.kills)
+    ):
+        if c.proc.poll() is not None:
+            break  # the job died: a failure the figures show (manual_restarts stays 0)
         now = time.monotonic()
-        for k in kills:
-            if k.kind == "replica":
-                continue
-            if k.recovery_s is None and k.ready and learned_count(run_dir) > k.learned_at_kill:
-                k.recovery_s = now - started - k.at_s
-        serve_figures = {}
-        if serving is not None:
-            serving.close()
-            serve_figures = serving.figures()
-            serving = None
-        exit_code = interrupt(job_proc)
-        output = log_path.read_text(errors="replace")
-        committed = {p: src.committed(p) for p in ends}
-        src.close()
-        stop = re.findall(r"stopped by (\S+)", output)
-        rollbacks = re.findall(r"recovered (\d+) time\(s\)", output)
-        restarts = re.findall(r"started the trainer ranks again (\d+) time\(s\)", output)
-        recovered = [k.recovery_s for k in kills if k.recovery_s is not None]
-        figures: dict[str, Any] = {
-            "produced": sum(ends.values()),
-            **count_offsets(run_dir, ends),
-            "kills": len(kills),
-            "kills_by_kind": {kind: sum(k.kind == kind for k in kills) for kind in kinds},
-            "recoveries": len(recovered),
-            "recovery_s_p50": round(statistics.median(recovered), 2) if recovered else None,
-            "recovery_s_max": round(max(recovered), 2) if recovered else None,
-            "job_rollbacks": int(rollbacks[-1]) if rollbacks else 0,
-            "rank_restarts": int(restarts[-1]) if restarts else 0,
-            # Every start from a checkpoint after the first: rollbacks and rank restarts.
-            "ledger_rollbacks": max(0, rollback_count(run_dir) - 1),
-            "ranks": args.ranks,
-            "scheduler": args.scheduler,
-            "committed_equals_end": committed == ends,
-            "manual_restarts": 0,
-            "stop_reason": stop[-1] if stop else None,
-            "exit_code": exit_code,
-            "producer_retries": producer.errors,
-            "minutes": args.minutes,
-            "kill_every_s": args.kill_every_s,
-            "broker": args.broker,
-            "work_dir": str(work),
-            "kill_log": [asdict(k) for k in kills],
-            **serve_figures,
-        }
+        pending = [k for k in c.kills if k.recovery_s is None]
+        learned = learned_count(c.run_dir)
+        note_recoveries(c, pending, now, learned)
+        # One component down at a time: the next kill waits for the last recovery.
+        more = args.kills is None or len(c.kills) < args.kills
+        if now >= next_kill and not pending and more:
+            kill_next(c, bag, learned)
+            next_kill = time.monotonic() + args.kill_every_s
+        time.sleep(0.25)
+
+
+def end_phase(c: Chaos) -> dict[str, Any]:
+    """The producer stopped, the job caught up and interrupted; every figure."""
+    assert c.producer is not None
+    c.producer.stopped.set()
+    c.producer.join(timeout=60)
+    # Let the last recovery finish and the job catch up with the topic's end.
+    src = group_source(c.kafka, c.topic)
+    ends = {p: src.end_position(p) for p in src.partitions()}
+    catch_up(c.proc, c.run_dir, ends, c.args.catch_up_s)
+    now = time.monotonic()
+    for k in c.kills:
+        if k.kind == "replica":
+            continue
+        if k.recovery_s is None and k.ready and learned_count(c.run_dir) > k.learned_at_kill:
+            k.recovery_s = now - c.started - k.at_s
+    serve_figures = {}
+    if c.serving is not None:
+        c.serving.close()
+        serve_figures = c.serving.figures()
+        c.serving = None
+    exit_code = interrupt(c.proc)
+    committed = {p: src.committed(p) for p in ends}
+    src.close()
+    return {
+        **figures_of(c, ends, committed, exit_code),
+        "kill_log": [asdict(k) for k in c.kills],
+        **serve_figures,
+    }
+
+
+def figures_of(
+    c: Chaos, ends: dict[str, int], committed: dict[str, int | None], exit_code: int
+) -> dict[str, Any]:
+    """The run's figures from the ledgers, the job's output and the kills."""
+    args = c.args
+    output = c.log_path.read_text(errors="replace")
+    stop = re.findall(r"stopped by (\S+)", output)
+    rollbacks = re.findall(r"recovered (\d+) time\(s\)", output)
+    restarts = re.findall(r"started the trainer ranks again (\d+) time\(s\)", output)
+    recovered = [k.recovery_s for k in c.kills if k.recovery_s is not None]
+    assert c.producer is not None
+    return {
+        "produced": sum(ends.values()),
+        **count_offsets(c.run_dir, ends),
+        "kills": len(c.kills),
+        "kills_by_kind": {kind: sum(k.kind == kind for k in c.kills) for kind in c.kinds},
+        "recoveries": len(recovered),
+        "recovery_s_p50": round(statistics.median(recovered), 2) if recovered else None,
+        "recovery_s_max": round(max(recovered), 2) if recovered else None,
+        "job_rollbacks": int(rollbacks[-1]) if rollbacks else 0,
+        "rank_restarts": int(restarts[-1]) if restarts else 0,
+        # Every start from a checkpoint after the first: rollbacks and rank restarts.
+        "ledger_rollbacks": max(0, rollback_count(c.run_dir) - 1),
+        "ranks": args.ranks,
+        "scheduler": args.scheduler,
+        "committed_equals_end": committed == ends,
+        "manual_restarts": 0,
+        "stop_reason": stop[-1] if stop else None,
+        "exit_code": exit_code,
+        "producer_retries": c.producer.errors,
+        "minutes": args.minutes,
+        "kill_every_s": args.kill_every_s,
+        "broker": args.broker,
+        "work_dir": str(c.work),
+    }
+
+
+def stop_all(c: Chaos) -> None:
+    """Whatever is still running, however the run ended."""
+    if c.serving is not None:
+        c.serving.close()
+    if c.producer is not None:
+        c.producer.stopped.set()
+    if c.job_proc is not None:
+        # Orphaned Dask workers of a job that was killed keep its process group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(c.job_proc.pid, signal.SIGKILL)
+    if c.dask is not None:
+        c.dask.kill()
+    c.kafka.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    random.seed(args.seed)
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="streamrec-chaos-"))
+    work.mkdir(parents=True, exist_ok=True)
+    c = Chaos(args, work, Broker(args.broker, work))
+    try:
+        start_all(c)
+        c.kinds = victim_kinds(c)
+        kill_phase(c)
+        figures = end_phase(c)
         print_figures({k: v for k, v in figures.items() if k != "kill_log"}, str)
         if args.json is not None:
             write_json(args.json, figures, announce=True)
         return 0
     finally:
-        if serving is not None:
-            serving.close()
-        if producer is not None:
-            producer.stopped.set()
-        if job_proc is not None and job_proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(job_proc.pid, signal.SIGKILL)
-        if job_proc is not None:
-            # Orphaned Dask workers of a job that was killed keep its process group.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(job_proc.pid, signal.SIGKILL)
-        if dask is not None:
-            dask.kill()
-        kafka.stop()
+        stop_all(c)
 
 
 if __name__ == "__main__":

@@ -416,43 +416,46 @@ def _same(
         raise AssertionError(msg)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--records", type=int, default=100_000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--json", type=Path, default=None, help="also write the figures here")
-    args = ap.parse_args()
-    n, repeats = args.records, args.repeats
-    spec = criteo_spec()
-    table = criteo_table(n)
-    chunk = Chunk("bench", "events/0", 0, n)
+    return ap.parse_args()
 
-    def raw_of(payloads: Sequence[bytes]) -> RawChunk:
-        return RawChunk(chunk, np.arange(len(payloads), dtype=np.int64), list(payloads))
 
-    def rate(codec: Codec, payloads: list[bytes], records: int) -> float:
-        raw = raw_of(payloads)
-        good, _ = codec.decode(raw, spec)  # warm up, and check
+class Bench:
+    """The records of one run, as one chunk, and the decoders compared on them."""
+
+    def __init__(self, n: int, repeats: int) -> None:
+        self.n, self.repeats = n, repeats
+        self.spec = criteo_spec()
+        self.table = criteo_table(n)
+        self.chunk = Chunk("bench", "events/0", 0, n)
+        self.json_payloads = JsonLinesCodec().encode(self.table)
+        self.bad = with_bad(self.json_payloads)
+        self.sets = {"": self.raw_of(self.json_payloads), "_1pct_bad": self.raw_of(self.bad)}
+        readers, self.skipped = library_readers()
+        # name: (codec, the reader in place of the scanner, or None for the codec as it is)
+        self.decoders: dict[str, tuple[JsonLinesCodec, Reader | None]] = {
+            "json_scanner": (JsonLinesCodec(), None),
+            "pyarrow_json": (JsonLinesCodec(engine="arrow"), None),
+            **{name: (JsonLinesCodec(), reader) for name, reader in readers.items()},
+        }
+
+    def raw_of(self, payloads: Sequence[bytes]) -> RawChunk:
+        return RawChunk(self.chunk, np.arange(len(payloads), dtype=np.int64), list(payloads))
+
+    def rate(self, codec: Codec, payloads: list[bytes]) -> float:
+        """A codec's best rate over the run's records (``payloads``: them, encoded)."""
+        raw = self.raw_of(payloads)
+        good, _ = codec.decode(raw, self.spec)  # warm up, and check
         assert good.num_rows > 0
-        return best_rate(lambda: codec.decode(raw, spec), records, repeats)
+        return best_rate(lambda: codec.decode(raw, self.spec), self.n, self.repeats)
 
-    json_payloads = JsonLinesCodec().encode(table)
-    bad = with_bad(json_payloads)
-    sets = {"": raw_of(json_payloads), "_1pct_bad": raw_of(bad)}
-    figures: dict[str, Any] = {
-        "records": n,
-        "json_bytes_per_record": sum(map(len, json_payloads)) / n,
-    }
-    readers, skipped = library_readers()
-    # name: (codec, the reader in place of the scanner, or None for the codec as it is)
-    decoders: dict[str, tuple[JsonLinesCodec, Reader | None]] = {
-        "json_scanner": (JsonLinesCodec(), None),
-        "pyarrow_json": (JsonLinesCodec(engine="arrow"), None),
-        **{name: (JsonLinesCodec(), reader) for name, reader in readers.items()},
-    }
-
-    def decoding(name: str, raw: RawChunk) -> Callable[[], tuple[pa.Table, list[BadRecord]]]:
-        codec, reader = decoders[name]
+    def decoding(self, name: str, raw: RawChunk) -> Callable[[], tuple[pa.Table, list[BadRecord]]]:
+        codec, reader = self.decoders[name]
+        spec = self.spec
         if reader is None:
             return lambda: codec.decode(raw, spec)
 
@@ -463,48 +466,71 @@ def main() -> None:
 
         return run
 
-    # The scanner's verdicts are the reference every other decoder must give.
-    samples = [raw_of(json_payloads), raw_of(bad), raw_of(awkward_records())]
-    expected = [decoding("json_scanner", raw)() for raw in samples]
-    for name in decoders:
+
+def check_agreement(b: Bench) -> None:
+    """The scanner's verdicts are the reference every other decoder must give."""
+    samples = [b.raw_of(b.json_payloads), b.raw_of(b.bad), b.raw_of(awkward_records())]
+    expected = [b.decoding("json_scanner", raw)() for raw in samples]
+    for name in b.decoders:
         for what, raw, want in zip(
             ["clean", "1pct_bad", "awkward"], samples, expected, strict=True
         ):
-            got = decoding(name, raw)()
+            got = b.decoding(name, raw)()
             _same(want, got, f"{name} on the {what} records")
-    # Round-robin: every decoder once per round, so that a burst of load elsewhere on the
-    # machine slows them alike; each figure is the best of its rounds.
+
+
+def json_rates(b: Bench, figures: dict[str, Any]) -> None:
+    """Round-robin: every decoder once per round, so that a burst of load elsewhere on the
+    machine slows them alike; each figure is the best of its rounds."""
     runs = {
-        f"{name}{suffix}": decoding(name, raw) for name in decoders for suffix, raw in sets.items()
+        f"{name}{suffix}": b.decoding(name, raw)
+        for name in b.decoders
+        for suffix, raw in b.sets.items()
     }
     best = dict.fromkeys(runs, math.inf)
-    for _ in range(repeats):
+    for _ in range(b.repeats):
         for key, fn in runs.items():
             t0 = time.perf_counter()
             fn()
             best[key] = min(best[key], time.perf_counter() - t0)
     for key, seconds in best.items():
-        figures[f"{key}_events_per_s"] = n / seconds
-    for name in list(decoders)[1:]:
-        for suffix in sets:
+        figures[f"{key}_events_per_s"] = b.n / seconds
+    for name in list(b.decoders)[1:]:
+        for suffix in b.sets:
             figures[f"{name}_vs_scanner{suffix}"] = (
                 figures[f"{name}{suffix}_events_per_s"]
                 / figures[f"json_scanner{suffix}_events_per_s"]
             )
+
+
+def other_rates(b: Bench, figures: dict[str, Any]) -> None:
+    """The per-record Python baseline and the other codecs."""
     figures["python_baseline_events_per_s"] = best_rate(
-        lambda: python_baseline(json_payloads), n, max(1, repeats // 2)
+        lambda: python_baseline(b.json_payloads), b.n, max(1, b.repeats // 2)
     )
     figures["json_vs_baseline"] = (
         figures["json_scanner_events_per_s"] / figures["python_baseline_events_per_s"]
     )
-    figures["criteo_tsv_decode_events_per_s"] = rate(
-        CriteoTsvCodec(), CriteoTsvCodec().encode(table), n
+    figures["criteo_tsv_decode_events_per_s"] = b.rate(
+        CriteoTsvCodec(), CriteoTsvCodec().encode(b.table)
     )
-    figures["arrow_decode_events_per_s"] = rate(
-        ArrowIpcCodec(), ArrowIpcCodec(rows_per_payload=1000).encode(table), n
+    figures["arrow_decode_events_per_s"] = b.rate(
+        ArrowIpcCodec(), ArrowIpcCodec(rows_per_payload=1000).encode(b.table)
     )
-    figures["skipped"] = skipped
-    for note in skipped:
+
+
+def main() -> None:
+    args = parse_args()
+    b = Bench(args.records, args.repeats)
+    figures: dict[str, Any] = {
+        "records": b.n,
+        "json_bytes_per_record": sum(map(len, b.json_payloads)) / b.n,
+    }
+    check_agreement(b)
+    json_rates(b, figures)
+    other_rates(b, figures)
+    figures["skipped"] = b.skipped
+    for note in b.skipped:
         print(f"skipped {note}")
     print_figures(
         {k: v for k, v in figures.items() if k != "skipped"},

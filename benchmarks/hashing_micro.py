@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
@@ -41,6 +42,9 @@ from common import (
 
 from pipeline.batch import build_batch, dedup, dedup_bags, dense_matrix, label_matrix
 from pipeline.hashing import FieldHasher
+
+if TYPE_CHECKING:
+    from connectors.spec import FeatureSpec
 
 N_DENSE = len(CRITEO_DENSE)
 CARDINALITIES = [
@@ -74,7 +78,7 @@ def criteo_table(rows: int, seed: int) -> pa.Table:
     return pa.table(cols)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--repeats", type=int, default=7)
@@ -85,10 +89,11 @@ def main(argv: list[str] | None = None) -> int:
         help="sizes of the dedup against np.unique, comma-separated (default 100000,1000000)",
     )
     parser.add_argument("--json", type=Path, help="also write the figures here")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
-    table = criteo_table(args.rows, seed=0)
-    spec = criteo_spec({"transform": "log1p", "clip_max": 20.0}, shared_table=args.shared_table)
+
+def parts_of(table: pa.Table, spec: FeatureSpec) -> list[tuple[str, str, Callable[[], object]]]:
+    """``build_batch`` and its parts: (label printed, JSON key, the call)."""
     fields = spec.tables()
     hashed: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, int]] = {}
 
@@ -108,22 +113,22 @@ def main(argv: list[str] | None = None) -> int:
         for ids, starts, lengths, total in hashed.values():
             dedup_bags(ids, starts, lengths, total)
 
-    # label printed, JSON key, the call
-    parts = [
+    return [
         ("build_batch", "build_batch", lambda: build_batch(table, spec)),
         ("  hash (26 string fields)", "hash", hash_all),
         ("  bags + dedup", "bags_dedup", dedup_all),
         ("  dense_matrix (13 fields)", "dense_matrix", lambda: dense_matrix(table, spec)),
         ("  label_matrix", "label_matrix", lambda: label_matrix(table, spec)),
     ]
-    layout = "one shared table" if args.shared_table else f"{len(fields)} tables"
+
+
+def build_batch_phase(args: argparse.Namespace, figures: dict[str, Any]) -> None:
+    """``build_batch`` and each of its parts, timed; the unique share of the ids."""
+    table = criteo_table(args.rows, seed=0)
+    spec = criteo_spec({"transform": "log1p", "clip_max": 20.0}, shared_table=args.shared_table)
+    layout = "one shared table" if args.shared_table else f"{len(spec.tables())} tables"
     print(f"{args.rows} rows, {N_DENSE} dense + {len(CARDINALITIES)} string fields, {layout}")
-    figures: dict[str, Any] = {
-        "rows": args.rows,
-        "repeats": args.repeats,
-        "shared_table": args.shared_table,
-    }
-    for label, key, fn in parts:
+    for label, key, fn in parts_of(table, spec):
         s = median_seconds(lambda _, fn=fn: fn(), args.repeats)
         print(f"{label:<28} {s * 1e3:8.2f} ms  {args.rows / s / 1e6:8.2f} M events/s")
         figures[f"{key}_events_per_s"] = args.rows / s
@@ -132,8 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     ids = sum(len(t.inverse) for t in batch.tables.values())
     print(f"ids {ids}, unique {unique} ({unique / max(ids, 1):.0%})")
     figures["unique_fraction"] = unique / max(ids, 1)
-    # dedup against numpy's sort-based np.unique on Zipf-like scrambled ids, as a
-    # ratio measured side by side (this was once a timed test; timings belong here).
+
+
+def dedup_phase(args: argparse.Namespace, figures: dict[str, Any]) -> None:
+    """dedup against numpy's sort-based np.unique on Zipf-like scrambled ids, as a
+    ratio measured side by side (this was once a timed test; timings belong here)."""
     rng = np.random.default_rng(0)
     for n in (int(float(x)) for x in args.dedup_ids.split(",")):
         ranks = np.floor(np.exp(rng.random(n) * np.log(n))).astype(np.uint64)
@@ -149,6 +157,17 @@ def main(argv: list[str] | None = None) -> int:
         figures[f"dedup_{n}_ids_s"] = ours
         figures[f"np_unique_{n}_ids_s"] = theirs
         figures[f"dedup_{n}_vs_np_unique"] = theirs / ours
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    figures: dict[str, Any] = {
+        "rows": args.rows,
+        "repeats": args.repeats,
+        "shared_table": args.shared_table,
+    }
+    build_batch_phase(args, figures)
+    dedup_phase(args, figures)
     if args.json is not None:
         write_json(args.json, figures, announce=True)
     return 0

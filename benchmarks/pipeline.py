@@ -489,7 +489,7 @@ def _with_broker(key: str, broker: str, codecs: list[str]) -> str:
     return f"{key}_{broker}"
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
     parser.add_argument("--events", type=int, default=100_000, help="events per decode run")
@@ -572,10 +572,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--bootstrap and --topic go together")
     if (args.modern_bootstrap is None) != (args.modern_topic is None):
         parser.error("--modern-bootstrap and --modern-topic go together")
+    return args
 
+
+def decode_phase(args: argparse.Namespace, results: dict[str, float | int]) -> None:
+    """Decoding and hashing against the pandas baseline, on the same payloads."""
     data = payloads(args.events)
-    results: dict[str, float | int] = {"events": args.events, "repeats": args.repeats}
-    results["shared_services"] = args.share_services
     results["decode_hash_events_per_s"] = median_rate(
         lambda _: decode_hash(data), args.events, args.repeats
     )
@@ -585,20 +587,33 @@ def main(argv: list[str] | None = None) -> int:
     results["decode_hash_vs_pandas"] = (
         results["decode_hash_events_per_s"] / results["pandas_baseline_events_per_s"]
     )
+
+
+def runner_phase(args: argparse.Namespace, results: dict[str, float | int]) -> None:
+    """The read path and the runner on every broker (the given ones, else started), then
+    the hybrid run; with ``--share-services`` on one store and one Dask cluster."""
+    readers = ("raw", "kafka-python") if args.compare_readers else ("raw",)
+    given = {
+        "kafka09": (args.bootstrap, args.topic, args.api_version) if args.bootstrap else None,
+        "modern": (args.modern_bootstrap, args.modern_topic, args.modern_api_version)
+        if args.modern_bootstrap
+        else None,
+    }
+    with contextlib.ExitStack() as stack:
+        shared = None
+        if args.share_services:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-pipeline-"))
+            shared = stack.enter_context(shared_services(Path(tmp)))
+        run_brokers(args, readers, given, results, shared)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results: dict[str, float | int] = {"events": args.events, "repeats": args.repeats}
+    results["shared_services"] = args.share_services
+    decode_phase(args, results)
     if not args.skip_runner:
-        readers = ("raw", "kafka-python") if args.compare_readers else ("raw",)
-        given = {
-            "kafka09": (args.bootstrap, args.topic, args.api_version) if args.bootstrap else None,
-            "modern": (args.modern_bootstrap, args.modern_topic, args.modern_api_version)
-            if args.modern_bootstrap
-            else None,
-        }
-        with contextlib.ExitStack() as stack:
-            shared = None
-            if args.share_services:
-                tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-pipeline-"))
-                shared = stack.enter_context(shared_services(Path(tmp)))
-            run_brokers(args, readers, given, results, shared)
+        runner_phase(args, results)
     print_figures(results, lambda v: f"{v:,.2f}" if isinstance(v, float) else f"{v}")
     if args.json:
         write_json(args.json, results, announce=True)

@@ -71,6 +71,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -371,175 +373,252 @@ def check_targets(figures: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+@dataclass
+class Capacity:
+    """What the capacity phase measured, and the pool the producers write from."""
+
+    pool: list[bytes]
+    backlog: int  # events produced before the steady phase (the two backlogs)
+    alone: float  # events/s over the first backlog
+    beside: float  # events/s over the second, beside a producer of another topic
+
+
+def capacity_phase(
+    args: argparse.Namespace,
+    broker: Broker,
+    topic: str,
+    job_proc: Callable[[], subprocess.Popen[bytes]],
+    run_dir: Path,
+    log_path: Path,
+) -> tuple[Capacity, subprocess.Popen[bytes]]:
+    """Two backlogs before the job starts (each half on each partition): the first
+    learned with the machine to itself, the second while a producer writes another
+    topic at the rate the first one gives (the steady phase's producer shares the
+    machine too). ``job_proc`` starts the job once the backlogs are written."""
+    from connectors.kafka_produce import produce
+    from connectors.synthetic import SyntheticConfig, iter_json_lines
+
+    cap = args.capacity_events
+    backlog = 2 * cap
+    pool = list(iter_json_lines(SyntheticConfig(seed=args.seed), max(args.pool_events, backlog)))
+    for p in (0, 1):
+        part = pool[:cap][p::2] + pool[cap:backlog][p::2]
+        produce(broker.bootstrap, topic, part, api_version=broker.api_version, partition=p)
+    job = job_proc()
+    began = wait_learned(job, run_dir, 1, log_path)
+    half = wait_learned(job, run_dir, cap, log_path)
+    capacity_alone = rate_over(cap, began, half)
+    side = Producer(broker, SIDE_TOPIC, args.load * capacity_alone, args.seed + 2, pool)
+    side.start()
+    try:
+        end = wait_learned(job, run_dir, backlog, log_path)
+    finally:
+        side.stopped.set()
+        side.join(timeout=60)
+    return Capacity(pool, backlog, capacity_alone, rate_over(cap, half, end)), job
+
+
+@dataclass
+class Steady:
+    """The steady phase's samples, and the RSS and disk at the warm-up's end and last."""
+
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    rss_first: dict[str, dict[int, int]] | None = None
+    disk_first: dict[str, int] | None = None
+    last_rss: dict[str, dict[int, int]] = field(default_factory=dict)
+
+
+def take_sample(
+    job_proc: subprocess.Popen[bytes],
+    broker: Broker,
+    producer: Producer,
+    run_dir: Path,
+    backlog: int,
+    t: float,
+) -> tuple[dict[str, Any], dict[str, dict[int, int]]]:
+    """One sample of the steady phase ``t`` seconds in, and the RSS by process."""
+    procs = processes(job_proc, broker)
+    rss = rss_by_process(procs)
+    cpu = cpu_seconds(procs)
+    disk = disk_bytes(run_dir)
+    # Learned first: the producer counts a block once the broker acknowledged
+    # it, and the job may read and learn it before that acknowledgement.
+    learned = learned_count(run_dir)
+    produced = backlog + producer.blocks * producer.block
+    # Never below 0: a block whose acknowledgement is still on its way is
+    # not counted as produced, though the job may have it.
+    lag = max(0, produced - learned)
+    sample = {
+        "t": round(t, 1),
+        "produced": produced,
+        "learned": learned,
+        "lag_events": lag,
+        # In seconds of the producer's rate so far (on a small machine
+        # it may not reach the rate it was given).
+        "lag_s": lag / max(1.0, (produced - backlog) / max(t, 1.0)),
+        "rss_mb": {role: round(sum(v.values()) / 2**20, 1) for role, v in rss.items()},
+        "rss": {role: {str(pid): b for pid, b in v.items()} for role, v in rss.items()},
+        "disk": disk,
+        "cpu": {role: round(v, 2) for role, v in cpu.items()},
+    }
+    return sample, rss
+
+
+def steady_phase(
+    args: argparse.Namespace,
+    job_proc: subprocess.Popen[bytes],
+    broker: Broker,
+    producer: Producer,
+    run_dir: Path,
+    backlog: int,
+) -> Steady:
+    """The producer at the rate for ``--minutes``, a sample every ``--sample-s``."""
+    steady = Steady()
+    t0 = time.monotonic()
+    warmup_s = args.warmup_minutes * 60
+    next_sample = t0
+    while time.monotonic() - t0 < args.minutes * 60:
+        if job_proc.poll() is not None:
+            break
+        now = time.monotonic()
+        if now >= next_sample:
+            sample, rss = take_sample(job_proc, broker, producer, run_dir, backlog, now - t0)
+            steady.samples.append(sample)
+            if steady.rss_first is None and now - t0 >= warmup_s:
+                steady.rss_first, steady.disk_first = rss, sample["disk"]
+            steady.last_rss = rss
+            print(
+                f"{now - t0:7.0f}s  learned {sample['learned']:,}  lag {sample['lag_s']:.1f}s  "
+                f"rss MB {sample['rss_mb']}  disk MB "
+                f"{sum(sample['disk'].values()) / 2**20:.1f}",
+                flush=True,
+            )
+            next_sample = now + args.sample_s
+        time.sleep(min(0.5, max(0.0, next_sample - time.monotonic())))
+    return steady
+
+
+def end_phase(
+    args: argparse.Namespace,
+    job_proc: subprocess.Popen[bytes],
+    broker: Broker,
+    producer: Producer,
+    topic: str,
+    run_dir: Path,
+) -> tuple[dict[str, int], int]:
+    """The producer stopped, the job caught up with the topic's end and interrupted: the
+    topic's end offsets and the job's exit code."""
+    producer.stopped.set()
+    producer.join(timeout=60)
+    src = group_source(broker, topic)
+    ends = {p: src.end_position(p) for p in src.partitions()}
+    src.close()
+    catch_up(job_proc, run_dir, ends, args.catch_up_s)
+    return ends, interrupt(job_proc)
+
+
+def compute_figures(
+    args: argparse.Namespace,
+    capacity: Capacity,
+    rate: float,
+    steady: Steady,
+    producer: Producer,
+    run_dir: Path,
+    ends: dict[str, int],
+) -> dict[str, Any]:
+    """Every figure of the run (the targets and the samples added after)."""
+    samples, backlog = steady.samples, capacity.backlog
+    warmup_s = args.warmup_minutes * 60
+    steady_s = samples[-1]["t"] if samples else 0.0
+    achieved = (samples[-1]["produced"] - backlog) / steady_s if steady_s else 0.0
+    window_s = args.window_minutes * 60
+    windows = windows_of(samples, 0.0, window_s)
+    after_first = [s for s in samples if s["t"] >= window_s] or samples
+    two_samples: dict[str, float | None] = {}
+    if steady.rss_first is not None:
+        two_samples = {
+            role: growth_pct(steady.rss_first[role], steady.last_rss[role]) for role in ROLES
+        }
+    growth = rss_peaks_growth(samples, warmup_s, window_s)
+    known = [g for g in growth.values() if g is not None]
+    return {
+        "minutes": args.minutes,
+        "table_rows": args.table_rows,
+        "warmup_minutes": args.warmup_minutes,
+        "rate": round(rate, 1),
+        # What the producer wrote per second, which a loaded machine may keep below
+        # the rate: the load the job really had.
+        "rate_achieved": round(achieved, 1),
+        "producer_retries": producer.errors,
+        "capacity_events_per_s": round(capacity.beside, 1),
+        "capacity_alone_events_per_s": round(capacity.alone, 1),
+        "produced": sum(ends.values()),
+        **count_offsets(run_dir, ends),
+        "rss_growth_pct_after_warmup": {
+            k: None if v is None else round(v, 2) for k, v in growth.items()
+        },
+        "rss_growth_pct_after_warmup_max": round(max(known), 2) if known else None,
+        "rss_growth_pct_two_samples": {
+            k: None if v is None else round(v, 2) for k, v in two_samples.items()
+        },
+        "rss_mb_by_role": samples[-1]["rss_mb"] if samples else {},
+        "lag_max_s": round(max(s["lag_s"] for s in after_first), 2) if samples else None,
+        "disk_bytes_first_vs_last": disk_peaks_ratio(samples, warmup_s, window_s),
+        "disk_bytes_by_kind": {"after_warmup": steady.disk_first, "end": samples[-1]["disk"]}
+        if samples
+        else {},
+        "windows": windows,
+        "throughput_last_vs_first_window": (
+            round(windows[-1]["events_per_s"] / windows[0]["events_per_s"], 3)
+            if len(windows) >= 2 and windows[0]["events_per_s"] > 0
+            else None
+        ),
+    }
+
+
+def report(figures: dict[str, Any], args: argparse.Namespace) -> None:
+    print_figures({k: v for k, v in figures.items() if k != "samples"}, str)
+    if args.json is not None:
+        write_json(args.json, figures, announce=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="streamrec-soak-"))
     work.mkdir(parents=True, exist_ok=True)
-    run_dir = work / "run"
+    run_dir, log_path, topic = work / "run", work / "job.log", "soak"
     broker = Broker(args.broker, work, fixed_heap=True)  # see the module docstring
-    job_proc: subprocess.Popen[bytes] | None = None
+    started: list[subprocess.Popen[bytes]] = []
     producer: Producer | None = None
+
+    def start() -> subprocess.Popen[bytes]:
+        started.append(start_job(soak_job(work, broker, topic, args), log_path))
+        return started[-1]
+
     try:
-        topic = "soak"
         broker.create_topic(topic, partitions=2)
         broker.create_topic(SIDE_TOPIC, partitions=2)
-        from connectors.kafka_produce import produce
-        from connectors.synthetic import SyntheticConfig, iter_json_lines
-
-        cap = args.capacity_events
-        backlog = 2 * cap  # the two backlogs, produced before the steady phase
-        pool = list(
-            iter_json_lines(SyntheticConfig(seed=args.seed), max(args.pool_events, backlog))
-        )
-        # 1. Capacity: two backlogs before the job starts (each half on each partition):
-        # the first learned with the machine to itself, the second while a producer
-        # writes another topic at the rate the first one gives (the steady phase's
-        # producer shares the machine too).
-        for p in (0, 1):
-            part = pool[:cap][p::2] + pool[cap:backlog][p::2]
-            produce(broker.bootstrap, topic, part, api_version=broker.api_version, partition=p)
-        job = soak_job(work, broker, topic, args)
-        log_path = work / "job.log"
-        job_proc = start_job(job, log_path)
-        began = wait_learned(job_proc, run_dir, 1, log_path)
-        half = wait_learned(job_proc, run_dir, cap, log_path)
-        capacity_alone = rate_over(cap, began, half)
-        side = Producer(broker, SIDE_TOPIC, args.load * capacity_alone, args.seed + 2, pool)
-        side.start()
-        try:
-            end = wait_learned(job_proc, run_dir, backlog, log_path)
-        finally:
-            side.stopped.set()
-            side.join(timeout=60)
-        capacity = rate_over(cap, half, end)
-        rate = args.rate or args.load * capacity
+        capacity, job_proc = capacity_phase(args, broker, topic, start, run_dir, log_path)
+        rate = args.rate or args.load * capacity.beside
         print(
-            f"capacity {capacity_alone:,.0f} events/s alone, {capacity:,.0f} beside a producer; "
-            f"steady phase at {rate:,.0f} events/s"
+            f"capacity {capacity.alone:,.0f} events/s alone, {capacity.beside:,.0f} beside a "
+            f"producer; steady phase at {rate:,.0f} events/s"
         )
-
-        # 2. Steady: the producer at the rate, samples every --sample-s.
+        pool, backlog = capacity.pool, capacity.backlog
         producer = Producer(broker, topic, rate, args.seed + 1, pool[backlog:] + pool[:backlog])
         producer.start()
-        t0 = time.monotonic()
-        samples: list[dict[str, Any]] = []
-        rss_first: dict[str, dict[int, int]] | None = None
-        disk_first: dict[str, int] | None = None
-        last_rss: dict[str, dict[int, int]] = {}
-        warmup_s = args.warmup_minutes * 60
-        next_sample = t0
-        while time.monotonic() - t0 < args.minutes * 60:
-            if job_proc.poll() is not None:
-                break
-            now = time.monotonic()
-            if now >= next_sample:
-                procs = processes(job_proc, broker)
-                rss = rss_by_process(procs)
-                cpu = cpu_seconds(procs)
-                disk = disk_bytes(run_dir)
-                # Learned first: the producer counts a block once the broker acknowledged
-                # it, and the job may read and learn it before that acknowledgement.
-                learned = learned_count(run_dir)
-                produced = backlog + producer.blocks * producer.block
-                # Never below 0: a block whose acknowledgement is still on its way is
-                # not counted as produced, though the job may have it.
-                lag = max(0, produced - learned)
-                t = now - t0
-                samples.append(
-                    {
-                        "t": round(t, 1),
-                        "produced": produced,
-                        "learned": learned,
-                        "lag_events": lag,
-                        # In seconds of the producer's rate so far (on a small machine
-                        # it may not reach the rate it was given).
-                        "lag_s": lag / max(1.0, (produced - backlog) / max(t, 1.0)),
-                        "rss_mb": {
-                            role: round(sum(v.values()) / 2**20, 1) for role, v in rss.items()
-                        },
-                        "rss": {
-                            role: {str(pid): b for pid, b in v.items()} for role, v in rss.items()
-                        },
-                        "disk": disk,
-                        "cpu": {role: round(v, 2) for role, v in cpu.items()},
-                    }
-                )
-                if rss_first is None and t >= warmup_s:
-                    rss_first, disk_first = rss, disk
-                last_rss = rss
-                print(
-                    f"{t:7.0f}s  learned {learned:,}  lag {samples[-1]['lag_s']:.1f}s  "
-                    f"rss MB {samples[-1]['rss_mb']}  disk MB "
-                    f"{sum(disk.values()) / 2**20:.1f}",
-                    flush=True,
-                )
-                next_sample = now + args.sample_s
-            time.sleep(min(0.5, max(0.0, next_sample - time.monotonic())))
-
-        # 3. End: every offset once.
-        producer.stopped.set()
-        producer.join(timeout=60)
-        src = group_source(broker, topic)
-        ends = {p: src.end_position(p) for p in src.partitions()}
-        src.close()
-        catch_up(job_proc, run_dir, ends, args.catch_up_s)
-        exit_code = interrupt(job_proc)
-
-        steady_s = samples[-1]["t"] if samples else 0.0
-        achieved = (samples[-1]["produced"] - backlog) / steady_s if steady_s else 0.0
-        window_s = args.window_minutes * 60
-        windows = windows_of(samples, 0.0, window_s)
-        after_first = [s for s in samples if s["t"] >= window_s] or samples
-        two_samples: dict[str, float | None] = {}
-        if rss_first is not None:
-            two_samples = {role: growth_pct(rss_first[role], last_rss[role]) for role in ROLES}
-        growth = rss_peaks_growth(samples, warmup_s, window_s)
-        known = [g for g in growth.values() if g is not None]
-        figures: dict[str, Any] = {
-            "minutes": args.minutes,
-            "table_rows": args.table_rows,
-            "warmup_minutes": args.warmup_minutes,
-            "rate": round(rate, 1),
-            # What the producer wrote per second, which a loaded machine may keep below
-            # the rate: the load the job really had.
-            "rate_achieved": round(achieved, 1),
-            "producer_retries": producer.errors,
-            "capacity_events_per_s": round(capacity, 1),
-            "capacity_alone_events_per_s": round(capacity_alone, 1),
-            "produced": sum(ends.values()),
-            **count_offsets(run_dir, ends),
-            "rss_growth_pct_after_warmup": {
-                k: None if v is None else round(v, 2) for k, v in growth.items()
-            },
-            "rss_growth_pct_after_warmup_max": round(max(known), 2) if known else None,
-            "rss_growth_pct_two_samples": {
-                k: None if v is None else round(v, 2) for k, v in two_samples.items()
-            },
-            "rss_mb_by_role": samples[-1]["rss_mb"] if samples else {},
-            "lag_max_s": round(max(s["lag_s"] for s in after_first), 2) if samples else None,
-            "disk_bytes_first_vs_last": disk_peaks_ratio(samples, warmup_s, window_s),
-            "disk_bytes_by_kind": {"after_warmup": disk_first, "end": samples[-1]["disk"]}
-            if samples
-            else {},
-            "windows": windows,
-            "throughput_last_vs_first_window": (
-                round(windows[-1]["events_per_s"] / windows[0]["events_per_s"], 3)
-                if len(windows) >= 2 and windows[0]["events_per_s"] > 0
-                else None
-            ),
-            "exit_code": exit_code,
-            "work_dir": str(work),
-        }
+        steady = steady_phase(args, job_proc, broker, producer, run_dir, backlog)
+        ends, exit_code = end_phase(args, job_proc, broker, producer, topic, run_dir)
+        figures = compute_figures(args, capacity, rate, steady, producer, run_dir, ends)
+        figures |= {"exit_code": exit_code, "work_dir": str(work)}
         figures["targets"] = check_targets(figures)
-        figures["samples"] = samples
-        print_figures({k: v for k, v in figures.items() if k != "samples"}, str)
-        if args.json is not None:
-            write_json(args.json, figures, announce=True)
+        figures["samples"] = steady.samples
+        report(figures, args)
         return 0
     finally:
         if producer is not None:
             producer.stopped.set()
-        if job_proc is not None:
+        for job_proc in started:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(job_proc.pid, signal.SIGKILL)
         broker.stop()

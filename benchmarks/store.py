@@ -192,7 +192,7 @@ def shown(v: Any) -> str:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="write the figures to this JSON file")
     parser.add_argument(
@@ -211,6 +211,44 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch_ids * 2 > args.distinct:
         # Zipf draws reach the table's tail slowly: a batch of most of it would take ages.
         parser.error(f"--batch-ids {args.batch_ids} is more than half of --distinct")
+    return args
+
+
+def grpc_phase(
+    args: argparse.Namespace,
+    batches: list[np.ndarray],
+    grads: np.ndarray,
+    results: dict[str, float | int | str],
+) -> None:
+    """Over gRPC to one and two shard processes, and through the socket alone; each
+    against the in-process rates."""
+    with tempfile.TemporaryDirectory(prefix="bench-store-") as tmp:
+        tmp_path = Path(tmp)
+        write_token(tmp_path / "token")
+        for n in (1, 2):
+            lookup, push = bench_grpc(n, args.distinct, batches, grads, args.repeats, tmp_path)
+            suffix = "" if n == 1 else "_2_shards"
+            results[f"grpc_lookup_rows_per_s{suffix}"] = lookup
+            results[f"grpc_push_rows_per_s{suffix}"] = push
+        lookup, push = bench_grpc(
+            1, args.distinct, batches, grads, args.repeats, tmp_path, shared_memory=False
+        )
+        results["grpc_network_lookup_rows_per_s"] = lookup
+        results["grpc_network_push_rows_per_s"] = push
+    results["grpc_vs_inproc_lookup"] = float(results["grpc_lookup_rows_per_s"]) / float(
+        results["inproc_lookup_rows_per_s"]
+    )
+    results["grpc_vs_inproc_push"] = float(results["grpc_push_rows_per_s"]) / float(
+        results["inproc_push_rows_per_s"]
+    )
+    for kind in ("lookup", "push"):
+        results[f"grpc_network_vs_inproc_{kind}"] = float(
+            results[f"grpc_network_{kind}_rows_per_s"]
+        ) / float(results[f"inproc_{kind}_rows_per_s"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     batches = [rank_to_id(b) for b in zipf_batches(args.distinct, 8, 1, args.batch_ids)]
     grads = np.random.default_rng(2).normal(scale=0.01, size=(args.batch_ids, DIM))
     grads = grads.astype(np.float32)
@@ -220,35 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         "batch_ids": args.batch_ids,
         "repeats": args.repeats,
     }
-
     results.update(bench_inproc(args.distinct, batches, grads, args.repeats))
     gc.collect()
-
     if not args.skip_grpc:
-        with tempfile.TemporaryDirectory(prefix="bench-store-") as tmp:
-            tmp_path = Path(tmp)
-            write_token(tmp_path / "token")
-            for n in (1, 2):
-                lookup, push = bench_grpc(n, args.distinct, batches, grads, args.repeats, tmp_path)
-                suffix = "" if n == 1 else "_2_shards"
-                results[f"grpc_lookup_rows_per_s{suffix}"] = lookup
-                results[f"grpc_push_rows_per_s{suffix}"] = push
-            lookup, push = bench_grpc(
-                1, args.distinct, batches, grads, args.repeats, tmp_path, shared_memory=False
-            )
-            results["grpc_network_lookup_rows_per_s"] = lookup
-            results["grpc_network_push_rows_per_s"] = push
-        results["grpc_vs_inproc_lookup"] = float(results["grpc_lookup_rows_per_s"]) / float(
-            results["inproc_lookup_rows_per_s"]
-        )
-        results["grpc_vs_inproc_push"] = float(results["grpc_push_rows_per_s"]) / float(
-            results["inproc_push_rows_per_s"]
-        )
-        for kind in ("lookup", "push"):
-            results[f"grpc_network_vs_inproc_{kind}"] = float(
-                results[f"grpc_network_{kind}_rows_per_s"]
-            ) / float(results[f"inproc_{kind}_rows_per_s"])
-
+        grpc_phase(args, batches, grads, results)
     print_figures(results, shown)
     if args.json:
         write_json(args.json, results, announce=True)
