@@ -116,7 +116,9 @@ class TieredTable(EmbeddingTable):
         self._changed_on_disk: list[I64] = []
         self._deleted: list[I64] = []
         self._expiry_cursor: int | None = None
-        self._tier_counters = {"promotions": 0, "demotions": 0, "disk_reads": 0, "dropped": 0}
+        self._tier_counters = dict.fromkeys(
+            ("asked", "missed", "promotions", "demotions", "disk_reads", "dropped"), 0
+        )
 
     # --- sizes -------------------------------------------------------------------
 
@@ -133,8 +135,10 @@ class TieredTable(EmbeddingTable):
         return int(self._alloc[0])
 
     def tier_counters(self) -> dict[str, int]:
-        """Rows read from disk (``promotions``), rows moved to disk (``demotions``),
-        ids looked for on disk (``disk_reads``), rows dropped over the capacity."""
+        """Ids asked for (``asked``, repeats counted) and of those not in memory
+        (``missed``), ids looked for on disk (``disk_reads``), rows read from disk
+        (``promotions``), rows moved to disk (``demotions``), rows dropped over the
+        capacity (``dropped``)."""
         with self._lock:
             return dict(self._tier_counters)
 
@@ -144,7 +148,10 @@ class TieredTable(EmbeddingTable):
         if keys.shape[0] == 0:
             return
         rows = np.empty(keys.shape[0], dtype=np.int64)
-        if not probe(self._buckets, keys, self.clock, False, rows):
+        missing = probe(self._buckets, keys, self.clock, False, rows)
+        self._tier_counters["asked"] += keys.shape[0]
+        self._tier_counters["missed"] += missing
+        if not missing:
             return
         wanted = np.unique(keys[rows < 0])
         self._tier_counters["disk_reads"] += wanted.shape[0]
