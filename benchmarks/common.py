@@ -12,18 +12,22 @@ import json
 import os
 import secrets
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
 if TYPE_CHECKING:
     from connectors.spec import FeatureSpec
     from deploy.local.shards import ShardProcess, StartingShard
+
+T = TypeVar("T")
 
 # The fields of a Criteo display-ads record besides ``label``: 13 dense counts
 # and 26 categorical (string) fields.
@@ -220,6 +224,34 @@ def shared_dask(log_path: Path, workers: int = 2) -> Iterator[str]:
         workers=workers, threads_per_worker=1, dashboard_address=":0", log_path=log_path
     ) as cluster:
         yield str(cluster.scheduler_address)
+
+
+@contextmanager
+def in_background(cm: AbstractContextManager[T]) -> Iterator[Callable[[], T]]:
+    """Enter ``cm`` on a thread of its own while the block goes on; yield a call that waits
+    until it is entered and returns what it gave. ``cm`` is exited with the block (once
+    entered); an error entering it is raised by that call, else on leaving the block.
+
+    For a service a benchmark needs later (a Dask cluster): its start, mostly waiting
+    on processes it starts, goes on beside the work before it.
+
+    >>> @contextmanager
+    ... def service() -> Iterator[str]:
+    ...     yield "ready"
+    >>> with in_background(service()) as ready:
+    ...     ready()
+    'ready'
+    """
+    with ThreadPoolExecutor(1, thread_name_prefix="bench-background") as pool:
+        future = pool.submit(cm.__enter__)
+        try:
+            yield future.result
+        except BaseException:
+            if future.exception() is None:
+                cm.__exit__(*sys.exc_info())
+            raise
+        future.result()
+        cm.__exit__(None, None, None)
 
 
 # --- output ------------------------------------------------------------------------------

@@ -73,6 +73,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -81,7 +82,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import MachineCpu, shared_dask, write_json
+from common import MachineCpu, in_background, shared_dask, write_json
 
 from connectors.synthetic import (
     SyntheticConfig,
@@ -730,7 +731,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=Path("bench-results/e2e.json"))
     parser.add_argument(
@@ -797,14 +798,36 @@ def main(argv: list[str] | None = None) -> int:
         "are not the full run's, where every job starts its own",
     )
     parser.add_argument("--quiet", action="store_true")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
 
+
+@dataclass(frozen=True)
+class Planned:
+    """One run of the benchmark: its key in the figures and how it trains."""
+
+    key: str
+    mode: str
+    samples: int
+    latency_ms: float
+    ranks: int
+    hidden: list[int]
+
+
+def whole_batches(samples: int) -> int:
+    """``samples`` rounded up to whole batches of both partitions.
+
+    >>> whole_batches(1), whole_batches(8192)
+    (8192, 8192)
+    """
     step = BATCH * PARTITIONS
-    samples = -(-args.samples // step) * step
-    lat_samples = -(-(args.latency_samples or args.samples) // step) * step
-    small_samples = -(-(args.small_samples or lat_samples) // step) * step
-    log = not args.quiet
-    results: dict[str, Any] = {
+    return -(-samples // step) * step
+
+
+def header(args: argparse.Namespace) -> dict[str, Any]:
+    """The figures' first keys: the run's sizes and options."""
+    samples = whole_batches(args.samples)
+    lat_samples = whole_batches(args.latency_samples or args.samples)
+    return {
         "samples": samples,
         "batch_size": BATCH,
         "window": args.window,
@@ -814,14 +837,17 @@ def main(argv: list[str] | None = None) -> int:
         "bf16": args.bf16,
         "store_latency_ms": args.store_latency_ms,
         "latency_samples": lat_samples,
-        "small_samples": small_samples,
+        "small_samples": whole_batches(args.small_samples or lat_samples),
         "small_hidden": SMALL_HIDDEN,
         "load_before": load(),
     }
-    lat = args.store_latency_ms
-    lat_key = f"{lat:g}ms"
-    # key, mode, samples, latency, ranks, hidden layers
-    plan: list[tuple[str, str, int, float, int, list[int]]] = []
+
+
+def plan_runs(args: argparse.Namespace, results: dict[str, Any]) -> list[Planned]:
+    """The runs in order: each mode, then the pairs with added store latency
+    (``torchrec`` left out, and said so in ``results``, where it is not installed)."""
+    samples = results["samples"]
+    plan: list[Planned] = []
     missing = torchrec_missing() if "torchrec" in args.modes else None
     if missing:
         print(f"torchrec: skipped: {missing}", flush=True)
@@ -829,84 +855,123 @@ def main(argv: list[str] | None = None) -> int:
     for mode in args.modes:
         if mode == "torchrec" and missing:
             continue
-        plan.append((mode, mode, samples, 0.0, args.async_ranks if mode == "async" else 1, HIDDEN))
+        ranks = args.async_ranks if mode == "async" else 1
+        plan.append(Planned(mode, mode, samples, 0.0, ranks, HIDDEN))
+    lat = args.store_latency_ms
     if lat > 0:
+        lat_key = f"{lat:g}ms"
         pairs = [m for m in ("sync", "hybrid", "hybrid_stale") if m in args.modes]
         if not args.skip_default_at_latency:
-            plan += [(f"{m}_at_{lat_key}", m, lat_samples, lat, 1, HIDDEN) for m in pairs]
+            n = results["latency_samples"]
+            plan += [Planned(f"{m}_at_{lat_key}", m, n, lat, 1, HIDDEN) for m in pairs]
         if not args.skip_small:
-            plan += [
-                (f"{m}_small_at_{lat_key}", m, small_samples, lat, 1, SMALL_HIDDEN) for m in pairs
-            ]
+            n = results["small_samples"]
+            plan += [Planned(f"{m}_small_at_{lat_key}", m, n, lat, 1, SMALL_HIDDEN) for m in pairs]
+    return plan
+
+
+def train(args: argparse.Namespace, p: Planned, scheduler: str | None, log: bool) -> Run:
+    """One planned run: in this process (``baseline``, ``torchrec``, ``step``) or as a job."""
+    if p.mode == "step":
+        return run_step_in_process(
+            p.samples, args.seed, args.window, log, args.log_every_s, args.bf16
+        )
+    if p.mode in IN_PROCESS:
+        return run_in_process(
+            p.mode, p.samples, args.seed, args.window, log, args.log_every_s, args.bf16
+        )
+    return run_streamrec(
+        p.mode,
+        p.samples,
+        seed=args.seed,
+        window=args.window,
+        latency_ms=p.latency_ms,
+        ranks=p.ranks,
+        torch_threads=args.torch_threads,
+        hidden=p.hidden,
+        keep_dir=args.keep_runs,
+        log_every_s=args.log_every_s,
+        bf16=args.bf16,
+        log=log,
+        report=bool(args.report),
+        scheduler=scheduler,
+    )
+
+
+def with_machine_cpu(run: Run, cpu: MachineCpu, before: list[float]) -> Run:
+    """The run with the load averages around it and the machine's busy cores over its clock."""
+    run.extra["load_before"] = before
+    run.extra["load_after"] = load()
+    if run.window is not None:
+        machine = cpu.over(*run.window)
+        if machine:
+            machine["cpu_ms_per_1k_samples"] = round(
+                1e6 * machine["busy_cpu_s"] / max(run.timed_samples, 1), 1
+            )
+        run.extra["machine_cpu"] = machine
+    return run
+
+
+class Clusters:
+    """With ``--share-cluster``: the first streamrec run starts its own Dask cluster, as
+    every run of the full run does; the later ones name one shared cluster, started
+    beside the runs before them."""
+
+    def __init__(self, stack: contextlib.ExitStack, share: bool) -> None:
+        self.share = share
+        self.scheduler: str | None = None
+        self.ran_own = False
+        self.shared: Callable[[], str] | None = None
+        if share:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-e2e-"))
+            self.shared = stack.enter_context(in_background(shared_dask(Path(tmp) / "dask.log")))
+
+    def for_run(self, mode: str) -> str | None:
+        if self.shared is not None and self.scheduler is None and mode not in IN_PROCESS:
+            if self.ran_own:
+                self.scheduler = self.shared()
+            self.ran_own = True
+        return self.scheduler
+
+
+def run_plan(
+    args: argparse.Namespace, plan: list[Planned], results: dict[str, Any]
+) -> tuple[dict[str, Run], dict[str, str]]:
+    """Every planned run in turn; the figures summarized and written after each."""
+    log = not args.quiet
     runs: dict[str, Run] = {}
     errors: dict[str, str] = {}
     t_all = time.monotonic()
     results["shared_cluster"] = args.share_cluster
     with contextlib.ExitStack() as stack:
         cpu = stack.enter_context(MachineCpu())
-        scheduler = None
-        ran_own_cluster = False
-        for key, mode, n, latency_ms, ranks, hidden in plan:
-            if args.share_cluster and scheduler is None and mode not in IN_PROCESS:
-                # The first streamrec run starts its own cluster, as every run of the
-                # full run does; the later ones name a shared one.
-                if ran_own_cluster:
-                    tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-e2e-"))
-                    scheduler = stack.enter_context(shared_dask(Path(tmp) / "dask.log"))
-                ran_own_cluster = True
+        clusters = Clusters(stack, args.share_cluster)
+        for p in plan:
+            scheduler = clusters.for_run(p.mode)
             before = load()
             if log:
-                added = f", {latency_ms:g} ms per store call" if latency_ms else ""
-                added += f", MLP {'-'.join(map(str, hidden))}" if hidden != HIDDEN else ""
-                print(f"{key}: {n:,} samples{added} (load {before})", flush=True)
+                added = f", {p.latency_ms:g} ms per store call" if p.latency_ms else ""
+                added += f", MLP {'-'.join(map(str, p.hidden))}" if p.hidden != HIDDEN else ""
+                print(f"{p.key}: {p.samples:,} samples{added} (load {before})", flush=True)
             try:
-                if mode == "step":
-                    run = run_step_in_process(
-                        n, args.seed, args.window, log, args.log_every_s, args.bf16
-                    )
-                elif mode in IN_PROCESS:
-                    run = run_in_process(
-                        mode, n, args.seed, args.window, log, args.log_every_s, args.bf16
-                    )
-                else:
-                    run = run_streamrec(
-                        mode,
-                        n,
-                        seed=args.seed,
-                        window=args.window,
-                        latency_ms=latency_ms,
-                        ranks=ranks,
-                        torch_threads=args.torch_threads,
-                        hidden=hidden,
-                        keep_dir=args.keep_runs,
-                        log_every_s=args.log_every_s,
-                        bf16=args.bf16,
-                        log=log,
-                        report=bool(args.report),
-                        scheduler=scheduler,
-                    )
+                run = train(args, p, scheduler, log)
             except Exception as exc:  # one mode failing must not lose the others' figures
-                errors[key] = f"{type(exc).__name__}: {exc}"
-                print(f"{key} FAILED: {errors[key]}", file=sys.stderr, flush=True)
+                errors[p.key] = f"{type(exc).__name__}: {exc}"
+                print(f"{p.key} FAILED: {errors[p.key]}", file=sys.stderr, flush=True)
             else:
-                run.extra["load_before"] = before
-                run.extra["load_after"] = load()
-                if run.window is not None:
-                    machine = cpu.over(*run.window)
-                    if machine:
-                        machine["cpu_ms_per_1k_samples"] = round(
-                            1e6 * machine["busy_cpu_s"] / max(run.timed_samples, 1), 1
-                        )
-                    run.extra["machine_cpu"] = machine
-                runs[key] = run
+                runs[p.key] = with_machine_cpu(run, cpu, before)
             results["total_s"] = round(time.monotonic() - t_all, 1)
             results["load_after"] = load()
-            summarize(results, runs, errors, args, samples, lat_key)
+            summarize(
+                results, runs, errors, args, results["samples"], f"{args.store_latency_ms:g}ms"
+            )
             if args.json:  # after every mode: a later failure keeps what was measured
                 write_json(args.json, results)
+    return runs, errors
 
-    report = write_run_report(Path(args.report), runs, samples) if args.report else None
 
+def print_runs(runs: dict[str, Run], errors: dict[str, str], results: dict[str, Any]) -> None:
+    """The table of runs and the targets."""
     print()
     print(
         f"{'mode':<16} {'samples/s':>11} {'median 1s':>10} {'AUC':>8} {'timed':>24} "
@@ -934,6 +999,16 @@ def main(argv: list[str] | None = None) -> int:
     if "async_note" in results:
         print(results["async_note"])
     print(f"load average before {results['load_before']}, after {results['load_after']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    results = header(args)
+    plan = plan_runs(args, results)
+    runs, errors = run_plan(args, plan, results)
+    samples = results["samples"]
+    report = write_run_report(Path(args.report), runs, samples) if args.report else None
+    print_runs(runs, errors, results)
     if args.json:
         print(f"wrote {args.json}")
     if report is not None:

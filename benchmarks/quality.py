@@ -86,7 +86,7 @@ import tempfile
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -97,7 +97,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from common import shared_dask, write_json  # noqa: E402
+from common import in_background, shared_dask, write_json  # noqa: E402
 from e2e import load, measured_rate, read_metrics  # noqa: E402
 
 if TYPE_CHECKING:
@@ -334,36 +334,52 @@ class Result:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def run_plain(
-    ds: Dataset,
-    *,
-    batch_size: int,
-    hidden: list[int],
-    window: int,
-    seed: int,
-    warmup_s: float = 1.0,
-) -> Result:
-    """Train ``ds`` once with the plain PyTorch loop; every batch scored before it is learned."""
-    import torch
-    from torch import nn
+@dataclass
+class PlainModel:
+    """The plain loop's model: an ``nn.EmbeddingBag`` per table, the dense net, their
+    optimizers."""
 
-    from embedding_store.types import StoreConfig, UniformInit
-    from trainer.config import FFNNConfig, TrainerConfig
-    from trainer.dense_model import build_optimizer
-    from trainer.metrics import ProgressiveMetrics
-    from trainer.models import build_model, field_dims, loss_fn, rate_logits
+    spec: FeatureSpec
+    bags: Any  # nn.ModuleDict of table -> nn.EmbeddingBag
+    net: Any
+    row_opt: Any
+    dense_opt: Any
 
-    # torch's sparse Adagrad says, once, that it skips sparse invariant checks.
-    warnings.filterwarnings("ignore", message="Sparse invariant checks")
-    t_gen = time.perf_counter()
+    def logits(self, batch: PreparedBatch, idx: dict[str, np.ndarray]) -> Any:
+        import torch
+
+        dense = torch.from_numpy(np.ascontiguousarray(batch.dense))
+        return self.net(dense, self.pooled(batch, idx))
+
+    def pooled(self, batch: PreparedBatch, idx: dict[str, np.ndarray]) -> list[Any]:
+        """Each sparse field's pooled rows (sum, or mean where the field says so)."""
+        import torch
+
+        fields = {s.name: (s.table, s.pooling) for s in self.spec.sparse}
+        b = len(batch)
+        by_field: dict[str, Any] = {}
+        for name, t in batch.tables.items():
+            offsets = torch.from_numpy(t.offsets.astype(np.int64))
+            sums = self.bags[name](torch.from_numpy(idx[name].astype(np.int64)), offsets[:-1])
+            sums = sums.view(b, len(t.fields), -1)
+            lengths = (offsets[1:] - offsets[:-1]).view(b, len(t.fields)).clamp(min=1)
+            for j, f in enumerate(t.fields):
+                x = sums[:, j]
+                by_field[f] = x / lengths[:, j : j + 1] if fields[f][1] == "mean" else x
+        return [by_field[s.name] for s in self.spec.sparse]
+
+
+def plain_inputs(
+    ds: Dataset, batch_size: int
+) -> tuple[list[PreparedBatch], dict[str, np.ndarray], list[dict[str, np.ndarray]]]:
+    """The hashed batches, each table's vocabulary (exactly the ids the data set has) and
+    each batch's ids as rows of those vocabularies."""
     batches = hashed_batches(ds, batch_size)
-    spec = ds.spec
-    store = StoreConfig.model_validate(ds.store)
     # Each table holds exactly the ids the data set has: no collisions, nothing evicted,
     # as in the store, whose tables have room for every id here.
     vocab = {
         name: np.unique(np.concatenate([b.tables[name].unique_ids for b in batches]))
-        for name in spec.tables()
+        for name in ds.spec.tables()
     }
     rows = [
         {
@@ -372,12 +388,24 @@ def run_plain(
         }
         for b in batches
     ]
-    gen_s = time.perf_counter() - t_gen
+    return batches, vocab, rows
 
-    # One thread: the loop's ops are small, and on a busy host torch's intra-op threads
-    # wait on each other (a hot-id step took 50x longer on 2 threads at load 7 on 2 cores).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+
+def build_plain_model(
+    ds: Dataset, vocab: dict[str, np.ndarray], hidden: list[int], seed: int
+) -> PlainModel:
+    """The tables' bags uniform as the store starts its rows, the job's dense net and its
+    optimizers; one row optimizer for every table."""
+    import torch
+    from torch import nn
+
+    from embedding_store.types import StoreConfig, UniformInit
+    from trainer.config import FFNNConfig, TrainerConfig
+    from trainer.dense_model import build_optimizer
+    from trainer.models import build_model, field_dims
+
+    spec = ds.spec
+    store = StoreConfig.model_validate(ds.store)
     torch.manual_seed(seed)
     bags = nn.ModuleDict()
     for name in spec.tables():
@@ -401,39 +429,53 @@ def run_plain(
         list(bags.parameters()), store.tables[next(iter(spec.tables()))].optimizer
     )
     dense_opt = build_optimizer(net, TrainerConfig().optimizer)
+    return PlainModel(spec, bags, net, row_opt, dense_opt)
+
+
+def run_plain(
+    ds: Dataset,
+    *,
+    batch_size: int,
+    hidden: list[int],
+    window: int,
+    seed: int,
+    warmup_s: float = 1.0,
+) -> Result:
+    """Train ``ds`` once with the plain PyTorch loop; every batch scored before it is learned."""
+    import torch
+
+    from trainer.metrics import ProgressiveMetrics
+    from trainer.models import loss_fn, rate_logits
+
+    # torch's sparse Adagrad says, once, that it skips sparse invariant checks.
+    warnings.filterwarnings("ignore", message="Sparse invariant checks")
+    t_gen = time.perf_counter()
+    batches, vocab, rows = plain_inputs(ds, batch_size)
+    gen_s = time.perf_counter() - t_gen
+
+    # One thread: the loop's ops are small, and on a busy host torch's intra-op threads
+    # wait on each other (a hot-id step took 50x longer on 2 threads at load 7 on 2 cores).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model = build_plain_model(ds, vocab, hidden, seed)
     metrics = ProgressiveMetrics(window=window)
-    fields = {s.name: (s.table, s.pooling) for s in spec.sparse}
-
-    def pooled(batch: PreparedBatch, idx: dict[str, np.ndarray]) -> list[Any]:
-        b = len(batch)
-        by_field: dict[str, Any] = {}
-        for name, t in batch.tables.items():
-            offsets = torch.from_numpy(t.offsets.astype(np.int64))
-            sums = bags[name](torch.from_numpy(idx[name].astype(np.int64)), offsets[:-1])
-            sums = sums.view(b, len(t.fields), -1)
-            lengths = (offsets[1:] - offsets[:-1]).view(b, len(t.fields)).clamp(min=1)
-            for j, f in enumerate(t.fields):
-                x = sums[:, j]
-                by_field[f] = x / lengths[:, j : j + 1] if fields[f][1] == "mean" else x
-        return [by_field[s.name] for s in spec.sparse]
-
     first = batches[0].labels.astype(np.float64)
     # The job's label_prior "first_batch": logit of the first batch's rate, add-one-half smoothed.
-    net.set_output_bias(rate_logits((first.sum(axis=0) + 0.5) / (first.shape[0] + 1.0)))
+    model.net.set_output_bias(rate_logits((first.sum(axis=0) + 0.5) / (first.shape[0] + 1.0)))
     t_start = time.perf_counter()
     t0 = 0.0
     timed_from = trained = 0
     for batch, idx in zip(batches, rows, strict=True):
         y = torch.from_numpy(np.ascontiguousarray(batch.labels))
-        logits = net(torch.from_numpy(np.ascontiguousarray(batch.dense)), pooled(batch, idx))
+        logits = model.logits(batch, idx)
         with torch.no_grad():
             metrics.update(y.numpy(), torch.sigmoid(logits).numpy())
         loss = loss_fn(logits, y)
-        dense_opt.zero_grad(set_to_none=True)
-        row_opt.zero_grad(set_to_none=True)
+        model.dense_opt.zero_grad(set_to_none=True)
+        model.row_opt.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
-        dense_opt.step()
-        row_opt.step()
+        model.dense_opt.step()
+        model.row_opt.step()
         trained += len(batch)
         now = time.perf_counter()
         if not t0 and (now - t_start >= warmup_s or trained * 2 >= len(ds.payloads)):
@@ -473,13 +515,18 @@ def produce(
     partitions: int = 1,
     create_topic: Callable[[str, int], None] | None = None,
     zookeeper: str | None = None,
+    in_process: bool = False,
 ) -> str:
     """``streamrec produce --from`` ``ds`` into a new topic of ``partitions`` partitions:
     record ``i`` into partition ``i % partitions``, so that each holds the stream in
     order, thinned alike (one trainer rank per partition). ``create_topic(name, n)``:
     how to make the topic (a local Kafka's; None: ``streamrec kafka topic create``, with
-    ``zookeeper`` for a broker older than 0.10.1)."""
+    ``zookeeper`` for a broker older than 0.10.1). ``in_process``: the same, by the
+    functions those commands call, in this process (``--produce-in-process``)."""
     topic = f"quality-{ds.name}-p{partitions}-{uuid.uuid4().hex[:8]}"
+    if in_process:
+        produce_here(ds, bootstrap, api_version, topic, partitions, create_topic, zookeeper)
+        return topic
     if partitions > 1 and create_topic is not None:
         create_topic(topic, partitions)
     elif partitions > 1:
@@ -500,6 +547,49 @@ def produce(
             cmd += ["--partition", str(p)]
         _run_or_raise(cmd, "streamrec produce")
     return topic
+
+
+def produce_here(
+    ds: Dataset,
+    bootstrap: str,
+    api_version: str,
+    topic: str,
+    partitions: int,
+    create_topic: Callable[[str, int], None] | None,
+    zookeeper: str | None,
+) -> None:
+    """What :func:`produce` has ``streamrec kafka topic create`` and ``streamrec produce``
+    do, by the functions they call, in this process: no interpreter started per call."""
+    from connectors.kafka_produce import produce as produce_records
+    from deploy.local.kafka import make_topic
+
+    version = tuple(int(v) for v in api_version.split("."))
+    if partitions > 1 and create_topic is not None:
+        create_topic(topic, partitions)
+    elif partitions > 1:
+        make_topic(bootstrap, topic, partitions, api_version=version, zookeeper=zookeeper)
+    for p in range(partitions):
+        part = ds.payloads[p::partitions]
+        produce_records(
+            bootstrap,
+            topic,
+            part,
+            api_version=api_version,
+            partition=p if partitions > 1 else None,
+        )
+
+
+def streamrec_run(path: Path, events: int, log_path: Path, timeout_s: float) -> None:
+    """``streamrec run JOB --max-events N``, its output into ``log_path``."""
+    cmd = [*streamrec_command(), "run", str(path), "--max-events", str(events)]
+    with log_path.open("w") as log:
+        done = subprocess.run(
+            cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False
+        )
+    if done.returncode != 0:
+        tail = log_path.read_text()[-3000:]
+        msg = f"streamrec run exited {done.returncode}:\n{tail}"
+        raise RuntimeError(msg)
 
 
 def _run_or_raise(cmd: list[str], what: str) -> None:
@@ -584,9 +674,11 @@ def run_streamrec(
     trainer_options: dict[str, Any] | None = None,
     scheduler: str | None = None,
     ranks: int = 1,
+    in_process: bool = False,
 ) -> Result:
     """``streamrec run`` the job of ``ds`` in ``mode`` over the whole topic; its figures
-    (with several ``ranks``: over every rank's predictions)."""
+    (with several ``ranks``: over every rank's predictions). ``in_process``: the job run
+    by ``deploy.job.run_job`` in this process instead (``--run-in-process``)."""
     import yaml
 
     run_dir = work / label
@@ -611,17 +703,15 @@ def run_streamrec(
     path = work / f"{label}.yaml"
     path.write_text(yaml.safe_dump(job, sort_keys=False))
     n = len(ds.payloads)
-    cmd = [*streamrec_command(), "run", str(path), "--max-events", str(n)]
     t0 = time.monotonic()
-    with (work / f"{label}.log").open("w") as log:
-        done = subprocess.run(
-            cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, check=False
-        )
+    if in_process:
+        from deploy.config import load_config
+        from deploy.job import run_job
+
+        run_job(load_config(path), max_events=n)
+    else:
+        streamrec_run(path, n, work / f"{label}.log", timeout_s)
     wall_s = time.monotonic() - t0
-    if done.returncode != 0:
-        tail = (work / f"{label}.log").read_text()[-3000:]
-        msg = f"streamrec run exited {done.returncode}:\n{tail}"
-        raise RuntimeError(msg)
     lines = read_metrics(run_dir)
     if 0 not in lines or not lines[0]:
         msg = f"{label}: the job wrote no metrics"
@@ -807,10 +897,58 @@ def parse_options(items: Sequence[str]) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    from trainer.config import TrainerConfig
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """The options of how the streamrec runs run: the broker, the cluster, the repeats."""
+    parser.add_argument("--bootstrap", default=None, help="a running Kafka (default: start one)")
+    parser.add_argument("--api-version", default="0.9", help="the Kafka's API version")
+    parser.add_argument(
+        "--zookeeper",
+        default=None,
+        metavar="HOST:PORT",
+        help="the --bootstrap Kafka's ZooKeeper, to make topics of several partitions on a "
+        "broker older than 0.10.1 (for --ranks)",
+    )
+    parser.add_argument("--keep-runs", type=Path, default=None, help="keep run folders here")
+    parser.add_argument("--timeout-s", type=float, default=900.0, help="per streamrec run")
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs of each mode, in interleaved rounds; samples/s is their median (a 2-core "
+        "machine varies by 10-20%% from one run to the next)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed streamrec runs per data set before the timed ones (the first "
+        "rounds on a fresh broker run slower; default 1)",
+    )
+    parser.add_argument(
+        "--run-in-process",
+        action="store_true",
+        help="run each streamrec job by deploy.job.run_job in this process instead of "
+        "`streamrec run`: the smoke test's (the command's start, its imports, takes longer "
+        "than a run of a few thousand events)",
+    )
+    parser.add_argument(
+        "--produce-in-process",
+        action="store_true",
+        help="make the topics and write the records by the functions `streamrec kafka topic "
+        "create` and `streamrec produce` call, in this process: the smoke test's (each "
+        "command's start takes longer than its few thousand records)",
+    )
+    parser.add_argument(
+        "--share-cluster",
+        action="store_true",
+        help="every streamrec run names one local Dask cluster started for them all (each "
+        "still starts its own store shards): the smoke test's, whose runs are shorter than "
+        "a cluster's start; the rates are not the full run's, where every job starts its own",
+    )
 
-    default_s = TrainerConfig().staleness
+
+def parse_args(argv: list[str] | None, default_s: int) -> argparse.Namespace:
+    """The command line; ``default_s``: the trainer's default staleness (for the help)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=Path("bench-results/quality.json"))
     parser.add_argument("--datasets", nargs="+", choices=DATASETS, default=list(DATASETS))
@@ -869,38 +1007,7 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="added to every streamrec job's trainer: section (values in YAML), e.g. push_queue=0",
     )
-    parser.add_argument("--bootstrap", default=None, help="a running Kafka (default: start one)")
-    parser.add_argument("--api-version", default="0.9", help="the Kafka's API version")
-    parser.add_argument(
-        "--zookeeper",
-        default=None,
-        metavar="HOST:PORT",
-        help="the --bootstrap Kafka's ZooKeeper, to make topics of several partitions on a "
-        "broker older than 0.10.1 (for --ranks)",
-    )
-    parser.add_argument("--keep-runs", type=Path, default=None, help="keep run folders here")
-    parser.add_argument("--timeout-s", type=float, default=900.0, help="per streamrec run")
-    parser.add_argument(
-        "--repeat",
-        type=int,
-        default=1,
-        help="runs of each mode, in interleaved rounds; samples/s is their median (a 2-core "
-        "machine varies by 10-20%% from one run to the next)",
-    )
-    parser.add_argument(
-        "--warmup",
-        type=int,
-        default=1,
-        help="untimed streamrec runs per data set before the timed ones (the first "
-        "rounds on a fresh broker run slower; default 1)",
-    )
-    parser.add_argument(
-        "--share-cluster",
-        action="store_true",
-        help="every streamrec run names one local Dask cluster started for them all (each "
-        "still starts its own store shards): the smoke test's, whose runs are shorter than "
-        "a cluster's start; the rates are not the full run's, where every job starts its own",
-    )
+    add_run_options(parser)
     args = parser.parse_args(argv)
     if args.warmup < 0:
         parser.error("--warmup: 0 or more")
@@ -910,16 +1017,42 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--staleness: 0 or more")
     if any(n < 1 for n in args.ranks):
         parser.error("--ranks: 1 or more")
+    return args
+
+
+@dataclass
+class Session:
+    """What every run of the benchmark shares: its options, the broker, the figures so far."""
+
+    args: argparse.Namespace
+    default_s: int
+    optimizer: dict[str, Any]
+    hot_options: dict[str, Any]
+    trainer_options: dict[str, Any]
+    work: Path
+    results: dict[str, Any]
+    runs: dict[str, Result] = field(default_factory=dict)
+    repeats: dict[str, list[Result]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    t_all: float = field(default_factory=time.monotonic)
+    bootstrap: str = ""
+    # The shared Dask cluster's scheduler (--share-cluster), once started: it starts
+    # beside the first data set's making.
+    shared_scheduler: Callable[[], str] | None = None
+    create: Callable[[str, int], None] | None = None
+
+    @property
+    def needs_kafka(self) -> bool:
+        return any(m != "plain" for m in self.args.modes)
+
+
+def new_session(args: argparse.Namespace, default_s: int) -> Session:
+    """The options read, the work folder made and the figures' header written."""
+    from trainer.config import TrainerConfig
 
     optimizer = row_optimizer(args.row_optimizer, args.row_lr)
     hot_options = parse_options(args.hotids_set)
     trainer_options = parse_options(args.trainer_set)
-    makers: dict[str, Callable[[], Dataset]] = {
-        "hotids": lambda: hotids_dataset(
-            args.events or HOTIDS_EVENTS, args.seed, optimizer, hot_options
-        ),
-        "movielens": lambda: movielens_dataset(args.events or 100_000, optimizer),
-    }
     results: dict[str, Any] = {
         "datasets": {},
         "modes": args.modes,
@@ -941,123 +1074,185 @@ def main(argv: list[str] | None = None) -> int:
         "repeat": args.repeat,
         "shared_cluster": args.share_cluster,
     }
-    runs: dict[str, Result] = {}
-    repeats: dict[str, list[Result]] = {}
-    errors: dict[str, str] = {}
     work = args.keep_runs or Path(tempfile.mkdtemp(prefix="bench-quality-"))
     work.mkdir(parents=True, exist_ok=True)
-    kafka = None
-    needs_kafka = any(m != "plain" for m in args.modes)
-    t_all = time.monotonic()
-    stack = contextlib.ExitStack()  # the shared cluster, stopped before the broker
-    try:
-        bootstrap = args.bootstrap
-        if needs_kafka and bootstrap is None:
-            from deploy.local.kafka import LocalKafka
+    return Session(args, default_s, optimizer, hot_options, trainer_options, work, results)
 
-            kafka = LocalKafka.start(work / "kafka")
-            bootstrap = kafka.bootstrap
-        scheduler = None
-        if needs_kafka and args.share_cluster:
-            scheduler = stack.enter_context(shared_dask(work / "dask-scheduler.log"))
-        create = kafka.create_topic if kafka is not None else None
-        for name in args.datasets:
-            try:
-                ds = makers[name]()
-                topics = {
-                    n: produce(ds, bootstrap, args.api_version, work, n, create, args.zookeeper)
-                    if needs_kafka
-                    else ""
-                    for n in args.ranks
-                }
-            except Exception as exc:  # the other data set may still run
-                errors[name] = f"{type(exc).__name__}: {exc}"
-                print(f"{name} FAILED: {errors[name]}", file=sys.stderr, flush=True)
-                continue
-            n = len(ds.payloads)
-            window = max(100, n // 2)
-            results["datasets"][name] = {"events": n, "window": window, "about": ds.about}
-            print(f"{name}: {n:,} events ({ds.about}); AUC over the last {window:,}", flush=True)
-            runs_once = plan_runs(args.modes, args.staleness)
-            # The plain loop is one process: once, whatever --ranks says.
-            planned = [(m, s, 1) for m, s in runs_once if m == "plain"] + [
-                (m, s, n) for n in args.ranks for m, s in runs_once if m != "plain"
-            ]
-            rounds: list[tuple[_RankedRun, bool]] = [
-                (run, True) for run in rounds_of(planned, args.repeat)
-            ]
-            warm = [run for run in planned if run[0] != "plain"][: args.warmup]
-            for (mode, staleness, ranks), timed in [(run, False) for run in warm] + rounds:
-                key = run_key(name, mode, staleness, ranks)
-                t0 = time.monotonic()
-                before = load()
-                try:
-                    if mode == "plain":
-                        r = run_plain(
-                            ds,
-                            batch_size=args.batch_size,
-                            hidden=args.hidden,
-                            window=window,
-                            seed=args.seed,
-                        )
-                    else:
-                        r = run_streamrec(
-                            ds,
-                            mode,
-                            staleness,
-                            bootstrap=bootstrap,
-                            api_version=args.api_version,
-                            topic=topics[ranks],
-                            work=work,
-                            label=key,
-                            batch_size=args.batch_size,
-                            hidden=args.hidden,
-                            window=window,
-                            timeout_s=args.timeout_s,
-                            trainer_options=trainer_options,
-                            scheduler=scheduler,
-                            ranks=ranks,
-                        )
-                except Exception as exc:  # one run failing must not lose the others' figures
-                    key = key if timed else f"{key}_warmup"
-                    errors[key] = f"{type(exc).__name__}: {exc}"
-                    print(f"  {key} FAILED: {errors[key]}", file=sys.stderr, flush=True)
-                else:
-                    if not timed:
-                        print(f"  {key:<24} warm-up ({time.monotonic() - t0:.0f}s)", flush=True)
-                        continue
-                    r.extra["load_before"], r.extra["load_after"] = before, load()
-                    repeats.setdefault(key, []).append(r)
-                    runs[key] = median_result(repeats[key])
-                    auc = "-" if r.auc is None else f"{r.auc:.4f}"
-                    print(
-                        f"  {key:<24} AUC {auc}  logloss {r.logloss or 0:.4f}  "
-                        f"{r.samples_per_s:>9,.0f} samples/s  ({time.monotonic() - t0:.0f}s)",
-                        flush=True,
-                    )
-                results["errors"] = dict(errors)
-                results["total_s"] = round(time.monotonic() - t_all, 1)
-                summarize(results, runs, args.datasets, default_s, args.ranks)
-                write_json(args.json, results)  # after every run: a later failure keeps these
+
+@contextlib.contextmanager
+def services(s: Session) -> Iterator[None]:
+    """The broker (unless ``--bootstrap``) and the shared Dask cluster, for the runs; the
+    cluster stopped before the broker, the work folder removed unless kept."""
+    kafka = None
+    try:
+        with contextlib.ExitStack() as stack:
+            s.bootstrap = s.args.bootstrap
+            if s.needs_kafka and s.bootstrap is None:
+                from deploy.local.kafka import LocalKafka
+
+                kafka = LocalKafka.start(s.work / "kafka")
+                s.bootstrap = kafka.bootstrap
+            if s.needs_kafka and s.args.share_cluster:
+                cluster = shared_dask(s.work / "dask-scheduler.log")
+                s.shared_scheduler = stack.enter_context(in_background(cluster))
+            s.create = kafka.create_topic if kafka is not None else None
+            yield
     finally:
-        stack.close()
-        results["total_s"] = round(time.monotonic() - t_all, 1)
+        s.results["total_s"] = round(time.monotonic() - s.t_all, 1)
         if kafka is not None:
             kafka.stop()
-        if args.keep_runs is None:
-            shutil.rmtree(work, ignore_errors=True)
+        if s.args.keep_runs is None:
+            shutil.rmtree(s.work, ignore_errors=True)
 
-    print_table(runs, args.datasets)
+
+def make_dataset(s: Session, name: str) -> Dataset:
+    if name == "hotids":
+        events = s.args.events or HOTIDS_EVENTS
+        return hotids_dataset(events, s.args.seed, s.optimizer, s.hot_options)
+    return movielens_dataset(s.args.events or 100_000, s.optimizer)
+
+
+def prepare_dataset(s: Session, name: str) -> tuple[Dataset, dict[int, str]] | None:
+    """The data set and its topic per count of ranks; None (and why, in ``errors``) if
+    it could not be made: the other data set may still run."""
+    try:
+        ds = make_dataset(s, name)
+        topics = {
+            n: produce(
+                ds,
+                s.bootstrap,
+                s.args.api_version,
+                s.work,
+                n,
+                s.create,
+                s.args.zookeeper,
+                in_process=s.args.produce_in_process,
+            )
+            if s.needs_kafka
+            else ""
+            for n in s.args.ranks
+        }
+    except Exception as exc:
+        s.errors[name] = f"{type(exc).__name__}: {exc}"
+        print(f"{name} FAILED: {s.errors[name]}", file=sys.stderr, flush=True)
+        return None
+    return ds, topics
+
+
+def planned_runs(s: Session) -> list[tuple[_RankedRun, bool]]:
+    """The runs on one data set, in order, each with whether it is timed (the warm-ups
+    are not)."""
+    runs_once = plan_runs(s.args.modes, s.args.staleness)
+    # The plain loop is one process: once, whatever --ranks says.
+    planned = [(m, st, 1) for m, st in runs_once if m == "plain"] + [
+        (m, st, n) for n in s.args.ranks for m, st in runs_once if m != "plain"
+    ]
+    warm = [run for run in planned if run[0] != "plain"][: s.args.warmup]
+    rounds = [(run, True) for run in rounds_of(planned, s.args.repeat)]
+    return [(run, False) for run in warm] + rounds
+
+
+def train_once(
+    s: Session, ds: Dataset, run: _RankedRun, topics: dict[int, str], window: int, key: str
+) -> Result:
+    """One run of ``ds``: the plain loop in this process, else ``streamrec run``."""
+    mode, staleness, ranks = run
+    if mode == "plain":
+        return run_plain(
+            ds, batch_size=s.args.batch_size, hidden=s.args.hidden, window=window, seed=s.args.seed
+        )
+    return run_streamrec(
+        ds,
+        mode,
+        staleness,
+        bootstrap=s.bootstrap,
+        api_version=s.args.api_version,
+        topic=topics[ranks],
+        work=s.work,
+        label=key,
+        batch_size=s.args.batch_size,
+        hidden=s.args.hidden,
+        window=window,
+        timeout_s=s.args.timeout_s,
+        trainer_options=s.trainer_options,
+        scheduler=s.shared_scheduler() if s.shared_scheduler is not None else None,
+        ranks=ranks,
+        in_process=s.args.run_in_process,
+    )
+
+
+def record_run(s: Session, key: str, r: Result, t0: float, before: list[float]) -> None:
+    """A timed run's figures kept (the median of its repeats) and shown."""
+    r.extra["load_before"], r.extra["load_after"] = before, load()
+    s.repeats.setdefault(key, []).append(r)
+    s.runs[key] = median_result(s.repeats[key])
+    auc = "-" if r.auc is None else f"{r.auc:.4f}"
+    print(
+        f"  {key:<24} AUC {auc}  logloss {r.logloss or 0:.4f}  "
+        f"{r.samples_per_s:>9,.0f} samples/s  ({time.monotonic() - t0:.0f}s)",
+        flush=True,
+    )
+
+
+def run_dataset(s: Session, name: str) -> None:
+    """Every planned run on the data set ``name``; the JSON written after each."""
+    prepared = prepare_dataset(s, name)
+    if prepared is None:
+        return
+    ds, topics = prepared
+    n = len(ds.payloads)
+    window = max(100, n // 2)
+    s.results["datasets"][name] = {"events": n, "window": window, "about": ds.about}
+    print(f"{name}: {n:,} events ({ds.about}); AUC over the last {window:,}", flush=True)
+    for run, timed in planned_runs(s):
+        key = run_key(name, *run)
+        t0 = time.monotonic()
+        before = load()
+        try:
+            r = train_once(s, ds, run, topics, window, key)
+        except Exception as exc:  # one run failing must not lose the others' figures
+            key = key if timed else f"{key}_warmup"
+            s.errors[key] = f"{type(exc).__name__}: {exc}"
+            print(f"  {key} FAILED: {s.errors[key]}", file=sys.stderr, flush=True)
+        else:
+            if not timed:
+                print(f"  {key:<24} warm-up ({time.monotonic() - t0:.0f}s)", flush=True)
+                continue
+            record_run(s, key, r, t0, before)
+        save(s)  # after every run: a later failure keeps these
+
+
+def save(s: Session) -> None:
+    s.results["errors"] = dict(s.errors)
+    s.results["total_s"] = round(time.monotonic() - s.t_all, 1)
+    summarize(s.results, s.runs, s.args.datasets, s.default_s, s.args.ranks)
+    write_json(s.args.json, s.results)
+
+
+def print_summary(s: Session) -> None:
+    print_table(s.runs, s.args.datasets)
     print()
-    for name, n in itertools.product(args.datasets, args.ranks):
-        gap = results.get(f"hybrid_vs_sync_auc_gap_{name}{ranks_suffix(n)}")
+    for name, n in itertools.product(s.args.datasets, s.args.ranks):
+        gap = s.results.get(f"hybrid_vs_sync_auc_gap_{name}{ranks_suffix(n)}")
         shown = "-" if gap is None else f"{gap:+.4f}"
         on = f"{name}, {n} ranks" if n > 1 else name
-        print(f"hybrid (staleness {default_s}) - sync AUC on {on}: {shown}")
-    for key, e in errors.items():
+        print(f"hybrid (staleness {s.default_s}) - sync AUC on {on}: {shown}")
+    for key, e in s.errors.items():
         print(f"{key} FAILED: {e}")
-    print(f"wrote {args.json} ({results['total_s']:.0f}s in all)")
-    return 1 if errors else 0
+    print(f"wrote {s.args.json} ({s.results['total_s']:.0f}s in all)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from trainer.config import TrainerConfig
+
+    default_s = TrainerConfig().staleness
+    args = parse_args(argv, default_s)
+    s = new_session(args, default_s)
+    with services(s):
+        for name in args.datasets:
+            run_dataset(s, name)
+    print_summary(s)
+    return 1 if s.errors else 0
 
 
 if __name__ == "__main__":

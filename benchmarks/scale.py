@@ -52,6 +52,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,7 +61,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import print_figures, wait_all, write_json, write_store_job, write_token
+from common import (
+    in_background,
+    print_figures,
+    shared_dask,
+    wait_all,
+    write_json,
+    write_store_job,
+    write_token,
+)
 from e2e import HIDDEN, make_job, measured_rate, read_metrics
 
 from connectors.synthetic import (
@@ -236,8 +245,10 @@ def train(
     samples: int,
     seed: int,
     log_every_s: float,
+    scheduler: str | None = None,
 ) -> dict[str, Any]:
-    """Hybrid training on the loaded shards; samples/s as benchmarks/e2e.py measures it."""
+    """Hybrid training on the loaded shards; samples/s as benchmarks/e2e.py measures it
+    (on a Dask cluster of its own, or ``scheduler``'s)."""
     from deploy.config import JobConfig
     from deploy.job import run_job
 
@@ -253,6 +264,7 @@ def train(
         torch_threads=None,
         hidden=HIDDEN,
         log_every_s=log_every_s,
+        scheduler=scheduler,
     )
     raw = base.model_dump(mode="json")
     raw["store"] = store
@@ -277,7 +289,29 @@ def train(
     }
 
 
-def one_size(params: int, stream_rows: int, args: argparse.Namespace) -> dict[str, Any]:
+def memory_figures(
+    params: int, dim: int, shards: int, rss: list[int], idle: int, table_bytes: int
+) -> dict[str, Any]:
+    """The shards' memory per parameter, over that of idle shards, against the minimum."""
+    minimum = 4 * (dim + dim)  # float32 weights + Adagrad accumulators, per row
+    grown = sum(rss) - shards * idle
+    return {
+        "bytes_per_param": grown / params,
+        "min_bytes_per_param": minimum / dim,
+        "bytes_vs_min": grown / params / (minimum / dim),
+        "table_bytes_per_param": table_bytes / params,
+        "rss_bytes_per_param": sum(rss) / params,
+        "idle_shard_rss_bytes": idle,
+    }
+
+
+def one_size(
+    params: int,
+    stream_rows: int,
+    args: argparse.Namespace,
+    scheduler: Callable[[], str] | None = None,
+) -> dict[str, Any]:
+    """Every phase of one size; training on ``scheduler()``'s Dask cluster where given."""
     from embedding_store.client import StoreClient
     from embedding_store.types import StoreConfig
 
@@ -330,7 +364,15 @@ def one_size(params: int, stream_rows: int, args: argparse.Namespace) -> dict[st
             flush=True,
         )
         trained = train(
-            tmp, store, stream_cards, address, token, args.samples, args.seed, args.log_every_s
+            tmp,
+            store,
+            stream_cards,
+            address,
+            token,
+            args.samples,
+            args.seed,
+            args.log_every_s,
+            scheduler() if scheduler is not None else None,
         )
         print(
             f"  trained {trained['train_samples']:,} samples: "
@@ -339,20 +381,13 @@ def one_size(params: int, stream_rows: int, args: argparse.Namespace) -> dict[st
         )
         rss = [rss_bytes(p.proc.pid) for p in procs]
         table_bytes = sum(t.memory_bytes for s in client.stats() for t in s.tables)
-    minimum = 4 * (args.dim + args.dim)  # float32 weights + Adagrad accumulators, per row
-    grown = sum(rss) - args.shards * idle
     out = {
         "params": params,
         "rows": rows,
         "load_rows_per_s": loaded / load_s,
         **rates,
         **trained,
-        "bytes_per_param": grown / params,
-        "min_bytes_per_param": minimum / args.dim,
-        "bytes_vs_min": grown / params / (minimum / args.dim),
-        "table_bytes_per_param": table_bytes / params,
-        "rss_bytes_per_param": sum(rss) / params,
-        "idle_shard_rss_bytes": idle,
+        **memory_figures(params, args.dim, args.shards, rss, idle, table_bytes),
     }
     print(
         f"  memory: {out['bytes_per_param']:.2f} bytes/param "
@@ -362,7 +397,7 @@ def one_size(params: int, stream_rows: int, args: argparse.Namespace) -> dict[st
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=Path("bench-results/scale.json"))
     parser.add_argument(
@@ -383,9 +418,19 @@ def main(argv: list[str] | None = None) -> int:
         help="the training run's report interval, its clock's ticks (default 1)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--share-cluster",
+        action="store_true",
+        help="train every size on one local Dask cluster, started beside the first size's "
+        "shards and load (the smoke test's: a cluster's start takes longer than its short "
+        "training); by default each training run starts its own, as a job does",
+    )
     args = parser.parse_args(argv)
-    sizes = [int(float(s)) for s in args.sizes.split(",")]
-    runs = [one_size(p, min(sizes) // args.dim, args) for p in sizes]
+    return args
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each figure over the sizes, and the largest size against the smallest."""
     keys = [
         "params",
         "lookup_rows_per_s",
@@ -406,6 +451,19 @@ def main(argv: list[str] | None = None) -> int:
     figures["targets"] = TARGETS
     figures["runs"] = runs
     figures["cpus"] = os.cpu_count()
+    return figures
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sizes = [int(float(s)) for s in args.sizes.split(",")]
+    with ExitStack() as stack:
+        scheduler = None
+        if args.share_cluster:
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-scale-")))
+            scheduler = stack.enter_context(in_background(shared_dask(tmp / "dask.log")))
+        runs = [one_size(p, min(sizes) // args.dim, args, scheduler) for p in sizes]
+    figures = summarize(runs)
     print()
     print_figures(
         {k: v for k, v in figures.items() if k not in ("runs", "targets")},

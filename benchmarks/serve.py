@@ -325,23 +325,58 @@ class TrainingRun:
 
     def rate(self) -> dict[str, Any]:
         """samples/s: the metrics file's (first report to last), else the summary's overall."""
-        lines = read_metrics(self.run_dir)
         m = _SUMMARY.search(self.log())
         overall = float(m.group(2).replace(",", "")) if m else 0.0
-        out: dict[str, Any] = {"overall_samples_per_s": overall}
-        if 0 in lines:
-            rate, median, timed_samples, timed_s, total = measured_rate(lines)
-            out |= {
-                "metrics_samples_per_s": round(rate, 1),
-                "median_interval_samples_per_s": round(median, 1),
-                "timed_samples": timed_samples,
-                "timed_s": round(timed_s, 2),
-                "samples": total,
-            }
-        # Too short a run for two reports (the smoke test): the summary's overall rate.
-        out["samples_per_s"] = out.get("metrics_samples_per_s") or overall
-        out["from"] = "metrics" if out.get("metrics_samples_per_s") else "summary"
-        return out
+        return rate_of(self.run_dir, overall)
+
+
+class InProcessRun:
+    """The same job run by ``deploy.job.run_job`` in this process (``--in-process-jobs``):
+    no interpreter to start and no imports to make, which take longer than a short run's
+    training. ``wait`` runs it; ``rate`` reads its metrics file as :class:`TrainingRun`
+    does."""
+
+    def __init__(self, job_file: Path, max_events: int | None) -> None:
+        from deploy.config import load_config
+
+        self.job = load_config(job_file)
+        self.run_dir = Path(self.job.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.max_events = max_events
+        self.overall = 0.0
+
+    def wait(self, timeout_s: float) -> int:
+        """Run the job to its end (``timeout_s`` is the subprocess's; unused here)."""
+        from deploy.job import run_job
+
+        stats, _ = run_job(self.job, max_events=self.max_events)
+        elapsed = stats.elapsed()
+        self.overall = stats.samples / elapsed if elapsed > 0 else 0.0
+        return 0
+
+    def rate(self) -> dict[str, Any]:
+        """samples/s: the metrics file's (first report to last), else the run's overall."""
+        return rate_of(self.run_dir, self.overall)
+
+
+def rate_of(run_dir: Path, overall: float) -> dict[str, Any]:
+    """A job's samples/s from its metrics files (first report to last); ``overall``, the
+    whole run's, where it made fewer than two reports."""
+    lines = read_metrics(run_dir)
+    out: dict[str, Any] = {"overall_samples_per_s": overall}
+    if 0 in lines:
+        rate, median, timed_samples, timed_s, total = measured_rate(lines)
+        out |= {
+            "metrics_samples_per_s": round(rate, 1),
+            "median_interval_samples_per_s": round(median, 1),
+            "timed_samples": timed_samples,
+            "timed_s": round(timed_s, 2),
+            "samples": total,
+        }
+    # Too short a run for two reports (the smoke test): the summary's overall rate.
+    out["samples_per_s"] = out.get("metrics_samples_per_s") or overall
+    out["from"] = "metrics" if out.get("metrics_samples_per_s") else "summary"
+    return out
 
 
 # --- requests ---------------------------------------------------------------------------
@@ -776,6 +811,80 @@ def record_ids(job: JobConfig, record: bytes) -> dict[str, np.ndarray]:
     return {t: tb.unique_ids for t, tb in batch.tables.items()}
 
 
+@dataclass
+class Stamp:
+    """One stamped record's poll: its times and what it found."""
+
+    seconds: float  # from the push's acknowledgement to every pushed row served
+    first_change: float  # ... to some row served
+    effect: float | None  # how far the push moved the prediction (None: timed out)
+    polls: int
+    swaps: int  # dense versions swapped in meanwhile
+    timed_out: bool
+    check: float | None  # |server - local| on the version before the push
+
+
+def stamp_once(
+    client: Any,
+    store: StoreClient,
+    job: JobConfig,
+    local: LocalForward,
+    record: bytes,
+    timeout_s: float,
+) -> Stamp:
+    """Push on ``record``'s rows in the training shards and poll the server until its
+    answer is this process's forward over the pushed rows (see :func:`sparse_freshness`)."""
+    ids = record_ids(job, record)
+    rows = store.lookup(ids, train=True)  # as a training step does: rows are made
+    before = FrozenRows({t: (ids[t], np.asarray(rows[t])) for t in ids})
+    req = make_request([record])
+    p0, params0 = infer(client, req)
+    d0 = params0["dense_version"]
+    old: dict[int, float | None] = {d0: float(p0[0])}
+    new: dict[int, float | None] = {}
+    grads = {
+        t: (ids[t], np.full((ids[t].shape[0], store.dims[t]), PUSH_GRAD, np.float32)) for t in ids
+    }
+    result = store.push(grads, return_rows=True)
+    t0 = time.perf_counter()
+    assert result.rows is not None
+    after = FrozenRows({t: (ids[t], result.rows[t].weights.astype(store.row_dtype)) for t in ids})
+    first: float | None = None
+    n = swaps = 0
+    while True:
+        p, params = infer(client, req)
+        t1 = time.perf_counter()
+        n += 1
+        served = float(p[0])
+        d = params["dense_version"]
+        if d not in old:
+            swaps += 1
+            old[d] = local.predict(record, before, d)
+        if d not in new:
+            new[d] = local.predict(record, after, d)
+        o, w = old[d], new[d]
+        if o is not None and first is None and abs(served - o) > (1e-6 if d == d0 else 1e-5):
+            first = t1 - t0
+        # The push moves the answer by far more than the 1e-5 they agree to.
+        if (
+            o is not None
+            and w is not None
+            and first is not None
+            and abs(served - w) <= 1e-5 < abs(w - o) / 2
+        ):
+            stamp = Stamp(t1 - t0, first, abs(w - o), n, swaps, False, None)
+            break
+        if t1 - t0 > timeout_s:
+            stamp = Stamp(
+                t1 - t0, first if first is not None else t1 - t0, None, n, swaps, True, None
+            )
+            break
+    reference = local.predict(record, before, d0)
+    if reference is not None:
+        stamp.check = abs(reference - float(p0[0]))
+    return stamp
+
+
 def sparse_freshness(
     address: str,
     store: StoreClient,
@@ -797,77 +906,20 @@ def sparse_freshness(
     """
     client = client_for(address)
     local = LocalForward(job)
-    times: list[float] = []
-    first_change: list[float] = []
-    effects: list[float] = []
-    polls: list[int] = []
-    timeouts = 0
-    swaps = 0  # dense versions swapped in while a stamp was polled for
-    check: list[float] = []  # |server - local| on the version before the push, per record
+    stamps: list[Stamp] = []
     try:
         for i, record in enumerate(records):
-            ids = record_ids(job, record)
-            rows = store.lookup(ids, train=True)  # as a training step does: rows are made
-            before = FrozenRows({t: (ids[t], np.asarray(rows[t])) for t in ids})
-            req = make_request([record])
-            p0, params0 = infer(client, req)
-            d0 = params0["dense_version"]
-            old: dict[int, float | None] = {d0: float(p0[0])}
-            new: dict[int, float | None] = {}
-            grads = {
-                t: (ids[t], np.full((ids[t].shape[0], store.dims[t]), PUSH_GRAD, np.float32))
-                for t in ids
-            }
-            result = store.push(grads, return_rows=True)
-            t0 = time.perf_counter()
-            assert result.rows is not None
-            after = FrozenRows(
-                {t: (ids[t], result.rows[t].weights.astype(store.row_dtype)) for t in ids}
-            )
-            first: float | None = None
-            n = 0
-            while True:
-                p, params = infer(client, req)
-                t1 = time.perf_counter()
-                n += 1
-                served = float(p[0])
-                d = params["dense_version"]
-                if d not in old:
-                    swaps += 1
-                    old[d] = local.predict(record, before, d)
-                if d not in new:
-                    new[d] = local.predict(record, after, d)
-                o, w = old[d], new[d]
-                if (
-                    o is not None
-                    and first is None
-                    and abs(served - o) > (1e-6 if d == d0 else 1e-5)
-                ):
-                    first = t1 - t0
-                # The push moves the answer by far more than the 1e-5 they agree to.
-                if (
-                    o is not None
-                    and w is not None
-                    and first is not None
-                    and abs(served - w) <= 1e-5 < abs(w - o) / 2
-                ):
-                    times.append(t1 - t0)
-                    first_change.append(first)
-                    effects.append(abs(w - o))
-                    break
-                if t1 - t0 > timeout_s:
-                    timeouts += 1
-                    times.append(t1 - t0)
-                    first_change.append(first if first is not None else t1 - t0)
-                    break
-            polls.append(n)
-            reference = local.predict(record, before, d0)
-            if i < 3 and reference is not None:
-                check.append(abs(reference - float(p0[0])))
+            stamps.append(stamp_once(client, store, job, local, record, timeout_s))
             if log and (i + 1) % 10 == 0:
-                say(f"    sparse {i + 1}/{len(records)}: p50 {statistics.median(times):.3f}s")
+                p50 = statistics.median(s.seconds for s in stamps)
+                say(f"    sparse {i + 1}/{len(records)}: p50 {p50:.3f}s")
     finally:
         client.close()
+    times = [s.seconds for s in stamps]
+    first_change = [s.first_change for s in stamps]
+    effects = [s.effect for s in stamps if s.effect is not None]
+    # |server - local| on the version before the push, on the first 3 records
+    check = [s.check for s in stamps[:3] if s.check is not None]
     return {
         "p50_s": pct(times, 50),
         "p99_s": pct(times, 99),
@@ -876,10 +928,10 @@ def sparse_freshness(
         "first_change_p50_s": pct(first_change, 50),
         "first_change_p99_s": pct(first_change, 99),
         "repeats": len(times),
-        "timeouts": timeouts,
-        "polls_median": statistics.median(polls),
+        "timeouts": sum(s.timed_out for s in stamps),
+        "polls_median": statistics.median(s.polls for s in stamps),
         "prediction_moved_by_min": min(effects) if effects else None,
-        "dense_swaps_while_polling": swaps,
+        "dense_swaps_while_polling": sum(s.swaps for s in stamps),
         "local_vs_server_max_abs": max(check) if check else None,
     }
 
@@ -1214,7 +1266,11 @@ def slowdown_phase(
                 hidden=s.args.hidden, scheduler=s.scheduler,
             )  # fmt: skip
             before = load()
-            run = TrainingRun(job_file, samples)
+            run: TrainingRun | InProcessRun = (
+                InProcessRun(job_file, samples)
+                if s.args.in_process_jobs
+                else TrainingRun(job_file, samples)
+            )
             loader = Load(s.address, load_reqs, LOAD_RPS) if kind == "with" else None
             share = _burner_share(runs) if kind == "burner" else None
             burner = (
@@ -1394,7 +1450,8 @@ def print_table(out: dict[str, Any]) -> None:
         say(f"{key:<40} {value:>12}  (target {t['target']}): {verdict}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line; ``--smoke`` brings every size down to its tiny one."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--json", type=Path, default=Path("bench-results/serve.json"))
     parser.add_argument("--seconds", type=float, default=5.0, help="per latency measurement")
@@ -1427,16 +1484,20 @@ def main(argv: list[str] | None = None) -> int:
         "--smoke",
         action="store_true",
         help="every figure at tiny sizes (seconds): 0.3 s per latency measurement, 16k "
-        "events, 1 round, 3 stamps, 2 versions, sweep 1 2, 1 shard, and one Dask cluster "
-        "that every training job names",
+        "events, 1 round, 3 stamps, 2 versions, sweep 1 2, 1 shard, one Dask cluster "
+        "that every training job names, the training_slowdown jobs in this process",
+    )
+    parser.add_argument(
+        "--in-process-jobs",
+        action="store_true",
+        help="run the training_slowdown jobs in this process (deploy.job.run_job) instead of "
+        "as `streamrec run` processes, whose start takes longer than a short job (--smoke)",
     )
     parser.add_argument("--quiet", action="store_true")
     parser.add_argument("--constant-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.constant_server:
-        constant_server()
-        return 0
     if args.smoke:
+        args.in_process_jobs = True
         args.seconds = min(args.seconds, 0.3)
         args.samples = min(args.samples, 16_384)
         args.repeat = 1
@@ -1444,9 +1505,12 @@ def main(argv: list[str] | None = None) -> int:
         args.dense_repeats = min(args.dense_repeats, 2)
         args.sweep = [1, 2]
         args.shards = 1
-    log = not args.quiet
-    cpus = os.cpu_count() or 1
-    out: dict[str, Any] = {
+    return args
+
+
+def header(args: argparse.Namespace, cpus: int) -> dict[str, Any]:
+    """The figures' first keys: what the run is."""
+    return {
         "cpus": cpus,
         "tensor_encoding": TENSOR_ENCODING,
         "seconds_per_latency_measurement": args.seconds,
@@ -1462,129 +1526,184 @@ def main(argv: list[str] | None = None) -> int:
         "smoke": args.smoke,
         "load_before": load(),
     }
-    t_all = time.monotonic()
 
-    def save() -> None:
-        out["total_s"] = round(time.monotonic() - t_all, 1)
-        out["load_after"] = load()
-        summarize(out, cpus)
-        if args.json:
-            write_json(args.json, out)
 
-    from deploy.config import load_config
+@dataclass
+class Services:
+    """The run's processes, each stopped when the run's ``ExitStack`` closes."""
+
+    tmp: Path
+    token_file: Path
+    store: str  # grpc://... of the training shards
+    scheduler: str | None
+    run: TrainingRun  # the endless job of the phase while training
+    replicas: list[Any]  # ShardProcess
+    server: Server
+
+
+def work_dir(stack: ExitStack, args: argparse.Namespace) -> Path:
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+        return Path(args.keep)
+    return Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-serve-")))
+
+
+def start_services(stack: ExitStack, args: argparse.Namespace, tmp: Path) -> Services:
+    """The training shards, the endless job, the replicas and ``streamrec serve``.
+
+    What waits on nothing else starts side by side: the training shards; then the
+    job (its start-up takes longest) and the replicas following the shards; then
+    the server over the replicas, which answers once the job published weights.
+    """
     from deploy.local.shards import ShardProcess
+
+    token_file = write_token(tmp / "store.token")
+    # The shards read the store section alone; the same job file for all.
+    first = write_job(
+        tmp, "shards", store="grpc://127.0.0.1:1", shards=args.shards,
+        token_file=token_file, events=None, hidden=args.hidden,
+    )  # fmt: skip
+    starting = [
+        ShardProcess.spawn(
+            first, tmp / "store" / f"shard-{i:03d}", token_file=token_file,
+            die_with_parent=True,
+        )
+        for i in range(args.shards)
+    ]  # fmt: skip
+    # The smoke's jobs are shorter than a Dask cluster's start: they share one.
+    scheduler = stack.enter_context(shared_dask(tmp / "dask-scheduler.log")) if args.smoke else None
+    training = wait_all(starting)
+    for shard in training:
+        stack.callback(shard.kill)
+    store = "grpc://" + ",".join(s.address for s in training)
+    job_file = write_job(
+        tmp, "while-training", store=store, shards=args.shards, token_file=token_file,
+        events=None, hidden=args.hidden, scheduler=scheduler,
+    )  # fmt: skip
+    run = TrainingRun(job_file, None)
+    stack.callback(run.stop)
+    replicas = wait_all(
+        [
+            ShardProcess.spawn(
+                first, tmp / "store" / f"replica-{i:03d}", token_file=token_file,
+                follow=shard.address, die_with_parent=True,
+            )
+            for i, shard in enumerate(training if args.rows == "replicas" else [])
+        ]
+    )  # fmt: skip
+    for replica in replicas:
+        stack.callback(replica.kill)
+    server = start_server(tmp, args, store, token_file, replicas)
+    stack.callback(server.stop)
+    return Services(tmp, token_file, store, scheduler, run, replicas, server)
+
+
+def start_server(
+    tmp: Path, args: argparse.Namespace, store: str, token_file: Path, replicas: list[Any]
+) -> Server:
+    """``streamrec serve`` over the replicas (or following the shards itself)."""
+    serve_file = write_job(
+        tmp, "serve", store=store, shards=args.shards, token_file=token_file, events=None,
+        hidden=args.hidden,
+    )  # fmt: skip
+    rows = (
+        ["--store", "grpc://" + ",".join(r.address for r in replicas)]
+        if args.rows == "replicas"
+        else ["--follow", store]
+    )
+    argv = [sys.executable, "-m", "deploy.cli", "serve", str(serve_file), "--port", "0",
+            *rows, "--store-token-file", str(token_file)]  # fmt: skip
+    return Server(argv, tmp / "serve.log")
+
+
+def make_setup(stack: ExitStack, args: argparse.Namespace, services: Services, log: bool) -> Setup:
+    """What every phase uses: the client of the training shards, the requests, the stamps."""
+    from deploy.config import load_config
     from embedding_store.client import StoreClient
 
+    token = services.token_file.read_text().strip()
+    job = load_config(services.tmp / "serve.yaml")
+    training_store = stack.enter_context(StoreClient.connect(services.store, token=token))
+    s = Setup(services.server.address, job, training_store, args, log)
+    s.server_pids = [services.server.proc.pid, *(r.proc.pid for r in services.replicas)]
+    s.scheduler = services.scheduler
+    # Enough for the largest request set (4 of 512 records); the smoke needs no more.
+    s.fresh_records = stream_records(512 * 4 if args.smoke else 4096)
+    s.reqs = {
+        1: requests_of(s.fresh_records, 1, 256),
+        64: requests_of(s.fresh_records, 64, 16),
+        512: requests_of(s.fresh_records, 512, 4),
+    }
+    s.stamps = stamp_records(args.sparse_repeats)
+    return s
+
+
+def server_alone_phase(s: Setup, tmp: Path, out: dict[str, Any]) -> None:
+    """No training: the latencies, JSON tensors and the ceiling."""
+    say("server alone:")
+    client = client_for(s.address)
+    wait_for(lambda: client.is_model_ready(MODEL), "the server ready")
+    client.close()
+    latency_phase(s, "", out)
+    json_mode(s, out)
+    ceiling_phase(s, tmp, out)
+
+
+def alone_freshness_phase(s: Setup, out: dict[str, Any]) -> None:
+    # Records of the trained stream, ids the job learned; each its own.
+    start = 1000
+    records = s.fresh_records[start : start + s.args.sparse_repeats]
+    freshness_phase(s, "", records, out)
+
+
+def save(out: dict[str, Any], args: argparse.Namespace, cpus: int, t_all: float) -> None:
+    """The figures so far, the targets computed, into ``--json``."""
+    out["total_s"] = round(time.monotonic() - t_all, 1)
+    out["load_after"] = load()
+    summarize(out, cpus)
+    if args.json:
+        write_json(args.json, out)
+
+
+def run_phases(args: argparse.Namespace, out: dict[str, Any], cpus: int, t_all: float) -> None:
+    """Every phase in turn, the JSON written after each."""
+    log = not args.quiet
     with ExitStack() as stack:
-        if args.keep is not None:
-            tmp = args.keep
-            tmp.mkdir(parents=True, exist_ok=True)
-        else:
-            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-serve-")))
-        token_file = write_token(tmp / "store.token")
-        token = token_file.read_text().strip()
-        # The shards read the store section alone; the same job file for all.
-        first = write_job(
-            tmp, "shards", store="grpc://127.0.0.1:1", shards=args.shards,
-            token_file=token_file, events=None, hidden=args.hidden,
-        )  # fmt: skip
+        tmp = work_dir(stack, args)
         t = time.monotonic()
-        # What waits on nothing else starts side by side: the training shards; then the
-        # job (its start-up takes longest) and the replicas following the shards; then
-        # the server over the replicas, which answers once the job published weights.
-        starting = [
-            ShardProcess.spawn(
-                first, tmp / "store" / f"shard-{i:03d}", token_file=token_file,
-                die_with_parent=True,
-            )
-            for i in range(args.shards)
-        ]  # fmt: skip
-        # The smoke's jobs are shorter than a Dask cluster's start: they share one.
-        scheduler = (
-            stack.enter_context(shared_dask(tmp / "dask-scheduler.log")) if args.smoke else None
-        )
-        training = wait_all(starting)
-        for shard in training:
-            stack.callback(shard.kill)
-        store = "grpc://" + ",".join(s.address for s in training)
-        job_file = write_job(
-            tmp, "while-training", store=store, shards=args.shards, token_file=token_file,
-            events=None, hidden=args.hidden, scheduler=scheduler,
-        )  # fmt: skip
-        run = TrainingRun(job_file, None)
-        stack.callback(run.stop)
-        replicas = wait_all(
-            [
-                ShardProcess.spawn(
-                    first, tmp / "store" / f"replica-{i:03d}", token_file=token_file,
-                    follow=shard.address, die_with_parent=True,
-                )
-                for i, shard in enumerate(training if args.rows == "replicas" else [])
-            ]
-        )  # fmt: skip
-        for replica in replicas:
-            stack.callback(replica.kill)
-        serve_file = write_job(
-            tmp, "serve", store=store, shards=args.shards, token_file=token_file, events=None,
-            hidden=args.hidden,
-        )  # fmt: skip
-        job = load_config(serve_file)
-        rows = (
-            ["--store", "grpc://" + ",".join(r.address for r in replicas)]
-            if args.rows == "replicas"
-            else ["--follow", store]
-        )
-        argv = [sys.executable, "-m", "deploy.cli", "serve", str(serve_file), "--port", "0",
-                *rows, "--store-token-file", str(token_file)]  # fmt: skip
-        server = Server(argv, tmp / "serve.log")
-        stack.callback(server.stop)
+        services = start_services(stack, args, tmp)
         out["setup_s"] = round(time.monotonic() - t, 1)
-        training_store = stack.enter_context(StoreClient.connect(store, token=token))
-        s = Setup(server.address, job, training_store, args, log)
-        s.server_pids = [server.proc.pid, *(r.proc.pid for r in replicas)]
-        s.scheduler = scheduler
-        # Enough for the largest request set (4 of 512 records); the smoke needs no more.
-        s.fresh_records = stream_records(512 * 4 if args.smoke else 4096)
-        s.reqs = {
-            1: requests_of(s.fresh_records, 1, 256),
-            64: requests_of(s.fresh_records, 64, 16),
-            512: requests_of(s.fresh_records, 512, 4),
-        }
-        s.stamps = stamp_records(args.sparse_repeats)
+        s = make_setup(stack, args, services, log)
         if log:
+            replicas = f"{args.shards} replicas" if services.replicas else "replicas in the server"
             say(
-                f"{args.shards} training shards, "
-                f"{f'{args.shards} replicas' if replicas else 'replicas in the server'} "
-                "and `streamrec serve` "
-                f"on {server.address} ({out['setup_s']}s); {cpus} cores, load {load()}"
+                f"{args.shards} training shards, {replicas} and `streamrec serve` on "
+                f"{s.address} ({out['setup_s']}s); {cpus} cores, load {load()}"
             )
-
         say("while training (the job trains the served model as it goes):")
-        while_training_phase(s, run, out)
-        save()
-
-        say("server alone:")
-        client = client_for(server.address)
-        wait_for(lambda: client.is_model_ready(MODEL), "the server ready")
-        client.close()
-        latency_phase(s, "", out)
-        json_mode(s, out)
-        ceiling_phase(s, tmp, out)
-        save()
-        # Records of the trained stream, ids the job learned; each its own.
-        start = 1000
-        records = s.fresh_records[start : start + args.sparse_repeats]
-        freshness_phase(s, "", records, out)
-        save()
-
+        while_training_phase(s, services.run, out)
+        save(out, args, cpus, t_all)
+        server_alone_phase(s, tmp, out)
+        save(out, args, cpus, t_all)
+        alone_freshness_phase(s, out)
+        save(out, args, cpus, t_all)
         say(
             f"training_slowdown: {args.repeat} round(s) with and without {LOAD_RPS:.0f} "
             f"requests/s of batch {LOAD_BATCH}:"
         )
-        slowdown_phase(s, tmp, store, args.shards, token_file, out)
-        save()
-        serve_log = server.log()
-        out["server_errors_logged"] = serve_log.count("Traceback")
+        slowdown_phase(s, tmp, services.store, args.shards, services.token_file, out)
+        save(out, args, cpus, t_all)
+        out["server_errors_logged"] = services.server.log().count("Traceback")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.constant_server:
+        constant_server()
+        return 0
+    cpus = os.cpu_count() or 1
+    out = header(args, cpus)
+    run_phases(args, out, cpus, time.monotonic())
     print_table(out)
     say(f"load average before {out['load_before']}, after {out['load_after']}")
     say(f"total {out['total_s']}s")

@@ -47,6 +47,12 @@ def test_both_datasets_train_in_both_trainers_and_report(
         # Both streamrec runs name one Dask cluster: its start and its workers' first
         # tasks take longer than a run of 4,000 events.
         "--share-cluster",
+        # The topics made and the records written in the benchmark's process: each
+        # `streamrec` command's start took longer than writing its 2,000 records.
+        "--produce-in-process",
+        # The jobs run in the benchmark's process (deploy.job.run_job): `streamrec run`'s
+        # start, its imports, took longer than a run of 4,000 events.
+        "--run-in-process",
         "--bootstrap",
         kafka.bootstrap,
         "--api-version",

@@ -4,8 +4,9 @@ The whole script runs as in its full run (a training shard, its replica,
 ``streamrec serve`` and ``streamrec run`` as processes, tritonclient as the
 client), with latency measurements of 0.3 s, 3 sparse stamps, 2 dense versions
 and one round of 16k-event jobs for the training slowdown, every job naming one
-Dask cluster instead of starting its own. Every figure must be written and
-finite; none is compared with a speed.
+Dask cluster instead of starting its own (the slowdown's jobs run in the benchmark's
+process: a ``streamrec run``'s start took longer than its training). Every figure
+must be written and finite; none is compared with a speed.
 """
 
 from __future__ import annotations
