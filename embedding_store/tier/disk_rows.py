@@ -53,7 +53,7 @@ Records = npt.NDArray[np.void]
 _KEY = np.dtype(">u8")
 # Misses of one call are split into parts of at least this many ids, one part per
 # reader thread: fewer per part and the threads' overhead outweighs the overlap.
-_MIN_PART = 64
+_MIN_PART = 16
 
 
 class DiskFull(StoreError):
