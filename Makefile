@@ -20,7 +20,7 @@ PEERS_SPEC ?= torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0
 PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder --durations=30
 DEMO_ARGS ?=
 
-.PHONY: install browser lint typecheck proto proto-check docs test test-only demo s3 bench-store bench-pipeline bench-e2e bench-chaos bench-scale bench-quality bench-serve bench-soak clean
+.PHONY: install browser lint typecheck proto proto-check docs test test-only test-fast demo s3 bench-store bench-pipeline bench-e2e bench-chaos bench-scale bench-quality bench-serve bench-soak clean
 
 install: $(STAMP)
 
@@ -69,6 +69,16 @@ test: install browser proto-check
 
 test-only:
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The fast tier, for the edit-test loop: ruff, then every test not marked `processes`
+# (those start brokers, store shards, jobs, Dask clusters, browsers, S3 or rank
+# processes), test by test on two cores. A test that starts a process in this run
+# without the marker fails and says to mark it (tests/conftest.py). `make test` still
+# runs everything.
+FAST_ARGS ?= -n 2 -m "not processes"
+test-fast: install
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest $(FAST_ARGS)
 
 # The embedded default: local Dask cluster, two store shards, the synthetic stream.
 demo: install
