@@ -269,8 +269,10 @@ class EmbeddingTable:
             raise ValueError(msg)
         rows = np.empty(n, dtype=np.int64)
         with self._lock:
-            clock = self._advance_clock(step) if train else self.clock
+            # First: moving rows between tiers may fail (a full disk), and then the
+            # call must have changed nothing, the clock included.
             self._ensure_resident(keys)
+            clock = self._advance_clock(step) if train else self.clock
             missing = probe(self._buckets, keys, clock, train, rows)
             if train:
                 self._counters["lookups"] += 1

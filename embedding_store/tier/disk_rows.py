@@ -56,6 +56,10 @@ _KEY = np.dtype(">u8")
 _MIN_PART = 16
 
 
+# What RocksDB's errors say when the filesystem refuses to grow a file.
+_FULL = ("No space left", "ENOSPC", "File too large", "Quota exceeded")
+
+
 class DiskFull(StoreError):
     """The disk tier's filesystem has no room for more rows; nothing was written."""
 
@@ -246,10 +250,13 @@ class DiskRows:
         try:
             self._db.write(batch)
         except Exception as e:
-            if "No space left" in str(e) or "ENOSPC" in str(e):
-                msg = f"disk tier at {self.path}: the disk is full ({e}); the rows stay in memory"
-                raise DiskFull(msg) from e
-            raise
+            raise self._write_error(e) from e
+
+    def _write_error(self, e: Exception) -> StoreError:
+        if any(s in str(e) for s in _FULL):
+            msg = f"disk tier at {self.path}: the disk is full ({e}); the rows stay in memory"
+            return DiskFull(msg)
+        return StoreError(f"disk tier at {self.path}: a write failed: {e}")
 
     def scan(self, after: int | None = None, count: int = 65536) -> RowBatch:
         """Up to ``count`` rows in id order, from the first id above ``after``."""
@@ -313,7 +320,10 @@ class DiskRows:
     def flush(self) -> None:
         """Write the rows held in the engine's memory buffer to its table files."""
         self._check_open()
-        self._db.flush()
+        try:
+            self._db.flush()
+        except Exception as e:
+            raise self._write_error(e) from e
 
     def disk_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.path.iterdir() if f.is_file())

@@ -156,17 +156,21 @@ class TieredTable(EmbeddingTable):
         wanted = np.unique(keys[rows < 0])
         self._tier_counters["disk_reads"] += wanted.shape[0]
         _, batch = self.disk.get(wanted.view(np.uint64))
-        if not len(batch):
-            return
+        # Room for every row the call may add, read back or new, made now: rows go to
+        # disk here or not at all, before the call changes anything (a full disk fails
+        # it whole).
         free = self._room - int(self._alloc[0])
-        if len(batch) > free:
-            self._evict_lru(len(batch) - free, protect=keys)
+        if wanted.shape[0] > free:
+            adding = wanted.shape[0] - len(batch)
+            self._evict_lru(wanted.shape[0] - free, protect=keys, adding=adding)
             if len(batch) > self._room - int(self._alloc[0]):
                 msg = (
                     f"table {self.name!r}: one call needs {np.unique(keys).shape[0]} rows in "
                     f"memory at once, more than tier.memory_rows ({self._room}); raise it"
                 )
                 raise InvalidRequest(msg)
+        if not len(batch):
+            return
         self._reserve(len(batch))
         keys_in = batch.ids.view(np.int64)
         slots = np.empty(len(batch), dtype=np.int64)
@@ -178,11 +182,16 @@ class TieredTable(EmbeddingTable):
         self._tier_counters["promotions"] += len(batch)
 
     def _evict_lru(
-        self, n: int, protect_clock: int | None = None, protect: I64 | None = None
+        self,
+        n: int,
+        protect_clock: int | None = None,
+        protect: I64 | None = None,
+        adding: int | None = None,
     ) -> int:
         """Move ``n`` rows (or a little more) to disk, the policy's least wanted first;
-        never rows seen at ``protect_clock`` or of ``protect``. Over the capacity, the
-        rows are dropped instead, as an untiered table drops them."""
+        never rows seen at ``protect_clock`` or of ``protect``. When the ``adding`` new
+        rows (default ``n``) would take the table over its capacity, the rows are
+        dropped instead, as an untiered table drops them."""
         occupied = np.flatnonzero(self._buckets[:, ROW] >= 0)
         seen = self._buckets[occupied, SEEN]
         keep = np.ones(occupied.shape[0], dtype=np.bool_)
@@ -201,7 +210,7 @@ class TieredTable(EmbeddingTable):
         else:
             score = seen
         victims = occupied[np.argpartition(score, n - 1)[:n]] if n < occupied.shape[0] else occupied
-        if protect is None and len(self) + n_asked > self.config.capacity:
+        if len(self) + (n_asked if adding is None else adding) > self.config.capacity:
             dropped = self._delete(self._buckets[victims, KEY].copy())
             self._counters["evictions"] += dropped
             self._tier_counters["dropped"] += dropped

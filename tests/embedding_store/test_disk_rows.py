@@ -124,3 +124,48 @@ def test_a_closed_tier_says_so(tmp_path: Path) -> None:
     disk.close()
     with pytest.raises(StoreError, match="closed"):
         disk.get(np.array([1], np.uint64))
+
+
+FULL_DISK = """
+import resource, signal, sys
+import numpy as np
+# Files may not grow past 1 MiB: the engine's first table file over it fails to write,
+# as on a full disk (the signal the kernel sends for it is ignored, as a shard would).
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+from embedding_store.tier.disk_rows import DiskFull, DiskRows, RowLayout
+from tests.embedding_store.test_disk_rows import rows_of
+disk = DiskRows(sys.argv[1], RowLayout(4, 1))
+written = 0
+try:
+    for k in range(100):
+        disk.put(rows_of(np.arange(k * 20000, (k + 1) * 20000), 1.0))
+        disk.flush()
+        written = (k + 1) * 20000
+except DiskFull as e:
+    print("FULL", e)
+found, _ = disk.get(np.arange(0, written, 7, dtype=np.uint64))
+print("READABLE", bool(found.all()), written)
+"""
+
+
+@pytest.mark.processes
+def test_a_full_disk_is_an_error_naming_the_tier_and_its_rows_stay_readable(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO_ROOT
+
+    run = subprocess.run(
+        [sys.executable, "-c", FULL_DISK, str(tmp_path / "tier")],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"FULL disk tier at {tmp_path / 'tier'}: the disk is full" in run.stdout
+    assert "File too large" in run.stdout
+    assert "READABLE True" in run.stdout

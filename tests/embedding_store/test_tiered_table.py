@@ -191,3 +191,48 @@ def test_a_shard_keeps_its_tiers_in_its_data_dir_and_says_what_a_tier_needs(
         assert [p.name for p in (tmp_path / "shard" / "tier").iterdir()] == ["t.2"]
     finally:
         shard.close()
+
+
+def test_rows_that_cannot_go_to_disk_stay_in_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from embedding_store.tier.disk_rows import DiskFull
+
+    plain_cfg, tiered_cfg = configs(CASES["adagrad"])
+    plain = EmbeddingTable("t", plain_cfg)
+    tiered = TieredTable("t", tiered_cfg, tmp_path / "tier")
+    try:
+        first = np.arange(MEMORY_ROWS, dtype=np.uint64)
+        for table in (plain, tiered):
+            table.lookup(first)
+            table.push(first, np.ones((MEMORY_ROWS, 4), np.float32))
+
+        def full(rows: RowBatch) -> None:
+            raise DiskFull(f"disk tier at {tmp_path}: the disk is full (test)")
+
+        monkeypatch.setattr(tiered.disk, "put", full)
+        more = np.arange(MEMORY_ROWS, MEMORY_ROWS + 50, dtype=np.uint64)
+        with pytest.raises(DiskFull, match="the disk is full"):
+            tiered.lookup(more)
+        assert everything(tiered) == everything(plain)  # nothing lost, nothing half-moved
+        monkeypatch.undo()
+        np.testing.assert_array_equal(tiered.lookup(more), plain.lookup(more))
+        assert everything(tiered) == everything(plain)
+    finally:
+        tiered.close()
+
+
+def test_a_tiered_table_keeps_to_its_capacity_dropping_the_least_wanted(tmp_path: Path) -> None:
+    config = TableConfig(dim=4, capacity=600, tier={"memory_rows": MEMORY_ROWS})
+    table = TieredTable("t", config, tmp_path / "tier")
+    rng = np.random.default_rng(5)
+    try:
+        for _ in range(60):
+            table.lookup(skewed_ids(rng, 100))
+            # The capacity holds within the eviction's slack (a 64th of memory).
+            assert len(table) <= 600 + MEMORY_ROWS // 64 + 100
+        assert len(table) > MEMORY_ROWS
+        assert table.tier_counters()["dropped"] > 0
+        assert table.stats().evictions == table.tier_counters()["dropped"]
+    finally:
+        table.close()
