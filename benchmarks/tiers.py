@@ -367,7 +367,7 @@ def train(
     """A lookup and a push per batch; samples per second and the tier's counts of the
     lookups (asked, missed, promotions)."""
     grads = np.full((max(b.shape[0] for b in batches), dim), 1e-3, np.float32)
-    counts = {"asked": 0, "missed": 0, "promotions": 0}
+    counts = {"tier_asked": 0, "tier_missed": 0, "promotions": 0}
     t0 = time.perf_counter()
     for ids in batches:
         before = table.tier_counters() if isinstance(table, TieredTable) else None
@@ -422,7 +422,7 @@ def measure_tiers(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
             rate, counts = train(tiered, timed, dim)
             out[f"disk_reads_{key}"] = disk_reads() - reads_before
             out[f"tier_samples_per_s_{key}"] = rate
-            out[f"hit_rate_{key}"] = 1 - counts["missed"] / max(1, counts["asked"])
+            out[f"hit_rate_{key}"] = 1 - counts["tier_missed"] / max(1, counts["tier_asked"])
             out[f"best_hit_rate_{key}"] = float(zipf_cdf(alpha, rows)[memory_rows - 1])
             out[f"rows_from_disk_per_s_{key}"] = counts["promotions"] * rate / (len(timed) * batch)
             train(memory, warm, dim)
@@ -436,7 +436,7 @@ def measure_tiers(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         out["tier_hot_vs_memory"] = tier_rate / train(memory, hot, dim)[0]
         drift = batches_of(rng, 1.05, rows, args.batches * 2, batch, args.drift_every)
         _, counts = train(tiered, drift, dim)
-        out["hit_rate_drift"] = 1 - counts["missed"] / max(1, counts["asked"])
+        out["hit_rate_drift"] = 1 - counts["tier_missed"] / max(1, counts["tier_asked"])
         out["tier_counters"] = tiered.tier_counters()
     finally:
         tiered.close()

@@ -76,11 +76,11 @@ U64 = npt.NDArray[np.uint64]
 MAX_STEP = 1 << 40
 
 # A table's counters: the fields of ``TableStats`` that ``stats`` does not compute.
-_COUNTERS = tuple(
-    f.name
-    for f in fields(TableStats)
-    if f.name not in {"name", "dim", "rows", "capacity", "memory_bytes", "clock"}
-)
+_COMPUTED = {
+    "name", "dim", "rows", "capacity", "memory_bytes", "clock", "memory_rows", "disk_rows",
+    "disk_bytes",
+}  # fmt: skip
+_COUNTERS = tuple(f.name for f in fields(TableStats) if f.name not in _COMPUTED)
 
 
 def bytes_at_capacity(config: TableConfig) -> int:
@@ -763,8 +763,14 @@ class EmbeddingTable:
                 capacity=self.config.capacity,
                 memory_bytes=self.memory_bytes,
                 clock=self.clock,
+                memory_rows=int(self._alloc[0]),
+                **self._disk_stats(),
                 **self._counters,
             )
+
+    def _disk_stats(self) -> dict[str, int]:
+        """``disk_rows`` and ``disk_bytes`` of :class:`TableStats` (a tiered table's)."""
+        return {"disk_rows": 0, "disk_bytes": 0}
 
 
 def apply_changes(

@@ -547,6 +547,14 @@ class TableStats:
     dropped_not_admitted: int
     rejected_nonfinite: int
     unknown_reads: int = 0  # ids a server read that had no row (served their initial row)
+    # A tiered table's (embedding_store.tier); an untiered one has every row in memory.
+    memory_rows: int = 0  # rows in memory now
+    disk_rows: int = 0  # rows with a copy on disk
+    disk_bytes: int = 0  # the disk tier's files
+    tier_asked: int = 0  # ids asked for (repeats counted)
+    tier_missed: int = 0  # of those, not in memory when asked
+    promotions: int = 0  # rows read back from disk
+    demotions: int = 0  # rows moved out of memory (written to disk where changed)
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,17 @@ _TABLE_GAUGES: tuple[tuple[str, Callable[[TableStats], int], str], ...] = (
         lambda t: t.memory_bytes,
         "Bytes of the table's arrays on this shard.",
     ),
+    ("streamrec_store_memory_rows", lambda t: t.memory_rows, "Rows the table holds in memory."),
+    (
+        "streamrec_store_disk_rows",
+        lambda t: t.disk_rows,
+        "Rows of a tiered table with a copy in its disk tier.",
+    ),
+    (
+        "streamrec_store_disk_bytes",
+        lambda t: t.disk_bytes,
+        "Bytes of a tiered table's disk tier files.",
+    ),
 )
 _TABLE_COUNTERS: tuple[tuple[str, Callable[[TableStats], int], str], ...] = (
     (
@@ -99,6 +110,27 @@ _TABLE_COUNTERS: tuple[tuple[str, Callable[[TableStats], int], str], ...] = (
         "streamrec_store_unknown_reads_total",
         lambda t: t.unknown_reads,
         "Ids a serving replica read without a row (served the table's initial row).",
+    ),
+    (
+        "streamrec_store_tier_asked_ids_total",
+        lambda t: t.tier_asked,
+        "Ids a tiered table was asked for (repeats counted).",
+    ),
+    (
+        "streamrec_store_tier_missed_ids_total",
+        lambda t: t.tier_missed,
+        "Ids a tiered table was asked for that were not in memory: 1 - missed/asked is "
+        "its hit rate.",
+    ),
+    (
+        "streamrec_store_promotions_total",
+        lambda t: t.promotions,
+        "Rows a tiered table read back from disk.",
+    ),
+    (
+        "streamrec_store_demotions_total",
+        lambda t: t.demotions,
+        "Rows a tiered table moved out of memory (written to disk where changed).",
     ),
 )
 

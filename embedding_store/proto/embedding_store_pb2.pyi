@@ -173,7 +173,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TableStats(_message.Message):
-    __slots__ = ("name", "dim", "rows", "capacity", "memory_bytes", "clock", "lookups", "lookup_ids", "pushes", "push_ids", "admissions", "rejected_admissions", "evictions", "expirations", "overflow", "dropped_not_admitted", "rejected_nonfinite", "unknown_reads")
+    __slots__ = ("name", "dim", "rows", "capacity", "memory_bytes", "clock", "lookups", "lookup_ids", "pushes", "push_ids", "admissions", "rejected_admissions", "evictions", "expirations", "overflow", "dropped_not_admitted", "rejected_nonfinite", "unknown_reads", "memory_rows", "disk_rows", "disk_bytes", "tier_asked", "tier_missed", "promotions", "demotions")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DIM_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -192,6 +192,13 @@ class TableStats(_message.Message):
     DROPPED_NOT_ADMITTED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_NONFINITE_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_READS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DISK_ROWS_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_ASKED_FIELD_NUMBER: _ClassVar[int]
+    TIER_MISSED_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEMOTIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     dim: int
     rows: int
@@ -210,7 +217,14 @@ class TableStats(_message.Message):
     dropped_not_admitted: int
     rejected_nonfinite: int
     unknown_reads: int
-    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., capacity: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., clock: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_ids: _Optional[int] = ..., pushes: _Optional[int] = ..., push_ids: _Optional[int] = ..., admissions: _Optional[int] = ..., rejected_admissions: _Optional[int] = ..., evictions: _Optional[int] = ..., expirations: _Optional[int] = ..., overflow: _Optional[int] = ..., dropped_not_admitted: _Optional[int] = ..., rejected_nonfinite: _Optional[int] = ..., unknown_reads: _Optional[int] = ...) -> None: ...
+    memory_rows: int
+    disk_rows: int
+    disk_bytes: int
+    tier_asked: int
+    tier_missed: int
+    promotions: int
+    demotions: int
+    def __init__(self, name: _Optional[str] = ..., dim: _Optional[int] = ..., rows: _Optional[int] = ..., capacity: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., clock: _Optional[int] = ..., lookups: _Optional[int] = ..., lookup_ids: _Optional[int] = ..., pushes: _Optional[int] = ..., push_ids: _Optional[int] = ..., admissions: _Optional[int] = ..., rejected_admissions: _Optional[int] = ..., evictions: _Optional[int] = ..., expirations: _Optional[int] = ..., overflow: _Optional[int] = ..., dropped_not_admitted: _Optional[int] = ..., rejected_nonfinite: _Optional[int] = ..., unknown_reads: _Optional[int] = ..., memory_rows: _Optional[int] = ..., disk_rows: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., tier_asked: _Optional[int] = ..., tier_missed: _Optional[int] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ...) -> None: ...
 
 class LatencyHistogram(_message.Message):
     __slots__ = ("buckets", "counts", "sum_seconds", "count")

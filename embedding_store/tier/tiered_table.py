@@ -66,6 +66,7 @@ _STEP_BITS = 40
 # Rows of the disk tier one expiry pass looks at: expiring rows on disk is a scan,
 # spread over the passes instead of read in one.
 _EXPIRY_SCAN = 65536
+_TIER_COUNTERS = ("tier_asked", "tier_missed", "promotions", "demotions")
 
 
 def _empty_rows(dim: int, state_width: int) -> RowBatch:
@@ -116,9 +117,6 @@ class TieredTable(EmbeddingTable):
         self._changed_on_disk: list[I64] = []
         self._deleted: list[I64] = []
         self._expiry_cursor: int | None = None
-        self._tier_counters = dict.fromkeys(
-            ("asked", "missed", "promotions", "demotions", "disk_reads", "dropped"), 0
-        )
 
     # --- sizes -------------------------------------------------------------------
 
@@ -135,12 +133,14 @@ class TieredTable(EmbeddingTable):
         return int(self._alloc[0])
 
     def tier_counters(self) -> dict[str, int]:
-        """Ids asked for (``asked``, repeats counted) and of those not in memory
-        (``missed``), ids looked for on disk (``disk_reads``), rows read from disk
-        (``promotions``), rows moved to disk (``demotions``), rows dropped over the
-        capacity (``dropped``)."""
+        """Ids asked for (``tier_asked``, repeats counted) and of those not in memory
+        (``tier_missed``), rows read back from disk (``promotions``) and moved out of
+        memory (``demotions``): :meth:`stats` has them too."""
         with self._lock:
-            return dict(self._tier_counters)
+            return {k: self._counters[k] for k in _TIER_COUNTERS}
+
+    def _disk_stats(self) -> dict[str, int]:
+        return {"disk_rows": self._disk_rows, "disk_bytes": self.disk.disk_bytes()}
 
     # --- moving rows between the tiers --------------------------------------------
 
@@ -149,12 +149,11 @@ class TieredTable(EmbeddingTable):
             return
         rows = np.empty(keys.shape[0], dtype=np.int64)
         missing = probe(self._buckets, keys, self.clock, False, rows)
-        self._tier_counters["asked"] += keys.shape[0]
-        self._tier_counters["missed"] += missing
+        self._counters["tier_asked"] += keys.shape[0]
+        self._counters["tier_missed"] += missing
         if not missing:
             return
         wanted = np.unique(keys[rows < 0])
-        self._tier_counters["disk_reads"] += wanted.shape[0]
         _, batch = self.disk.get(wanted.view(np.uint64))
         # Room for every row the call may add, read back or new, made now: rows go to
         # disk here or not at all, before the call changes anything (a full disk fails
@@ -179,7 +178,7 @@ class TieredTable(EmbeddingTable):
         self._state[slots] = batch.state
         self._row_step[slots] = batch.row_step
         set_flags(self._buckets, keys_in, PERSISTED)
-        self._tier_counters["promotions"] += len(batch)
+        self._counters["promotions"] += len(batch)
 
     def _evict_lru(
         self,
@@ -213,7 +212,6 @@ class TieredTable(EmbeddingTable):
         if len(self) + (n_asked if adding is None else adding) > self.config.capacity:
             dropped = self._delete(self._buckets[victims, KEY].copy())
             self._counters["evictions"] += dropped
-            self._tier_counters["dropped"] += dropped
             return dropped
         return self._demote(victims)
 
@@ -227,7 +225,7 @@ class TieredTable(EmbeddingTable):
             self._disk_rows += int(np.count_nonzero(~persisted))
             self._changed_on_disk.append(rows.ids.view(np.int64).copy())
         moved, _ = self._delete_slots(self._buckets[victims, KEY].copy())
-        self._tier_counters["demotions"] += moved
+        self._counters["demotions"] += moved
         return moved
 
     # --- deletion and expiry -------------------------------------------------------

@@ -51,6 +51,13 @@ TABLE_FAMILIES = {
     "streamrec_store_evictions_total": "counter",
     "streamrec_store_expirations_total": "counter",
     "streamrec_store_unknown_reads_total": "counter",
+    "streamrec_store_memory_rows": "gauge",
+    "streamrec_store_disk_rows": "gauge",
+    "streamrec_store_disk_bytes": "gauge",
+    "streamrec_store_tier_asked_ids_total": "counter",
+    "streamrec_store_tier_missed_ids_total": "counter",
+    "streamrec_store_promotions_total": "counter",
+    "streamrec_store_demotions_total": "counter",
 }
 SHARD_FAMILIES = {
     "streamrec_store_duplicate_pushes_total": "counter",
@@ -270,6 +277,7 @@ def _client(proc: ShardProcess, token_file: Path) -> StoreClient:
     )
 
 
+@pytest.mark.processes
 def test_a_shard_serves_metrics_that_move(metered_shard: ShardProcess, token_file: Path) -> None:
     proc = metered_shard
     url = proc.metrics_url
@@ -377,6 +385,7 @@ def test_a_shard_serves_metrics_that_move(metered_shard: ShardProcess, token_fil
     assert "wrote" in proc.log().splitlines()[-1]
 
 
+@pytest.mark.processes
 def test_metrics_are_off_unless_asked_for(
     write_job: Callable[..., Path], token_file: Path, start_shards: Callable[..., Any]
 ) -> None:
@@ -386,6 +395,7 @@ def test_metrics_are_off_unless_asked_for(
     assert "metrics on" not in proc.log()
 
 
+@pytest.mark.processes
 def test_a_taken_metrics_port_fails_the_start_clearly(
     write_job: Callable[..., Path], token_file: Path, tmp_path: Path
 ) -> None:
@@ -397,6 +407,7 @@ def test_a_taken_metrics_port_fails_the_start_clearly(
             )
 
 
+@pytest.mark.processes
 def test_cli_rejects_an_impossible_metrics_port(
     write_job: Callable[..., Path], tmp_path: Path
 ) -> None:
