@@ -17,7 +17,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -224,6 +225,45 @@ def shared_dask(log_path: Path, workers: int = 2) -> Iterator[str]:
         workers=workers, threads_per_worker=1, dashboard_address=":0", log_path=log_path
     ) as cluster:
         yield str(cluster.scheduler_address)
+
+
+@dataclass(frozen=True)
+class Services:
+    """A Dask cluster and store shards started for several runs to name."""
+
+    scheduler: str  # the Dask scheduler's address
+    store: str  # grpc://host:port,... of the shards ("grpc://" when there are none)
+    token_file: Path
+
+
+@contextmanager
+def dask_and_shards(
+    tmp: Path, store: Mapping[str, Any] | None, shards: int = 2
+) -> Iterator[Services]:
+    """A local Dask cluster (:func:`shared_dask`) and ``shards`` store shard processes of
+    the ``store:`` section ``store`` (none where it is None), started side by side."""
+    from deploy.local.shards import ShardProcess
+
+    token = write_token(tmp / "store.token")
+    starting = []
+    if store is not None:
+        job = write_store_job(tmp / "store.yaml", dict(store))
+        starting = [
+            ShardProcess.spawn(job, tmp / f"shard-{i}", token_file=token) for i in range(shards)
+        ]
+    with ExitStack() as stack:
+        try:
+            scheduler = stack.enter_context(shared_dask(tmp / "dask.log"))
+        except BaseException:
+            for one in starting:
+                one.proc.kill()
+                one.proc.wait()
+            raise
+        addresses = []
+        for shard in wait_all(starting):
+            stack.callback(shard.kill)
+            addresses.append(shard.address)
+        yield Services(scheduler, "grpc://" + ",".join(addresses), token)
 
 
 @contextmanager

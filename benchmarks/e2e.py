@@ -73,7 +73,7 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,7 +82,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import MachineCpu, in_background, shared_dask, write_json
+from common import MachineCpu, dask_and_shards, in_background, write_json
 
 from connectors.synthetic import (
     SyntheticConfig,
@@ -510,6 +510,36 @@ def run_step_in_process(
 # --- streamrec through the job path ----------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Store:
+    """Running store shards a job names instead of starting its own."""
+
+    address: str  # grpc://host:port,...
+    token_file: Path
+
+
+@dataclass(frozen=True)
+class Shared:
+    """What the streamrec runs after the first share (``--share-cluster``, ``--share-store``)."""
+
+    scheduler: str
+    store: Store | None
+
+
+@contextlib.contextmanager
+def shared_services(tmp: Path, store: bool) -> Iterator[Shared]:
+    """One Dask cluster, and with ``store`` one pair of store shards of the jobs' store
+    section, started side by side."""
+    section = None
+    if store:
+        job = make_job("hybrid", BATCH, tmp / "shared", seed=0, window=BATCH, latency_ms=0.0,
+                       ranks=1, torch_threads=None, hidden=HIDDEN)  # fmt: skip
+        section = job.store.model_dump(mode="json")
+    with dask_and_shards(tmp, section, PARTITIONS) as services:
+        shards = Store(services.store, services.token_file) if store else None
+        yield Shared(services.scheduler, shards)
+
+
 def make_job(
     mode: str,
     samples: int,
@@ -525,9 +555,11 @@ def make_job(
     bf16: bool = False,
     fresh_rows: str = "bounded",
     scheduler: str | None = None,
+    store: Store | None = None,
 ) -> Any:
     """The job of ``mode``; with ``scheduler``, one that names that Dask cluster's scheduler
-    (``cluster.scheduler``) instead of starting its own."""
+    (``cluster.scheduler``) instead of starting its own; with ``store``, running store
+    shards (``cluster.store``) instead of its own."""
     from deploy.cli.train import demo_job
     from deploy.config import JobConfig
 
@@ -564,6 +596,12 @@ def make_job(
     }
     if scheduler is not None:
         raw["cluster"]["scheduler"] = scheduler
+    if store is not None:
+        raw["cluster"] |= {
+            "store": store.address,
+            "store_shards": store.address.count(",") + 1,
+            "token_file": str(store.token_file),
+        }
     return JobConfig.model_validate(raw)
 
 
@@ -638,6 +676,7 @@ def run_streamrec(
     log: bool,
     report: bool = False,
     scheduler: str | None = None,
+    store: Store | None = None,
 ) -> Run:
     from deploy.job import run_job
 
@@ -663,6 +702,7 @@ def run_streamrec(
             bf16=bf16,
             fresh_rows=fresh_rows,
             scheduler=scheduler,
+            store=store,
         )
         last = [0.0]
 
@@ -797,8 +837,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "them all (each still starts its own store shards): the smoke test's; their rates "
         "are not the full run's, where every job starts its own",
     )
+    parser.add_argument(
+        "--share-store",
+        action="store_true",
+        help="with --share-cluster, those runs also name one pair of store shards started "
+        "with the cluster (their rows start where the run before left them)",
+    )
     parser.add_argument("--quiet", action="store_true")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.share_store and not args.share_cluster:
+        parser.error("--share-store goes with --share-cluster")
+    return args
 
 
 @dataclass(frozen=True)
@@ -870,7 +919,7 @@ def plan_runs(args: argparse.Namespace, results: dict[str, Any]) -> list[Planned
     return plan
 
 
-def train(args: argparse.Namespace, p: Planned, scheduler: str | None, log: bool) -> Run:
+def train(args: argparse.Namespace, p: Planned, shared: Shared | None, log: bool) -> Run:
     """One planned run: in this process (``baseline``, ``torchrec``, ``step``) or as a job."""
     if p.mode == "step":
         return run_step_in_process(
@@ -894,7 +943,8 @@ def train(args: argparse.Namespace, p: Planned, scheduler: str | None, log: bool
         bf16=args.bf16,
         log=log,
         report=bool(args.report),
-        scheduler=scheduler,
+        scheduler=shared.scheduler if shared is not None else None,
+        store=shared.store if shared is not None else None,
     )
 
 
@@ -913,25 +963,25 @@ def with_machine_cpu(run: Run, cpu: MachineCpu, before: list[float]) -> Run:
 
 
 class Clusters:
-    """With ``--share-cluster``: the first streamrec run starts its own Dask cluster, as
-    every run of the full run does; the later ones name one shared cluster, started
-    beside the runs before them."""
+    """With ``--share-cluster``: the first streamrec run starts its own Dask cluster (and
+    store shards), as every run of the full run does; the later ones name one shared
+    cluster (and with ``--share-store`` one pair of shards), started beside the runs
+    before them."""
 
-    def __init__(self, stack: contextlib.ExitStack, share: bool) -> None:
-        self.share = share
-        self.scheduler: str | None = None
+    def __init__(self, stack: contextlib.ExitStack, share: bool, store: bool) -> None:
+        self.shared: Shared | None = None
         self.ran_own = False
-        self.shared: Callable[[], str] | None = None
+        self.starting: Callable[[], Shared] | None = None
         if share:
-            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-e2e-"))
-            self.shared = stack.enter_context(in_background(shared_dask(Path(tmp) / "dask.log")))
+            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-e2e-")))
+            self.starting = stack.enter_context(in_background(shared_services(tmp, store)))
 
-    def for_run(self, mode: str) -> str | None:
-        if self.shared is not None and self.scheduler is None and mode not in IN_PROCESS:
+    def for_run(self, mode: str) -> Shared | None:
+        if self.starting is not None and self.shared is None and mode not in IN_PROCESS:
             if self.ran_own:
-                self.scheduler = self.shared()
+                self.shared = self.starting()
             self.ran_own = True
-        return self.scheduler
+        return self.shared
 
 
 def run_plan(
@@ -945,16 +995,16 @@ def run_plan(
     results["shared_cluster"] = args.share_cluster
     with contextlib.ExitStack() as stack:
         cpu = stack.enter_context(MachineCpu())
-        clusters = Clusters(stack, args.share_cluster)
+        clusters = Clusters(stack, args.share_cluster, args.share_store)
         for p in plan:
-            scheduler = clusters.for_run(p.mode)
+            shared = clusters.for_run(p.mode)
             before = load()
             if log:
                 added = f", {p.latency_ms:g} ms per store call" if p.latency_ms else ""
                 added += f", MLP {'-'.join(map(str, p.hidden))}" if p.hidden != HIDDEN else ""
                 print(f"{p.key}: {p.samples:,} samples{added} (load {before})", flush=True)
             try:
-                run = train(args, p, scheduler, log)
+                run = train(args, p, shared, log)
             except Exception as exc:  # one mode failing must not lose the others' figures
                 errors[p.key] = f"{type(exc).__name__}: {exc}"
                 print(f"{p.key} FAILED: {errors[p.key]}", file=sys.stderr, flush=True)
