@@ -660,6 +660,25 @@ def read_for_report(run_dir: Path, label: str) -> RunData | None:
         return None
 
 
+def progress_printer(label: str, log: bool) -> Callable[[Any], None]:
+    """A job's ``on_progress``: a line every 10 s or more (none without ``log``)."""
+    last = [0.0]
+
+    def progress(p: Any) -> None:
+        now = time.monotonic()
+        if log and now - last[0] >= 10.0:
+            auc = p.metrics.auc
+            print(
+                f"  {label}: {p.samples:>10,} samples  {p.samples_per_s:>8,.0f}/s  "
+                f"AUC {auc if auc is None else round(auc, 4)}  wait {p.wait_s:.1f}s  "
+                f"compute {p.compute_s:.1f}s",
+                flush=True,
+            )
+            last[0] = now
+
+    return progress
+
+
 def run_streamrec(
     mode: str,
     samples: int,
@@ -704,22 +723,8 @@ def run_streamrec(
             scheduler=scheduler,
             store=store,
         )
-        last = [0.0]
-
-        def progress(p: Any) -> None:
-            now = time.monotonic()
-            if log and now - last[0] >= 10.0:
-                auc = p.metrics.auc
-                print(
-                    f"  {label}: {p.samples:>10,} samples  {p.samples_per_s:>8,.0f}/s  "
-                    f"AUC {auc if auc is None else round(auc, 4)}  wait {p.wait_s:.1f}s  "
-                    f"compute {p.compute_s:.1f}s",
-                    flush=True,
-                )
-                last[0] = now
-
         t_call = time.monotonic()
-        stats, _ = run_job(job, max_events=samples, on_progress=progress)
+        stats, _ = run_job(job, max_events=samples, on_progress=progress_printer(label, log))
         call_s = time.monotonic() - t_call
         lines = read_metrics(run_dir)
         # Read before the temporary run directory is deleted; drawn after every mode ran.
