@@ -63,6 +63,8 @@ from tests.support.waits import wait_until
 from trainer.checkpoint import CheckpointBook, JobManifest
 from trainer.ledger import learned_ranges
 
+pytestmark = pytest.mark.processes
+
 PARTITIONS = 3
 EVENTS = 1_600  # per partition
 # The sync test compares two runs bit for bit: half the events still give each rank

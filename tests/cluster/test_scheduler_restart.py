@@ -48,6 +48,7 @@ def start_dask(host: Host, port: int) -> None:
     host.wait_log("worker", r"Registered to:")
 
 
+@pytest.mark.processes
 def test_a_job_finds_its_restarted_scheduler_and_goes_on(tmp_path: Path, dask_host: Host) -> None:
     port = free_port()
     start_dask(dask_host, port)

@@ -16,10 +16,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from deploy.local.kafka import free_port
 from deploy.local.shards import ShardProcess
 from tests.support.jobs import write_job_yaml
 from tests.support.processes import REPO_ROOT, STREAMREC
+
+pytestmark = pytest.mark.processes
 
 
 def run(job: Path, **env: str) -> subprocess.CompletedProcess[str]:

@@ -52,6 +52,7 @@ def letters(kafka: KafkaForTests, topic: str, n: int) -> list[dict[str, Any]]:
 # -- Kafka: oversize, refused ----------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_a_900_kb_bad_record_reaches_the_topic_cut_to_fit_and_the_spill_file_whole(
     broker: KafkaForTests, tmp_path: Path
 ) -> None:
@@ -84,6 +85,7 @@ def test_a_900_kb_bad_record_reaches_the_topic_cut_to_fit_and_the_spill_file_who
     assert BadRecord.from_json(whole) == small  # a record that fits goes whole, after it
 
 
+@pytest.mark.processes
 def test_max_request_size_of_the_client_options_is_the_limit_too(
     kafka: KafkaForTests, kafka_topic: Callable[..., str], tmp_path: Path
 ) -> None:
@@ -108,6 +110,7 @@ def test_max_request_size_of_the_client_options_is_the_limit_too(
         KafkaDeadLetterSink(kafka.bootstrap, topic, max_message_bytes=100)
 
 
+@pytest.mark.processes
 def test_a_record_the_broker_still_refuses_is_spilled_whole_once_and_the_rest_goes_on(
     kafka: KafkaForTests, kafka_topic: Callable[..., str], tmp_path: Path
 ) -> None:
@@ -181,6 +184,7 @@ def proxy(kafka: KafkaForTests) -> Iterator[Proxy]:
     p.close()
 
 
+@pytest.mark.processes
 def test_flush_raises_while_records_can_be_neither_delivered_nor_spilled_then_delivers(
     kafka: KafkaForTests, kafka_topic: Callable[..., str], proxy: Proxy
 ) -> None:

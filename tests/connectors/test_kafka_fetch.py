@@ -358,6 +358,7 @@ def used_raw(source: KafkaSource) -> bool:
     return bool(source._conns)
 
 
+@pytest.mark.processes
 def test_records_round_trip_byte_exact_with_both_readers(
     broker: KafkaForTests, sources: Callable[..., KafkaSource]
 ) -> None:
@@ -389,6 +390,7 @@ def test_records_round_trip_byte_exact_with_both_readers(
     assert read_all(raw, [Chunk("kafka", f"{topic}/0", 117, 190)]) == expected[117:190]
 
 
+@pytest.mark.processes
 def test_a_chunk_spans_many_small_fetches_and_a_record_larger_than_one(
     broker: KafkaForTests, sources: Callable[..., KafkaSource]
 ) -> None:
@@ -411,6 +413,7 @@ def test_a_chunk_spans_many_small_fetches_and_a_record_larger_than_one(
     assert got == list(enumerate(values))[45:62]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     ("broker", "codec"),
     [("kafka-0.9", "gzip"), *(("tansu", c) for c in ("gzip", "snappy", "lz4", "zstd"))],
@@ -471,6 +474,7 @@ class NotLeaderBroker(threading.Thread):
                 conn.sendall(struct.pack(">i", len(body)) + body)
 
 
+@pytest.mark.processes
 def test_a_leader_that_moved_is_looked_up_again(
     kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
 ) -> None:
@@ -488,6 +492,7 @@ def test_a_leader_that_moved_is_looked_up_again(
     assert source._leaders[(topic, 0)] != ("127.0.0.1", stale.port)
 
 
+@pytest.mark.processes
 def test_a_topic_error_in_the_leader_lookup_is_retried(
     kafka: KafkaForTests,
     kafka_topic: Callable[..., str],
@@ -516,6 +521,7 @@ def test_a_topic_error_in_the_leader_lookup_is_retried(
     assert len(answers) >= 2
 
 
+@pytest.mark.processes
 def test_raw_chunks_decode_like_kafka_python_chunks(
     kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
 ) -> None:
@@ -536,6 +542,7 @@ def test_raw_chunks_decode_like_kafka_python_chunks(
     assert tables[0].equals(tables[1])
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("reader", ["raw", "kafka-python"])
 def test_read_committed_waits_for_open_transactions_on_a_modern_broker(
     tansu: KafkaForTests, reader: str
@@ -597,6 +604,7 @@ def test_read_committed_waits_for_open_transactions_on_a_modern_broker(
         uncommitted.close()
 
 
+@pytest.mark.processes
 def test_the_fetch_version_is_one_the_broker_says_it_answers(broker: KafkaForTests) -> None:
     """On a broker with ApiVersions (0.10 on) the raw reader asks it which Fetch
     versions it answers and sends the highest it speaks, whatever ``api_version``

@@ -111,6 +111,7 @@ def test_config_rejects_what_it_would_otherwise_ignore() -> None:
 # -- planning and reading ---------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_plans_exact_ranges_and_reads_every_record_once(
     broker: KafkaForTests, sources: Callable[..., KafkaSource]
 ) -> None:
@@ -140,6 +141,7 @@ def test_plans_exact_ranges_and_reads_every_record_once(
     assert [len(r) for r in raws] == [10, 10, 5, 10]
 
 
+@pytest.mark.processes
 def test_chunks_read_in_any_order_or_twice_give_the_same_records(
     kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
 ) -> None:
@@ -160,6 +162,7 @@ def test_chunks_read_in_any_order_or_twice_give_the_same_records(
     assert sorted(records_of(list(first.values()))) == sorted(expected(topic, produced))
 
 
+@pytest.mark.processes
 def test_read_stops_at_the_chunk_end_even_when_more_exist(
     kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
 ) -> None:
@@ -172,6 +175,7 @@ def test_read_stops_at_the_chunk_end_even_when_more_exist(
     assert len(source.read(Chunk("kafka", f"{topic}/0", 5, 5))) == 0
 
 
+@pytest.mark.processes
 def test_plan_is_none_until_new_records_arrive(
     broker: KafkaForTests, sources: Callable[..., KafkaSource]
 ) -> None:
@@ -190,6 +194,7 @@ def test_plan_is_none_until_new_records_arrive(
     assert source.read(Chunk("kafka", partition, 3, 43)).positions.tolist() == list(range(3, 43))
 
 
+@pytest.mark.processes
 def test_records_removed_by_compaction_are_absent(
     kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
 ) -> None:
@@ -224,6 +229,7 @@ def test_records_removed_by_compaction_are_absent(
     assert set(range(195, 200)) <= set(positions)
 
 
+@pytest.mark.processes
 def test_a_chunk_beyond_the_log_is_an_error_not_an_empty_read(
     kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
 ) -> None:
@@ -241,6 +247,7 @@ def test_a_chunk_beyond_the_log_is_an_error_not_an_empty_read(
 # -- offsets and the consumer group -----------------------------------------------------
 
 
+@pytest.mark.processes
 def test_start_position_uses_the_committed_offset_else_the_reset_policy(
     kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
 ) -> None:
@@ -265,6 +272,7 @@ def test_start_position_uses_the_committed_offset_else_the_reset_policy(
     assert other.start_position(p0) == 0
 
 
+@pytest.mark.processes
 def test_offsets_are_committed_only_when_asked(
     kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
 ) -> None:
@@ -288,6 +296,7 @@ def test_offsets_are_committed_only_when_asked(
     assert fresh.committed(partition) == 20
 
 
+@pytest.mark.processes
 def test_partitions_added_later_are_picked_up(
     kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
 ) -> None:
@@ -303,6 +312,7 @@ def test_partitions_added_later_are_picked_up(
     assert list(source.read(chunk).payloads or []) == produced[2]
 
 
+@pytest.mark.processes
 def test_several_topics_are_one_source(
     kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
 ) -> None:
@@ -311,6 +321,7 @@ def test_several_topics_are_one_source(
     assert source.partitions() == [f"{a}/0", f"{a}/1", f"{b}/0"]
 
 
+@pytest.mark.processes
 def test_unknown_topic_is_reported(
     kafka: KafkaForTests, sources: Callable[..., KafkaSource]
 ) -> None:
@@ -322,6 +333,7 @@ def test_unknown_topic_is_reported(
 # -- shipping to workers ----------------------------------------------------------------
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("dumps", [pickle.dumps, cloudpickle.dumps], ids=["pickle", "cloudpickle"])
 def test_source_pickles_without_its_clients(
     kafka: KafkaForTests,
@@ -350,6 +362,7 @@ def test_source_pickles_without_its_clients(
         copy.close()
 
 
+@pytest.mark.processes
 def test_api_version_auto_detects_or_falls_back_to_0_9(
     kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
 ) -> None:
@@ -380,6 +393,7 @@ def test_unreachable_broker_raises_after_the_retry_timeout() -> None:
 # -- dead letters -----------------------------------------------------------------------
 
 
+@pytest.mark.processes
 def test_dead_letter_sink_round_trip(
     kafka: KafkaForTests, kafka_topic: Callable[..., str], sources: Callable[..., KafkaSource]
 ) -> None:
@@ -422,6 +436,7 @@ def test_dead_letter_sink_without_a_spill_file_reports_losses_on_flush_and_close
     assert pickle.loads(pickle.dumps(sink)).topic == "nowhere.deadletter"
 
 
+@pytest.mark.processes
 def test_an_oversize_bad_record_is_cut_to_fit_and_kept_whole_in_the_spill_file(
     kafka: KafkaForTests,
     kafka_topic: Callable[..., str],
@@ -499,6 +514,7 @@ class Reader(threading.Thread):
             self.error = exc
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     ("kill", "reader"),
     [(False, "raw"), (True, "raw"), (False, "kafka-python")],

@@ -94,6 +94,7 @@ def test_records_do_not_depend_on_chunking(src: SyntheticSource) -> None:
     assert src.records(0, 1234, 1).equals(whole.slice(1234, 1))
 
 
+@pytest.mark.processes
 def test_same_records_in_another_process(src: SyntheticSource) -> None:
     code = (
         "import hashlib, pyarrow as pa\n"

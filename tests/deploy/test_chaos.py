@@ -16,7 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.support.processes import REPO_ROOT
+
+pytestmark = pytest.mark.processes
 
 
 def test_four_kills_lose_nothing_learn_nothing_twice_and_serve_on(tmp_path: Path) -> None:

@@ -19,6 +19,8 @@ from distributed import Client
 
 from deploy.local.dask_cluster import LOW_LEVEL_LOG_LENGTH, SchedulerProcess, local_dask_cluster
 
+pytestmark = pytest.mark.processes
+
 
 def _history_kept(client: Client) -> set[tuple[int | None, int | None]]:
     """Per worker: how many per-second profiles and recent stimuli it keeps."""

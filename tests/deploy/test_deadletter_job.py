@@ -14,6 +14,8 @@ import itertools
 import json
 from pathlib import Path
 
+import pytest
+
 from connectors.deadletter import read_dead_letters
 from connectors.kafka import KafkaSource, KafkaSourceConfig
 from connectors.kafka_produce import produce
@@ -23,6 +25,8 @@ from tests.support.kafka import KafkaForTests
 from tests.support.processes import streamrec
 from trainer.checkpoint import CheckpointBook
 from trainer.ledger import learned_ranges
+
+pytestmark = pytest.mark.processes
 
 
 def test_an_oversize_bad_record_is_dead_lettered_cut_and_kept_whole(

@@ -176,12 +176,14 @@ def hadolint(path: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.processes
 def test_hadolint_passes() -> None:
     r = hadolint(DOCKERFILE)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.strip() == ""
 
 
+@pytest.mark.processes
 def test_hadolint_fails_a_bad_dockerfile(tmp_path: Path) -> None:
     bad = tmp_path / "Dockerfile"
     bad.write_text("FROM python:latest\nRUN apt-get install foo\n")
@@ -200,6 +202,7 @@ def test_hadolint_fails_a_bad_dockerfile(tmp_path: Path) -> None:
 # ---- the Dockerfile's structure ----
 
 
+@pytest.mark.processes
 def test_stages_base_and_variant(dockerfile: tuple[dict[str, str], list[Stage]]) -> None:
     global_args, stages = dockerfile
     assert len(stages) >= 2
@@ -399,6 +402,7 @@ def installed(
     shutil.rmtree(root, ignore_errors=True)
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_install_check_passes(installed: Installed) -> None:
@@ -411,6 +415,7 @@ def test_install_check_passes(installed: Installed) -> None:
     print(f"install.sh step seconds: {installed.steps}")
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_the_wheel_holds_every_package_file(installed: Installed) -> None:
@@ -429,6 +434,7 @@ def test_the_wheel_holds_every_package_file(installed: Installed) -> None:
     assert not missing, f"not in the wheel (pyproject's package-data?): {missing}"
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_store_shard_runs_from_the_venv(

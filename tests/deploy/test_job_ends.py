@@ -27,6 +27,8 @@ from tests.support.processes import REPO_ROOT, STREAMREC, start_job, streamrec
 from trainer.checkpoint import CheckpointBook
 from trainer.ledger import learned_ranges
 
+pytestmark = pytest.mark.processes
+
 
 def job_api_version(broker: KafkaForTests) -> str:
     """The job's ``api_version`` for ``broker``: "auto", except on Kafka 0.9, which "auto"

@@ -408,6 +408,7 @@ def replica_floor(objs: list[Obj], workload: Obj) -> int:
 # --- 1. rendering -------------------------------------------------------------------
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("target", TARGETS)
 def test_renders(target: str) -> None:
     objs = objects(target)
@@ -445,12 +446,14 @@ def test_renders(target: str) -> None:
 # --- 2. schemas ---------------------------------------------------------------------
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_object_validates(target: str) -> None:
     for obj in objects(target):
         validate(obj)
 
 
+@pytest.mark.processes
 def test_validation_rejects_a_misspelled_field() -> None:
     objs = objects("cpu-small")
     sts = one(objs, "StatefulSet", "streamrec-store")
@@ -486,6 +489,7 @@ def test_validation_rejects_a_misspelled_field() -> None:
 # --- 3. command lines ---------------------------------------------------------------
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_command_line_parses(target: str) -> None:
     seen: set[str] = set()
@@ -502,6 +506,7 @@ def test_every_command_line_parses(target: str) -> None:
     assert seen == {"store serve", "store replica", "serve", "dask", "torchrun", "rendezvous"}
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_probe_knocks_on_a_declared_port(target: str) -> None:
     for role, _pod, c in containers(objects(target)):
@@ -534,6 +539,7 @@ def test_command_line_checks_reject_a_bad_option() -> None:
         parse_role(["torchrun", "--nnodes", "2", "deploy/cli.py", "run", "j.yaml"])
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_variable_in_args_is_defined(target: str) -> None:
     """$(VAR) in args is expanded only when VAR is in the container's env; else it stays."""
@@ -942,6 +948,7 @@ SERVING = {  # replicas per shard, serve min and max (the autoscaler's)
 }
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("target", TARGETS)
 def test_job_yaml_agrees_with_the_objects(target: str) -> None:
     objs = objects(target)
@@ -963,6 +970,7 @@ def test_job_yaml_agrees_with_the_objects(target: str) -> None:
     assert bounds == (low, high)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("target", TARGETS)
 def test_selectors_select_their_own_pods(target: str) -> None:
     """Each Service and PodDisruptionBudget selects the pods of its namesake workload only;
@@ -993,6 +1001,7 @@ def test_selectors_select_their_own_pods(target: str) -> None:
             assert selected(objs, obj["spec"]["selector"]["matchLabels"]) == [name], name
 
 
+@pytest.mark.processes
 def test_agreement_checks_catch_a_mismatch() -> None:
     objs = objects("cpu-small")
     job = job_config(objs)
@@ -1035,6 +1044,7 @@ def test_agreement_checks_catch_a_mismatch() -> None:
         check_trainer(gpu, job_config(gpu))
 
 
+@pytest.mark.processes
 def test_serving_checks_catch_a_mismatch() -> None:
     objs = objects("gpu")
     job = job_config(objs)
@@ -1123,6 +1133,7 @@ def test_serving_checks_catch_a_mismatch() -> None:
         check_replicas(typo, job_config(typo))
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("target", TARGETS)
 def test_serve_answers_its_probes_and_scrapes_without_a_token(target: str) -> None:
     """The kubelet's httpGet probes and an annotation-driven Prometheus scrape send no
@@ -1170,6 +1181,7 @@ def test_serve_answers_its_probes_and_scrapes_without_a_token(target: str) -> No
     )
 
 
+@pytest.mark.processes
 def test_probe_check_catches_a_client_token() -> None:
     """Until the server answers /v2/health/ready and /metrics without the client token,
     serve's --token-file fails that check (the readiness probe would get 401). The base
@@ -1180,6 +1192,7 @@ def test_probe_check_catches_a_client_token() -> None:
     assert serve_client_token(objs) == Path("/t/token")
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("target", TARGETS)
 def test_resources_and_security_everywhere(target: str) -> None:
     for role, pod, c in containers(objects(target)):
@@ -1209,6 +1222,7 @@ def docs_images() -> dict[str, str]:
     return built
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(("target", "variant"), [("cpu-small", "cpu"), ("gpu", "cuda")])
 def test_each_overlay_pulls_the_image_the_docs_build_and_push(target: str, variant: str) -> None:
     """The gpu overlay used to pull registry.example.com/streamrec-cuda:0.1.0, which the
@@ -1217,6 +1231,7 @@ def test_each_overlay_pulls_the_image_the_docs_build_and_push(target: str, varia
     assert {c["image"] for _, _, c in containers(objects(target))} == {image}
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("target", TARGETS)
 def test_shards_spread_drain_one_at_a_time_and_the_pipeline_is_fenced(target: str) -> None:
     """What an operator reading the rendered manifests missed: shards (each holding rows no
@@ -1262,6 +1277,7 @@ def store_memory_need(job: JobConfig) -> int:
     return STORE_PROCESS_BYTES + sum(tables) + max(tables)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("target", TARGETS)
 def test_store_memory_limits_hold_the_tables_at_capacity(target: str) -> None:
     objs = objects(target)
@@ -1279,6 +1295,7 @@ def test_store_memory_limits_hold_the_tables_at_capacity(target: str) -> None:
             assert request >= need, f"{name}: request {request / 2**30:.2f} GiB < need"
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("target", TARGETS)
 def test_an_upgrade_reaches_every_pod_without_exhausting_recovery(target: str) -> None:
     """A new image rolls every workload one pod at a time; the store's roll is a rollback
@@ -1446,6 +1463,7 @@ def annotated(objs: list[Obj]) -> set[Target]:
     return out
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("target", ["cpu-small", "gpu"])
 def test_pod_monitor_scrapes_what_the_annotations_name(target: str, tmp_path: Path) -> None:
     objs = with_component(target, "prometheus-operator", tmp_path)
@@ -1459,6 +1477,7 @@ def test_pod_monitor_scrapes_what_the_annotations_name(target: str, tmp_path: Pa
     assert [o for o in objs if o["kind"] != "PodMonitor"] == objects(target)
 
 
+@pytest.mark.processes
 def test_pod_monitor_checks_catch_a_mismatch(tmp_path: Path) -> None:
     objs = with_component("cpu-small", "prometheus-operator", tmp_path)
     [monitor] = [o for o in objs if o["kind"] == "PodMonitor"]
@@ -1600,6 +1619,7 @@ def check_serve_policy(objs: list[Obj], scraped: set[int]) -> None:
     assert not admitted(objs, to, grpc_port, PROMETHEUS, ELSEWHERE), "Prometheus: gRPC"
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("target", ["cpu-small", "gpu"])
 def test_each_overlay_asks_serve_clients_for_a_token_of_its_own_secret(target: str) -> None:
     """The base serves without a client token; the overlays pass --token-file, the key
@@ -1623,6 +1643,7 @@ def test_each_overlay_asks_serve_clients_for_a_token_of_its_own_secret(target: s
     assert store_volume["name"] != volume["name"]
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("target", TARGETS)
 def test_only_serve_clients_and_prometheus_reach_the_servers(target: str, tmp_path: Path) -> None:
     """A NetworkPolicy selects the serve pods: the serve port (inference and /metrics
@@ -1636,6 +1657,7 @@ def test_only_serve_clients_and_prometheus_reach_the_servers(target: str, tmp_pa
     check_serve_policy(monitored_objs, scraped)
 
 
+@pytest.mark.processes
 def test_serve_policy_checks_catch_an_opening() -> None:
     objs = objects("cpu-small")
     _, _, c = serve_pod(objs)
@@ -1667,6 +1689,7 @@ def test_serve_policy_checks_catch_an_opening() -> None:
         check_serve_policy(objs, {9100})
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("target", TARGETS)
 def test_serve_threads_and_cpu_follow_its_one_forward_thread(target: str) -> None:
     """`streamrec serve` runs its forward pass on serving.torch_threads intra-op threads

@@ -15,6 +15,8 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
+
 from tests.support.jobs import (
     assert_learned_once,
     wait_for_checkpoint,
@@ -24,6 +26,8 @@ from tests.support.jobs import (
 from tests.support.kafka import KafkaForTests, produce_in_blocks
 from tests.support.processes import finish, kill_group, start_job
 from trainer.checkpoint import CheckpointBook
+
+pytestmark = pytest.mark.processes
 
 EVENTS = 3_000  # 1,500 per partition
 BATCH = 100

@@ -31,6 +31,8 @@ from deploy.local.kafka import (
 from deploy.local.kafka.broker import _BROKER_MAIN, _ZK_MAIN
 from tests.support.kafka import KafkaForTests, read_partition
 
+pytestmark = pytest.mark.processes
+
 
 def consume_all(bootstrap: str, topic: str, partition: int, n: int) -> list[tuple[int, bytes]]:
     """(offset, value) of the first ``n`` records of one partition, via an assigned consumer."""

@@ -17,12 +17,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from deploy.config import load_config
 from deploy.local.kafka import free_port
 from tests.support.processes import REPO_ROOT, STREAMREC
 from trainer.checkpoint import CheckpointBook
+
+pytestmark = pytest.mark.processes
 
 
 def docs_section(page: str, title: str) -> str:

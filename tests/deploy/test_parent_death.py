@@ -19,7 +19,10 @@ import pytest
 
 from deploy.local.parent_death import LAUNCHER, with_parent_death
 
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's")
+pytestmark = [
+    pytest.mark.processes,
+    pytest.mark.skipif(sys.platform != "linux", reason="PR_SET_PDEATHSIG is Linux's"),
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 

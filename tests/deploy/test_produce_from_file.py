@@ -94,6 +94,7 @@ def _in_file_order(parts: dict[int, list[Any]], order: dict[bytes, int]) -> None
         assert positions == sorted(positions), f"partition {p} is out of file order"
 
 
+@pytest.mark.processes
 def test_json_lines_go_in_once_each_in_file_order(
     broker: KafkaForTests, two_partitions: str, tmp_path: Path
 ) -> None:
@@ -122,6 +123,7 @@ def test_json_lines_go_in_once_each_in_file_order(
     _in_file_order(parts, {line: i for i, line in enumerate(lines)})
 
 
+@pytest.mark.processes
 def test_parquet_rows_go_in_as_json_objects_keyed_by_a_field(
     broker: KafkaForTests, two_partitions: str, tmp_path: Path
 ) -> None:
@@ -162,6 +164,7 @@ def test_parquet_rows_go_in_as_json_objects_keyed_by_a_field(
     assert all(where[r["user"]] == p for p, rs in decoded.items() for r in rs)
 
 
+@pytest.mark.processes
 def test_partition_pins_the_whole_file_in_order(
     broker: KafkaForTests, two_partitions: str, tmp_path: Path
 ) -> None:
@@ -182,6 +185,7 @@ def test_partition_pins_the_whole_file_in_order(
     assert [r.value for r in parts[1]] == lines
 
 
+@pytest.mark.processes
 def test_bad_input_is_one_clear_line(
     broker: KafkaForTests, two_partitions: str, tmp_path: Path
 ) -> None:
@@ -221,6 +225,7 @@ def test_bad_input_is_one_clear_line(
     assert "give either --from FILE" in err
 
 
+@pytest.mark.processes
 def test_topic_create_and_list_on_the_recorded_local_kafka(
     kafka: KafkaForTests, tmp_path: Path
 ) -> None:
@@ -303,6 +308,7 @@ def xdg_state(clean_env: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) 
         down(state_dir)
 
 
+@pytest.mark.processes
 def test_kafka_up_keeps_its_state_in_xdg_state_home_and_prints_usable_lines(
     xdg_state: Path, tmp_path: Path
 ) -> None:
@@ -338,6 +344,7 @@ def test_kafka_up_keeps_its_state_in_xdg_state_home_and_prints_usable_lines(
     assert stopped.stdout.startswith("Kafka stopped")
 
 
+@pytest.mark.processes
 def test_kafka_up_on_a_taken_port_names_its_holder(xdg_state: Path) -> None:
     with held_port() as port:
         refused = _one_line_error(streamrec("kafka", "up", "--port", str(port)))

@@ -13,6 +13,7 @@ import itertools
 from pathlib import Path
 
 import numpy as np
+import pytest
 import yaml
 
 from connectors.synthetic import synthetic_store_section
@@ -22,6 +23,8 @@ from tests.support.jobs import write_synthetic_job
 from tests.support.processes import streamrec
 from trainer.checkpoint import CheckpointBook
 from trainer.ledger import learned_ranges
+
+pytestmark = pytest.mark.processes
 
 
 def rows_at(directory: Path, seq: int) -> dict[str, dict[int, np.ndarray]]:

@@ -18,6 +18,7 @@ from deploy.local.shards import ShardProcess
 from tests.support.processes import REPO_ROOT, STREAMREC, streamrec
 
 
+@pytest.mark.processes
 def test_store_health_says_serving_and_why_not(
     write_job: Callable[..., Path],
     token_file: Path,
@@ -77,6 +78,7 @@ def scheduler() -> Iterator[str]:
         proc.wait(30)
 
 
+@pytest.mark.processes
 def test_dask_scheduler_and_worker_through_the_streamrec_entry_point(scheduler: str) -> None:
     from distributed import Client
 
@@ -107,6 +109,7 @@ def test_dask_scheduler_and_worker_through_the_streamrec_entry_point(scheduler: 
         worker.wait(30)
 
 
+@pytest.mark.processes
 def test_torchrun_through_the_streamrec_entry_point_runs_the_training_module() -> None:
     """`streamrec torchrun ... -m deploy.cli ...` starts a rank of the stock torchrun."""
     out = streamrec(

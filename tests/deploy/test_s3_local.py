@@ -11,6 +11,8 @@ from embedding_store.location import Location
 from tests.support.ports import held_port
 from tests.support.processes import streamrec
 
+pytestmark = pytest.mark.processes
+
 
 def s3_up(state: str) -> str:
     """``streamrec s3 up``'s output; a failure shows what it printed."""

@@ -23,6 +23,8 @@ from deploy.local.tansu import API_VERSION
 from tests.support.kafka import make_kafka_source
 from tests.support.processes import streamrec
 
+pytestmark = pytest.mark.processes
+
 
 def _cli(state_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return streamrec("kafka", *args, "--broker", "tansu", "--state-dir", str(state_dir))

@@ -76,6 +76,7 @@ def committed_offsets(source: dict[str, Any], partitions: Any) -> dict[str, int 
         src.close()
 
 
+@pytest.mark.processes
 def test_run_from_kafka_commits_what_it_learned_and_resumes_there(
     tmp_path: Path, kafka: KafkaForTests, kafka_topic: Any
 ) -> None:
@@ -127,6 +128,7 @@ def test_run_from_kafka_commits_what_it_learned_and_resumes_there(
     assert re.search(r"progressive logloss \d\.\d{4}, calibration \d+\.\d{3}", second.stdout)
 
 
+@pytest.mark.processes
 def test_two_ranks_train_their_own_partitions_and_resume_exactly_once(
     tmp_path: Path, kafka: KafkaForTests, kafka_topic: Any
 ) -> None:
@@ -194,6 +196,7 @@ def test_two_ranks_train_their_own_partitions_and_resume_exactly_once(
     assert (run_dir / "metrics-rank1.jsonl").stat().st_size > 0
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     ("sizes", "batch"),
     [({0: 1000, 1: 966}, 64), ({0: 1966, 1: 0}, 100)],
@@ -247,6 +250,7 @@ def test_two_ranks_with_max_events_learn_every_event_once_and_end(
     assert "(every rank's predictions" in out, out
 
 
+@pytest.mark.processes
 def test_a_quiet_partition_holds_no_rank_up_and_max_time_ends_two_ranks(
     tmp_path: Path, kafka: KafkaForTests, kafka_topic: Any
 ) -> None:
@@ -306,6 +310,7 @@ def test_a_quiet_partition_holds_no_rank_up_and_max_time_ends_two_ranks(
     assert after.samples == sum(after.positions.values())
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     ("sizes", "batch"),
     [((1000, 966), 64), ((1966,), 100)],
@@ -339,6 +344,7 @@ def ledger(run_dir: Path, rank: int) -> list[tuple[int, str, int, int]]:
     return ledger_entries(path) if path.exists() else []
 
 
+@pytest.mark.processes
 def test_backfill_shows_a_progress_bar_and_resumes(tmp_path: Path) -> None:
     data = write_parquet(tmp_path / "history.parquet", SyntheticConfig(seed=2), 3000, 500)
     job = write_small_job(tmp_path, {"kind": "parquet", "paths": ["unused.parquet"]})
@@ -356,6 +362,7 @@ def test_backfill_shows_a_progress_bar_and_resumes(tmp_path: Path) -> None:
     assert "100%" in out.stdout
 
 
+@pytest.mark.processes
 def test_backfill_names_a_missing_file(tmp_path: Path) -> None:
     job = write_small_job(tmp_path, {"kind": "parquet", "paths": ["x.parquet"]})
     out = streamrec("backfill", str(job), "--from", str(tmp_path / "nope.parquet"))
@@ -363,6 +370,7 @@ def test_backfill_names_a_missing_file(tmp_path: Path) -> None:
     assert "nope.parquet" in out.stderr
 
 
+@pytest.mark.processes
 def test_run_rejects_a_misspelled_key_naming_it(tmp_path: Path) -> None:
     job = write_small_job(tmp_path, {"kind": "synthetic", "events": 10})
     raw = yaml.safe_load(job.read_text())
@@ -373,6 +381,7 @@ def test_run_rejects_a_misspelled_key_naming_it(tmp_path: Path) -> None:
     assert "trainer.stalenes: unknown key (did you mean `staleness`?)" in out.stderr
 
 
+@pytest.mark.processes
 def test_a_misspelled_section_is_named_not_printed(tmp_path: Path) -> None:
     """A misspelled top-level section used to print the whole section as a Python dict."""
     job = write_small_job(tmp_path, {"kind": "synthetic", "events": 10})
@@ -385,6 +394,7 @@ def test_a_misspelled_section_is_named_not_printed(tmp_path: Path) -> None:
     assert "'labels'" not in out.stderr, out.stderr  # the section's content is not dumped
 
 
+@pytest.mark.processes
 def test_demo_trains_and_says_what_to_run_next(tmp_path: Path) -> None:
     out = streamrec("demo", "--events", "20000", "--run-dir", str(tmp_path / "demo"))
     assert out.returncode == 0, out.stdout + out.stderr
@@ -425,6 +435,7 @@ def test_demo_job_splits_events_over_partitions(events: int) -> None:
     assert job.source.events * 2 >= events  # type: ignore[union-attr]
 
 
+@pytest.mark.processes
 def test_backfill_trains_at_the_batch_size_and_resumes_inside_a_row_group(
     tmp_path: Path,
 ) -> None:

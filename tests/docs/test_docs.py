@@ -63,6 +63,7 @@ def page(site: Path, name: str) -> str:
     return html.unescape((site / f"{name}.html").read_text(encoding="utf-8"))
 
 
+@pytest.mark.processes
 def test_the_site_builds_strict_with_every_page(site: Path) -> None:
     for name in PAGES:
         assert (site / f"{name}.html").is_file(), name
@@ -106,6 +107,7 @@ def leaf_paths(model: type[BaseModel], prefix: str = "") -> Iterator[str]:
         yield path
 
 
+@pytest.mark.processes
 def test_the_configuration_reference_lists_every_key(site: Path) -> None:
     text = page(site, "configuration")
     paths = sorted(set(leaf_paths(JobConfig)))
@@ -133,6 +135,7 @@ def commands(parser: argparse.ArgumentParser, prog: str = "streamrec") -> Iterat
                 yield from commands(sub, f"{prog} {name}")
 
 
+@pytest.mark.processes
 def test_the_command_line_page_lists_every_command(site: Path) -> None:
     text = page(site, "cli")
     found = list(commands(build_parser()))

@@ -212,6 +212,7 @@ def _raw(proc: Any, token_file: Path, method: str, payload: bytes) -> tuple[Any,
             return exc.code(), exc.details()
 
 
+@pytest.mark.processes
 def test_frames_and_protobuf_calls_agree(
     write_job: Callable[..., Path], token_file: Path, start_shards: Any
 ) -> None:
@@ -263,6 +264,7 @@ def test_frames_and_protobuf_calls_agree(
         assert not first.duplicate_request
 
 
+@pytest.mark.processes
 def test_frames_a_shard_cannot_parse_get_clear_codes(
     write_job: Callable[..., Path], token_file: Path, start_shards: Any
 ) -> None:
@@ -398,6 +400,7 @@ def _shm_files() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("streamrec-")}
 
 
+@pytest.mark.processes
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm on this system")
 def test_a_shard_on_this_host_is_served_through_a_shared_area(
     write_job: Callable[..., Path], token_file: Path, start_shards: Any

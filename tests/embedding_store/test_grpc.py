@@ -51,6 +51,7 @@ def _train(client: StoreClient, steps: int, seed: int = 0) -> np.ndarray:
     return np.unique(np.concatenate(touched))
 
 
+@pytest.mark.processes
 def test_two_shards_match_an_in_process_store(write_job, token_file, start_shards) -> None:
     job = write_job()
     procs = start_shards(2, job, token_file)
@@ -73,6 +74,7 @@ def test_two_shards_match_an_in_process_store(write_job, token_file, start_shard
         assert sum(rows) == ids_r.shape[0]
 
 
+@pytest.mark.processes
 def test_create_rows_bulk_loads_the_rows_a_lookup_would_make(
     write_job, token_file, start_shards
 ) -> None:
@@ -107,6 +109,7 @@ def test_create_rows_bulk_loads_the_rows_a_lookup_would_make(
         channel.close()
 
 
+@pytest.mark.processes
 def test_float16_rows_on_the_wire(write_job, token_file, start_shards) -> None:
     job = write_job(row_dtype="float16")
     procs = start_shards(1, job, token_file)
@@ -121,6 +124,7 @@ def test_float16_rows_on_the_wire(write_job, token_file, start_shards) -> None:
         assert np.abs(rows).max() > 0
 
 
+@pytest.mark.processes
 def test_calls_without_the_token_are_refused(write_job, token_file, start_shards) -> None:
     job = write_job()
     procs = start_shards(1, job, token_file)
@@ -143,6 +147,7 @@ def test_calls_without_the_token_are_refused(write_job, token_file, start_shards
             assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+@pytest.mark.processes
 def test_malformed_requests_get_clear_codes(write_job, token_file, start_shards) -> None:
     job = write_job()
     procs = start_shards(1, job, token_file)
@@ -207,6 +212,7 @@ def test_malformed_requests_get_clear_codes(write_job, token_file, start_shards)
         assert c.stats()[0].table("user").rejected_nonfinite == 2
 
 
+@pytest.mark.processes
 def test_messages_over_the_size_limit_are_refused(write_job, token_file, start_shards) -> None:
     job = write_job(max_message_bytes=64 * 1024)
     procs = start_shards(1, job, token_file)
@@ -223,6 +229,7 @@ def test_messages_over_the_size_limit_are_refused(write_job, token_file, start_s
         assert c.lookup({"user": np.arange(100, dtype=np.uint64)})["user"].shape == (100, 8)
 
 
+@pytest.mark.processes
 def test_a_retried_push_is_applied_once(write_job, token_file, start_shards) -> None:
     procs = start_shards(1, write_job(), token_file)
     with StoreClient.connect(grpc_address(procs), token=token_file.read_text().strip()) as c:
@@ -238,6 +245,7 @@ def test_a_retried_push_is_applied_once(write_job, token_file, start_shards) -> 
         assert c.stats()[0].duplicate_pushes == 1
 
 
+@pytest.mark.processes
 def test_a_push_id_is_forgotten_after_remembered_push_s(
     write_job, token_file, start_shards
 ) -> None:
@@ -268,6 +276,7 @@ def test_a_push_id_is_remembered_past_the_client_s_retries() -> None:
     assert RetryPolicy().longest_s < config.remembered_push_s
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("shared_memory", [True, False], ids=["shm", "socket"])
 def test_a_push_brings_back_the_rows_it_left(
     write_job, token_file, start_shards, shared_memory: bool
@@ -318,6 +327,7 @@ def test_a_push_brings_back_the_rows_it_left(
         assert np.maximum.reduce(steps).tolist() == [2] * 5
 
 
+@pytest.mark.processes
 def test_a_push_whose_rows_are_too_large_to_send_back_is_still_applied(
     write_job, token_file, start_shards
 ) -> None:
@@ -332,6 +342,7 @@ def test_a_push_whose_rows_are_too_large_to_send_back_is_still_applied(
         assert c.push({"user": (ids[:10], np.ones((10, 8)))}, return_rows=True).rows is not None
 
 
+@pytest.mark.processes
 def test_checkpoint_of_two_shards_restores_onto_three(
     write_job, token_file, start_shards, tmp_path: Path
 ) -> None:
@@ -358,6 +369,7 @@ def test_checkpoint_of_two_shards_restores_onto_three(
         np.testing.assert_array_equal(c3.lookup({"item": items}, train=False)["item"], want_items)
 
 
+@pytest.mark.processes
 def test_kill_9_then_restart_from_the_data_dir(write_job, token_file, start_shards) -> None:
     job = write_job()
     token = token_file.read_text().strip()
@@ -382,6 +394,7 @@ def test_kill_9_then_restart_from_the_data_dir(write_job, token_file, start_shar
         np.testing.assert_array_equal(c.lookup({"user": ids}, train=False)["user"], at_checkpoint)
 
 
+@pytest.mark.processes
 def test_sigterm_checkpoints_and_a_restart_has_everything(
     write_job, token_file, start_shards
 ) -> None:
@@ -400,6 +413,7 @@ def test_sigterm_checkpoints_and_a_restart_has_everything(
         np.testing.assert_array_equal(c.lookup({"user": ids}, train=False)["user"], before)
 
 
+@pytest.mark.processes
 def test_client_retries_while_a_shard_restarts(write_job, token_file, start_shards) -> None:
     job = write_job()
     token = token_file.read_text().strip()
@@ -420,6 +434,7 @@ def test_client_retries_while_a_shard_restarts(write_job, token_file, start_shar
         np.testing.assert_array_equal(after, before)
 
 
+@pytest.mark.processes
 def test_cli_help_and_errors(tmp_path: Path, write_job: Callable[..., Path]) -> None:
     out = streamrec("--help", check=True).stdout
     assert "store" in out
@@ -441,6 +456,7 @@ def test_cli_help_and_errors(tmp_path: Path, write_job: Callable[..., Path]) -> 
     assert "give the job's token with --token-file or $STREAMREC_STORE_TOKEN" in r.stderr
 
 
+@pytest.mark.processes
 def test_a_shard_back_after_a_long_outage_answers_the_default_retries(
     write_job, token_file, start_shards
 ) -> None:
@@ -470,6 +486,7 @@ def test_a_shard_back_after_a_long_outage_answers_the_default_retries(
         assert c.stats() is not None
 
 
+@pytest.mark.processes
 def test_a_push_reply_says_which_pushes_of_each_rank_its_rows_include(
     write_job, token_file, start_shards
 ) -> None:

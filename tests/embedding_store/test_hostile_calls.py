@@ -22,6 +22,8 @@ from embedding_store.proto import embedding_store_pb2 as pb
 from embedding_store.proto import embedding_store_pb2_grpc as pb_grpc
 from tests.support.processes import grpc_address
 
+pytestmark = pytest.mark.processes
+
 U64 = np.uint64
 
 

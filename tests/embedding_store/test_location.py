@@ -14,7 +14,8 @@ from embedding_store.location import Location
 from trainer.checkpoint import CheckpointBook
 
 
-@pytest.fixture(params=["s3", "local"])
+# Only the S3 case starts a process (the session's S3 server): the fast tier keeps "local".
+@pytest.fixture(params=[pytest.param("s3", marks=pytest.mark.processes), "local"])
 def location(request: pytest.FixtureRequest, tmp_path: Path) -> Location:
     if request.param == "local":
         return Location.parse(tmp_path / "loc")
@@ -87,6 +88,7 @@ def test_job_checkpoints_in_a_location(location: Location) -> None:
     assert again.latest() == latest
 
 
+@pytest.mark.processes
 def test_wrong_credentials_are_one_clear_error_without_the_secret(
     s3: LocalS3, s3_prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

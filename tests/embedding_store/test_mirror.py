@@ -21,6 +21,8 @@ from embedding_store.location import Location
 from embedding_store.mirror import remote_seqs
 from embedding_store.transport.base import RetryPolicy
 
+pytestmark = pytest.mark.processes
+
 U64 = np.uint64
 FAST = RetryPolicy(attempts=2, initial_backoff_s=0.05, timeout_s=10)
 

@@ -153,6 +153,7 @@ def _health(address: str, token_file: Path) -> str:
     return (out.stdout + out.stderr).strip()
 
 
+@pytest.mark.processes
 def test_a_replica_serves_pushes_and_evictions_and_outlives_its_training_shard(
     write_job: Callable[..., Path], token_file: Path, start_shards: Any, tmp_path: Path
 ) -> None:
@@ -218,6 +219,7 @@ def test_a_replica_serves_pushes_and_evictions_and_outlives_its_training_shard(
     assert "caught up with" in replica.log()
 
 
+@pytest.mark.processes
 def test_a_replica_starts_from_the_newest_checkpoint_and_asks_only_for_changes(
     write_job: Callable[..., Path], token_file: Path, start_shards: Any, tmp_path: Path
 ) -> None:
@@ -252,6 +254,7 @@ def test_a_replica_starts_from_the_newest_checkpoint_and_asks_only_for_changes(
     assert "(0 table(s) copied" in log, log
 
 
+@pytest.mark.processes
 def test_a_replica_answers_syncing_until_it_reaches_its_training_shard(
     write_job: Callable[..., Path], token_file: Path, start_shards: Any, tmp_path: Path
 ) -> None:

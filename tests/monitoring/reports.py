@@ -24,6 +24,7 @@ FRESH = {
 
 
 def trainer(**over: Any) -> dict[str, Any]:
+    """Rank 0's report at step 1 of a hybrid run (time 100), ``over`` replacing fields."""
     report: dict[str, Any] = {
         "kind": "trainer",
         "rank": 0,
@@ -49,12 +50,15 @@ def trainer(**over: Any) -> dict[str, Any]:
 
 
 def table(name: str, rows: int) -> TableStats:
+    """A 4-wide table of ``rows`` rows (capacity 1,000), every counter at 3."""
     sizes = {"name": name, "dim": 4, "rows": rows, "capacity": 1000, "memory_bytes": rows * 32}
     counters = {f.name: 3 for f in fields(TableStats) if f.name not in sizes}
     return TableStats(**sizes, **counters)  # type: ignore[arg-type]
 
 
 def store_report(rows: int) -> dict[str, Any]:
+    """The store's report (time 100): two shards, each with table ``a`` of ``rows`` rows and
+    ``b`` of one, and 20 lookups."""
     lat = LatencySnapshot((0.001, 0.01, math.inf), (10, 20, 20), 0.1, 20)
     stats = ShardStats(tables=(table("a", rows), table("b", 1)), lookup_latency=lat)
     return {

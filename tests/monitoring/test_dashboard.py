@@ -39,6 +39,8 @@ from tests.support.jobs import write_synthetic_job
 from tests.support.processes import REPO_ROOT, STREAMREC
 from tests.support.waits import wait_until
 
+pytestmark = pytest.mark.processes
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 

@@ -10,9 +10,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
+
 from monitoring.plugin import EVENTS_KEPT, StreamrecPlugin
 from monitoring.types import TOPIC, TrainerReport
 from tests.support.processes import dask_cluster
+
+pytestmark = pytest.mark.processes
 
 
 def report(step: int) -> TrainerReport:

@@ -162,6 +162,7 @@ def cli(*argv: str) -> int:
 # --- real runs -----------------------------------------------------------------------------
 
 
+@pytest.mark.processes  # the `runs` fixture: real jobs
 def test_report_of_a_sync_and_a_restarted_hybrid_run(
     runs: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -209,6 +210,7 @@ def test_report_of_a_sync_and_a_restarted_hybrid_run(
     assert table_cells(page, "skipped") == ["0", "0"]
 
 
+@pytest.mark.processes  # the `runs` fixture: real jobs
 def test_summary_and_series_follow_the_files(runs: tuple[Path, Path]) -> None:
     sync, hybrid = load_runs(list(runs))
     sync_lines, hybrid_lines = metrics_lines(runs[0]), metrics_lines(runs[1])
@@ -245,6 +247,7 @@ def test_summary_and_series_follow_the_files(runs: tuple[Path, Path]) -> None:
     assert learned == pytest.approx(h.samples_trained)
 
 
+@pytest.mark.processes  # the `runs` fixture: real jobs
 def test_default_page_lands_in_the_first_run_dir_and_moves_with_it(
     runs: tuple[Path, Path], tmp_path: Path
 ) -> None:
@@ -259,6 +262,7 @@ def test_default_page_lands_in_the_first_run_dir_and_moves_with_it(
         check_png(moved / name)
 
 
+@pytest.mark.processes  # the `runs` fixture: real jobs
 def test_command_writes_the_page(runs: tuple[Path, Path], tmp_path: Path, capsys: Any) -> None:
     out = tmp_path / "x.html"
     assert cli(str(runs[0]), str(runs[1]), "--out", str(out), "--title", "sync vs hybrid") == 0
@@ -279,6 +283,7 @@ def test_command_without_metrics_names_the_directory(tmp_path: Path, capsys: Any
     assert str(tmp_path / "missing") in capsys.readouterr().err
 
 
+@pytest.mark.processes  # the `runs` fixture: real jobs
 def test_malformed_lines_are_skipped_and_listed_or_fail_with_strict(
     runs: tuple[Path, Path], tmp_path: Path, capsys: Any
 ) -> None:

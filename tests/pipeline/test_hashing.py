@@ -220,6 +220,7 @@ def test_known_answers() -> None:
         assert feature_id(field, value) == want == KNOWN[(field, value)]
 
 
+@pytest.mark.processes
 def test_same_ids_in_another_process() -> None:
     here = {f"{f}|{v!r}": feature_id(f, v) for f, v in KNOWN}
     script = (

@@ -28,6 +28,8 @@ from pipeline.runner import StreamRunner
 from pipeline.types import PreparedBatch
 from tests.support.processes import dask_cluster
 
+pytestmark = pytest.mark.processes
+
 SPEC = synthetic_feature_spec()
 EVENTS = 3000
 

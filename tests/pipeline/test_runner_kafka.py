@@ -37,6 +37,8 @@ from tests.support.bad_records import JSON_BAD_CASES, SPEC, j
 from tests.support.kafka import SLOW_READS, KafkaForTests, make_kafka_source, read_partition
 from tests.support.processes import dask_cluster
 
+pytestmark = pytest.mark.processes
+
 CODEC = JsonLinesCodec()
 ID_COLUMN = [d.name for d in SPEC.dense].index("age")
 # A partition's ids start at this multiple of its number: ids are unique across partitions.

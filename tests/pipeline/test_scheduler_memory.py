@@ -11,10 +11,13 @@ import operator
 import time
 from typing import Any
 
+import pytest
 from distributed import Client, wait
 
 from pipeline.scheduler_memory import SchedulerTrim
 from tests.support.processes import dask_cluster
+
+pytestmark = pytest.mark.processes
 
 
 def key_names(client: Client) -> int:

@@ -12,10 +12,13 @@ import operator
 import time
 from typing import Any
 
+import pytest
 from distributed import Client
 
 from pipeline.scheduler_spans import SpanPruner
 from tests.support.processes import dask_cluster
+
+pytestmark = pytest.mark.processes
 
 
 def spans(client: Client) -> int:

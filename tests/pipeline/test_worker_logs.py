@@ -13,7 +13,11 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from tests.support.processes import REPO_ROOT
+
+pytestmark = pytest.mark.processes
 
 SCRIPT = textwrap.dedent(
     """

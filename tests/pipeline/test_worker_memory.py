@@ -12,10 +12,13 @@ import operator
 import time
 from typing import Any
 
+import pytest
 from distributed import Client, wait
 
 from pipeline.worker_memory import SPAN_CONTEXTS, WorkerTrim
 from tests.support.processes import dask_cluster
+
+pytestmark = pytest.mark.processes
 
 
 def span_keys_and_seconds(client: Client) -> dict[str, tuple[int, float]]:

@@ -14,7 +14,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.support.processes import REPO_ROOT
+
+pytestmark = pytest.mark.processes
 
 
 def _run_curl_line(line: str) -> bytes:

@@ -33,6 +33,8 @@ from tests.support.jobs import write_job_yaml
 from tests.support.processes import streamrec
 from tests.support.waits import wait_until
 
+pytestmark = pytest.mark.processes
+
 RECORDS = 1500  # about 5,000 genre strings: past the scanner's first store several times
 # A call that used to spin is given this long; the whole test takes seconds.
 LIMIT_S = 180

@@ -308,6 +308,7 @@ CASES: list[tuple[str, bytes, str]] = [
 ]
 
 
+@pytest.mark.processes
 def test_refusals_do_not_depend_on_other_json_libraries(tmp_path: Path) -> None:
     # An "orjson" that refuses everything, importable: the protocol's JSON must not
     # change with what else is installed (orjson's messages named neither the byte of a

@@ -23,6 +23,8 @@ from trainer.checkpoint import CheckpointBook
 from trainer.dense_model import DenseModel
 from trainer.pooling import pool, to_tensors
 
+pytestmark = pytest.mark.processes
+
 
 def _trainer_forward(job_path: Path, lines: list[bytes]) -> np.ndarray:
     """The trainer's own forward: its dense state and the shard's rows, restored as a

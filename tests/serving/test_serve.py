@@ -38,6 +38,8 @@ from tests.support.processes import streamrec
 from tests.support.waits import wait_until
 from trainer.publish import DensePublisher, published
 
+pytestmark = pytest.mark.processes
+
 
 def _with_follow_poll(job: Path, poll_s: float, out: Path) -> Path:
     """``job`` written to ``out`` with its ``serving.follow_poll_s`` set to ``poll_s``."""

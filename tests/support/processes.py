@@ -14,6 +14,7 @@ import queue
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -154,14 +155,24 @@ def forbid_processes(test: str) -> Iterator[None]:
     test that starts real processes without the ``processes`` marker fails there
     with a message saying to mark it, rather than slowing the fast tier down.
     """
+    message = (
+        f"{test} starts a process ({{how}}) but is not marked `processes`: add "
+        "@pytest.mark.processes to it (or `pytestmark = pytest.mark.processes` to its "
+        "module), so that the fast tier (`make test-fast`) leaves it out."
+    )
+    refused: list[str] = []
+    main = threading.main_thread()
 
     def refuse(how: str) -> NoReturn:
-        pytest.fail(
-            f"{test} starts a process ({how}) but is not marked `processes`: add "
-            "@pytest.mark.processes to it (or `pytestmark = pytest.mark.processes` to its "
-            "module), so that the fast tier (`make test-fast`) leaves it out.",
-            pytrace=False,
-        )
+        refused.append(message.format(how=how))
+        if threading.current_thread() is not main:
+            # A process started from another thread (Dask starts its workers from its
+            # event loop's): the test waits on that thread, and would only time out.
+            signal.pthread_kill(main.ident or 0, signal.SIGUSR1)
+        pytest.fail(refused[-1], pytrace=False)
+
+    def in_main(signum: int, frame: object) -> None:
+        pytest.fail(refused[-1], pytrace=False)
 
     def popen(self: subprocess.Popen[Any], args: Any, *rest: Any, **kw: Any) -> NoReturn:
         refuse(f"subprocess: {args!r}"[:200])
@@ -172,9 +183,13 @@ def forbid_processes(test: str) -> Iterator[None]:
     def fork() -> NoReturn:
         refuse("os.fork")
 
-    with pytest.MonkeyPatch.context() as patch:
-        # _execute_child: every Popen goes through it, however the caller imported it.
-        patch.setattr(subprocess.Popen, "_execute_child", popen)
-        patch.setattr(multiprocessing.process.BaseProcess, "start", start)
-        patch.setattr(os, "fork", fork)
-        yield
+    before = signal.signal(signal.SIGUSR1, in_main)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            # _execute_child: every Popen goes through it, however the caller imported it.
+            patch.setattr(subprocess.Popen, "_execute_child", popen)
+            patch.setattr(multiprocessing.process.BaseProcess, "start", start)
+            patch.setattr(os, "fork", fork)
+            yield
+    finally:
+        signal.signal(signal.SIGUSR1, before)

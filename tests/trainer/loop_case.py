@@ -53,6 +53,7 @@ NO_CHECKPOINTS = CheckpointConfig(enabled=False)
 
 
 def source(partitions: int = 1) -> SyntheticSource:
+    """The synthetic stream of these tests (seed 5), in chunks of ``BATCH`` records."""
     # Small vocabularies: ids come back batch after batch, so a stale row shows.
     return SyntheticSource(
         SyntheticConfig(seed=5, partitions=partitions, cardinalities=(20,) * 26, chunk_size=BATCH)
@@ -60,6 +61,7 @@ def source(partitions: int = 1) -> SyntheticSource:
 
 
 def chunks(src: SyntheticSource, partition: str, start: int, stop: int) -> list[Chunk]:
+    """``partition``'s records ``[start, stop)`` planned as chunks of ``BATCH`` or fewer."""
     out = []
     pos = start
     while pos < stop:
@@ -102,6 +104,7 @@ def lazy_batches(
 
 
 def config(mode: str, **kw: Any) -> TrainerConfig:
+    """The oracle comparisons' trainer in ``mode``; ``kw`` replaces fields."""
     base: dict[str, Any] = {
         "mode": mode,
         "batch_size": BATCH,

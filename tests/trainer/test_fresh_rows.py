@@ -34,6 +34,8 @@ from trainer.dense_model import DenseModel
 from trainer.loop import TrainLoop
 from trainer.loop_options import Compute
 
+pytestmark = pytest.mark.processes
+
 STEPS = 12
 
 

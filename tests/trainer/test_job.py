@@ -39,6 +39,8 @@ from tests.support.processes import finish, kill_group, start_job
 from trainer.checkpoint import CheckpointBook
 from trainer.run_files import parts_of, read_lines
 
+pytestmark = pytest.mark.processes
+
 EVENTS = 16_000
 BATCH = 400  # 40 steps
 

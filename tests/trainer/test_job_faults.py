@@ -24,6 +24,8 @@ from tests.support.jobs import (
 )
 from tests.support.processes import finish, kill_group, start_job
 
+pytestmark = pytest.mark.processes
+
 EVENTS = 6_000  # per partition
 PARTITIONS = 2
 BATCH = 200

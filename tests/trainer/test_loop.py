@@ -500,6 +500,7 @@ def _same_dense(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("scenario", ["hybrid", "sync"])
 def test_two_ranks_with_uneven_streams_finish_in_step(
     two_ranks: tuple[dict[int, Any], Path], scenario: str
@@ -535,6 +536,7 @@ def test_two_ranks_with_uneven_streams_finish_in_step(
         assert torch.equal(v, ranks[1]["model"][k]), k
 
 
+@pytest.mark.processes
 def test_two_async_ranks_average_their_dense_weights(
     two_ranks: tuple[dict[int, Any], Path],
 ) -> None:
@@ -595,6 +597,7 @@ def two_rank_reference() -> tuple[list[list[float]], torch.nn.Module]:
     return losses, dense
 
 
+@pytest.mark.processes
 def test_two_sync_ranks_equal_one_process_averaging_their_gradients(
     two_ranks: tuple[dict[int, Any], Path],
 ) -> None:

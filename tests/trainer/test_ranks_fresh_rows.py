@@ -40,6 +40,8 @@ from trainer.dense_model import DenseModel
 from trainer.loop import TrainLoop
 from trainer.loop_options import Compute
 
+pytestmark = pytest.mark.processes
+
 STEPS = 8
 STORE = StoreConfig(
     tables={

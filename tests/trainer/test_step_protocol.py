@@ -309,6 +309,7 @@ def test_every_rank_reaches_the_same_decision() -> None:
         assert len(kinds) == 1, everyone
 
 
+@pytest.mark.processes
 def test_the_protocol_imports_no_torch() -> None:
     code = "import sys, trainer.step_protocol; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
