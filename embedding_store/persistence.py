@@ -5,6 +5,9 @@ A checkpoint directory holds, per checkpoint ``seq``:
 - ``{seq:08d}-{kind}-{table}.rows.arrow``: the rows (all of them for a full
   snapshot, the dirty ones for a delta), each with its id;
 - ``{seq:08d}-delta-{table}.tombstones.arrow``: ids removed since the parent;
+- ``{seq:08d}-full-{table}.tier.{file}``: instead of a rows file, a tiered
+  table's full snapshot is its disk tier: the engine's own checkpoint, its
+  files hard links of the tier's (see :mod:`embedding_store.tier`);
 - ``MANIFEST-{seq:08d}.json``: names those files with their size and SHA-256,
   the parent checkpoint, the table clocks and the caller's metadata. It is
   written to a temporary name, fsynced and renamed, so a manifest is either
@@ -48,6 +51,10 @@ class TableSnapshot:
     rows: RowBatch
     tombstones: npt.NDArray[np.uint64]
     clock: int
+    # A tiered table's full snapshot: its disk tier's files, already in the checkpoint
+    # directory (their manifest entries), and the rows they hold; ``rows`` is empty.
+    tier_files: tuple[dict[str, Any], ...] = ()
+    tier_rows: int = 0
 
 
 @dataclass(frozen=True)
@@ -86,6 +93,15 @@ def write_file_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
         os.fsync(f.fileno())
     tmp.replace(path)
     _fsync_dir(path.parent)
+
+
+def file_entry(path: Path, sha256: str | None = None) -> dict[str, Any]:
+    """A manifest's entry for a file already in the checkpoint directory."""
+    return {
+        "path": path.name,
+        "bytes": path.stat().st_size,
+        "sha256": sha256 if sha256 is not None else _sha256(path),
+    }
 
 
 def _sha256(path: Path) -> str:
@@ -145,16 +161,19 @@ def write_checkpoint(
     entries: dict[str, Any] = {}
     total_rows = total_tombs = total_bytes = 0
     for snap in tables:
-        files = [
-            {
-                "role": "rows",
-                **_write_table(
-                    directory / f"{seq:08d}-{kind}-{snap.name}.rows.arrow",
-                    _rows_table(snap.rows),
-                    compression,
-                ),
-            }
-        ]
+        if snap.tier_files:
+            files = [{"role": "tier", **f} for f in snap.tier_files]
+        else:
+            files = [
+                {
+                    "role": "rows",
+                    **_write_table(
+                        directory / f"{seq:08d}-{kind}-{snap.name}.rows.arrow",
+                        _rows_table(snap.rows),
+                        compression,
+                    ),
+                }
+            ]
         if kind == "delta" and snap.tombstones.shape[0]:
             tombs = pa.table({"id": pa.array(snap.tombstones, type=pa.uint64())})
             files.append(
@@ -171,11 +190,11 @@ def write_checkpoint(
             "dim": snap.dim,
             "state_width": snap.state_width,
             "clock": snap.clock,
-            "rows": len(snap.rows),
+            "rows": len(snap.rows) + snap.tier_rows,
             "tombstones": int(snap.tombstones.shape[0]) if kind == "delta" else 0,
             "files": files,
         }
-        total_rows += len(snap.rows)
+        total_rows += len(snap.rows) + snap.tier_rows
         total_tombs += entries[snap.name]["tombstones"]
         total_bytes += sum(f["bytes"] for f in files)
     doc = {

@@ -44,7 +44,9 @@ from embedding_store.hashing import shard_of
 from embedding_store.location import Location
 from embedding_store.table import MAX_STEP, EmbeddingTable, apply_changes
 from embedding_store.table_group import TableGroup
-from embedding_store.tier.tiered_table import TieredTable
+from embedding_store.tier.disk_rows import RowLayout
+from embedding_store.tier.snapshots import tier_rows
+from embedding_store.tier.tiered_table import TieredTable, empty_rows
 from embedding_store.types import (
     CheckpointKind,
     CheckpointResult,
@@ -64,6 +66,13 @@ F32 = npt.NDArray[np.float32]
 _GROUPS_SEEN = 64
 CHANGE_LOGS_KEY = "change_logs"  # in a checkpoint's metadata
 TIER_DIR = "tier"  # in a shard's data dir: the disk tiers of its tiered tables
+
+
+def tier_prefix(seq: int, table: str) -> str:
+    """How a tiered table's full snapshot names its tier's files in a checkpoint."""
+    return f"{seq:08d}-full-{table}.tier."
+
+
 U64 = npt.NDArray[np.uint64]
 _NAME = operator.attrgetter("name")
 
@@ -398,7 +407,7 @@ class StoreShard:
             logs = {n: p for n, t in self._tables.items() if (p := t.log_position()) is not None}
             if logs:
                 metadata = {**(metadata or {}), CHANGE_LOGS_KEY: logs}
-            snaps = self._export_tables(dirty_only=actual == "delta")
+            snaps = self._export_tables(actual, target, seq)
             try:
                 path, n_rows, n_tombs, n_bytes = persistence.write_checkpoint(
                     target,
@@ -453,12 +462,28 @@ class StoreShard:
         assert chain is not None
         return "delta" if chain[2] < self.config.full_checkpoint_every else "full"
 
-    def _export_tables(self, *, dirty_only: bool) -> list[persistence.TableSnapshot]:
+    def _export_tables(self, kind: str, target: Path, seq: int) -> list[persistence.TableSnapshot]:
         """Every table's rows (all, or those dirty since the last export), each table cut
-        consistently."""
+        consistently; a tiered table's full snapshot is its disk tier's checkpoint."""
         snaps = []
         for name, table in self._tables.items():
-            rows, tombs, clock = table.export(dirty_only=dirty_only)
+            if kind == "full" and isinstance(table, TieredTable):
+                prefix = tier_prefix(seq, name)
+                files, n_rows, clock = table.checkpoint_tier(target, prefix)
+                snaps.append(
+                    persistence.TableSnapshot(
+                        name=name,
+                        dim=table.dim,
+                        state_width=table.state_width,
+                        rows=empty_rows(table.dim, table.state_width),
+                        tombstones=np.zeros(0, np.uint64),
+                        clock=clock,
+                        tier_files=tuple(files),
+                        tier_rows=n_rows,
+                    )
+                )
+                continue
+            rows, tombs, clock = table.export(dirty_only=kind == "delta")
             snaps.append(
                 persistence.TableSnapshot(
                     name=name,
@@ -568,6 +593,11 @@ class StoreShard:
                 )
                 raise CheckpointError(msg)
             table = tables[tname]
+            tier = [manifest.directory / f["path"] for f in tinfo["files"] if f["role"] == "tier"]
+            if tier:
+                StoreShard._apply_tier(manifest, tname, tinfo, tier, table, shard_index, num_shards)
+                table.set_clock(int(tinfo["clock"]))
+                continue
             # Tombstones first: an id removed and then created again is in both files.
             for f in sorted(tinfo["files"], key=lambda f: f["role"] != "tombstones"):
                 path = manifest.directory / f["path"]
@@ -612,6 +642,27 @@ class StoreShard:
     def close(self) -> None:
         """Release the tables' disk tiers (a shard that holds none has nothing to close)."""
         _close_tables(self._tables.values())
+
+    @staticmethod
+    def _apply_tier(
+        manifest: persistence.Manifest,
+        name: str,
+        tinfo: dict[str, Any],
+        files: list[Path],
+        table: EmbeddingTable,
+        shard_index: int,
+        num_shards: int,
+    ) -> None:
+        """A tiered table's full snapshot: linked in as the table's tier when it is whole
+        here, else its rows read and loaded (an untiered table, a reshard)."""
+        prefix = tier_prefix(manifest.seq, name)
+        if isinstance(table, TieredTable) and num_shards == 1:
+            table.load_tier(files, prefix, int(tinfo["rows"]))
+            return
+        layout = RowLayout(int(tinfo["dim"]), int(tinfo["state_width"]))
+        for part in tier_rows(files, prefix, layout):
+            mine = shard_of(part.ids, num_shards) == shard_index if num_shards > 1 else None
+            table.load(part if mine is None else part.select(mine))
 
     # --- serving replicas -----------------------------------------------------------
 

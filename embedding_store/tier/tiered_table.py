@@ -36,11 +36,12 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from embedding_store.errors import InvalidRequest
+from embedding_store.errors import CheckpointError, InvalidRequest
 from embedding_store.kernels.hash_index import (
     DIRTY,
     FREQ_ONE,
@@ -52,9 +53,11 @@ from embedding_store.kernels.hash_index import (
     probe,
     upsert,
 )
+from embedding_store.persistence import file_entry
 from embedding_store.table import EmbeddingTable
 from embedding_store.tier.disk_rows import DiskRows, RowLayout
 from embedding_store.tier.flags import meta_of, set_flags
+from embedding_store.tier.snapshots import export_tier, restore_tier
 from embedding_store.types import RowBatch, TableConfig, TierConfig
 
 I64 = npt.NDArray[np.int64]
@@ -69,7 +72,7 @@ _EXPIRY_SCAN = 65536
 _TIER_COUNTERS = ("tier_asked", "tier_missed", "promotions", "demotions")
 
 
-def _empty_rows(dim: int, state_width: int) -> RowBatch:
+def empty_rows(dim: int, state_width: int) -> RowBatch:
     return RowBatch(
         ids=np.zeros(0, np.uint64),
         weights=np.zeros((0, dim), np.float32),
@@ -117,6 +120,7 @@ class TieredTable(EmbeddingTable):
         self._changed_on_disk: list[I64] = []
         self._deleted: list[I64] = []
         self._expiry_cursor: int | None = None
+        self._checksums: dict[tuple[int, int, int], str] = {}
 
     # --- sizes -------------------------------------------------------------------
 
@@ -306,6 +310,44 @@ class TieredTable(EmbeddingTable):
                 self._deleted = []
                 self._all_changed = False
             return batch, tombs.view(np.uint64), self.clock
+
+    def checkpoint_tier(
+        self, directory: Path, prefix: str
+    ) -> tuple[list[dict[str, Any]], int, int]:
+        """A full snapshot as the disk tier's own checkpoint in ``directory`` (files named
+        ``{prefix}...``, table files hard links): memory's changed rows are written to
+        disk first, so the tier holds every row. Returns the files' manifest entries,
+        the rows and the clock; the table counts as checkpointed (the next delta
+        starts here)."""
+        with self._lock:
+            self._flush(np.flatnonzero(self._buckets[:, ROW] >= 0))
+            files = export_tier(self.disk, directory, prefix)
+            self._changed_on_disk = []
+            self._deleted = []
+            self._all_changed = False
+            return [self._entry(f) for f in files], self._disk_rows, self.clock
+
+    def _entry(self, path: Path) -> dict[str, Any]:
+        # The engine never changes a table file once written and the checkpoint links
+        # it: a file's checksum is computed once, not at every full snapshot.
+        st = path.stat()
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if key not in self._checksums:
+            self._checksums[key] = file_entry(path)["sha256"]
+        return file_entry(path, self._checksums[key])
+
+    def load_tier(self, files: list[Path], prefix: str, rows: int) -> None:
+        """Take a checkpoint's tier ``files`` (of ``rows`` rows) as this table's disk tier
+        (restore path, onto a table that holds nothing yet)."""
+        with self._lock:
+            if int(self._alloc[0]) or self._disk_rows:
+                msg = f"table {self.name!r}: a disk tier is restored onto an empty table only"
+                raise CheckpointError(msg)
+            path, layout = self.disk.path, self.disk.layout
+            self.disk.close()
+            self.disk = restore_tier(files, prefix, path, layout)
+            self._disk_rows = rows
+            self._all_changed = True  # nothing of it is in this shard's own chain yet
 
     def _disk_only(self, rows: RowBatch) -> RowBatch:
         meta = np.empty(len(rows), dtype=np.int64)

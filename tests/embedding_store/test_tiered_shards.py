@@ -152,6 +152,13 @@ def test_a_tiered_store_trains_row_for_row_as_memory_alone_across_kill_and_resha
 
         for kind, client in pair.clients.items():
             client.checkpoint(tmp_path / f"end-{kind}", kind="full")
+        # The tiered store's full snapshot is its tiers' own checkpoints: table files
+        # linked to the live tiers' (no row copied), no rows file.
+        end = tmp_path / "end-tiered"
+        tables = list(end.glob("shard-*/*-full-t.tier.*.sst"))
+        assert tables, sorted(p.name for p in end.glob("shard-*/*"))
+        assert all(f.stat().st_nlink >= 2 for f in tables)
+        assert not list(end.glob("shard-*/*.rows.arrow"))
     finally:
         pair.close()
     plain = StoreConfig.model_validate({"tables": {"t": TABLE}, "row_dtype": "float32"})
