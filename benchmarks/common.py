@@ -12,23 +12,18 @@ import json
 import os
 import secrets
 import statistics
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, ExitStack, contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 if TYPE_CHECKING:
     from connectors.spec import FeatureSpec
     from deploy.local.shards import ShardProcess, StartingShard
-
-T = TypeVar("T")
 
 # The fields of a Criteo display-ads record besides ``label``: 13 dense counts
 # and 26 categorical (string) fields.
@@ -225,73 +220,6 @@ def shared_dask(log_path: Path, workers: int = 2) -> Iterator[str]:
         workers=workers, threads_per_worker=1, dashboard_address=":0", log_path=log_path
     ) as cluster:
         yield str(cluster.scheduler_address)
-
-
-@dataclass(frozen=True)
-class Services:
-    """A Dask cluster and store shards started for several runs to name."""
-
-    scheduler: str  # the Dask scheduler's address
-    store: str  # grpc://host:port,... of the shards ("grpc://" when there are none)
-    token_file: Path
-
-
-@contextmanager
-def dask_and_shards(
-    tmp: Path, store: Mapping[str, Any] | None, shards: int = 2
-) -> Iterator[Services]:
-    """A local Dask cluster (:func:`shared_dask`) and ``shards`` store shard processes of
-    the ``store:`` section ``store`` (none where it is None), started side by side."""
-    from deploy.local.shards import ShardProcess
-
-    token = write_token(tmp / "store.token")
-    starting = []
-    if store is not None:
-        job = write_store_job(tmp / "store.yaml", dict(store))
-        starting = [
-            ShardProcess.spawn(job, tmp / f"shard-{i}", token_file=token) for i in range(shards)
-        ]
-    with ExitStack() as stack:
-        try:
-            scheduler = stack.enter_context(shared_dask(tmp / "dask.log"))
-        except BaseException:
-            for one in starting:
-                one.proc.kill()
-                one.proc.wait()
-            raise
-        addresses = []
-        for shard in wait_all(starting):
-            stack.callback(shard.kill)
-            addresses.append(shard.address)
-        yield Services(scheduler, "grpc://" + ",".join(addresses), token)
-
-
-@contextmanager
-def in_background(cm: AbstractContextManager[T]) -> Iterator[Callable[[], T]]:
-    """Enter ``cm`` on a thread of its own while the block goes on; yield a call that waits
-    until it is entered and returns what it gave. ``cm`` is exited with the block (once
-    entered); an error entering it is raised by that call, else on leaving the block.
-
-    For a service a benchmark needs later (a Dask cluster): its start, mostly waiting
-    on processes it starts, goes on beside the work before it.
-
-    >>> @contextmanager
-    ... def service() -> Iterator[str]:
-    ...     yield "ready"
-    >>> with in_background(service()) as ready:
-    ...     ready()
-    'ready'
-    """
-    with ThreadPoolExecutor(1, thread_name_prefix="bench-background") as pool:
-        future = pool.submit(cm.__enter__)
-        try:
-            yield future.result
-        except BaseException:
-            if future.exception() is None:
-                cm.__exit__(*sys.exc_info())
-            raise
-        future.result()
-        cm.__exit__(None, None, None)
 
 
 # --- output ------------------------------------------------------------------------------

@@ -73,7 +73,6 @@ import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -82,7 +81,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import MachineCpu, dask_and_shards, in_background, write_json
+from common import MachineCpu, shared_dask, write_json
 
 from connectors.synthetic import (
     SyntheticConfig,
@@ -510,36 +509,6 @@ def run_step_in_process(
 # --- streamrec through the job path ----------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Store:
-    """Running store shards a job names instead of starting its own."""
-
-    address: str  # grpc://host:port,...
-    token_file: Path
-
-
-@dataclass(frozen=True)
-class Shared:
-    """What the streamrec runs after the first share (``--share-cluster``, ``--share-store``)."""
-
-    scheduler: str
-    store: Store | None
-
-
-@contextlib.contextmanager
-def shared_services(tmp: Path, store: bool) -> Iterator[Shared]:
-    """One Dask cluster, and with ``store`` one pair of store shards of the jobs' store
-    section, started side by side."""
-    section = None
-    if store:
-        job = make_job("hybrid", BATCH, tmp / "shared", seed=0, window=BATCH, latency_ms=0.0,
-                       ranks=1, torch_threads=None, hidden=HIDDEN)  # fmt: skip
-        section = job.store.model_dump(mode="json")
-    with dask_and_shards(tmp, section, PARTITIONS) as services:
-        shards = Store(services.store, services.token_file) if store else None
-        yield Shared(services.scheduler, shards)
-
-
 def make_job(
     mode: str,
     samples: int,
@@ -555,11 +524,9 @@ def make_job(
     bf16: bool = False,
     fresh_rows: str = "bounded",
     scheduler: str | None = None,
-    store: Store | None = None,
 ) -> Any:
     """The job of ``mode``; with ``scheduler``, one that names that Dask cluster's scheduler
-    (``cluster.scheduler``) instead of starting its own; with ``store``, running store
-    shards (``cluster.store``) instead of its own."""
+    (``cluster.scheduler``) instead of starting its own."""
     from deploy.cli.train import demo_job
     from deploy.config import JobConfig
 
@@ -596,12 +563,6 @@ def make_job(
     }
     if scheduler is not None:
         raw["cluster"]["scheduler"] = scheduler
-    if store is not None:
-        raw["cluster"] |= {
-            "store": store.address,
-            "store_shards": store.address.count(",") + 1,
-            "token_file": str(store.token_file),
-        }
     return JobConfig.model_validate(raw)
 
 
@@ -660,25 +621,6 @@ def read_for_report(run_dir: Path, label: str) -> RunData | None:
         return None
 
 
-def progress_printer(label: str, log: bool) -> Callable[[Any], None]:
-    """A job's ``on_progress``: a line every 10 s or more (none without ``log``)."""
-    last = [0.0]
-
-    def progress(p: Any) -> None:
-        now = time.monotonic()
-        if log and now - last[0] >= 10.0:
-            auc = p.metrics.auc
-            print(
-                f"  {label}: {p.samples:>10,} samples  {p.samples_per_s:>8,.0f}/s  "
-                f"AUC {auc if auc is None else round(auc, 4)}  wait {p.wait_s:.1f}s  "
-                f"compute {p.compute_s:.1f}s",
-                flush=True,
-            )
-            last[0] = now
-
-    return progress
-
-
 def run_streamrec(
     mode: str,
     samples: int,
@@ -695,7 +637,6 @@ def run_streamrec(
     log: bool,
     report: bool = False,
     scheduler: str | None = None,
-    store: Store | None = None,
 ) -> Run:
     from deploy.job import run_job
 
@@ -721,10 +662,23 @@ def run_streamrec(
             bf16=bf16,
             fresh_rows=fresh_rows,
             scheduler=scheduler,
-            store=store,
         )
+        last = [0.0]
+
+        def progress(p: Any) -> None:
+            now = time.monotonic()
+            if log and now - last[0] >= 10.0:
+                auc = p.metrics.auc
+                print(
+                    f"  {label}: {p.samples:>10,} samples  {p.samples_per_s:>8,.0f}/s  "
+                    f"AUC {auc if auc is None else round(auc, 4)}  wait {p.wait_s:.1f}s  "
+                    f"compute {p.compute_s:.1f}s",
+                    flush=True,
+                )
+                last[0] = now
+
         t_call = time.monotonic()
-        stats, _ = run_job(job, max_events=samples, on_progress=progress_printer(label, log))
+        stats, _ = run_job(job, max_events=samples, on_progress=progress)
         call_s = time.monotonic() - t_call
         lines = read_metrics(run_dir)
         # Read before the temporary run directory is deleted; drawn after every mode ran.
@@ -842,17 +796,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "them all (each still starts its own store shards): the smoke test's; their rates "
         "are not the full run's, where every job starts its own",
     )
-    parser.add_argument(
-        "--share-store",
-        action="store_true",
-        help="with --share-cluster, those runs also name one pair of store shards started "
-        "with the cluster (their rows start where the run before left them)",
-    )
     parser.add_argument("--quiet", action="store_true")
-    args = parser.parse_args(argv)
-    if args.share_store and not args.share_cluster:
-        parser.error("--share-store goes with --share-cluster")
-    return args
+    return parser.parse_args(argv)
 
 
 @dataclass(frozen=True)
@@ -924,7 +869,7 @@ def plan_runs(args: argparse.Namespace, results: dict[str, Any]) -> list[Planned
     return plan
 
 
-def train(args: argparse.Namespace, p: Planned, shared: Shared | None, log: bool) -> Run:
+def train(args: argparse.Namespace, p: Planned, scheduler: str | None, log: bool) -> Run:
     """One planned run: in this process (``baseline``, ``torchrec``, ``step``) or as a job."""
     if p.mode == "step":
         return run_step_in_process(
@@ -948,8 +893,7 @@ def train(args: argparse.Namespace, p: Planned, shared: Shared | None, log: bool
         bf16=args.bf16,
         log=log,
         report=bool(args.report),
-        scheduler=shared.scheduler if shared is not None else None,
-        store=shared.store if shared is not None else None,
+        scheduler=scheduler,
     )
 
 
@@ -968,25 +912,22 @@ def with_machine_cpu(run: Run, cpu: MachineCpu, before: list[float]) -> Run:
 
 
 class Clusters:
-    """With ``--share-cluster``: the first streamrec run starts its own Dask cluster (and
-    store shards), as every run of the full run does; the later ones name one shared
-    cluster (and with ``--share-store`` one pair of shards), started beside the runs
-    before them."""
+    """With ``--share-cluster``: the first streamrec run starts its own Dask cluster, as
+    every run of the full run does; the later ones name one shared cluster, started
+    here when the second comes."""
 
-    def __init__(self, stack: contextlib.ExitStack, share: bool, store: bool) -> None:
-        self.shared: Shared | None = None
+    def __init__(self, stack: contextlib.ExitStack, share: bool) -> None:
+        self.stack, self.share = stack, share
+        self.scheduler: str | None = None
         self.ran_own = False
-        self.starting: Callable[[], Shared] | None = None
-        if share:
-            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-e2e-")))
-            self.starting = stack.enter_context(in_background(shared_services(tmp, store)))
 
-    def for_run(self, mode: str) -> Shared | None:
-        if self.starting is not None and self.shared is None and mode not in IN_PROCESS:
+    def for_run(self, mode: str) -> str | None:
+        if self.share and self.scheduler is None and mode not in IN_PROCESS:
             if self.ran_own:
-                self.shared = self.starting()
+                tmp = self.stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-e2e-"))
+                self.scheduler = self.stack.enter_context(shared_dask(Path(tmp) / "dask.log"))
             self.ran_own = True
-        return self.shared
+        return self.scheduler
 
 
 def run_plan(
@@ -1000,16 +941,16 @@ def run_plan(
     results["shared_cluster"] = args.share_cluster
     with contextlib.ExitStack() as stack:
         cpu = stack.enter_context(MachineCpu())
-        clusters = Clusters(stack, args.share_cluster, args.share_store)
+        clusters = Clusters(stack, args.share_cluster)
         for p in plan:
-            shared = clusters.for_run(p.mode)
+            scheduler = clusters.for_run(p.mode)
             before = load()
             if log:
                 added = f", {p.latency_ms:g} ms per store call" if p.latency_ms else ""
                 added += f", MLP {'-'.join(map(str, p.hidden))}" if p.hidden != HIDDEN else ""
                 print(f"{p.key}: {p.samples:,} samples{added} (load {before})", flush=True)
             try:
-                run = train(args, p, shared, log)
+                run = train(args, p, scheduler, log)
             except Exception as exc:  # one mode failing must not lose the others' figures
                 errors[p.key] = f"{type(exc).__name__}: {exc}"
                 print(f"{p.key} FAILED: {errors[p.key]}", file=sys.stderr, flush=True)

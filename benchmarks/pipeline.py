@@ -58,10 +58,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import (
-    dask_and_shards,
     median_rate,
     print_figures,
+    shared_dask,
     store_shards,
+    wait_all,
     write_json,
     write_store_job,
     write_token,
@@ -311,9 +312,24 @@ def store_of_two(tmp: Path) -> Iterator[tuple[str, str]]:
 @contextlib.contextmanager
 def shared_services(tmp: Path) -> Iterator[Shared]:
     """One store and one Dask cluster for every run, started side by side."""
-    with dask_and_shards(tmp, synthetic_store_section(dim=16)) as services:
-        token = services.token_file.read_text()
-        yield Shared(services.store, token, services.scheduler)
+    from deploy.local.shards import ShardProcess
+
+    job = write_store_job(tmp / "job.yaml", synthetic_store_section(dim=16))
+    token = write_token(tmp / "token")
+    starting = [ShardProcess.spawn(job, tmp / f"shard-{i}", token_file=token) for i in range(2)]
+    with contextlib.ExitStack() as stack:
+        try:
+            scheduler = stack.enter_context(shared_dask(tmp / "dask.log"))
+        except BaseException:
+            for one in starting:
+                one.proc.kill()
+                one.proc.wait()
+            raise
+        shards = wait_all(starting)
+        for shard in shards:
+            stack.callback(shard.kill)
+        address = "grpc://" + ",".join(shard.address for shard in shards)
+        yield Shared(address, token.read_text(), scheduler)
 
 
 def bench_runner(

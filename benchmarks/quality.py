@@ -97,7 +97,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
-from common import in_background, shared_dask, write_json  # noqa: E402
+from common import shared_dask, write_json  # noqa: E402
 from e2e import load, measured_rate, read_metrics  # noqa: E402
 
 if TYPE_CHECKING:
@@ -1036,9 +1036,7 @@ class Session:
     errors: dict[str, str] = field(default_factory=dict)
     t_all: float = field(default_factory=time.monotonic)
     bootstrap: str = ""
-    # The shared Dask cluster's scheduler (--share-cluster), once started: it starts
-    # beside the first data set's making.
-    shared_scheduler: Callable[[], str] | None = None
+    scheduler: str | None = None
     create: Callable[[str, int], None] | None = None
 
     @property
@@ -1093,8 +1091,7 @@ def services(s: Session) -> Iterator[None]:
                 kafka = LocalKafka.start(s.work / "kafka")
                 s.bootstrap = kafka.bootstrap
             if s.needs_kafka and s.args.share_cluster:
-                cluster = shared_dask(s.work / "dask-scheduler.log")
-                s.shared_scheduler = stack.enter_context(in_background(cluster))
+                s.scheduler = stack.enter_context(shared_dask(s.work / "dask-scheduler.log"))
             s.create = kafka.create_topic if kafka is not None else None
             yield
     finally:
@@ -1175,7 +1172,7 @@ def train_once(
         window=window,
         timeout_s=s.args.timeout_s,
         trainer_options=s.trainer_options,
-        scheduler=s.shared_scheduler() if s.shared_scheduler is not None else None,
+        scheduler=s.scheduler,
         ranks=ranks,
         in_process=s.args.run_in_process,
     )

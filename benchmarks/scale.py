@@ -52,7 +52,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,15 +60,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import (
-    in_background,
-    print_figures,
-    shared_dask,
-    wait_all,
-    write_json,
-    write_store_job,
-    write_token,
-)
+from common import print_figures, wait_all, write_json, write_store_job, write_token
 from e2e import HIDDEN, make_job, measured_rate, read_metrics
 
 from connectors.synthetic import (
@@ -245,10 +236,8 @@ def train(
     samples: int,
     seed: int,
     log_every_s: float,
-    scheduler: str | None = None,
 ) -> dict[str, Any]:
-    """Hybrid training on the loaded shards; samples/s as benchmarks/e2e.py measures it
-    (on a Dask cluster of its own, or ``scheduler``'s)."""
+    """Hybrid training on the loaded shards; samples/s as benchmarks/e2e.py measures it."""
     from deploy.config import JobConfig
     from deploy.job import run_job
 
@@ -264,7 +253,6 @@ def train(
         torch_threads=None,
         hidden=HIDDEN,
         log_every_s=log_every_s,
-        scheduler=scheduler,
     )
     raw = base.model_dump(mode="json")
     raw["store"] = store
@@ -305,13 +293,7 @@ def memory_figures(
     }
 
 
-def one_size(
-    params: int,
-    stream_rows: int,
-    args: argparse.Namespace,
-    scheduler: Callable[[], str] | None = None,
-) -> dict[str, Any]:
-    """Every phase of one size; training on ``scheduler()``'s Dask cluster where given."""
+def one_size(params: int, stream_rows: int, args: argparse.Namespace) -> dict[str, Any]:
     from embedding_store.client import StoreClient
     from embedding_store.types import StoreConfig
 
@@ -364,15 +346,7 @@ def one_size(
             flush=True,
         )
         trained = train(
-            tmp,
-            store,
-            stream_cards,
-            address,
-            token,
-            args.samples,
-            args.seed,
-            args.log_every_s,
-            scheduler() if scheduler is not None else None,
+            tmp, store, stream_cards, address, token, args.samples, args.seed, args.log_every_s
         )
         print(
             f"  trained {trained['train_samples']:,} samples: "
@@ -418,13 +392,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the training run's report interval, its clock's ticks (default 1)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--share-cluster",
-        action="store_true",
-        help="train every size on one local Dask cluster, started beside the first size's "
-        "shards and load (the smoke test's: a cluster's start takes longer than its short "
-        "training); by default each training run starts its own, as a job does",
-    )
     args = parser.parse_args(argv)
     return args
 
@@ -457,12 +424,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sizes = [int(float(s)) for s in args.sizes.split(",")]
-    with ExitStack() as stack:
-        scheduler = None
-        if args.share_cluster:
-            tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-scale-")))
-            scheduler = stack.enter_context(in_background(shared_dask(tmp / "dask.log")))
-        runs = [one_size(p, min(sizes) // args.dim, args, scheduler) for p in sizes]
+    runs = [one_size(p, min(sizes) // args.dim, args) for p in sizes]
     figures = summarize(runs)
     print()
     print_figures(

@@ -2,8 +2,7 @@
 
 Every phase of a size runs (the tables sized and bulk-loaded, lookups and
 pushes of the stream's batches and of uniform ids, hybrid training on the
-loaded shards, the shards' memory) and each figure is reported; the training runs on
-one Dask cluster started beside the shards instead of one of its own.
+loaded shards, the shards' memory) and each figure is reported.
 """
 
 from __future__ import annotations
@@ -17,9 +16,6 @@ def test_one_size_loads_serves_trains_and_reports(tmp_path: Path) -> None:
     args = ["--sizes", "1e5", "--shards", "2", "--samples", "16384", "--store-batches", "2"]
     # Reports (the training clock's ticks) every 0.2 s: a sub-second run is still timed.
     args += ["--log-every-s", "0.2"]
-    # Training names a Dask cluster started beside the shards and the load: its start
-    # took longer than the training.
-    args += ["--share-cluster"]
     figures = run_benchmark("scale.py", tmp_path / "scale.json", *args)
     assert figures["params"] == [100_000]
     per_size = ["lookup_rows_per_s", "train_samples_per_s", "uniform_lookup_rows_per_s"]

@@ -6,8 +6,7 @@ and streamrec's modes; its full run is the
 benchmark. This runs the same script on 8 batches per mode so that none of
 the paths it measures rots: each must train, score the stream better than
 chance and write its figures. The first streamrec run starts its own Dask
-cluster and store shards as in the full run, the later ones share one cluster and
-one pair of shards, started in the background from the beginning. No figure is compared
+cluster as in the full run, the later ones share one. No figure is compared
 with a speed here.
 """
 
@@ -45,9 +44,6 @@ def test_every_trainer_of_the_benchmark_trains_and_reports(tmp_path: Path) -> No
             # The streamrec runs after the first share one Dask cluster: a cluster's start
             # and its workers' first tasks take longer than these runs' training.
             "--share-cluster",
-            # ... and one pair of store shards, started with that cluster beside the
-            # in-process runs: each job's own pair's start took longer than its training.
-            "--share-store",
             # Reports (and so the clocks) every 0.2 s: a short run still has several.
             "--log-every-s",
             "0.2",
