@@ -20,7 +20,7 @@ PEERS_SPEC ?= torchrec==1.8.0 fbgemm-gpu-cpu==1.8.0
 PYTEST_ARGS ?= -n 2 --dist loadfile --no-loadscope-reorder --durations=30
 DEMO_ARGS ?=
 
-.PHONY: install browser lint typecheck proto proto-check docs test test-only test-fast demo s3 bench-store bench-pipeline bench-e2e bench-chaos bench-scale bench-quality bench-serve bench-soak clean
+.PHONY: install browser lint typecheck proto proto-check docs test test-only test-fast demo s3 bench-store bench-pipeline bench-e2e bench-chaos bench-scale bench-tiers bench-quality bench-serve bench-soak clean
 
 install: $(STAMP)
 
@@ -100,6 +100,10 @@ bench-chaos: install
 
 bench-scale: install
 	$(BIN)/python benchmarks/scale.py --json bench-results/scale.json
+
+# A table larger than memory: the disk, the tier's engine, hit rates and rates against memory.
+bench-tiers: install
+	$(BIN)/python benchmarks/tiers.py --json bench-results/tiers.json
 
 bench-store: install
 	$(BIN)/python benchmarks/store.py --json bench-results/store.json
