@@ -191,44 +191,30 @@ class BucketFile:
         return (mix64(ids.astype(np.uint64)) % np.uint64(self.n_buckets)).astype(np.int64)
 
     def read(self, ids: np.ndarray, threads: int) -> np.ndarray:
-        pages = self.bucket_of(ids)
-        buf = aligned(pages.shape[0])
-        parts = np.array_split(np.arange(pages.shape[0]), threads)
-
-        def work(i: int) -> None:
-            p = parts[i]
-            if p.shape[0]:
-                view = buf[p[0] * PAGE : (p[-1] + 1) * PAGE]
-                _read_pages(self.fd, view, pages[p])
-
-        in_threads(threads, work)
-        return buf.reshape(-1, PAGE)
+        """The pages of ``ids``' buckets, one read each."""
+        return self.read_pages(self.bucket_of(ids), threads).reshape(-1, PAGE)
 
     def write(self, ids: np.ndarray, threads: int) -> None:
         """Write rows back: read each row's page, change it, write it."""
         pages = np.unique(self.bucket_of(ids))
         buf = self.read_pages(pages, threads)
-        parts = np.array_split(np.arange(pages.shape[0]), threads)
-
-        def work(i: int) -> None:
-            p = parts[i]
-            if p.shape[0]:
-                view = buf[p[0] * PAGE : (p[-1] + 1) * PAGE]
-                _write_pages(self.fd, view, pages[p])
-
-        in_threads(threads, work)
+        self._each_part(_write_pages, pages, buf, threads)
 
     def read_pages(self, pages: np.ndarray, threads: int) -> np.ndarray:
         buf = aligned(pages.shape[0])
+        self._each_part(_read_pages, pages, buf, threads)
+        return buf
+
+    def _each_part(self, io: Any, pages: np.ndarray, buf: np.ndarray, threads: int) -> None:
+        """``io(fd, buffer, pages)`` over ``threads`` parts of ``pages`` at once."""
         parts = np.array_split(np.arange(pages.shape[0]), threads)
 
         def work(i: int) -> None:
             p = parts[i]
             if p.shape[0]:
-                _read_pages(self.fd, buf[p[0] * PAGE : (p[-1] + 1) * PAGE], pages[p])
+                io(self.fd, buf[p[0] * PAGE : (p[-1] + 1) * PAGE], pages[p])
 
         in_threads(threads, work)
-        return buf
 
     def close(self) -> None:
         os.close(self.fd)
