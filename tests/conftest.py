@@ -30,9 +30,7 @@ from tests.support.kafka import (
 from tests.support.kafka import (
     kafka_cache_in_checkout as checkout_cache,
 )
-from tests.support.processes import REPO_ROOT, forbid_processes
-
-__all__ = ["REPO_ROOT"]  # still imported from here by the benchmark smoke tests
+from tests.support.processes import forbid_processes
 
 # --- the fast tier: `processes` marks every test that starts a process ----------------
 

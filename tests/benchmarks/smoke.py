@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from tests.conftest import REPO_ROOT
+from tests.support.processes import REPO_ROOT
 
 MACHINE_KEYS = {"cpu_model", "cores", "cpu_flags", "torch", "numba", "numpy", "python"}
 

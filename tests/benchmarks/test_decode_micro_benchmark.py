@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.benchmarks.smoke import assert_positive, run_benchmark
+
+pytestmark = pytest.mark.processes
 
 DECODERS = ["json_scanner", "pyarrow_json", "pyarrow_json_lean"]
 OPTIONAL = ["orjson", "simdjson"]  # skipped, and said so, where not installed

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.benchmarks.smoke import assert_positive, run_benchmark
+
+pytestmark = pytest.mark.processes
 
 
 def test_build_batch_and_its_parts_report_their_rates(tmp_path: Path) -> None:

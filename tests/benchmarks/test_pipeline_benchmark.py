@@ -14,8 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from tests.benchmarks.smoke import assert_positive, run_benchmark
-from tests.kafka_fixtures import KafkaForTests
+from tests.support.kafka import KafkaForTests
+
+pytestmark = pytest.mark.processes
 
 
 def test_decode_read_runner_and_hybrid_report_their_rates(

@@ -16,9 +16,13 @@ import math
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.benchmarks.smoke import run_benchmark
-from tests.conftest import REPO_ROOT
-from tests.kafka_fixtures import KafkaForTests
+from tests.support.kafka import KafkaForTests
+from tests.support.processes import REPO_ROOT
+
+pytestmark = pytest.mark.processes
 
 
 def test_both_datasets_train_in_both_trainers_and_report(

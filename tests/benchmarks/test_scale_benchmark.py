@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.benchmarks.smoke import assert_positive, run_benchmark
+
+pytestmark = pytest.mark.processes
 
 
 def test_one_size_loads_serves_trains_and_reports(tmp_path: Path) -> None:

@@ -14,7 +14,11 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
+
 from tests.benchmarks.smoke import assert_positive, run_benchmark
+
+pytestmark = pytest.mark.processes
 
 LATENCY = [
     "p50_ms_batch1",

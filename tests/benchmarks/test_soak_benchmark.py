@@ -11,8 +11,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.benchmarks.smoke import run_benchmark
-from tests.conftest import REPO_ROOT
+from tests.support.processes import REPO_ROOT
+
+pytestmark = pytest.mark.processes
 
 
 def test_a_short_soak_learns_every_offset_once_and_reports_every_figure(tmp_path: Path) -> None:

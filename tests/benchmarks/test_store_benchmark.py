@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.benchmarks.smoke import assert_positive, run_benchmark
+
+pytestmark = pytest.mark.processes
 
 
 def test_every_path_to_the_store_reports_its_rate(tmp_path: Path) -> None:

@@ -18,8 +18,10 @@ import pytest
 import yaml
 
 from deploy.cli import USAGE_EXIT, UsageError, build_parser, dispatch, main
+from tests.support.processes import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.processes
+
 TABLES = {"user": {"dim": 8, "optimizer": {"kind": "sgd", "lr": 0.1}}}
 
 # (name, arguments, the command's prog, what the message must hold). In the arguments

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.support.processes import REPO_ROOT
+
 PACKAGES = (
     "pipeline",
     "embedding_store",

@@ -134,12 +134,15 @@ import numpy as np
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
 from embedding_store.tier.disk_rows import DiskFull, DiskRows, RowLayout
-from tests.embedding_store.test_disk_rows import rows_of
+from embedding_store.types import RowBatch
 disk = DiskRows(sys.argv[1], RowLayout(4, 1))
 written = 0
+ones = np.ones(20000, np.int64)
 try:
     for k in range(100):
-        disk.put(rows_of(np.arange(k * 20000, (k + 1) * 20000), 1.0))
+        ids = np.arange(k * 20000, (k + 1) * 20000, dtype=np.uint64)
+        weights = np.ones((20000, 4), np.float32)
+        disk.put(RowBatch(ids, weights, weights[:, :1], ones, ones, ones))
         disk.flush()
         written = (k + 1) * 20000
 except DiskFull as e:
@@ -156,7 +159,7 @@ def test_a_full_disk_is_an_error_naming_the_tier_and_its_rows_stay_readable(
     import subprocess
     import sys
 
-    from tests.conftest import REPO_ROOT
+    from tests.support.processes import REPO_ROOT
 
     run = subprocess.run(
         [sys.executable, "-c", FULL_DISK, str(tmp_path / "tier")],

@@ -17,7 +17,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO_ROOT
+import pytest
+
+from tests.support.processes import REPO_ROOT
+
+pytestmark = pytest.mark.processes
 
 
 def test_every_trainer_of_the_benchmark_trains_and_reports(tmp_path: Path) -> None:
