@@ -301,7 +301,12 @@ class DiskRows:
 
     @classmethod
     def restore(
-        cls, checkpoint: str | os.PathLike[str], path: str | os.PathLike[str], layout: RowLayout
+        cls,
+        checkpoint: str | os.PathLike[str],
+        path: str | os.PathLike[str],
+        layout: RowLayout,
+        *,
+        readers: int = 16,
     ) -> DiskRows:
         """A live tier at ``path`` made from a :meth:`checkpoint`, which stays as it
         was: its table files are hard-linked (RocksDB never changes a table file once
@@ -315,7 +320,7 @@ class DiskRows:
                 os.link(f, path / f.name)
             else:
                 shutil.copy2(f, path / f.name)
-        return cls(path, layout)
+        return cls(path, layout, readers=readers)
 
     def flush(self) -> None:
         """Write the rows held in the engine's memory buffer to its table files."""

@@ -42,10 +42,13 @@ def _linked(files: Sequence[Path], prefix: str, into: Path) -> Path:
     return into
 
 
-def restore_tier(files: Sequence[Path], prefix: str, path: Path, layout: RowLayout) -> DiskRows:
+def restore_tier(
+    files: Sequence[Path], prefix: str, path: Path, layout: RowLayout, *, readers: int = 16
+) -> DiskRows:
     """A live tier at ``path`` from a checkpoint's tier ``files`` (left as they are)."""
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".links-") as links:
-        return DiskRows.restore(_linked(files, prefix, Path(links) / "tier"), path, layout)
+        linked = _linked(files, prefix, Path(links) / "tier")
+        return DiskRows.restore(linked, path, layout, readers=readers)
 
 
 def tier_rows(files: Sequence[Path], prefix: str, layout: RowLayout) -> Iterator[RowBatch]:

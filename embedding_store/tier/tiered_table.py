@@ -345,7 +345,7 @@ class TieredTable(EmbeddingTable):
                 raise CheckpointError(msg)
             path, layout = self.disk.path, self.disk.layout
             self.disk.close()
-            self.disk = restore_tier(files, prefix, path, layout)
+            self.disk = restore_tier(files, prefix, path, layout, readers=self.tier.readers)
             self._disk_rows = rows
             self._all_changed = True  # nothing of it is in this shard's own chain yet
 
