@@ -401,6 +401,9 @@ def store_rows(config: StoreConfig, dirs: list[Path], seqs: list[int]) -> dict[s
     return result
 
 
+# Its own waits (240 s for the one-host job's last checkpoint, 240 s for its stop under
+# the suite's load) are longer than the suite's 300 s per test.
+@pytest.mark.timeout(900)
 def test_a_sync_job_on_many_hosts_learns_the_same_model_as_on_one_host(
     make_cluster: Callable[..., Cluster],
     kafka: KafkaForTests,
