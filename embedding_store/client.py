@@ -54,6 +54,7 @@ from embedding_store.types import (
     CheckpointKind,
     CheckpointResult,
     PushedRows,
+    PushOrigin,
     PushResult,
     RestoreResult,
     RowDtype,
@@ -377,6 +378,33 @@ class StoreClient:
         if not (return_rows and len(parts) == len(waits)):
             return total  # a shard left its rows out (too large to send): none
         return replace(total, rows=PushedRows(parts))
+
+    def read_pushed(
+        self, ids: Mapping[str, npt.ArrayLike], *, origin: PushOrigin
+    ) -> PushedRows | None:
+        """The rows of ``ids`` as the store holds them now, with their optimizer state,
+        and per shard which pushes of each rank of ``origin``'s group they include
+        (``ShardRows.seen``); ``origin`` must be a read (``PushOrigin(..., read=True)``).
+        Nothing is applied. None if a shard left its rows out (too large to send).
+
+        >>> from embedding_store.types import StoreConfig
+        >>> store = StoreClient.connect("inproc://1", config=StoreConfig(tables={"t": {"dim": 2}}))
+        >>> ids = np.array([4, 9], dtype=np.uint64)
+        >>> _ = store.lookup({"t": ids})
+        >>> _ = store.push({"t": (ids, np.ones((2, 2)))}, request_id="job@0/2:3")
+        >>> rows = store.read_pushed({"t": ids}, origin=PushOrigin("job", 1, 2, 0, read=True))
+        >>> rows["t"].row_step.tolist(), rows.parts[0].seen
+        ([1, 1], (3, 0))
+        """
+        if not origin.read:
+            msg = f"read_pushed: origin {origin.request_id!r} is not a read"
+            raise InvalidRequest(msg)
+        zeros = {
+            name: (rows, np.zeros((np.shape(rows)[0], self._check_table(name)), np.float32))
+            for name, rows in ids.items()
+        }
+        rows = self.push(zeros, request_id=origin.request_id, return_rows=True).rows
+        return rows if isinstance(rows, PushedRows) else None
 
     def _each(self, fn: Callable[[int, ShardTransport], T]) -> list[T]:
         self._delay()

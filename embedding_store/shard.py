@@ -286,6 +286,8 @@ class StoreShard:
         if request_id is None:
             return self._apply(checked, into)
         origin = PushOrigin.parse(request_id)
+        if origin is not None and origin.read:
+            return self._read_as_of(origin, checked, into)
         with self._push_lock:
             seen = self._pushes.get(request_id)
             entry = seen[1] if seen is not None else None
@@ -342,6 +344,23 @@ class StoreShard:
             result = self._apply(checked, into)
             seen[origin.rank] = max(seen[origin.rank], origin.seq)
             return replace(result, seen=tuple(seen))
+
+    def _read_as_of(
+        self,
+        origin: PushOrigin,
+        checked: list[tuple[EmbeddingTable, np.ndarray, np.ndarray]],
+        into: Mapping[str, RowState] | None,
+    ) -> PushResult:
+        """The rows of a read ``origin`` as they are (``into``), with what every rank of
+        its group had applied here: nothing is applied, and the request id is not
+        remembered (a read is asked again with the same id)."""
+        with self._origin_lock:
+            seen = self._seen.get(origin.group)
+            vector = tuple(seen) if seen is not None and len(seen) == origin.ranks else None
+            if into is not None:
+                for table, ids, _ in checked:
+                    table.peek_into(ids, into[table.name])
+        return PushResult(seen=vector or (0,) * origin.ranks)
 
     def _forget_old_pushes(self) -> None:
         """Drop the oldest request ids beyond ``remembered_push_ids`` or older than

@@ -459,7 +459,7 @@ def _merge_rows(parts: list[tuple[npt.NDArray[np.int64] | None, RowState]]) -> R
     return out
 
 
-_ORIGIN = re.compile(r"(?P<group>.+)@(?P<rank>\d{1,6})/(?P<ranks>\d{1,6}):(?P<seq>\d{1,18})")
+_ORIGIN = re.compile(r"(?P<group>.+)@(?P<rank>\d{1,6})/(?P<ranks>\d{1,6}):(?P<seq>\d{1,18}|read)")
 
 
 @dataclass(frozen=True)
@@ -472,21 +472,29 @@ class PushOrigin:
     it had applied (``PushResult.seen``). A trainer rank learns from that which
     of the other ranks' pushes the rows of a reply include.
 
+    A ``read`` origin (``seq`` 0) applies nothing: the shard answers with the rows as
+    they are and what they include (:meth:`StoreClient.read_pushed
+    <embedding_store.client.StoreClient.read_pushed>`), for a rank that holds a row
+    whose pushes it cannot tell from its lookup.
+
     >>> origin = PushOrigin("job7", rank=1, ranks=2, seq=40)
     >>> origin.request_id
     'job7@1/2:40'
     >>> PushOrigin.parse("job7@1/2:40") == origin, PushOrigin.parse("client-3")
     (True, None)
+    >>> PushOrigin.parse(PushOrigin("job7", 1, 2, 0, read=True).request_id).read
+    True
     """
 
     group: str
     rank: int
     ranks: int
     seq: int
+    read: bool = False
 
     @property
     def request_id(self) -> str:
-        return f"{self.group}@{self.rank}/{self.ranks}:{self.seq}"
+        return f"{self.group}@{self.rank}/{self.ranks}:{'read' if self.read else self.seq}"
 
     @classmethod
     def parse(cls, request_id: str) -> PushOrigin | None:
@@ -495,6 +503,8 @@ class PushOrigin:
         m = _ORIGIN.fullmatch(request_id)
         if m is None or int(m["rank"]) >= int(m["ranks"]):
             return None
+        if m["seq"] == "read":
+            return cls(m["group"], int(m["rank"]), int(m["ranks"]), 0, read=True)
         return cls(m["group"], int(m["rank"]), int(m["ranks"]), int(m["seq"]))
 
 

@@ -22,7 +22,9 @@ before a step :func:`view_of` brings the batch's rows of a group up to date:
   arithmetic (``embedding_store.kernels.rows.update_rows``) from their last answered
   state, and that prediction replaces the batch's row. A row whose state is
   not remembered (no push named it lately) misses those pushes, or with
-  ``fresh_rows: exact`` the trainer waits for its own.
+  ``fresh_rows: exact`` the trainer waits for its own, and reads a row that
+  only other ranks' pushes name again (``StoreClient.read_pushed``): its lookup
+  may hold some of those pushes, and only the read says which.
 
 With several ranks, every rank tells the others at each step's collective the
 gradients it is about to push and the answers its pushes got
@@ -322,6 +324,7 @@ class Freshened:
     replaced: int = 0  # rows whose value came from a push's reply instead of the lookup
     predicted: int = 0  # rows a push in flight will change, computed ahead of its reply
     waited: int = 0  # pushes in flight waited for (a row's state before them was unknown)
+    read: int = 0  # rows read again (only other ranks' pushes in flight named them)
 
 
 def _count(histogram: dict[int, int], values: I32) -> None:
@@ -345,6 +348,9 @@ class GroupView:
     values: npt.NDArray[np.float32]  # ... to these (float32; rounded as a lookup rounds)
     predicted: int  # rows whose value is a prediction of a push in flight
     unknown_seq: int  # the newest push in flight naming a row not predicted (0: none)
+    # The rows trained without a push in flight: each one's table number and id.
+    unknown_tab: I32
+    unknown_ids: U64
 
     def apply(self, out: Freshened) -> None:
         """Write the new values into the tables' rows and count what was done in ``out``."""
@@ -429,6 +435,7 @@ def view_of(
     changed = known if rule is not None else seen.known & (~ahead | (missed[sel] > 0))
     still = np.zeros(n, np.int32)
     still[sel] = np.where(ahead & ~known, pending[sel], 0)
+    unknown = sel[ahead & ~known]
     unknown_seq = max(
         (
             push.seq
@@ -447,6 +454,8 @@ def view_of(
         rows.weights[changed],
         predicted,
         unknown_seq,
+        tab[unknown],
+        ids[unknown],
     )
 
 

@@ -50,6 +50,8 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from embedding_store.client import StoreClient
 from embedding_store.types import PushedRows, PushOrigin, ShardRows, TableConfig
 from pipeline.types import TableBatch
@@ -251,6 +253,7 @@ class Pusher:
                 group, number = self._group_of(name)
                 groups.setdefault(id(group), (group, []))[1].append((number, table))
         views: list[GroupView] = []
+        read = False
         while True:
             with self._cond:
                 in_flight = sorted([*self._in_flight, *self._others], key=lambda p: p.order)
@@ -259,15 +262,40 @@ class Pusher:
                 view_of(group, batch, in_flight, applied_before, looked_up_at, self.rank)
                 for group, batch in groups.values()
             ]
-            # Exact: a row the rank cannot predict waits for the last push naming it.
-            unknown = [v.unknown_seq for v in views if v.unknown_seq]
-            if not (wait and unknown):
+            if not wait:
                 break
-            out.wait_s += self._wait_for(max(unknown))
-            out.waited += 1
+            # Exact: a row the rank cannot predict waits for the last push naming it ...
+            unknown = [v.unknown_seq for v in views if v.unknown_seq]
+            if unknown:
+                out.wait_s += self._wait_for(max(unknown))
+                out.waited += 1
+                continue
+            # ... and a row only other ranks' pushes in flight name is read again, with
+            # what it includes: its lookup may or may not hold those pushes.
+            if read or self._group_name is None:
+                break
+            read = True
+            for (group, _), view in zip(groups.values(), views, strict=True):
+                out.read += self._read_again(group, view)
         for view in views:
             view.apply(out)
         return out
+
+    def _read_again(self, group: TableGroup, view: GroupView) -> int:
+        """Read the rows ``view`` trains without a push in flight from the store, as of
+        now, into ``group``'s cache; returns how many were read."""
+        if view.unknown_ids.shape[0] == 0 or self._group_name is None:
+            return 0
+        names = {number: name for name, number in group.members.items()}
+        ids = {
+            names[int(number)]: view.unknown_ids[view.unknown_tab == number]
+            for number in np.unique(view.unknown_tab)
+        }
+        origin = PushOrigin(self._group_name, self.rank, self.ranks, 0, read=True)
+        rows = self.store.read_pushed(ids, origin=origin)
+        if rows is not None:
+            group.remember(rows.parts, rank=self.rank, step=0, push=0, acked=time.time())
+        return int(view.unknown_ids.shape[0])
 
     def _group_of(self, name: str) -> tuple[TableGroup, int]:
         """The group of table ``name`` and its number there."""

@@ -513,11 +513,39 @@ def test_a_push_reply_says_which_pushes_of_each_rank_its_rows_include(
                     {"user": (ids, grads)}, request_id=origin.request_id, return_rows=True
                 ).rows
 
+    reads: list[Any] = []
+    writing = threading.Event()
+
+    def reader() -> None:
+        """Reads of a rank of the group while both push: each says what its rows include
+        (asked with one request id again and again: a read is never a retry)."""
+        with StoreClient.connect(grpc_address(procs), token=token, config=cfg) as client:
+            origin = PushOrigin("job", rank=1, ranks=2, seq=0, read=True)
+            while writing.is_set():
+                reads.append(client.read_pushed({"user": ids}, origin=origin))
+
     threads = [threading.Thread(target=writer, args=(r,)) for r in (0, 1)]
+    writing.set()
+    reading = threading.Thread(target=reader)
+    reading.start()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    writing.clear()
+    reading.join()
+    read_orders = set()
+    for rows in reads:
+        for part in rows.parts:
+            n0, n1 = part.seen
+            read_orders.add((n0, n1))
+            want = start[part.where["user"]] - (n0 * 1.0 + n1 * 10.0)
+            np.testing.assert_allclose(part.rows["user"].weights, want, rtol=1e-6)
+    assert len(read_orders) > 1, read_orders  # the reads saw the pushes land
+    # The reads applied nothing: the rows are the twenty pushes' and no more.
+    with StoreClient.connect(grpc_address(procs), token=token, config=cfg) as last:
+        now = last.lookup({"user": ids}, train=False)["user"].astype(np.float32)
+    np.testing.assert_allclose(now, start - 110.0, rtol=1e-6)
     orders = set()
     for (rank, step), rows in replies.items():
         assert len(rows.parts) == 2  # one per shard
