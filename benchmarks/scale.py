@@ -51,8 +51,9 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, suppress
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -99,17 +100,37 @@ def shard_capacity(rows: int, shards: int) -> int:
     return math.ceil(mean + 6.0 * math.sqrt(mean) + 64)
 
 
-def store_section(cards: tuple[int, ...], shards: int, dim: int) -> dict[str, Any]:
+def store_section(
+    cards: tuple[int, ...],
+    shards: int,
+    dim: int,
+    *,
+    rowwise: bool = False,
+    memory_rows: int | None = None,
+) -> dict[str, Any]:
+    """The store's tables; with ``memory_rows`` (over all tables and shards) each table
+    larger than its share of it is tiered: its share in memory, the rest on disk.
+
+    >>> cards = (10, 100_000) + (1,) * 24
+    >>> tables = store_section(cards, 2, 4, memory_rows=10_000)["tables"]
+    >>> "tier" in tables["c1"], tables["c2"]["tier"]["memory_rows"], tables["c2"]["capacity"]
+    (False, 4999, 51406)
+    """
     tables = {}
     for name, k in zip(SPARSE_NAMES, cards, strict=True):
         cap = shard_capacity(k, shards)
-        tables[name.lower()] = {
+        table: dict[str, Any] = {
             "dim": dim,
             "capacity": cap,
             "initial_rows": cap,
             "initializer": {"kind": "uniform", "scale": 0.01},
-            "optimizer": {"kind": "adagrad", "lr": 0.05},
+            "optimizer": {"kind": "adagrad", "lr": 0.05, "rowwise": rowwise},
         }
+        share = max(64, math.ceil(memory_rows * k / sum(cards) / shards)) if memory_rows else cap
+        if share < k / shards:
+            table["tier"] = {"memory_rows": share}
+            table["initial_rows"] = share
+        tables[name.lower()] = table
     return {"tables": tables, "row_dtype": "float16"}
 
 
@@ -146,8 +167,15 @@ def idle_shard_rss(shard: ShardProcess) -> int:
         shard.kill()
 
 
-def bulk_load(client: Any, source: SyntheticSource, cards: tuple[int, ...]) -> tuple[int, float]:
-    """Create every row of every field's vocabulary, in a random order; (rows, seconds)."""
+def bulk_load(
+    client: Any, source: SyntheticSource, cards: tuple[int, ...], *, in_id_order: bool = False
+) -> tuple[int, float]:
+    """Create every row of every field's vocabulary, in a random order; (rows, seconds).
+
+    ``in_id_order``: each field's ids are sent sorted, as a bulk load of tiered tables
+    should be: the disk engine then writes each row once, where ids in a random order
+    have it merge and rewrite its files again and again.
+    """
     from pipeline.hashing import hash_sparse
 
     rng = np.random.default_rng(1)
@@ -155,12 +183,62 @@ def bulk_load(client: Any, source: SyntheticSource, cards: tuple[int, ...]) -> t
     rows = 0
     for field, k in zip(SPARSE_NAMES, cards, strict=True):
         order = rng.permutation(k)
+        parts = []
         for start in range(0, k, LOAD_CHUNK):
             values = source.vocabulary(field, order[start : start + LOAD_CHUNK])
-            ids, _ = hash_sparse(field, values, "string")
-            client.create_rows({field.lower(): ids})
-            rows += ids.shape[0]
+            parts.append(hash_sparse(field, values, "string")[0])
+            if not in_id_order:
+                client.create_rows({field.lower(): parts.pop()})
+        if in_id_order:
+            ids = np.sort(np.concatenate(parts))
+            del parts
+            for start in range(0, k, LOAD_CHUNK):
+                client.create_rows({field.lower(): ids[start : start + LOAD_CHUNK]})
+        rows += k
     return rows, time.perf_counter() - t0
+
+
+class PeakMemory:
+    """The largest resident memory this process and all its descendants held together,
+    sampled every ``every_s`` seconds while the ``with`` block runs."""
+
+    def __init__(self, every_s: float = 0.5) -> None:
+        self.every_s = every_s
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> PeakMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            self.peak = max(self.peak, tree_rss(os.getpid()))
+            if self._stop.wait(self.every_s):
+                return
+
+
+def tree_rss(pid: int) -> int:
+    """Resident memory of ``pid`` and every process under it (0 for one that is gone)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        with suppress(OSError, RuntimeError):
+            total += rss_bytes(p)
+    return total
 
 
 def batch_ids(source: SyntheticSource, position: int) -> dict[str, np.ndarray]:
@@ -266,8 +344,10 @@ def train(
     job = JobConfig.model_validate(raw)
     t0 = time.monotonic()
     stats, _ = run_job(job, max_events=samples)
-    rate, median_rate, _, timed_s, total = measured_rate(read_metrics(run_dir))
+    lines = read_metrics(run_dir)
+    rate, median_rate, _, timed_s, total = measured_rate(lines)
     return {
+        "train_auc": lines[0][-1]["metrics"]["auc"],
         "train_samples_per_s": rate,
         "train_median_interval_samples_per_s": median_rate,
         "train_samples": total,
@@ -293,10 +373,38 @@ def memory_figures(
     }
 
 
+def tier_figures(stats: list[Any], before: dict[str, int]) -> dict[str, Any]:
+    """The tiered tables' rows in memory and on disk, and the share of the lookups since
+    ``before`` (see :func:`tier_counts`) that memory answered."""
+    now = tier_counts(stats)
+    asked = now["tier_asked"] - before["tier_asked"]
+    missed = now["tier_missed"] - before["tier_missed"]
+    return {
+        "memory_rows": now["memory_rows"],
+        "disk_rows": now["disk_rows"],
+        "disk_bytes": now["disk_bytes"],
+        "train_hit_rate": 1.0 - missed / asked if asked else None,
+    }
+
+
+def tier_counts(stats: list[Any]) -> dict[str, int]:
+    keys = ("memory_rows", "disk_rows", "disk_bytes", "tier_asked", "tier_missed")
+    return {k: sum(getattr(t, k) for s in stats for t in s.tables) for k in keys}
+
+
 def one_size(params: int, stream_rows: int, args: argparse.Namespace) -> dict[str, Any]:
+    with PeakMemory() as peak:
+        out = measure_size(params, stream_rows, args)
+    out["peak_rss_all_bytes"] = peak.peak
+    print(f"  peak resident memory, all processes: {peak.peak / 2**30:.1f} GiB", flush=True)
+    return out
+
+
+def measure_size(params: int, stream_rows: int, args: argparse.Namespace) -> dict[str, Any]:
     from embedding_store.client import StoreClient
     from embedding_store.types import StoreConfig
 
+    tiered = params in args.tiered
     rows = params // args.dim
     cards = cardinalities(rows)
     source = SyntheticSource(SyntheticConfig(seed=args.seed, cardinalities=cards))
@@ -306,12 +414,22 @@ def one_size(params: int, stream_rows: int, args: argparse.Namespace) -> dict[st
     stream = SyntheticSource(
         SyntheticConfig(seed=args.seed, cardinalities=stream_cards, new_id_rate=0.0)
     )
-    store = store_section(cards, args.shards, args.dim)
+    store = store_section(
+        cards,
+        args.shards,
+        args.dim,
+        rowwise=args.rowwise,
+        memory_rows=args.memory_rows if tiered else None,
+    )
     print(
-        f"\n== {params:,} parameters: {rows:,} rows of dim {args.dim} on {args.shards} shards",
+        f"\n== {params:,} parameters: {rows:,} rows of dim {args.dim} on {args.shards} shards"
+        + (f", at most {args.memory_rows:,} of them in memory" if tiered else ""),
         flush=True,
     )
-    with ExitStack() as stack, tempfile.TemporaryDirectory(prefix="bench-scale-") as tmp_s:
+    with (
+        ExitStack() as stack,
+        tempfile.TemporaryDirectory(prefix="bench-scale-", dir=args.dir) as tmp_s,
+    ):
         tmp = Path(tmp_s)
         job = write_store_job(tmp / "store.yaml", store)
         token = write_token(tmp / "token")
@@ -329,7 +447,7 @@ def one_size(params: int, stream_rows: int, args: argparse.Namespace) -> dict[st
                 address, token=token.read_text().strip(), config=StoreConfig.model_validate(store)
             )
         )
-        loaded, load_s = bulk_load(client, source, cards)
+        loaded, load_s = bulk_load(client, source, cards, in_id_order=tiered)
         print(
             f"  loaded {loaded:,} rows in {load_s:.1f} s ({loaded / load_s:,.0f} rows/s)",
             flush=True,
@@ -345,9 +463,11 @@ def one_size(params: int, stream_rows: int, args: argparse.Namespace) -> dict[st
             f"{rates['uniform_lookup_rows_per_s']:,.0f} of uniform ids",
             flush=True,
         )
+        before = tier_counts(client.stats())
         trained = train(
             tmp, store, stream_cards, address, token, args.samples, args.seed, args.log_every_s
         )
+        tier = tier_figures(client.stats(), before) if tiered else {}
         print(
             f"  trained {trained['train_samples']:,} samples: "
             f"{trained['train_samples_per_s']:,.0f} samples/s",
@@ -358,9 +478,11 @@ def one_size(params: int, stream_rows: int, args: argparse.Namespace) -> dict[st
     out = {
         "params": params,
         "rows": rows,
+        "tiered": tiered,
         "load_rows_per_s": loaded / load_s,
         **rates,
         **trained,
+        **tier,
         **memory_figures(params, args.dim, args.shards, rss, idle, table_bytes),
     }
     print(
@@ -392,7 +514,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the training run's report interval, its clock's ticks (default 1)",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tiered",
+        default="",
+        help="sizes (of --sizes) whose tables are tiered: at most --memory-rows rows in "
+        "memory, the rest on disk (e.g. 1e10)",
+    )
+    parser.add_argument(
+        "--memory-rows",
+        type=int,
+        default=8_000_000,
+        help="a tiered size's rows in memory, over all tables and shards (default 8M)",
+    )
+    parser.add_argument(
+        "--rowwise", action="store_true", help="row-wise Adagrad (one accumulator a row)"
+    )
+    parser.add_argument(
+        "--dir", type=Path, default=None, help="where the shards' data (and disk tiers) go"
+    )
     args = parser.parse_args(argv)
+    args.tiered = {int(float(x)) for x in args.tiered.split(",") if x}
     return args
 
 
@@ -400,8 +541,11 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Each figure over the sizes, and the largest size against the smallest."""
     keys = [
         "params",
+        "tiered",
         "lookup_rows_per_s",
         "train_samples_per_s",
+        "train_auc",
+        "peak_rss_all_bytes",
         "bytes_per_param",
         "bytes_vs_min",
         "uniform_lookup_rows_per_s",
@@ -411,10 +555,18 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     ]
     figures: dict[str, Any] = {k: [r[k] for r in runs] for k in keys}
     figures["min_bytes_per_param"] = runs[0]["min_bytes_per_param"]
+    memory = [r for r in runs if not r["tiered"]] or runs
     figures["throughput_1b_vs_10m"] = (
-        runs[-1]["train_samples_per_s"] / runs[0]["train_samples_per_s"]
+        memory[-1]["train_samples_per_s"] / memory[0]["train_samples_per_s"]
     )
-    figures["store_1b_vs_10m"] = runs[-1]["lookup_rows_per_s"] / runs[0]["lookup_rows_per_s"]
+    figures["store_1b_vs_10m"] = memory[-1]["lookup_rows_per_s"] / memory[0]["lookup_rows_per_s"]
+    tiered = [r for r in runs if r["tiered"]]
+    if tiered:
+        figures["tiered_vs_smallest"] = (
+            tiered[-1]["train_samples_per_s"] / runs[0]["train_samples_per_s"]
+        )
+        figures["tiered_peak_rss_gib"] = tiered[-1]["peak_rss_all_bytes"] / 2**30
+        figures["tiered_train_hit_rate"] = tiered[-1]["train_hit_rate"]
     figures["targets"] = TARGETS
     figures["runs"] = runs
     figures["cpus"] = os.cpu_count()

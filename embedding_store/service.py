@@ -300,8 +300,8 @@ class EmbeddingStoreServicer(pb_grpc.EmbeddingStoreServicer):
             msg = "create_only: needs train=true (a bulk load creates rows)"
             raise InvalidRequest(msg)
         values = sum(len(v) * self.shard.table(name).dim for name, v in ids.items())
-        with self._replies.hold(values * 4):  # the rows read while they are made
-            self.shard.lookup(ids, train=True, step=step)
+        with self._replies.hold(values * 4):  # the rows made, at most, held at once
+            self.shard.create_rows(ids, step=step)
         return True
 
     def _check_reply_size(self, ids: dict[str, Any], dtype: str, what: str = "Lookup") -> int:

@@ -254,6 +254,18 @@ class StoreShard:
             result[name] = t.lookup(requests[name], train=train, step=step, out=dest)
         return result
 
+    def create_rows(
+        self, requests: Mapping[str, npt.ArrayLike], *, step: int | None = None
+    ) -> None:
+        """A bulk load: each table's rows of its ids made as a training lookup makes them,
+        none read out (see ``EmbeddingTable.create``)."""
+        self._refuse_if_replica("create rows")
+        if step is not None and not 0 <= step < MAX_STEP:
+            msg = f"step: must be in [0, 2**40), got {step}"
+            raise InvalidRequest(msg)
+        for name, t in [(name, self.table(name)) for name in requests]:
+            t.create(requests[name], step=step)
+
     def peek(self, ids: Mapping[str, npt.ArrayLike]) -> dict[str, RowState]:
         """Each table's rows of ``ids`` with their optimizer state, changing nothing."""
         return {name: self.table(name).peek(table_ids) for name, table_ids in ids.items()}

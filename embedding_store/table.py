@@ -226,12 +226,16 @@ class EmbeddingTable:
     # --- the training path ------------------------------------------------------
 
     def _advance_clock(self, step: int | None) -> int:
+        self.clock = self._next_clock(step)
+        return self.clock
+
+    def _next_clock(self, step: int | None) -> int:
+        """The clock a training call at ``step`` moves to (InvalidRequest for a bad step)."""
         if step is not None and not 0 <= int(step) < MAX_STEP:
             # A clock of 2**62 (or -5) would be persisted and break TTL and recency.
             msg = f"step: must be in [0, 2**40), got {int(step)} (table {self.name!r})"
             raise InvalidRequest(msg)
-        self.clock = self.clock + 1 if step is None else max(self.clock, int(step))
-        return self.clock
+        return self.clock + 1 if step is None else max(self.clock, int(step))
 
     def lookup(
         self,
@@ -288,11 +292,21 @@ class EmbeddingTable:
                 self._maybe_expire()
         return out
 
+    def create(self, ids: npt.ArrayLike, *, step: int | None = None) -> None:
+        """A bulk load: what a training :meth:`lookup` of ``ids`` does (rows made for new
+        admitted ids, every row marked seen), with no rows read out."""
+        self.lookup(ids, train=True, step=step)
+
     def _ensure_resident(self, keys: I64) -> None:
         """Bring the rows of ``keys`` that are elsewhere into memory (under the lock):
         nothing here, where every row is in memory; a tiered table reads them from disk."""
 
     def _create(self, keys: I64, positions: I64, clock: int, rows: I64) -> None:
+        self._insert_new(keys, self._admit(keys, positions, clock), clock, rows)
+
+    def _admit(self, keys: I64, positions: I64, clock: int) -> I64:
+        """The ``positions`` of new ``keys`` the admission policy gives a row (it counts
+        the sightings, and the rejections)."""
         adm = self.config.admission
         if isinstance(adm, CountMinAdmission):
             admitted = np.empty(positions.shape[0], dtype=np.bool_)
@@ -304,8 +318,10 @@ class EmbeddingTable:
             admitted = np.ones(positions.shape[0], dtype=np.bool_)
         rejected = int(positions.shape[0] - np.count_nonzero(admitted))
         self._counters["rejected_admissions"] += rejected
-        if rejected:
-            positions = positions[admitted]
+        return positions[admitted] if rejected else positions
+
+    def _insert_new(self, keys: I64, positions: I64, clock: int, rows: I64) -> None:
+        """Rows for the admitted new ``keys[positions]``, their slots into ``rows``."""
         if positions.shape[0] == 0:
             return
         need = positions.shape[0]

@@ -207,6 +207,13 @@ class TierConfig(_Strict):
     readers: int = Field(
         16, ge=1, le=256, description="threads reading one lookup's rows from disk at once"
     )
+    write_buffer_mb: int = Field(
+        16,
+        ge=1,
+        le=4096,
+        description="MiB of rows the disk engine buffers in memory before writing a file "
+        "(two such buffers at most, per table and shard)",
+    )
 
 
 class TableConfig(_Strict):

@@ -116,7 +116,17 @@ class RowLayout:
         )
 
 
-def _options(direct: bool) -> rocksdict.Options:
+@dataclass(frozen=True)
+class DiskSettings:
+    """How a tier uses the machine: ``readers`` threads read one call's rows at once,
+    and writes are buffered in memory up to ``write_buffer_bytes`` (two such buffers
+    at most) before they go to a table file."""
+
+    readers: int = 16
+    write_buffer_bytes: int = 16 << 20
+
+
+def _options(direct: bool, settings: DiskSettings) -> rocksdict.Options:
     opts = rocksdict.Options(raw_mode=True)
     opts.create_if_missing(True)
     opts.set_use_direct_reads(direct)
@@ -131,7 +141,8 @@ def _options(direct: bool) -> rocksdict.Options:
     table.set_block_cache(rocksdict.Cache(8 << 20))
     opts.set_block_based_table_factory(table)
     opts.set_max_background_jobs(2)
-    opts.set_write_buffer_size(64 << 20)
+    opts.set_write_buffer_size(settings.write_buffer_bytes)
+    opts.set_max_write_buffer_number(2)
     return opts
 
 
@@ -142,7 +153,12 @@ class DiskRows:
     a tier already (see :meth:`checkpoint` for how one is copied).
     """
 
-    def __init__(self, path: str | os.PathLike[str], layout: RowLayout, *, readers: int = 16):
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        layout: RowLayout,
+        settings: DiskSettings = DiskSettings(),
+    ) -> None:
         self.path = Path(path)
         self.layout = layout
         self.path.mkdir(parents=True, exist_ok=True)
@@ -151,10 +167,10 @@ class DiskRows:
         self.direct_io = True
         try:
             try:
-                self._db = rocksdict.Rdict(str(self.path), _options(direct=True))
+                self._db = rocksdict.Rdict(str(self.path), _options(True, settings))
             except Exception:  # rocksdict raises plain Exceptions with RocksDB's message
                 self.direct_io = False
-                self._db = rocksdict.Rdict(str(self.path), _options(direct=False))
+                self._db = rocksdict.Rdict(str(self.path), _options(False, settings))
         except Exception as e:
             msg = f"disk tier at {self.path}: cannot open it: {e}"
             raise StoreError(msg) from e
@@ -166,8 +182,11 @@ class DiskRows:
         read: Any = rocksdict.ReadOptions()
         read.fill_cache(False)
         self._read: rocksdict.ReadOptions = read
-        self._readers = ThreadPoolExecutor(readers, thread_name_prefix=f"disk-{self.path.name}")
-        self._n_readers = readers
+        self.settings = settings
+        self._readers = ThreadPoolExecutor(
+            settings.readers, thread_name_prefix=f"disk-{self.path.name}"
+        )
+        self._n_readers = settings.readers
         self._lock = threading.Lock()  # closing against calls in flight
         self._closed = False
 
@@ -305,8 +324,7 @@ class DiskRows:
         checkpoint: str | os.PathLike[str],
         path: str | os.PathLike[str],
         layout: RowLayout,
-        *,
-        readers: int = 16,
+        settings: DiskSettings = DiskSettings(),
     ) -> DiskRows:
         """A live tier at ``path`` made from a :meth:`checkpoint`, which stays as it
         was: its table files are hard-linked (RocksDB never changes a table file once
@@ -320,7 +338,7 @@ class DiskRows:
                 os.link(f, path / f.name)
             else:
                 shutil.copy2(f, path / f.name)
-        return cls(path, layout, readers=readers)
+        return cls(path, layout, settings)
 
     def flush(self) -> None:
         """Write the rows held in the engine's memory buffer to its table files."""

@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from embedding_store.tier.disk_rows import DiskRows, RowLayout
+from embedding_store.tier.disk_rows import DiskRows, DiskSettings, RowLayout
 from embedding_store.types import RowBatch
 
 
@@ -43,12 +43,12 @@ def _linked(files: Sequence[Path], prefix: str, into: Path) -> Path:
 
 
 def restore_tier(
-    files: Sequence[Path], prefix: str, path: Path, layout: RowLayout, *, readers: int = 16
+    files: Sequence[Path], prefix: str, path: Path, layout: RowLayout, settings: DiskSettings
 ) -> DiskRows:
     """A live tier at ``path`` from a checkpoint's tier ``files`` (left as they are)."""
     with tempfile.TemporaryDirectory(dir=path.parent, prefix=".links-") as links:
         linked = _linked(files, prefix, Path(links) / "tier")
-        return DiskRows.restore(linked, path, layout, readers=readers)
+        return DiskRows.restore(linked, path, layout, settings)
 
 
 def tier_rows(files: Sequence[Path], prefix: str, layout: RowLayout) -> Iterator[RowBatch]:

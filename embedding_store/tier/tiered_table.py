@@ -42,6 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from embedding_store.errors import CheckpointError, InvalidRequest
+from embedding_store.hashing import init_rows
 from embedding_store.kernels.hash_index import (
     DIRTY,
     FREQ_ONE,
@@ -55,7 +56,7 @@ from embedding_store.kernels.hash_index import (
 )
 from embedding_store.persistence import file_entry
 from embedding_store.table import EmbeddingTable
-from embedding_store.tier.disk_rows import DiskRows, RowLayout
+from embedding_store.tier.disk_rows import DiskRows, DiskSettings, RowLayout
 from embedding_store.tier.flags import meta_of, set_flags
 from embedding_store.tier.snapshots import export_tier, restore_tier
 from embedding_store.types import RowBatch, TableConfig, TierConfig
@@ -94,6 +95,10 @@ def _concat(parts: list[RowBatch]) -> RowBatch:
     )
 
 
+def _settings(tier: TierConfig) -> DiskSettings:
+    return DiskSettings(readers=tier.readers, write_buffer_bytes=tier.write_buffer_mb << 20)
+
+
 class TieredTable(EmbeddingTable):
     """An :class:`EmbeddingTable` whose rows beyond ``tier.memory_rows`` live on disk
     at ``path`` (a folder it owns). ``close`` it to release the disk tier."""
@@ -109,7 +114,7 @@ class TieredTable(EmbeddingTable):
         # from a checkpoint, never from the files of a tier that was live (they are
         # written without a log, so a crash leaves them behind memory's rows).
         shutil.rmtree(path, ignore_errors=True)
-        self.disk = DiskRows(Path(path), layout, readers=config.tier.readers)
+        self.disk = DiskRows(Path(path), layout, _settings(config.tier))
         # Rows on disk, counted exactly: rows leave memory with a copy there, or were
         # put there by a restore; only deletions take them off.
         self._disk_rows = 0
@@ -145,6 +150,84 @@ class TieredTable(EmbeddingTable):
 
     def _disk_stats(self) -> dict[str, int]:
         return {"disk_rows": self._disk_rows, "disk_bytes": self.disk.disk_bytes()}
+
+    # --- bulk loads ----------------------------------------------------------------
+
+    def create(self, ids: npt.ArrayLike, *, step: int | None = None) -> None:
+        """As :meth:`EmbeddingTable.create`, with no row moved between the tiers: rows on
+        disk are marked seen there, and new rows go to memory if it has room for them
+        all, else straight to disk in one batch. A bulk load larger than memory thus
+        costs one disk write a row, and leaves the hot rows in memory."""
+        keys = np.ascontiguousarray(np.asarray(ids, dtype=np.uint64)).view(np.int64)
+        with self._lock:
+            done = self._create_in_place(keys, step)
+        if not done:
+            super().create(keys.view(np.uint64), step=step)
+
+    def _create_in_place(self, keys: I64, step: int | None) -> bool:
+        """:meth:`create` under the lock; False where a lookup does the work instead:
+        repeated ids, or new rows that would take the table over its capacity (the
+        lookup drops rows as an untiered table does)."""
+        if keys.shape[0] == 0 or np.unique(keys).shape[0] != keys.shape[0]:
+            return False
+        meta = np.empty(keys.shape[0], dtype=np.int64)
+        meta_of(self._buckets, keys, meta)
+        elsewhere = keys[meta < 0]
+        found, old = self.disk.get(elsewhere.view(np.uint64))
+        new = elsewhere[~found]
+        if len(self) + new.shape[0] > self.config.capacity:
+            return False
+        clock = self._next_clock(step)
+        # Admission counts what it sees (a count-min sketch): put back if the write fails.
+        sketch = self._sketch.copy()
+        counters = self._counters
+        rejected = counters["rejected_admissions"]
+        admitted = self._admit(new, np.arange(new.shape[0]), clock)
+        to_disk = admitted.shape[0] > self._room - int(self._alloc[0])
+        old.last_seen[:] = clock
+        np.add(old.freq, 1, out=old.freq)
+        written = old
+        if to_disk:
+            written = _concat([self._initial_rows(new[admitted].view(np.uint64), clock), old])
+        try:
+            if len(written):
+                self.disk.put(written)  # raises DiskFull before anything changes
+        except BaseException:
+            self._sketch[...] = sketch
+            counters["rejected_admissions"] = rejected
+            raise
+        if len(written):
+            self._changed_on_disk.append(written.ids.view(np.int64).copy())
+        self.clock = clock
+        here = keys[meta >= 0]
+        probe(self._buckets, here, clock, True, np.empty(here.shape[0], np.int64))
+        if to_disk:
+            self._disk_rows += admitted.shape[0]
+            counters["admissions"] += admitted.shape[0]
+        else:
+            self._insert_new(new, admitted, clock, np.full(new.shape[0], -1))
+        counters["lookups"] += 1
+        counters["lookup_ids"] += keys.shape[0]
+        counters["tier_asked"] += keys.shape[0]
+        counters["tier_missed"] += elsewhere.shape[0]
+        self._maybe_expire()
+        return True
+
+    def _initial_rows(self, ids: U64, clock: int) -> RowBatch:
+        """New rows of ``ids`` as the table makes them, seen once at ``clock``."""
+        n = ids.shape[0]
+        weights = np.empty((n, self.dim), dtype=np.float32)
+        init_rows(weights, ids, self._seed, *self._init)
+        state = np.zeros((n, self.state_width), dtype=np.float32)
+        self.optimizer.initialize(weights, state, np.arange(n, dtype=np.int64))
+        return RowBatch(
+            ids=ids,
+            weights=weights,
+            state=state,
+            row_step=np.zeros(n, np.int64),
+            last_seen=np.full(n, clock, np.int64),
+            freq=np.ones(n, np.int64),
+        )
 
     # --- moving rows between the tiers --------------------------------------------
 
@@ -345,7 +428,7 @@ class TieredTable(EmbeddingTable):
                 raise CheckpointError(msg)
             path, layout = self.disk.path, self.disk.layout
             self.disk.close()
-            self.disk = restore_tier(files, prefix, path, layout, readers=self.tier.readers)
+            self.disk = restore_tier(files, prefix, path, layout, self.disk.settings)
             self._disk_rows = rows
             self._all_changed = True  # nothing of it is in this shard's own chain yet
 

@@ -78,9 +78,11 @@ class InprocTransport:
         # A shard of this process answers without a network to wait on: no timeout.
         def run() -> dict[str, Rows]:
             with self.lookup_latency.time():
+                if create_only:
+                    self.shard.create_rows(ids, step=step)
+                    return {}
                 # Float16 rows are rounded as they are copied out of the table.
-                rows = self.shard.lookup(ids, train=train, step=step, dtype=dtype)
-                return {} if create_only else rows
+                return self.shard.lookup(ids, train=train, step=step, dtype=dtype)
 
         return self._start(run, deferred)
 

@@ -1,8 +1,9 @@
-"""``benchmarks/scale.py`` at one size of 100,000 parameters on 2 shards, 16,384 samples.
+"""``benchmarks/scale.py`` at one size of 100,000 parameters on 2 shards, 16,384 samples,
+its tables tiered: at most 4,000 rows in memory, the rest on disk.
 
 Every phase of a size runs (the tables sized and bulk-loaded, lookups and
 pushes of the stream's batches and of uniform ids, hybrid training on the
-loaded shards, the shards' memory) and each figure is reported.
+loaded shards, the shards' memory, the tiers) and each figure is reported.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ pytestmark = pytest.mark.processes
 
 def test_one_size_loads_serves_trains_and_reports(tmp_path: Path) -> None:
     args = ["--sizes", "1e5", "--shards", "2", "--samples", "16384", "--store-batches", "2"]
+    args += ["--tiered", "1e5", "--memory-rows", "4000", "--rowwise", "--dir", str(tmp_path)]
     # Reports (the training clock's ticks) every 0.2 s: a sub-second run is still timed.
     args += ["--log-every-s", "0.2"]
     figures = run_benchmark("scale.py", tmp_path / "scale.json", *args)
@@ -33,3 +35,9 @@ def test_one_size_loads_serves_trains_and_reports(tmp_path: Path) -> None:
     assert run["rows"] == 100_000 // 16
     assert run["train_samples"] == 16384
     assert run["stopped_by"] == "max_events", run["stopped_by"]
+    # Most rows live on disk, and the memory tier answered some of the lookups.
+    assert run["tiered"] is True
+    assert run["disk_rows"] > run["rows"] // 2, run
+    assert 0 < run["train_hit_rate"] <= 1, run
+    assert 0.0 < run["train_auc"] < 1.0
+    assert figures["tiered_peak_rss_gib"] > 0

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from embedding_store.errors import StoreError
-from embedding_store.tier.disk_rows import DiskRows, RowLayout
+from embedding_store.tier.disk_rows import DiskRows, DiskSettings, RowLayout
 from embedding_store.types import RowBatch
 
 LAYOUT = RowLayout(dim=4, state_width=1)
@@ -43,7 +43,7 @@ def as_dict(rows: RowBatch) -> dict[int, tuple[object, ...]]:
 def test_rows_read_back_as_written_replaced_and_deleted(tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
     oracle: dict[int, tuple[object, ...]] = {}
-    with DiskRows(tmp_path / "t", LAYOUT, readers=4) as disk:
+    with DiskRows(tmp_path / "t", LAYOUT, DiskSettings(readers=4)) as disk:
         for salt in range(6):
             ids = np.unique(rng.integers(0, 20_000, 3000)).astype(np.uint64)
             disk.put(rows_of(ids, float(salt)))

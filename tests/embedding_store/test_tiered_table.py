@@ -95,7 +95,9 @@ def test_a_tiered_table_holds_row_for_row_what_memory_alone_holds(
     rng = np.random.default_rng(7)
     try:
         for step in range(300):
-            op = rng.choice(["lookup", "lookup", "push", "push", "read", "remove", "evict"])
+            op = rng.choice(
+                ["lookup", "lookup", "push", "push", "read", "remove", "evict", "create"]
+            )
             if step % 37 == 36:
                 full = step % 111 == 110
                 rows, tombs, clock = tiered.export(not full)
@@ -120,6 +122,11 @@ def test_a_tiered_table_holds_row_for_row_what_memory_alone_holds(
                 a, b = tiered.peek(ids), plain.peek(ids)
                 np.testing.assert_array_equal(a.state, b.state)
                 np.testing.assert_array_equal(a.row_step, b.row_step)
+            elif op == "create":
+                # A bulk load: new ids, ids in memory and on disk (some straight to disk).
+                ids = np.unique(rng.integers(0, UNIVERSE, int(rng.integers(1, 600))))
+                tiered.create(ids.astype(np.uint64))
+                plain.create(ids.astype(np.uint64))
             elif op == "remove":
                 ids = rng.integers(0, UNIVERSE, 5).astype(np.uint64)
                 assert tiered.remove(ids) == plain.remove(ids)
@@ -215,6 +222,10 @@ def test_rows_that_cannot_go_to_disk_stay_in_memory(
         with pytest.raises(DiskFull, match="the disk is full"):
             tiered.lookup(more)
         assert everything(tiered) == everything(plain)  # nothing lost, nothing half-moved
+        with pytest.raises(DiskFull, match="the disk is full"):
+            tiered.create(np.arange(1000, 1500, dtype=np.uint64))  # a bulk load onto disk
+        assert everything(tiered) == everything(plain)
+        assert tiered.clock == plain.clock
         monkeypatch.undo()
         np.testing.assert_array_equal(tiered.lookup(more), plain.lookup(more))
         assert everything(tiered) == everything(plain)
@@ -238,3 +249,29 @@ def test_a_tiered_table_keeps_to_its_capacity_dropping_the_least_wanted(tmp_path
         assert stats.disk_rows + stats.memory_rows >= stats.rows
     finally:
         table.close()
+
+
+def test_a_bulk_load_larger_than_memory_goes_straight_to_disk(tmp_path: Path) -> None:
+    plain_cfg, tiered_cfg = configs(CASES["adagrad"])
+    plain = EmbeddingTable("t", plain_cfg)
+    tiered = TieredTable("t", tiered_cfg, tmp_path / "tier")
+    try:
+        hot = np.arange(100, dtype=np.uint64)
+        for table in (plain, tiered):
+            table.lookup(hot)
+            table.push(hot, np.ones((100, 4), np.float32))
+        ids = np.random.default_rng(3).permutation(20_000).astype(np.uint64)
+        for part in np.array_split(ids, 4):
+            tiered.create(part, step=5)
+            plain.create(part, step=5)
+        counters = tiered.tier_counters()
+        # Nothing moved through memory: the hot rows stayed, the new ones went to disk.
+        assert counters["demotions"] == 0, counters
+        assert counters["promotions"] == 0, counters
+        assert tiered.memory_rows == 100
+        assert tiered.stats().disk_rows == 20_000 - 100
+        assert len(tiered) == len(plain) == 20_000
+        assert everything(tiered) == everything(plain)
+        np.testing.assert_array_equal(tiered.lookup(ids[:200]), plain.lookup(ids[:200]))
+    finally:
+        tiered.close()
