@@ -77,6 +77,7 @@ if TYPE_CHECKING:
 TARGETS = {"throughput_1b_vs_10m": 0.8, "bytes_vs_min": 1.5}
 LOAD_CHUNK = 1 << 20
 BATCH = 4096
+UNIFORM_IDS = 65_536  # ids of one uniform lookup, over all tables
 PARTITIONS = 2
 
 
@@ -111,10 +112,10 @@ def store_section(
     """The store's tables; with ``memory_rows`` (over all tables and shards) each table
     larger than its share of it is tiered: its share in memory, the rest on disk.
 
-    >>> cards = (10, 100_000) + (1,) * 24
-    >>> tables = store_section(cards, 2, 4, memory_rows=10_000)["tables"]
+    >>> cards = (10, 1_000_000) + (1,) * 24
+    >>> tables = store_section(cards, 2, 4, memory_rows=100_000)["tables"]
     >>> "tier" in tables["c1"], tables["c2"]["tier"]["memory_rows"], tables["c2"]["capacity"]
-    (False, 4999, 51406)
+    (False, 65534, 504307)
     """
     tables = {}
     for name, k in zip(SPARSE_NAMES, cards, strict=True):
@@ -126,7 +127,9 @@ def store_section(
             "initializer": {"kind": "uniform", "scale": 0.01},
             "optimizer": {"kind": "adagrad", "lr": 0.05, "rowwise": rowwise},
         }
-        share = max(64, math.ceil(memory_rows * k / sum(cards) / shards)) if memory_rows else cap
+        # Memory holds at least one call's rows: a batch's, or the uniform phase's share.
+        least = max(2 * BATCH, math.ceil(2 * UNIFORM_IDS * k / sum(cards) / shards))
+        share = max(least, math.ceil(memory_rows * k / sum(cards) / shards)) if memory_rows else cap
         if share < k / shards:
             table["tier"] = {"memory_rows": share}
             table["initial_rows"] = share
@@ -289,7 +292,7 @@ def store_rates(
     for _ in range(batches):
         ids = {}
         for field, k in zip(SPARSE_NAMES, cards, strict=True):
-            n = max(1, round(65_536 * k / total))
+            n = max(1, round(UNIFORM_IDS * k / total))
             picked = source.vocabulary(field, np.unique(rng.integers(0, k, n)))
             ids[field.lower()] = hash_sparse(field, picked, "string")[0]
         tl, tp, n = cycle(ids)

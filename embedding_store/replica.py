@@ -57,7 +57,7 @@ import numpy.typing as npt
 
 from embedding_store.errors import StoreError
 from embedding_store.follow import FOLLOW_POLL_S
-from embedding_store.shard import StoreShard
+from embedding_store.shard import StoreShard, release_tables
 from embedding_store.table import EmbeddingTable, apply_changes
 from embedding_store.types import TableChanges
 
@@ -156,19 +156,24 @@ class ShardFollower:
     def _copy(self, name: str, epoch: str, version: int) -> None:
         """Copy ``name`` whole from the version ``(epoch, version)`` on, and swap it in."""
         for _ in range(_COPY_ATTEMPTS):
-            table = EmbeddingTable(name, self.replica.config.tables[name])
-            cursor = 0
-            while cursor >= 0:
-                ids, weights, cursor = self.source.rows_page(name, cursor, self.page_rows)
-                table.load_weights(ids, weights)
-            # Rows changed while the pages were read, as they are now.
-            changes = self.source.changes(name, epoch, version)
-            if changes.complete:
-                self._apply(table, changes)
-                self.replica.replace_table(table)
-                self.stats.copies += 1
-                log.info("replica: copied table %r (%d rows)", name, len(table))
-                return
+            table = self.replica.new_table(name)
+            try:
+                cursor = 0
+                while cursor >= 0:
+                    ids, weights, cursor = self.source.rows_page(name, cursor, self.page_rows)
+                    table.load_weights(ids, weights)
+                # Rows changed while the pages were read, as they are now.
+                changes = self.source.changes(name, epoch, version)
+                if changes.complete:
+                    self._apply(table, changes)
+                    self.replica.replace_table(table)
+                    self.stats.copies += 1
+                    log.info("replica: copied table %r (%d rows)", name, len(table))
+                    return
+            except BaseException:
+                release_tables([table])
+                raise
+            release_tables([table])
             # The shard restarted, or changed faster than its log remembers: again.
             epoch, version = changes.epoch, changes.version
         msg = (

@@ -77,7 +77,8 @@ U64 = npt.NDArray[np.uint64]
 _NAME = operator.attrgetter("name")
 
 
-def _close_tables(tables: Iterable[EmbeddingTable]) -> None:
+def release_tables(tables: Iterable[EmbeddingTable]) -> None:
+    """Close the disk tiers of the tiered ``tables`` and delete their files."""
     for table in tables:
         if isinstance(table, TieredTable):
             table.close()
@@ -145,6 +146,7 @@ class StoreShard:
         # Tiered tables keep their disk tier under data_dir/tier, one folder per table and
         # restore (the tables being replaced serve on until the new ones are in).
         self._tier_generation = 0
+        self._retired: list[EmbeddingTable] = []  # replaced copies, released a swap later
         if self.data_dir is not None:
             shutil.rmtree(self.data_dir / TIER_DIR, ignore_errors=True)
         self._tables = self._new_tables()
@@ -594,10 +596,10 @@ class StoreShard:
                 for manifest in chain:
                     self._apply_manifest(manifest, fresh, shard_index, num_shards)
         except BaseException:
-            _close_tables(fresh.values())
+            release_tables(fresh.values())
             raise
         old, self._tables = self._tables, fresh
-        _close_tables(old.values())
+        release_tables(old.values())
         # The next checkpoint must be full: these rows were never written by this shard.
         self._chain = None
         newest = chains[-1][-1] if len(chains) == 1 and chains[0] else None
@@ -651,28 +653,32 @@ class StoreShard:
             for name, cfg in self.config.tables.items():
                 tables[name] = self._new_table(name, cfg)
         except BaseException:
-            _close_tables(tables.values())
+            release_tables(tables.values())
             raise
         return tables
 
     def _new_table(self, name: str, cfg: TableConfig) -> EmbeddingTable:
         if cfg.tier is None:
             return EmbeddingTable(name, cfg)
-        if self.read_only:
-            msg = (
-                f"table {name!r} is tiered (tier.memory_rows): a serving replica copies a "
-                "table into memory and cannot follow one kept partly on disk"
-            )
-            raise InvalidRequest(msg)
         if self.data_dir is None:
-            msg = f"table {name!r} is tiered: its disk tier needs the shard's data dir"
+            who = "a serving replica's" if self.read_only else "the shard's"
+            msg = f"table {name!r} is tiered: its disk tier needs {who} data dir"
             raise InvalidRequest(msg)
         path = self.data_dir / TIER_DIR / f"{name}.{self._tier_generation}"
         return TieredTable(name, cfg, path)
 
+    def new_table(self, name: str) -> EmbeddingTable:
+        """An empty table ``name`` as this shard makes it (tiered in a folder of its own):
+        a serving replica's copy, filled off to the side and swapped in by
+        :meth:`replace_table`."""
+        self.table(name)
+        self._tier_generation += 1
+        return self._new_table(name, self.config.tables[name])
+
     def close(self) -> None:
         """Release the tables' disk tiers (a shard that holds none has nothing to close)."""
-        _close_tables(self._tables.values())
+        release_tables([*self._tables.values(), *self._retired])
+        self._retired = []
 
     @staticmethod
     def _apply_tier(
@@ -725,8 +731,11 @@ class StoreShard:
         if not self.read_only:
             msg = "replace_table: only a read-only serving replica's tables are replaced so"
             raise InvalidRequest(msg)
-        self.table(table.name)
+        old = self.table(table.name)
         self._tables = {**self._tables, table.name: table}
+        # A read may still be on the old copy: its disk tier is released a swap later.
+        release_tables(self._retired)
+        self._retired = [old]
 
     def stats(self) -> ShardStats:
         """Counters of every table, and of the shard."""

@@ -118,6 +118,9 @@ def _as_ids(ids: npt.ArrayLike, field: str = "ids") -> U64:
 class EmbeddingTable:
     """A bounded, persistent-ready embedding table (one shard's part of it)."""
 
+    # Whether some rows may live off memory (a read must bring them in first).
+    tiered = False
+
     def __init__(self, name: str, config: TableConfig) -> None:
         self.name = name
         self.config = config
@@ -534,18 +537,23 @@ class EmbeddingTable:
                     weights=np.zeros((0, self.dim), np.float32), removed=empty,
                     changed_at=log.changed_at,
                 )  # fmt: skip
-            self._ensure_resident(keys)
-            rows = np.empty(keys.shape[0], dtype=np.int64)
-            probe(self._buckets, keys, self.clock, False, rows)
-            present = rows >= 0
-            kept = rows[present]
-            weights = np.empty((kept.shape[0], self.dim), dtype=np.float32)
-            gather(self._weights, kept, weights)
+            present, weights = self._weights_now(keys)
             return TableChanges(
                 epoch=log.epoch, version=log.version, complete=True,
                 ids=keys[present].view(np.uint64), weights=weights,
                 removed=keys[~present].view(np.uint64), changed_at=log.changed_at,
             )  # fmt: skip
+
+    def _weights_now(self, keys: I64) -> tuple[npt.NDArray[np.bool_], F32]:
+        """Which ``keys`` have a row, and those rows' weights in order (under the lock,
+        moving no row between tiers)."""
+        rows = np.empty(keys.shape[0], dtype=np.int64)
+        probe(self._buckets, keys, self.clock, False, rows)
+        present = rows >= 0
+        kept = rows[present]
+        weights = np.empty((kept.shape[0], self.dim), dtype=np.float32)
+        gather(self._weights, kept, weights)
+        return present, weights
 
     def log_position(self) -> tuple[str, int] | None:
         """(epoch, version) of the change log now; None while no replica follows."""

@@ -44,7 +44,10 @@ class TableGroup:
     def __init__(self, tables: Sequence[EmbeddingTable]) -> None:
         self.tables = tuple(tables)
         dims = {t.dim for t in self.tables}
-        self.dim = dims.pop() if len(dims) == 1 else None  # None: not one dim
+        # None: not one dim, or a tiered table (its rows on disk are read in first):
+        # the callers then read table by table.
+        one_dim = len(dims) == 1 and not any(t.tiered for t in self.tables)
+        self.dim = dims.pop() if one_dim else None
         self._seeds = np.array([t._seed for t in self.tables], dtype=np.uint64)
         self._kinds = np.array([t._init[0] for t in self.tables], dtype=np.int64)
         self._a = np.array([t._init[1] for t in self.tables], dtype=np.float64)

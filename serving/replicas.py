@@ -6,7 +6,8 @@ servers share over gRPC. A server that follows the training shards itself
 each kept current by a :class:`~embedding_store.replica.ShardFollower` on a
 thread, and reads its rows from memory: a lookup is a hash probe instead of
 a round trip. Each server then holds a whole copy of the tables, so this
-suits tables that fit in a server's memory; the training shards' load grows
+suits tables that fit in a server's memory (a tiered table's copy is tiered
+too, its disk tier in a temporary folder); the training shards' load grows
 with every server that follows them (one Changes call per shard per poll).
 
 Until a replica has its first copy its lookups are refused
@@ -31,9 +32,11 @@ True
 from __future__ import annotations
 
 import operator
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -281,7 +284,20 @@ class LocalReplicas:
         """``sources``: the training shards in shard order (``StoreShard`` objects, or
         ``GrpcTransport``s: see :meth:`follow`)."""
         self.sources = list(sources)
-        self.shards = [StoreShard(config, read_only=True) for _ in self.sources]
+        # A tiered table's replica is tiered too: its disk tier in a folder of this
+        # server's own, removed at close.
+        tiered = any(t.tier is not None for t in config.tables.values())
+        self._scratch = (
+            tempfile.TemporaryDirectory(prefix="streamrec-replicas-") if tiered else None
+        )
+        self.shards = [
+            StoreShard(
+                config,
+                data_dir=Path(self._scratch.name) / f"shard-{i}" if self._scratch else None,
+                read_only=True,
+            )
+            for i in range(len(self.sources))
+        ]
         self.followers = [
             ShardFollower(shard, source, poll_s=poll_s)
             for shard, source in zip(self.shards, self.sources, strict=True)
@@ -341,3 +357,7 @@ class LocalReplicas:
             close = getattr(source, "close", None)
             if close is not None:
                 close()
+        for shard in self.shards:
+            shard.close()
+        if self._scratch is not None:
+            self._scratch.cleanup()

@@ -71,6 +71,8 @@ _STEP_BITS = 40
 # spread over the passes instead of read in one.
 _EXPIRY_SCAN = 65536
 _TIER_COUNTERS = ("tier_asked", "tier_missed", "promotions", "demotions")
+# rows_page's cursors from here on page the disk tier: DISK_PAGES + an id's top 56 bits.
+DISK_PAGES = 1 << 62
 
 
 def empty_rows(dim: int, state_width: int) -> RowBatch:
@@ -102,6 +104,8 @@ def _settings(tier: TierConfig) -> DiskSettings:
 class TieredTable(EmbeddingTable):
     """An :class:`EmbeddingTable` whose rows beyond ``tier.memory_rows`` live on disk
     at ``path`` (a folder it owns). ``close`` it to release the disk tier."""
+
+    tiered = True
 
     def __init__(self, name: str, config: TableConfig, path: str | os.PathLike[str]) -> None:
         if config.tier is None:
@@ -234,6 +238,12 @@ class TieredTable(EmbeddingTable):
     def _ensure_resident(self, keys: I64) -> None:
         if keys.shape[0] == 0:
             return
+        if self._over_memory(keys):
+            msg = (
+                f"table {self.name!r}: one call needs {np.unique(keys).shape[0]} rows in "
+                f"memory at once, more than tier.memory_rows ({self._room}); raise it"
+            )
+            raise InvalidRequest(msg)
         rows = np.empty(keys.shape[0], dtype=np.int64)
         missing = probe(self._buckets, keys, self.clock, False, rows)
         self._counters["tier_asked"] += keys.shape[0]
@@ -480,6 +490,132 @@ class TieredTable(EmbeddingTable):
             self.disk.put(rest)
             self._disk_rows += int(np.count_nonzero(~found))
             self._changed_on_disk.append(rest.ids.view(np.int64).copy())
+
+    def load_weights(self, ids: npt.NDArray[np.uint64], weights: npt.NDArray[np.float32]) -> None:
+        """As :meth:`EmbeddingTable.load_weights` (a serving replica's rows), over both
+        tiers: rows memory holds are overwritten there, the others written to disk."""
+        keys = np.ascontiguousarray(ids).view(np.int64)
+        with self._lock:
+            meta = np.empty(keys.shape[0], dtype=np.int64)
+            meta_of(self._buckets, keys, meta)
+            here = meta >= 0
+            rest = keys[~here]
+            found, _ = self.disk.get(rest.view(np.uint64))
+            new = int(np.count_nonzero(~found))
+            if len(self) + new > self.config.capacity:
+                msg = (
+                    f"table {self.name!r}: {len(self) + new} rows on a replica whose "
+                    f"capacity is {self.config.capacity}"
+                )
+                raise CheckpointError(msg)
+            if rest.shape[0]:
+                n = rest.shape[0]
+                zeros = np.zeros(n, np.int64)
+                self.disk.put(
+                    RowBatch(
+                        ids=rest.view(np.uint64),
+                        weights=np.ascontiguousarray(weights[~here], np.float32),
+                        state=np.zeros((n, self.state_width), np.float32),
+                        row_step=zeros,
+                        last_seen=zeros,
+                        freq=zeros,
+                    )
+                )
+                self._disk_rows += new
+            if here.any():
+                mine = keys[here]
+                rows = np.empty(mine.shape[0], dtype=np.int64)
+                probe(self._buckets, mine, self.clock, False, rows)
+                self._weights[rows] = weights[here]
+                # Memory's copy is now the newer: it goes to disk when it leaves.
+                set_flags(self._buckets, mine, DIRTY)
+
+    def lookup(
+        self,
+        ids: npt.ArrayLike,
+        *,
+        train: bool = True,
+        step: int | None = None,
+        out: npt.NDArray[np.floating] | None = None,
+    ) -> npt.NDArray[np.floating]:
+        """As :meth:`EmbeddingTable.lookup`; a read (``train=False``) of more rows than
+        memory holds reads them where they are, bringing none into memory."""
+        keys = np.ascontiguousarray(np.asarray(ids, dtype=np.uint64)).view(np.int64)
+        if train or not self._over_memory(keys):
+            return super().lookup(ids, train=train, step=step, out=out)
+        rows = np.zeros((keys.shape[0], self.dim), np.float32)
+        with self._lock:
+            present, weights = self._weights_now(keys)
+        rows[present] = weights
+        if out is None:
+            return rows
+        out[...] = rows
+        return out
+
+    def read(
+        self, ids: npt.ArrayLike, out: npt.NDArray[np.float32] | None = None
+    ) -> tuple[npt.NDArray[np.float32], int]:
+        """As :meth:`EmbeddingTable.read`; a read of more rows than memory holds reads
+        them where they are, bringing none into memory."""
+        keys = np.ascontiguousarray(np.asarray(ids, dtype=np.uint64)).view(np.int64)
+        if not self._over_memory(keys):
+            return super().read(ids, out)
+        rows = np.empty((keys.shape[0], self.dim), np.float32) if out is None else out
+        with self._lock:
+            present, weights = self._weights_now(keys)
+            self._counters["unknown_reads"] += int(np.count_nonzero(~present))
+        rows[present] = weights
+        fresh = np.empty((int(np.count_nonzero(~present)), self.dim), np.float32)
+        init_rows(fresh, keys[~present].view(np.uint64), self._seed, *self._init)
+        rows[~present] = fresh
+        return rows, fresh.shape[0]
+
+    def _over_memory(self, keys: I64) -> bool:
+        """Whether ``keys`` are more distinct rows than memory holds."""
+        return bool(keys.shape[0] > self._room and np.unique(keys).shape[0] > self._room)
+
+    def _weights_now(self, keys: I64) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.float32]]:
+        rows = np.empty(keys.shape[0], dtype=np.int64)
+        probe(self._buckets, keys, self.clock, False, rows)
+        found, on_disk = self.disk.get(keys[rows < 0].view(np.uint64))
+        present = rows >= 0
+        present[np.flatnonzero(rows < 0)[found]] = True
+        weights = np.empty((keys.shape[0], self.dim), dtype=np.float32)
+        weights[rows >= 0] = self._weights[rows[rows >= 0]]
+        weights[np.flatnonzero(rows < 0)[found]] = on_disk.weights
+        return present, weights[present]
+
+    def rows_page(self, cursor: int, count: int) -> tuple[U64, npt.NDArray[np.float32], int]:
+        """As :meth:`EmbeddingTable.rows_page`, over both tiers: memory's slots first,
+        then the disk tier in id order (cursors from :data:`DISK_PAGES` on), each row
+        as its newest copy (memory's where it is there too). A row that moves between
+        the tiers while the pages are read is in one page or the other, or in both."""
+        if cursor < DISK_PAGES:
+            ids, weights, nxt = super().rows_page(cursor, count)
+            return ids, weights, DISK_PAGES if nxt < 0 else nxt
+        if count < 1:
+            msg = f"rows_page: count must be >= 1, got {count}"
+            raise InvalidRequest(msg)
+        after = cursor - DISK_PAGES
+        with self._lock:
+            # The cursor holds an id's top 56 bits: the page goes on past ``count`` rows to
+            # the end of its last id's prefix, so that the next starts at a new one.
+            part = self.disk.scan((after << 8) - 1 if after else None, count)
+            ids = part.ids
+            if len(part) == count:
+                last = int(ids[-1]) >> 8
+                tail = self.disk.scan(int(ids[-1]), 256)
+                tail = tail.select((tail.ids >> np.uint64(8)) == last)
+                ids = np.concatenate([ids, tail.ids])
+                weights = np.concatenate([part.weights, tail.weights])
+                nxt = DISK_PAGES + last + 1 if last + 1 < 1 << 56 else -1
+            else:
+                weights, nxt = part.weights.copy(), -1
+            rows = np.empty(ids.shape[0], dtype=np.int64)
+            probe(self._buckets, ids.view(np.int64), self.clock, False, rows)
+            here = np.flatnonzero(rows >= 0)
+            weights[here] = self._weights[rows[here]]
+        return ids, weights, nxt
 
     def ids(self) -> U64:
         """The ids that have a row now, in either tier."""

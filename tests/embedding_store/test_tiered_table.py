@@ -143,7 +143,7 @@ def test_a_tiered_table_holds_row_for_row_what_memory_alone_holds(
         tiered.close()
 
 
-def test_one_call_that_needs_more_rows_than_memory_holds_is_refused_by_name(
+def test_a_training_call_that_needs_more_rows_than_memory_holds_is_refused_by_name(
     tmp_path: Path,
 ) -> None:
     _, config = configs(CASES["adagrad"])
@@ -153,8 +153,14 @@ def test_one_call_that_needs_more_rows_than_memory_holds_is_refused_by_name(
         for part in np.split(ids, 4):
             table.lookup(part)
         with pytest.raises(InvalidRequest, match=r"table 't': one call needs 512 rows"):
-            table.lookup(ids, train=False)
+            table.lookup(ids)
+        with pytest.raises(InvalidRequest, match=r"table 't': one call needs 512 rows"):
+            table.peek(ids)
         assert len(table) == 2 * MEMORY_ROWS  # nothing was lost
+        # A read is no training call: it reads the rows where they are.
+        parts = [table.lookup(part, train=False) for part in np.split(ids, 4)]
+        np.testing.assert_array_equal(table.lookup(ids, train=False), np.concatenate(parts))
+        np.testing.assert_array_equal(table.read(ids)[0], np.concatenate(parts))
     finally:
         table.close()
 
@@ -184,8 +190,8 @@ def test_a_shard_keeps_its_tiers_in_its_data_dir_and_says_what_a_tier_needs(
     store = StoreConfig(tables={"t": config})
     with pytest.raises(InvalidRequest, match=r"table 't' is tiered: its disk tier needs"):
         StoreShard(store)
-    with pytest.raises(InvalidRequest, match=r"table 't' is tiered .* a serving replica"):
-        StoreShard(store, data_dir=tmp_path / "replica", read_only=True)
+    with pytest.raises(InvalidRequest, match=r"table 't' is tiered: .* a serving replica's"):
+        StoreShard(store, read_only=True)
     shard = StoreShard(store, data_dir=tmp_path / "shard")
     try:
         assert isinstance(shard.table("t"), TieredTable)
