@@ -290,21 +290,28 @@ class TieredTable(EmbeddingTable):
         dropped instead, as an untiered table drops them."""
         occupied = np.flatnonzero(self._buckets[:, ROW] >= 0)
         seen = self._buckets[occupied, SEEN]
-        keep = np.ones(occupied.shape[0], dtype=np.bool_)
         if protect_clock is not None:
-            keep &= seen < protect_clock
-        if protect is not None:
-            keep &= ~np.isin(self._buckets[occupied, KEY], protect)
-        occupied, seen = occupied[keep], seen[keep]
-        n_asked = n
-        n = min(occupied.shape[0], max(n, self._room // 64))
-        if n <= 0:
-            return 0
+            keep = seen < protect_clock
+            occupied, seen = occupied[keep], seen[keep]
         if self.tier.policy == "lfu":
             freq = np.minimum(self._buckets[occupied, META] // FREQ_ONE, _FREQ_CAP)
             score = (freq << _STEP_BITS) | seen
         else:
             score = seen
+        n_asked = n
+        n = max(n, self._room // 64)
+        # The n least wanted apart from ``protect``: among the n + len(protect) least
+        # wanted of all (a set over the whole memory tier costs more than the pick).
+        k = min(occupied.shape[0], n + (protect.shape[0] if protect is not None else 0))
+        if k < occupied.shape[0]:
+            part = np.argpartition(score, k - 1)[:k]
+            occupied, score = occupied[part], score[part]
+        if protect is not None:
+            free = ~np.isin(self._buckets[occupied, KEY], protect)
+            occupied, score = occupied[free], score[free]
+        n = min(n, occupied.shape[0])
+        if n <= 0:
+            return 0
         victims = occupied[np.argpartition(score, n - 1)[:n]] if n < occupied.shape[0] else occupied
         if len(self) + (n_asked if adding is None else adding) > self.config.capacity:
             dropped = self._delete(self._buckets[victims, KEY].copy())
