@@ -85,6 +85,13 @@ def release_tables(tables: Iterable[EmbeddingTable]) -> None:
             shutil.rmtree(table.disk.path, ignore_errors=True)
 
 
+def _check_step(step: int | None) -> None:
+    """A bad step fails a call before any of its tables changes."""
+    if step is not None and not 0 <= step < MAX_STEP:
+        msg = f"step: must be in [0, 2**40), got {step}"
+        raise InvalidRequest(msg)
+
+
 class TableGroups:
     """The groups a reader keeps, one per set of tables it reads together; a group is
     made again once a restore replaced one of its tables, and at most ``limit`` sets
@@ -225,9 +232,7 @@ class StoreShard:
         no float32 copy between); ``out`` names arrays to write some tables' rows
         into (a reply buffer), which then decide the dtype.
         """
-        if step is not None and not 0 <= step < MAX_STEP:
-            msg = f"step: must be in [0, 2**40), got {step}"
-            raise InvalidRequest(msg)
+        _check_step(step)
         tables = [(name, self.table(name)) for name in requests]
         out = out or {}
         result = {}
@@ -262,9 +267,7 @@ class StoreShard:
         """A bulk load: each table's rows of its ids made as a training lookup makes them,
         none read out (see ``EmbeddingTable.create``)."""
         self._refuse_if_replica("create rows")
-        if step is not None and not 0 <= step < MAX_STEP:
-            msg = f"step: must be in [0, 2**40), got {step}"
-            raise InvalidRequest(msg)
+        _check_step(step)
         for name, t in [(name, self.table(name)) for name in requests]:
             t.create(requests[name], step=step)
 

@@ -54,6 +54,7 @@ from embedding_store.kernels.hash_index import (
     probe,
     upsert,
 )
+from embedding_store.kernels.rows import gather_or_init
 from embedding_store.persistence import file_entry
 from embedding_store.table import EmbeddingTable
 from embedding_store.tier.disk_rows import DiskRows, DiskSettings, RowLayout
@@ -570,12 +571,13 @@ class TieredTable(EmbeddingTable):
         rows = np.empty((keys.shape[0], self.dim), np.float32) if out is None else out
         with self._lock:
             present, weights = self._weights_now(keys)
-            self._counters["unknown_reads"] += int(np.count_nonzero(~present))
-        rows[present] = weights
-        fresh = np.empty((int(np.count_nonzero(~present)), self.dim), np.float32)
-        init_rows(fresh, keys[~present].view(np.uint64), self._seed, *self._init)
-        rows[~present] = fresh
-        return rows, fresh.shape[0]
+            unknown = int(np.count_nonzero(~present))
+            self._counters["unknown_reads"] += unknown
+        # Each id's row among ``weights``, or -1: read as the row a lookup would create.
+        at = np.full(keys.shape[0], -1, dtype=np.int64)
+        at[present] = np.arange(weights.shape[0])
+        gather_or_init(weights, at, keys, self._seed, *self._init, rows)
+        return rows, unknown
 
     def _over_memory(self, keys: I64) -> bool:
         """Whether ``keys`` are more distinct rows than memory holds."""
@@ -584,12 +586,13 @@ class TieredTable(EmbeddingTable):
     def _weights_now(self, keys: I64) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.float32]]:
         rows = np.empty(keys.shape[0], dtype=np.int64)
         probe(self._buckets, keys, self.clock, False, rows)
-        found, on_disk = self.disk.get(keys[rows < 0].view(np.uint64))
         present = rows >= 0
-        present[np.flatnonzero(rows < 0)[found]] = True
+        absent = np.flatnonzero(~present)
+        found, on_disk = self.disk.get(keys[absent].view(np.uint64))
         weights = np.empty((keys.shape[0], self.dim), dtype=np.float32)
-        weights[rows >= 0] = self._weights[rows[rows >= 0]]
-        weights[np.flatnonzero(rows < 0)[found]] = on_disk.weights
+        weights[present] = self._weights[rows[present]]
+        weights[absent[found]] = on_disk.weights
+        present[absent[found]] = True
         return present, weights[present]
 
     def rows_page(self, cursor: int, count: int) -> tuple[U64, npt.NDArray[np.float32], int]:
